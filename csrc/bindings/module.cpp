@@ -1,0 +1,10 @@
+// The smstore._core extension module: a dispatcher to the register_* files.
+#include "register.hpp"
+
+PYBIND11_MODULE(_core, m, pybind11::mod_gil_not_used()) {
+    m.doc() = "smstore's C++ core: blob reader, writer and shared-memory segments";
+    m.attr("__version__") = SMSTORE_VERSION;
+    smstore::bindings::register_errors(m);
+    smstore::bindings::register_store(m);
+    smstore::bindings::register_writer(m);
+}

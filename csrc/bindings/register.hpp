@@ -1,0 +1,12 @@
+// Each area of the Python module registers itself; module.cpp only dispatches.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+namespace smstore::bindings {
+
+void register_errors(pybind11::module_& m);
+void register_store(pybind11::module_& m);
+void register_writer(pybind11::module_& m);
+
+}  // namespace smstore::bindings

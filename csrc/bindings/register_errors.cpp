@@ -1,0 +1,61 @@
+// The single table from core error kinds to the Python classes of smstore.errors.
+#include <Python.h>
+
+#include "error.hpp"
+#include "register.hpp"
+
+namespace py = pybind11;
+
+namespace smstore::bindings {
+namespace {
+
+struct KindClass {
+    Error::Kind kind;
+    const char* name;
+};
+
+constexpr KindClass kErrorTable[] = {
+    {Error::Kind::Format, "StoreFormatError"},   {Error::Kind::Truncated, "StoreTruncatedError"},
+    {Error::Kind::Version, "StoreVersionError"}, {Error::Kind::Checksum, "ChecksumMismatchError"},
+    {Error::Kind::NotFound, "StoreNotFoundError"}, {Error::Kind::Io, "StoreIOError"},
+    {Error::Kind::Input, "PackInputError"},      {Error::Kind::Shm, "SharedMemoryError"},
+};
+
+// Borrowed for the life of the interpreter: smstore.errors is never unloaded.
+PyObject* g_classes[std::size(kErrorTable)];
+
+void raise(const Error& e) {
+    PyObject* cls = PyExc_RuntimeError;
+    for (size_t i = 0; i < std::size(kErrorTable); ++i) {
+        if (kErrorTable[i].kind == e.kind()) cls = g_classes[i];
+    }
+    if (e.sys_errno() && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls),
+                                          reinterpret_cast<PyTypeObject*>(PyExc_OSError))) {
+        // OSError subclasses get (errno, message) so that .errno works as usual.
+        PyObject* args = Py_BuildValue("(is)", e.sys_errno(), e.what());
+        PyErr_SetObject(cls, args);
+        Py_XDECREF(args);
+        return;
+    }
+    PyErr_SetString(cls, e.what());
+}
+
+}  // namespace
+
+void register_errors(py::module_& m) {
+    py::module_ errors = py::module_::import("smstore.errors");
+    for (size_t i = 0; i < std::size(kErrorTable); ++i) {
+        py::object cls = errors.attr(kErrorTable[i].name);
+        g_classes[i] = cls.release().ptr();
+    }
+    m.attr("StoreError") = errors.attr("StoreError");
+    py::register_exception_translator([](std::exception_ptr p) {
+        try {
+            if (p) std::rethrow_exception(p);
+        } catch (const Error& e) {
+            raise(e);
+        }
+    });
+}
+
+}  // namespace smstore::bindings

@@ -1,0 +1,101 @@
+// smstore._core.Writer: the streaming writer, and the C++ line packer behind `smstore pack`.
+#include <pybind11/stl.h>
+
+#include "error.hpp"
+#include "register.hpp"
+#include "writer.hpp"
+
+namespace py = pybind11;
+
+namespace smstore::bindings {
+namespace {
+
+// Calls a Python progress callback from the GIL-free pack loop, and lets Ctrl-C cancel the pack.
+class CallbackProgress : public PackProgress {
+public:
+    explicit CallbackProgress(py::object fn) : fn_(std::move(fn)) {}
+    void update(uint64_t bytes_read) override {
+        py::gil_scoped_acquire acquire;
+        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
+        if (!fn_.is_none()) fn_(bytes_read);
+    }
+
+private:
+    py::object fn_;
+};
+
+// Appends one record from bytes, str (UTF-8) or any C-contiguous buffer.
+void append_object(Writer& w, const py::handle& obj) {
+    PyObject* o = obj.ptr();
+    if (PyBytes_Check(o)) {
+        w.append(PyBytes_AS_STRING(o), static_cast<size_t>(PyBytes_GET_SIZE(o)));
+        return;
+    }
+    if (PyUnicode_Check(o)) {
+        Py_ssize_t n;
+        const char* p = PyUnicode_AsUTF8AndSize(o, &n);
+        if (!p) throw py::error_already_set();
+        w.append(p, static_cast<size_t>(n));
+        return;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(o, &view, PyBUF_C_CONTIGUOUS) != 0) {
+        PyErr_Clear();
+        throw py::type_error(std::string("a record must be bytes, str or a contiguous buffer, not ") +
+                             Py_TYPE(o)->tp_name);
+    }
+    try {
+        w.append(view.buf, static_cast<size_t>(view.len));
+    } catch (...) {
+        PyBuffer_Release(&view);
+        throw;
+    }
+    PyBuffer_Release(&view);
+}
+
+}  // namespace
+
+void register_writer(py::module_& m) {
+    py::class_<Writer>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
+        .def(py::init<std::string, bool>(), py::arg("path"), py::arg("durable") = true)
+        .def("append", &append_object, py::arg("record"))
+        .def(
+            "extend",
+            [](Writer& w, const py::iterable& records) {
+                uint64_t before = w.record_count();
+                for (auto item : records) append_object(w, item);
+                return w.record_count() - before;
+            },
+            py::arg("records"))
+        .def(
+            "pack_lines",
+            [](Writer& w, const std::vector<std::string>& inputs, const std::string& format,
+               const py::object& progress) {
+                LineFormat fmt;
+                if (format == "lines") {
+                    fmt = LineFormat::Lines;
+                } else if (format == "jsonl") {
+                    fmt = LineFormat::Jsonl;
+                } else {
+                    throw py::value_error("format must be 'lines' or 'jsonl', not '" + format + "'");
+                }
+                CallbackProgress cb(progress);
+                py::gil_scoped_release release;
+                return pack_lines(w, inputs, fmt, &cb);
+            },
+            py::arg("inputs"), py::arg("format") = "lines", py::arg("progress") = py::none())
+        .def(
+            "finish",
+            [](Writer& w, const std::string& metadata_json) {
+                py::gil_scoped_release release;
+                w.finish(metadata_json);
+            },
+            py::arg("metadata_json"))
+        .def("abort", &Writer::abort)
+        .def_property_readonly("record_count", &Writer::record_count)
+        .def_property_readonly("data_size", &Writer::data_size)
+        .def_property_readonly("path", &Writer::path)
+        .def_property_readonly("is_open", &Writer::is_open);
+}
+
+}  // namespace smstore::bindings

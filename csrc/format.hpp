@@ -1,0 +1,47 @@
+// The on-disk blob layout (docs/format.md is the prose version of this file).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace smstore {
+
+// PNG-style magic: the high byte and CR/LF catch 7-bit and newline-translating copies.
+inline constexpr unsigned char kMagic[8] = {0x89, 'S', 'M', 'S', 'T', '\r', '\n', 0x1a};
+inline constexpr uint32_t kFormatVersion = 1;
+inline constexpr uint64_t kHeaderSize = 4096;  // the data section starts page-aligned
+inline constexpr uint32_t kChecksumXxh64 = 1;
+inline constexpr uint64_t kIndexAlign = 8;
+
+// Little-endian, fixed 4096 bytes on disk: this struct, then zeros up to kHeaderSize.
+struct Header {
+    unsigned char magic[8];
+    uint32_t version;
+    uint32_t header_size;
+    uint64_t flags;  // no flags are defined in version 1; any set bit is refused
+    uint64_t file_size;
+    uint64_t record_count;
+    uint64_t data_offset;
+    uint64_t data_size;
+    uint64_t index_offset;  // (record_count + 1) little-endian u64 offsets into the data section
+    uint64_t index_size;
+    uint64_t meta_offset;  // UTF-8 JSON object
+    uint64_t meta_size;
+    uint32_t checksum_algo;
+    uint32_t reserved0;
+    uint64_t checksum;  // XXH64 of bytes [header_size, file_size) then the header with this field zeroed
+};
+static_assert(sizeof(Header) == 104, "Header must have no padding");
+inline constexpr size_t kChecksumFieldOffset = offsetof(Header, checksum);
+
+// Validates a header against the real file size; throws Error naming `label` and the fault.
+void validate_header(const Header& h, uint64_t actual_file_size, const std::string& label);
+
+// Validates the offsets index: starts at 0, never decreases, ends at data_size. O(records).
+void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t data_size, const std::string& label);
+
+// Checksum of a complete blob held in memory (the header's checksum field is treated as zero).
+uint64_t blob_checksum(const unsigned char* file, uint64_t file_size);
+
+}  // namespace smstore

@@ -1,0 +1,110 @@
+// Mapping and Store: everything a reader needs, with every structural fault reported before first use.
+#include "store.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "error.hpp"
+
+namespace smstore {
+namespace {
+
+struct Fd {
+    int fd;
+    ~Fd() {
+        if (fd >= 0) ::close(fd);
+    }
+};
+
+// A file too short to map: say whether it is foreign or a truncated blob.
+[[noreturn]] void reject_short_file(int fd, uint64_t size, const std::string& label) {
+    unsigned char head[sizeof kMagic] = {};
+    ssize_t got = ::pread(fd, head, sizeof head, 0);
+    if (got == static_cast<ssize_t>(sizeof head) && std::memcmp(head, kMagic, sizeof kMagic) == 0) {
+        throw Error(Error::Kind::Truncated, label + ": truncated: file is " + std::to_string(size) +
+                                                " bytes, shorter than the " + std::to_string(kHeaderSize) +
+                                                "-byte header");
+    }
+    throw Error(Error::Kind::Format, label + ": not an smstore blob (" +
+                                         (size == 0 ? std::string("empty file") : std::string("bad magic bytes")) +
+                                         ")");
+}
+
+}  // namespace
+
+Mapping::~Mapping() {
+    if (size_) ::munmap(const_cast<unsigned char*>(data_), size_);
+}
+
+std::shared_ptr<const Mapping> Mapping::map_fd(int fd, const std::string& label) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) throw_errno(label, errno);
+    if (!S_ISREG(st.st_mode)) {
+        throw Error(Error::Kind::Format, label + ": not a regular file");
+    }
+    auto size = static_cast<uint64_t>(st.st_size);
+    if (size < kHeaderSize) reject_short_file(fd, size, label);
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) throw_errno(label + ": mmap", errno);
+    return std::make_shared<const Mapping>(static_cast<const unsigned char*>(p), size);
+}
+
+std::shared_ptr<const Mapping> Mapping::map_file(const std::string& path) {
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; map_fd then refuses it.
+    Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
+    if (f.fd < 0) throw_errno(path, errno);
+    return map_fd(f.fd, path);
+}
+
+Store::Store(std::shared_ptr<const Mapping> mapping, std::string label)
+    : mapping_(std::move(mapping)), label_(std::move(label)) {
+    std::memcpy(&header_, mapping_->data(), sizeof header_);
+    validate_header(header_, mapping_->size(), label_);
+    data_ = mapping_->data() + header_.data_offset;
+    offsets_ = reinterpret_cast<const uint64_t*>(mapping_->data() + header_.index_offset);
+    validate_index(offsets_, header_.record_count, header_.data_size, label_);
+}
+
+std::shared_ptr<Store> Store::open(const std::string& path) {
+    return std::make_shared<Store>(Mapping::map_file(path), path);
+}
+
+std::string_view Store::metadata() const noexcept {
+    return {reinterpret_cast<const char*>(mapping_->data() + header_.meta_offset), header_.meta_size};
+}
+
+uint64_t Store::compute_checksum() const noexcept { return blob_checksum(mapping_->data(), mapping_->size()); }
+
+void Store::verify() const {
+    uint64_t actual = compute_checksum();
+    if (actual != header_.checksum) {
+        char buf[96];
+        std::snprintf(buf, sizeof buf, "checksum mismatch: stored %016llx, contents hash to %016llx",
+                      static_cast<unsigned long long>(header_.checksum), static_cast<unsigned long long>(actual));
+        throw Error(Error::Kind::Checksum, label_ + ": " + buf + "; the file is corrupt, re-pack or re-copy it");
+    }
+}
+
+uint64_t Store::gather_size(const uint64_t* indices, size_t n) const noexcept {
+    uint64_t total = 0;
+    for (size_t k = 0; k < n; ++k) total += offsets_[indices[k] + 1] - offsets_[indices[k]];
+    return total;
+}
+
+void Store::gather(const uint64_t* indices, size_t n, unsigned char* out, int64_t* out_offsets) const noexcept {
+    uint64_t pos = 0;
+    out_offsets[0] = 0;
+    for (size_t k = 0; k < n; ++k) {
+        uint64_t b = offsets_[indices[k]], e = offsets_[indices[k] + 1];
+        std::memcpy(out + pos, data_ + b, e - b);
+        pos += e - b;
+        out_offsets[k + 1] = static_cast<int64_t>(pos);
+    }
+}
+
+}  // namespace smstore

@@ -1,0 +1,71 @@
+// Read side of the core: a read-only mapping of a blob and validated, bounds-checked access to its records.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <string_view>
+
+#include "format.hpp"
+
+namespace smstore {
+
+// A read-only mapping that is unmapped when the last owner lets go of it.
+class Mapping {
+public:
+    // Maps a regular file; refuses FIFOs, devices and directories instead of blocking on them.
+    static std::shared_ptr<const Mapping> map_file(const std::string& path);
+    // Maps all of an open descriptor (a blob file or a shared-memory segment); the caller keeps the fd.
+    static std::shared_ptr<const Mapping> map_fd(int fd, const std::string& label);
+
+    Mapping(const unsigned char* data, uint64_t size) : data_(data), size_(size) {}
+    ~Mapping();
+    Mapping(const Mapping&) = delete;
+    Mapping& operator=(const Mapping&) = delete;
+
+    const unsigned char* data() const noexcept { return data_; }
+    uint64_t size() const noexcept { return size_; }
+
+private:
+    const unsigned char* data_;
+    uint64_t size_;
+};
+
+class Store {
+public:
+    // Validates the header and the whole offsets index (O(records), data untouched).
+    Store(std::shared_ptr<const Mapping> mapping, std::string label);
+    static std::shared_ptr<Store> open(const std::string& path);
+
+    uint64_t size() const noexcept { return header_.record_count; }
+    const Header& header() const noexcept { return header_; }
+    const std::string& label() const noexcept { return label_; }
+    const std::shared_ptr<const Mapping>& mapping() const noexcept { return mapping_; }
+
+    const unsigned char* data() const noexcept { return data_; }
+    uint64_t data_size() const noexcept { return header_.data_size; }
+    const uint64_t* offsets() const noexcept { return offsets_; }
+    std::string_view metadata() const noexcept;
+
+    // Record i as [begin, end) into data(); i < size() is the caller's to check.
+    uint64_t record_begin(uint64_t i) const noexcept { return offsets_[i]; }
+    uint64_t record_end(uint64_t i) const noexcept { return offsets_[i + 1]; }
+
+    uint64_t stored_checksum() const noexcept { return header_.checksum; }
+    uint64_t compute_checksum() const noexcept;
+    void verify() const;  // throws Error(Checksum) on mismatch
+
+    // Total bytes of the records at `indices` (each < size()).
+    uint64_t gather_size(const uint64_t* indices, size_t n) const noexcept;
+    // Copies them back to back into out; out_offsets gets n + 1 entries.
+    void gather(const uint64_t* indices, size_t n, unsigned char* out, int64_t* out_offsets) const noexcept;
+
+private:
+    std::shared_ptr<const Mapping> mapping_;
+    std::string label_;
+    Header header_;
+    const unsigned char* data_;
+    const uint64_t* offsets_;
+};
+
+}  // namespace smstore

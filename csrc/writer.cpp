@@ -1,0 +1,313 @@
+// Writer and pack_lines: the streaming hot loop of `smstore pack`.
+#include "writer.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <random>
+
+#include "error.hpp"
+#include "format.hpp"
+#include "json_check.hpp"
+
+namespace smstore {
+namespace {
+
+constexpr size_t kBufferSize = 4 << 20;
+
+std::string dir_of(const std::string& path) {
+    auto slash = path.rfind('/');
+    if (slash == std::string::npos) return ".";
+    if (slash == 0) return "/";
+    return path.substr(0, slash);
+}
+
+std::string random_suffix() {
+    static const char chars[] = "abcdefghijklmnopqrstuvwxyz0123456789";
+    std::random_device rd;
+    std::string s(10, 'x');
+    for (char& c : s) c = chars[rd() % (sizeof chars - 1)];
+    return s;
+}
+
+std::string temp_name_for(const std::string& path) {
+    auto slash = path.rfind('/');
+    std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
+    std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+    return dir + "." + base + ".smstore-tmp-" + std::to_string(::getpid()) + "-" + random_suffix();
+}
+
+void fsync_dir(const std::string& dir) {
+    int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd < 0) return;  // best effort: the rename itself already happened
+    ::fsync(dfd);
+    ::close(dfd);
+}
+
+}  // namespace
+
+Writer::Writer(std::string path, bool durable) : path_(std::move(path)), durable_(durable), buf_(kBufferSize) {
+    if (path_.empty()) throw Error(Error::Kind::Io, "output path is empty");
+    std::string dir = dir_of(path_);
+    struct stat st;
+    if (::stat(path_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
+        throw Error(Error::Kind::Io, path_ + ": is a directory; give a file name for the output");
+    }
+    // Unnamed until finish(): a killed pack leaves nothing behind at all.
+    fd_ = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
+    if (fd_ < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+        tmp_path_ = temp_name_for(path_);
+        fd_ = ::open(tmp_path_.c_str(), O_CREAT | O_EXCL | O_WRONLY | O_CLOEXEC, 0666);
+        if (fd_ < 0) throw_errno(tmp_path_, errno);
+    } else if (fd_ < 0) {
+        throw_errno(path_ + ": cannot create the output in " + dir, errno);
+    }
+    // The header is written last; until then the first 4096 bytes are a hole that reads as zeros.
+    if (::lseek(fd_, static_cast<off_t>(kHeaderSize), SEEK_SET) < 0) {
+        int err = errno;
+        abort();
+        throw_errno(path_, err);
+    }
+    offsets_.reserve(1024);
+    offsets_.push_back(0);
+}
+
+Writer::~Writer() { abort(); }
+
+void Writer::check_open() const {
+    if (fd_ < 0) throw Error(Error::Kind::Io, path_ + ": writer is closed");
+}
+
+void Writer::write_all(const void* data, size_t size) {
+    auto p = static_cast<const char*>(data);
+    while (size) {
+        ssize_t n = ::write(fd_, p, size);
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            int err = errno;
+            abort();
+            throw_errno(path_ + ": write failed", err);
+        }
+        p += n;
+        size -= static_cast<size_t>(n);
+    }
+}
+
+void Writer::flush_buffer() {
+    if (!buf_used_) return;
+    hash_.update(buf_.data(), buf_used_);
+    write_all(buf_.data(), buf_used_);
+    buf_used_ = 0;
+}
+
+void Writer::put(const void* data, size_t size) {
+    file_pos_ += size;
+    if (buf_used_ + size <= buf_.size()) {
+        std::memcpy(buf_.data() + buf_used_, data, size);
+        buf_used_ += size;
+        return;
+    }
+    flush_buffer();
+    if (size >= buf_.size() / 2) {  // large pieces bypass the buffer
+        hash_.update(data, size);
+        write_all(data, size);
+        return;
+    }
+    std::memcpy(buf_.data(), data, size);
+    buf_used_ = size;
+}
+
+void Writer::write_data(const void* data, size_t size) {
+    check_open();
+    put(data, size);
+    data_size_ += size;
+}
+
+void Writer::finish(std::string_view metadata_json) {
+    check_open();
+    Header h{};
+    std::memcpy(h.magic, kMagic, sizeof kMagic);
+    h.version = kFormatVersion;
+    h.header_size = kHeaderSize;
+    h.record_count = record_count();
+    h.data_offset = kHeaderSize;
+    h.data_size = data_size_;
+
+    static const unsigned char zeros[kIndexAlign] = {};
+    size_t pad = (kIndexAlign - file_pos_ % kIndexAlign) % kIndexAlign;
+    put(zeros, pad);
+    h.index_offset = kHeaderSize + file_pos_;
+    h.index_size = offsets_.size() * sizeof(uint64_t);
+    put(offsets_.data(), h.index_size);
+    h.meta_offset = kHeaderSize + file_pos_;
+    h.meta_size = metadata_json.size();
+    put(metadata_json.data(), metadata_json.size());
+    flush_buffer();
+    h.file_size = kHeaderSize + file_pos_;
+    h.checksum_algo = kChecksumXxh64;
+
+    unsigned char header[kHeaderSize] = {};
+    std::memcpy(header, &h, sizeof h);
+    hash_.update(header, kHeaderSize);  // checksum field is still zero here
+    h.checksum = hash_.digest();
+    std::memcpy(header, &h, sizeof h);
+    if (::pwrite(fd_, header, kHeaderSize, 0) != static_cast<ssize_t>(kHeaderSize)) {
+        int err = errno;
+        abort();
+        throw_errno(path_ + ": writing the header failed", err ? err : EIO);
+    }
+    publish();
+}
+
+void Writer::publish() {
+    if (durable_ && ::fsync(fd_) != 0) {
+        int err = errno;
+        abort();
+        throw_errno(path_ + ": fsync failed", err);
+    }
+    if (tmp_path_.empty()) {
+        // Give the unnamed file a temporary name, then rename it over the target (linkat cannot replace).
+        tmp_path_ = temp_name_for(path_);
+        std::string proc = "/proc/self/fd/" + std::to_string(fd_);
+        if (::linkat(AT_FDCWD, proc.c_str(), AT_FDCWD, tmp_path_.c_str(), AT_SYMLINK_FOLLOW) != 0) {
+            int err = errno;
+            tmp_path_.clear();
+            abort();
+            throw_errno(path_ + ": cannot link the finished file", err);
+        }
+    }
+    if (::rename(tmp_path_.c_str(), path_.c_str()) != 0) {
+        int err = errno;
+        abort();
+        throw_errno(path_ + ": rename failed", err);
+    }
+    tmp_path_.clear();
+    ::close(fd_);
+    fd_ = -1;
+    if (durable_) fsync_dir(dir_of(path_));
+    std::vector<uint64_t>().swap(offsets_);
+}
+
+void Writer::abort() noexcept {
+    if (fd_ >= 0) {
+        ::close(fd_);
+        fd_ = -1;
+    }
+    if (!tmp_path_.empty()) {
+        ::unlink(tmp_path_.c_str());
+        tmp_path_.clear();
+    }
+}
+
+namespace {
+
+class InputFile {
+public:
+    explicit InputFile(const std::string& name) : name_(name) {
+        if (name == "-") {
+            fd_ = 0;
+            name_ = "<stdin>";
+            return;
+        }
+        fd_ = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd_ < 0) throw_errno(name, errno);
+        struct stat st;
+        if (::fstat(fd_, &st) == 0 && S_ISDIR(st.st_mode)) {
+            ::close(fd_);
+            throw Error(Error::Kind::Io, name + ": is a directory");
+        }
+        ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+    }
+    ~InputFile() {
+        if (fd_ > 0) ::close(fd_);
+    }
+    size_t read(unsigned char* buf, size_t size) {
+        for (;;) {
+            ssize_t n = ::read(fd_, buf, size);
+            if (n >= 0) return static_cast<size_t>(n);
+            if (errno != EINTR) throw_errno(name_ + ": read failed", errno);
+        }
+    }
+    const std::string& name() const { return name_; }
+
+private:
+    std::string name_;
+    int fd_ = -1;
+};
+
+void check_json_line(const std::string& file, uint64_t line_no, const char* p, size_t n) {
+    std::string why;
+    size_t column = 0;
+    if (!json_valid(p, n, &why, &column)) {
+        throw Error(Error::Kind::Input, file + ":" + std::to_string(line_no) + ": invalid JSON: " + why +
+                                            " (column " + std::to_string(column) + ")");
+    }
+}
+
+}  // namespace
+
+uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format,
+                    PackProgress* progress) {
+    constexpr uint64_t kProgressEvery = 32 << 20;
+    std::vector<unsigned char> buf(kBufferSize);
+    std::string pending;  // jsonl only: the part of a line that spans reads
+    uint64_t total = 0, next_report = kProgressEvery;
+    const bool jsonl = format == LineFormat::Jsonl;
+
+    for (const auto& name : inputs) {
+        InputFile in(name);
+        uint64_t line_no = 1;
+        bool open_line = false;  // bytes of an unterminated line have been written
+        for (;;) {
+            size_t n = in.read(buf.data(), buf.size());
+            if (n == 0) break;
+            total += n;
+            const unsigned char* p = buf.data();
+            const unsigned char* end = p + n;
+            while (p < end) {
+                auto nl = static_cast<const unsigned char*>(std::memchr(p, '\n', static_cast<size_t>(end - p)));
+                const unsigned char* stop = nl ? nl : end;
+                auto len = static_cast<size_t>(stop - p);
+                if (jsonl) {
+                    if (nl && pending.empty()) {
+                        check_json_line(in.name(), line_no, reinterpret_cast<const char*>(p), len);
+                    } else {
+                        pending.append(reinterpret_cast<const char*>(p), len);
+                        if (nl) {
+                            check_json_line(in.name(), line_no, pending.data(), pending.size());
+                            pending.clear();
+                        }
+                    }
+                }
+                writer.write_data(p, len);
+                if (nl) {
+                    writer.end_record();
+                    ++line_no;
+                    open_line = false;
+                    p = nl + 1;
+                } else {
+                    open_line = true;
+                    p = end;
+                }
+            }
+            if (progress && total >= next_report) {
+                progress->update(total);
+                next_report = total + kProgressEvery;
+            }
+        }
+        if (open_line) {  // a final line without '\n' is a record
+            if (jsonl) {
+                check_json_line(in.name(), line_no, pending.data(), pending.size());
+                pending.clear();
+            }
+            writer.end_record();
+        }
+    }
+    if (progress) progress->update(total);
+    return total;
+}
+
+}  // namespace smstore

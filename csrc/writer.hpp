@@ -1,0 +1,79 @@
+// Write side of the core: a streaming, atomic blob writer.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "xxhash64.hpp"
+
+namespace smstore {
+
+// Streams records into an unnamed temporary file next to `path` and publishes it with one rename
+// in finish(). Until then nothing at `path` changes, and a process killed at any moment leaves no
+// file that opens (the header, with its magic, is written last).
+class Writer {
+public:
+    explicit Writer(std::string path, bool durable = true);
+    ~Writer();
+    Writer(const Writer&) = delete;
+    Writer& operator=(const Writer&) = delete;
+
+    // One whole record.
+    void append(const void* data, size_t size) {
+        write_data(data, size);
+        end_record();
+    }
+    // Part of the current record; end_record() closes it. Lets records of any size stream through.
+    void write_data(const void* data, size_t size);
+    void end_record() {
+        offsets_.push_back(data_size_);
+        ++records_;
+    }
+
+    uint64_t record_count() const noexcept { return records_; }
+    uint64_t data_size() const noexcept { return data_size_; }
+    const std::string& path() const noexcept { return path_; }
+    bool is_open() const noexcept { return fd_ >= 0; }
+
+    // Writes index, metadata and header, then atomically renames the file into place.
+    void finish(std::string_view metadata_json);
+    // Drops everything written; `path` is left as it was. Safe to call twice.
+    void abort() noexcept;
+
+private:
+    void check_open() const;
+    void put(const void* data, size_t size);  // through the buffer, hashed in file order
+    void flush_buffer();
+    void write_all(const void* data, size_t size);
+    void publish();
+
+    std::string path_;
+    std::string tmp_path_;  // named temporary, only where O_TMPFILE is unavailable
+    bool durable_;
+    int fd_ = -1;
+    std::vector<unsigned char> buf_;
+    size_t buf_used_ = 0;
+    std::vector<uint64_t> offsets_;
+    uint64_t records_ = 0;
+    uint64_t data_size_ = 0;
+    uint64_t file_pos_ = 0;  // bytes after the header handed to put()
+    Xxh64 hash_;
+};
+
+enum class LineFormat { Lines, Jsonl };
+
+struct PackProgress {
+    // Called every few MiB of input with the bytes read so far; may throw to cancel.
+    virtual void update(uint64_t bytes_read) = 0;
+    virtual ~PackProgress() = default;
+};
+
+// Streams text files (or "-" for stdin) into `writer`: record i is line i without its '\n'; a final
+// line without '\n' is a record; every other byte is kept. Jsonl validates each line as JSON and
+// throws Error(Input) naming the file and line. Returns the bytes read.
+uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format,
+                    PackProgress* progress);
+
+}  // namespace smstore

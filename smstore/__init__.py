@@ -1,0 +1,71 @@
+"""smstore: a shared-memory sample store for PyTorch training.
+
+Pack a dataset once into an offset-indexed blob; every DataLoader worker of every local rank then
+reads zero-copy, read-only records from one copy per node.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+try:
+    from smstore import _core
+except ImportError as err:  # pragma: no cover - only without a built extension
+    msg = (
+        "smstore's compiled module smstore._core could not be imported. If you are running from a "
+        "source checkout, install the package first (pip install .) and run outside the source tree."
+    )
+    raise ImportError(msg) from err
+
+from smstore._pack import PackStats, Writer, pack, pack_files
+from smstore._store import Store, open
+from smstore.errors import (
+    ChecksumMismatchError,
+    DaemonError,
+    PackInputError,
+    SharedMemoryError,
+    StoreError,
+    StoreFormatError,
+    StoreIOError,
+    StoreNotFoundError,
+    StoreTruncatedError,
+    StoreVersionError,
+)
+
+if TYPE_CHECKING:
+    from smstore.dataset import SharedStoreDataset
+
+__version__: str = _core.__version__
+
+__all__ = [
+    "ChecksumMismatchError",
+    "DaemonError",
+    "PackInputError",
+    "PackStats",
+    "SharedMemoryError",
+    "SharedStoreDataset",
+    "Store",
+    "StoreError",
+    "StoreFormatError",
+    "StoreIOError",
+    "StoreNotFoundError",
+    "StoreTruncatedError",
+    "StoreVersionError",
+    "Writer",
+    "__version__",
+    "open",
+    "pack",
+    "pack_files",
+]
+
+# The torch-facing pieces load on first use: `import smstore` (the CLI, the daemon) never imports torch.
+_LAZY = {"SharedStoreDataset": "smstore.dataset"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    msg = f"module 'smstore' has no attribute {name!r}"
+    raise AttributeError(msg)

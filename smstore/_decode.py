@@ -1,0 +1,60 @@
+"""Record decoders shared by the Dataset and the CLI; no torch here."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from smstore.errors import StoreFormatError
+
+__all__ = ["Decoder", "make_decoder", "numpy_dtype"]
+
+Decoder = Callable[[memoryview], Any]
+
+
+def numpy_dtype(encoding: str, path: str) -> np.dtype[Any]:
+    """The dtype of an ``npy:<dtype>`` encoding."""
+    if not encoding.startswith("npy:"):
+        msg = f"{path}: records are encoded as {encoding!r}, not npy:<dtype>; decode='numpy' needs arrays"
+        raise StoreFormatError(msg)
+    try:
+        return np.dtype(encoding[4:])
+    except TypeError:
+        msg = f"{path}: unknown dtype in encoding {encoding!r}"
+        raise StoreFormatError(msg) from None
+
+
+def _utf8(view: memoryview) -> str:
+    return str(view, "utf-8")
+
+
+def _bytes(view: memoryview) -> bytes:
+    return view.tobytes()
+
+
+def _json(view: memoryview) -> Any:
+    return json.loads(view.tobytes())
+
+
+def make_decoder(decode: str | Decoder | None, encoding: str, path: str) -> Decoder | None:
+    """Turn a ``decode=`` argument into a function of one memoryview (None: no decoding)."""
+    if decode is None or callable(decode):
+        return decode
+    if decode == "bytes":
+        return _bytes
+    if decode == "utf8":
+        return _utf8
+    if decode == "json":
+        return _json
+    if decode == "numpy":
+        dtype = numpy_dtype(encoding, path)
+
+        def _numpy(view: memoryview) -> np.ndarray[Any, Any]:
+            return np.frombuffer(view, dtype=dtype)
+
+        return _numpy
+    msg = f"decode must be None, 'bytes', 'utf8', 'json', 'numpy' or a callable, not {decode!r}"
+    raise ValueError(msg)

@@ -1,0 +1,186 @@
+"""Writing blobs: smstore.pack(), smstore.Writer and the file packer behind `smstore pack`."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from smstore import _core
+
+__all__ = ["PackStats", "Writer", "build_metadata", "pack", "pack_files"]
+
+Record = bytes | bytearray | memoryview | str
+
+
+def build_metadata(
+    encoding: str, *, source: Sequence[str] = (), user: dict[str, Any] | None = None, **extra: Any
+) -> str:
+    """The JSON metadata block stored in every blob (see docs/format.md)."""
+    meta: dict[str, Any] = {
+        "encoding": encoding,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "source": list(source),
+        "smstore_version": _core.__version__,
+        **extra,
+    }
+    if user:
+        meta["user"] = user
+    try:
+        return json.dumps(meta, ensure_ascii=False, sort_keys=True)
+    except (TypeError, ValueError) as e:
+        msg = f"metadata must be JSON-serializable: {e}"
+        raise TypeError(msg) from None
+
+
+class Writer:
+    """Streams records into a new blob, published atomically when the ``with`` block ends.
+
+    Records are appended in order; record ``i`` is the ``i``-th ``append``. On an exception inside
+    the block nothing is written at ``path`` and a previous file there is left untouched.
+
+    Args:
+        path: The output ``.smst`` file.
+        encoding: Recorded in the metadata; tells readers how to decode (``bytes``, ``lines``,
+            ``jsonl``, ``npy:<dtype>``).
+        metadata: Your own JSON-serializable metadata, stored under ``"user"``.
+        durable: fsync the file and its directory before publishing it.
+
+    Example:
+        >>> with smstore.Writer("out.smst") as w:
+        ...     w.append(b"first record")
+        ...     w.extend(["second", "third"])
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        encoding: str = "bytes",
+        metadata: dict[str, Any] | None = None,
+        source: Sequence[str] = (),
+        durable: bool = True,
+    ) -> None:
+        self._meta = build_metadata(encoding, source=source, user=metadata)
+        self._writer = _core.Writer(os.fspath(path), durable)
+        self.append: Callable[[Record], None] = self._writer.append
+        self.extend: Callable[[Iterable[Record]], int] = self._writer.extend
+
+    @property
+    def record_count(self) -> int:
+        return self._writer.record_count
+
+    @property
+    def path(self) -> str:
+        return self._writer.path
+
+    def close(self) -> None:
+        """Finish the blob and move it into place (idempotent)."""
+        if self._writer.is_open:
+            self._writer.finish(self._meta)
+
+    def abort(self) -> None:
+        """Discard everything written; ``path`` is left as it was."""
+        self._writer.abort()
+
+    def __enter__(self) -> Writer:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+def pack(
+    records: Iterable[Record],
+    path: str | os.PathLike[str],
+    *,
+    encoding: str = "bytes",
+    metadata: dict[str, Any] | None = None,
+    durable: bool = True,
+) -> int:
+    """Pack an iterable of records (bytes, str as UTF-8, or buffers) into a blob.
+
+    Returns:
+        The number of records written.
+    """
+    with Writer(path, encoding=encoding, metadata=metadata, durable=durable) as w:
+        w.extend(records)
+        return w.record_count
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """What one pack_files() call did."""
+
+    records: int
+    input_bytes: int
+    data_bytes: int
+    seconds: float
+
+
+def pack_files(
+    inputs: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    format: str = "lines",
+    metadata: dict[str, Any] | None = None,
+    progress: bool | None = None,
+    durable: bool = True,
+) -> PackStats:
+    """Pack text files (``-`` for stdin), one record per line, with the C++ streaming packer.
+
+    Args:
+        inputs: Files read in order; their records are concatenated.
+        output: The ``.smst`` file to write (atomically).
+        format: ``lines`` (any bytes) or ``jsonl`` (each line must be one JSON value).
+        metadata: Your own JSON-serializable metadata, stored under ``"user"``.
+        progress: Show a progress bar; by default only when stderr is a terminal.
+    """
+    names = [os.fspath(p) for p in inputs]
+    if not names:
+        msg = "pack_files needs at least one input file"
+        raise ValueError(msg)
+    sources = [os.path.abspath(n) if n != "-" else "-" for n in names]
+    meta = build_metadata(format, source=sources, user=metadata)
+    start = time.perf_counter()
+    writer = _core.Writer(os.fspath(output), durable)
+    with _progress_bar(names, progress) as bar:
+        try:
+            total = writer.pack_lines(names, format, bar)
+            writer.finish(meta)
+        finally:
+            writer.abort()
+    return PackStats(writer.record_count, total, writer.data_size, time.perf_counter() - start)
+
+
+class _progress_bar:  # noqa: N801 - used as a context manager like a function
+    """A tqdm byte counter on a terminal; None (no callback) otherwise."""
+
+    def __init__(self, names: Sequence[str], enabled: bool | None) -> None:
+        if enabled is None:
+            enabled = sys.stderr.isatty()
+        self._bar: Any = None
+        if enabled:
+            from tqdm import tqdm
+
+            sizes = [os.path.getsize(n) for n in names if n != "-" and os.path.isfile(n)]
+            total = sum(sizes) if len(sizes) == len(names) else None
+            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack")
+
+    def _update(self, done: int) -> None:
+        self._bar.update(done - self._bar.n)
+
+    def __enter__(self) -> Callable[[int], None] | None:
+        return self._update if self._bar is not None else None
+
+    def __exit__(self, *_: object) -> None:
+        if self._bar is not None:
+            self._bar.close()

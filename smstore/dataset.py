@@ -1,0 +1,98 @@
+"""SharedStoreDataset: a torch Dataset over a blob that pickles as its path and attaches in each process."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import Dataset
+
+from smstore._decode import Decoder, make_decoder
+from smstore._store import Store
+
+__all__ = ["SharedStoreDataset"]
+
+
+class SharedStoreDataset(Dataset[Any]):
+    """A map-style Dataset of the records of an smstore blob.
+
+    The blob is mapped read-only; every process that reads it (DataLoader workers, local ranks)
+    shares the same physical pages, so memory does not grow with the number of processes. The
+    dataset pickles as its path and options only and attaches lazily in each process, so it works
+    with the ``fork``, ``spawn`` and ``forkserver`` start methods.
+
+    Args:
+        path: The ``.smst`` blob.
+        decode: ``None`` for a zero-copy read-only ``memoryview``; ``"bytes"``, ``"utf8"``,
+            ``"json"``, ``"numpy"`` (dtype from the blob's ``npy:<dtype>`` encoding, zero-copy and
+            read-only), or a callable taking the memoryview.
+        transform: Called on each decoded record.
+
+    Note:
+        memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
+        into tensors) inside the worker: pass ``decode=`` or a ``collate_fn``.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        decode: str | Decoder | None = None,
+        transform: Callable[[Any], Any] | None = None,
+    ) -> None:
+        self.path = os.fspath(path)
+        self.decode = decode
+        self.transform = transform
+        store = Store(self.path)
+        self._store: Store | None = store
+        self._len = len(store)
+        self.metadata: dict[str, Any] = store.metadata
+        self._decoder = make_decoder(decode, store.encoding, self.path)
+
+    def _attach(self) -> Store:
+        self._store = Store(self.path)
+        return self._store
+
+    @property
+    def store(self) -> Store:
+        """The Store this process reads from (attached on first use)."""
+        return self._store if self._store is not None else self._attach()
+
+    def __len__(self) -> int:
+        return self._len
+
+    def __getitem__(self, index: int) -> Any:
+        store = self._store
+        if store is None:
+            store = self._attach()
+        record = store[index]
+        if self._decoder is not None:
+            record = self._decoder(record)
+        if self.transform is not None:
+            record = self.transform(record)
+        return record
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        records: list[Any] = self.store.get_batch(indices)
+        if self._decoder is not None:
+            decoder = self._decoder
+            records = [decoder(r) for r in records]
+        if self.transform is not None:
+            transform = self.transform
+            records = [transform(r) for r in records]
+        return records
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Path and options only: never the data, never a mapping or a socket.
+        state = self.__dict__.copy()
+        state["_store"] = None
+        state["_decoder"] = None  # may be a closure; rebuilt from `decode` on unpickling
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._decoder = make_decoder(self.decode, self.metadata.get("encoding", "bytes"), self.path)
+
+    def __repr__(self) -> str:
+        return f"SharedStoreDataset({self.path!r}, records={self._len}, decode={self.decode!r})"

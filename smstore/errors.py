@@ -1,0 +1,56 @@
+"""smstore's exception hierarchy: everything smstore raises for bad input derives from StoreError."""
+
+from __future__ import annotations
+
+__all__ = [
+    "ChecksumMismatchError",
+    "DaemonError",
+    "PackInputError",
+    "SharedMemoryError",
+    "StoreError",
+    "StoreFormatError",
+    "StoreIOError",
+    "StoreNotFoundError",
+    "StoreTruncatedError",
+    "StoreVersionError",
+]
+
+
+class StoreError(Exception):
+    """Base class of every error smstore raises about stores, inputs and the daemon."""
+
+
+class StoreFormatError(StoreError, ValueError):
+    """The file is not a valid smstore blob: foreign, malformed or corrupt."""
+
+
+class StoreTruncatedError(StoreFormatError):
+    """The file is shorter than its header says: an incomplete copy or download."""
+
+
+class StoreVersionError(StoreFormatError):
+    """The blob uses a format version or feature this smstore cannot read."""
+
+
+class ChecksumMismatchError(StoreFormatError):
+    """The stored checksum does not match the file's contents."""
+
+
+class StoreIOError(StoreError, OSError):
+    """An operating-system call on a store or input file failed."""
+
+
+class StoreNotFoundError(StoreIOError, FileNotFoundError):
+    """The store or input file does not exist."""
+
+
+class PackInputError(StoreError, ValueError):
+    """Input given to pack is invalid (for example a line that is not JSON)."""
+
+
+class SharedMemoryError(StoreError):
+    """A shared-memory segment could not be created, sized or mapped."""
+
+
+class DaemonError(StoreError):
+    """The smstore daemon is not running, refused a request, or failed."""
