@@ -51,6 +51,8 @@ public:
     PyObject* view() const noexcept { return view_.ptr(); }
     const uint64_t* offsets() const noexcept { return offsets_; }
     const pybind11::object& owner() const noexcept { return owner_; }
+    // The parsed metadata block, parsed once (a dict; callers must not mutate it).
+    pybind11::object metadata() const;
     void close();
 
     // New reference, or nullptr with a Python error set.
@@ -63,6 +65,7 @@ private:
     std::shared_ptr<Store> store_;
     pybind11::object owner_;
     pybind11::object view_;
+    mutable pybind11::object metadata_;
     uint64_t count_ = 0;
     const uint64_t* offsets_ = nullptr;
 };
