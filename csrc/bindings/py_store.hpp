@@ -11,19 +11,18 @@
 
 namespace smstore::bindings {
 
-// A zero-copy record: a slice of `view`, the memoryview of a store's data section. The slice
-// shares the view's managed buffer, which holds the exporting object and so the mapping: no
-// record can outlive the memory it points into.
+// A zero-copy record: a view of bytes [begin, end) of `view`, the 1-D memoryview of a store's
+// data section. PyMemoryView_FromObject(view) registers a new view on the same managed buffer,
+// which holds the exporting object and so the mapping: no record can outlive the memory it
+// points into. The new view is ours alone until returned, so we narrow it in place exactly as
+// CPython's memoryview slicing does (init_slice), without building two ints and a slice object.
 inline PyObject* record_view(PyObject* view, uint64_t begin, uint64_t end) {
-    // Offsets fit in Py_ssize_t (files are smaller than 2**63), and FromSsize_t has a fast path.
-    PyObject* start = PyLong_FromSsize_t(static_cast<Py_ssize_t>(begin));
-    PyObject* stop = start ? PyLong_FromSsize_t(static_cast<Py_ssize_t>(end)) : nullptr;
-    PyObject* slice = stop ? PySlice_New(start, stop, nullptr) : nullptr;
-    Py_XDECREF(start);
-    Py_XDECREF(stop);
-    if (!slice) return nullptr;
-    PyObject* record = PyObject_GetItem(view, slice);
-    Py_DECREF(slice);
+    PyObject* record = PyMemoryView_FromObject(view);
+    if (!record) return nullptr;
+    Py_buffer* buf = PyMemoryView_GET_BUFFER(record);
+    buf->buf = static_cast<char*>(buf->buf) + begin;
+    buf->len = static_cast<Py_ssize_t>(end - begin);
+    buf->shape[0] = buf->len;
     return record;
 }
 
