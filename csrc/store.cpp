@@ -61,13 +61,17 @@ std::shared_ptr<const Mapping> Mapping::map_file(const std::string& path) {
     return map_fd(f.fd, path);
 }
 
-Store::Store(std::shared_ptr<const Mapping> mapping, std::string label)
+Store::Store(std::shared_ptr<const Mapping> mapping, std::string label, bool full_index)
     : mapping_(std::move(mapping)), label_(std::move(label)) {
     std::memcpy(&header_, mapping_->data(), sizeof header_);
     validate_header(header_, mapping_->size(), label_);
     data_ = mapping_->data() + header_.data_offset;
     offsets_ = reinterpret_cast<const uint64_t*>(mapping_->data() + header_.index_offset);
-    validate_index(offsets_, header_.record_count, header_.data_size, label_);
+    if (full_index) {
+        validate_index(offsets_, header_.record_count, header_.data_size, label_);
+    } else if (offsets_[0] != 0 || offsets_[header_.record_count] != header_.data_size) {
+        throw Error(Error::Kind::Format, label_ + ": corrupt index: it does not span the data section");
+    }
 }
 
 std::shared_ptr<Store> Store::open(const std::string& path) {
@@ -78,7 +82,9 @@ std::string_view Store::metadata() const noexcept {
     return {reinterpret_cast<const char*>(mapping_->data() + header_.meta_offset), header_.meta_size};
 }
 
-uint64_t Store::compute_checksum() const noexcept { return blob_checksum(mapping_->data(), mapping_->size()); }
+uint64_t Store::compute_checksum() const noexcept {
+    return blob_checksum(mapping_->data(), mapping_->size());
+}
 
 void Store::verify() const {
     uint64_t actual = compute_checksum();
@@ -92,7 +98,8 @@ void Store::verify() const {
 
 uint64_t Store::gather_size(const uint64_t* indices, size_t n) const noexcept {
     uint64_t total = 0;
-    for (size_t k = 0; k < n; ++k) total += offsets_[indices[k] + 1] - offsets_[indices[k]];
+    for (size_t k = 0; k < n; ++k)
+        total += offsets_[indices[k] + 1] - offsets_[indices[k]];
     return total;
 }
 

@@ -70,7 +70,8 @@ public:
         if (PyList_Check(indices.ptr()) || PyTuple_Check(indices.ptr())) {
             py::sequence seq = py::reinterpret_borrow<py::sequence>(indices);
             out.reserve(seq.size());
-            for (auto item : seq) out.push_back(normalize(item.cast<Py_ssize_t>()));
+            for (auto item : seq)
+                out.push_back(normalize(item.cast<Py_ssize_t>()));
             return out;
         }
         auto arr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(indices);
@@ -78,7 +79,8 @@ public:
         if (arr.ndim() != 1) throw py::value_error("indices must be one-dimensional");
         auto view = arr.unchecked<1>();
         out.reserve(static_cast<size_t>(view.shape(0)));
-        for (py::ssize_t k = 0; k < view.shape(0); ++k) out.push_back(normalize(view(k)));
+        for (py::ssize_t k = 0; k < view.shape(0); ++k)
+            out.push_back(normalize(view(k)));
         return out;
     }
 
@@ -108,8 +110,8 @@ public:
 
     py::array offsets_array() const {
         const Store& s = core();
-        py::array_t<uint64_t> arr({static_cast<py::ssize_t>(s.size() + 1)}, {static_cast<py::ssize_t>(8)},
-                                  s.offsets(), owner_);
+        py::array_t<uint64_t> arr({static_cast<py::ssize_t>(s.size() + 1)}, {static_cast<py::ssize_t>(8)}, s.offsets(),
+                                  owner_);
         arr.attr("setflags")(py::arg("write") = false);
         return arr;
     }
@@ -158,15 +160,25 @@ void register_store(py::module_& m) {
              py::arg("path"))
         .def_static(
             "_from_fd",
-            [](int fd, const std::string& label) {
+            [](int fd, const std::string& label, bool full_index) {
                 std::shared_ptr<Store> s;
                 {
                     py::gil_scoped_release release;
-                    s = std::make_shared<Store>(Mapping::map_fd(fd, label), label);
+                    s = std::make_shared<Store>(Mapping::map_fd(fd, label), label, full_index);
                 }
                 return PyStore(std::move(s));
             },
-            py::arg("fd"), py::arg("label"))
+            py::arg("fd"), py::arg("label"), py::arg("full_index") = true)
+        // The same as a constructor, so that Python subclasses of Store can attach to a segment.
+        .def(py::init([](int fd, const std::string& label, bool full_index) {
+                 std::shared_ptr<Store> s;
+                 {
+                     py::gil_scoped_release release;
+                     s = std::make_shared<Store>(Mapping::map_fd(fd, label), label, full_index);
+                 }
+                 return PyStore(std::move(s));
+             }),
+             py::arg("fd"), py::arg("label"), py::arg("full_index"))
         .def("__len__", &PyStore::size)
         .def("__getitem__", &PyStore::getitem, py::arg("index"))
         .def("get_batch", &PyStore::get_batch, py::arg("indices"))
