@@ -10,6 +10,7 @@ from torch.utils.data import Dataset
 
 from smstore._decode import Decoder, make_decoder
 from smstore._store import Store
+from smstore.client import Mode, open_store
 
 __all__ = ["SharedStoreDataset"]
 
@@ -28,6 +29,9 @@ class SharedStoreDataset(Dataset[Any]):
             ``"json"``, ``"numpy"`` (dtype from the blob's ``npy:<dtype>`` encoding, zero-copy and
             read-only), or a callable taking the memoryview.
         transform: Called on each decoded record.
+        mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
+            file, else a mapping of the file; ``"daemon"``: require the daemon; ``"mmap"``: never
+            use it. See :func:`smstore.client.open_store`.
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
@@ -40,18 +44,20 @@ class SharedStoreDataset(Dataset[Any]):
         *,
         decode: str | Decoder | None = None,
         transform: Callable[[Any], Any] | None = None,
+        mode: Mode = "auto",
     ) -> None:
         self.path = os.fspath(path)
         self.decode = decode
         self.transform = transform
-        store = Store(self.path)
+        self.mode: Mode = mode
+        store = open_store(self.path, mode)
         self._store: Store | None = store
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
         self._decoder = make_decoder(decode, store.encoding, self.path)
 
     def _attach(self) -> Store:
-        self._store = Store(self.path)
+        self._store = open_store(self.path, getattr(self, "mode", "auto"))
         return self._store
 
     @property
