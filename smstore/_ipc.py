@@ -128,8 +128,8 @@ def request(
         sock.settimeout(timeout)
         try:
             sock.connect(os.fspath(path))
-        except (FileNotFoundError, ConnectionRefusedError) as e:
-            msg = f"no smstore daemon is listening on {path} ({e.strerror}); start one with 'smstore serve FILE'"
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
             raise DaemonError(msg) from None
         # A daemon that refuses us replies at once and closes: read that reply even if sending failed.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
@@ -164,13 +164,15 @@ def request(
 
 
 def process_start_time(pid: int) -> int | None:
-    """The start time of a process (clock ticks since boot), or None if it does not exist."""
+    """The start time of a process (clock ticks since boot), or None if it does not run (or is a zombie)."""
     try:
         raw = Path(f"/proc/{pid}/stat").read_bytes()
     except OSError:
         return None
     # The command name may contain spaces and parentheses: fields resume after the last ')'.
     fields = raw[raw.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
     return int(fields[19])
 
 

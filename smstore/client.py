@@ -41,9 +41,14 @@ class DaemonStore(Store):
         super().close()
         self._drop_connection()
 
+    def __del__(self) -> None:
+        # Dropping a Store without close() is normal use: leave quietly, no ResourceWarning.
+        self._drop_connection()
+
     def _drop_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()
             self._conn = None
 
     def __repr__(self) -> str:

@@ -43,7 +43,7 @@ log = logging.getLogger("smstore.daemon")
 
 SHM_DIR = Path(_core.SHM_DIR)
 # A client has this long to finish a request it started sending, or to read our reply.
-IO_TIMEOUT = 5.0
+IO_TIMEOUT = float(os.environ.get("SMSTORE_IO_TIMEOUT", "5"))
 MAX_CONNECTIONS = 4096
 _UCRED = struct.Struct("3i")
 _MAGIC = b"\x89SMST\r\n\x1a"
