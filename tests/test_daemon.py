@@ -50,7 +50,7 @@ def blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
 
 def our_segments(pid: int) -> list[str]:
     """Names in /dev/shm made by the daemon with this pid."""
-    return sorted(n for n in os.listdir(SHM) if n.startswith(f"smstore-{os.getuid()}-{pid}-"))
+    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(f"smstore-{os.getuid()}-{pid}-"))
 
 
 def cli(*args: str, sock: Path, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -171,7 +171,7 @@ def test_serve_attach_status_stop(
     assert store.metadata["encoding"] == "bytes"
     assert store.path == os.fspath(path)
     (name,) = our_segments(d.pid)
-    st = os.stat(SHM / name)
+    st = (SHM / name).stat()
     assert st.st_mode & 0o777 == 0o400, "segments are read-only and private"
     assert st.st_size == path.stat().st_size
     seg = d.segment(store.checksum)
@@ -179,7 +179,9 @@ def test_serve_attach_status_stop(
     assert seg["clients"] == [os.getpid()]
     assert seg["size"] == path.stat().st_size
     out = cli("status", sock=d.sock).stdout
-    assert os.fspath(path) in out and store.checksum in out and str(os.getpid()) in out
+    assert os.fspath(path) in out
+    assert store.checksum in out
+    assert str(os.getpid()) in out
     # Stopping unlinks the segment; this process's mapping stays valid.
     cli("stop", sock=d.sock)
     assert d.proc.wait(timeout=10) == 0
@@ -265,11 +267,13 @@ def test_corrupt_blob_refused(
     d = start_daemon()
     res = cli("load", os.fspath(bad), sock=d.sock, check=False)
     assert res.returncode == 1
-    assert "checksum mismatch" in res.stderr and os.fspath(bad) in res.stderr
+    assert "checksum mismatch" in res.stderr
+    assert os.fspath(bad) in res.stderr
     foreign = tmp_path / "foreign.smst"
     foreign.write_bytes(b"hello" * 2000)
     res = cli("load", os.fspath(foreign), sock=d.sock, check=False)
-    assert res.returncode == 1 and "not an smstore blob" in res.stderr
+    assert res.returncode == 1
+    assert "not an smstore blob" in res.stderr
     assert our_segments(d.pid) == []
     assert d.status()["segments"] == []
     # The daemon serves on.
@@ -291,10 +295,8 @@ def test_core_load_leaves_nothing_behind(blob: tuple[Path, list[bytes]], tmp_pat
     try:
         assert (size, count) == (path.stat().st_size, len(recs))
         assert os.fstat(fd).st_mode & 0o777 == 0o400
-        assert (
-            os.get_blocking(fd)
-            and (os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)) == os.O_RDONLY
-        )
+        assert os.get_blocking(fd)
+        assert (os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)) == os.O_RDONLY
         with pytest.raises(smstore.StoreIOError):  # O_EXCL: never overwrite an existing segment
             _core.shm_load(os.fspath(path), name)
         store = _core.Store._from_fd(fd, "seg", False)
@@ -352,7 +354,8 @@ def test_shm_too_small_real_tmpfs(blob: tuple[Path, list[bytes]]) -> None:
     if "mount" in res.stderr and res.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
     assert res.stdout.startswith("REFUSED"), res.stdout + res.stderr
-    assert "needs" in res.stdout and "--shm-size" in res.stdout
+    assert "needs" in res.stdout
+    assert "--shm-size" in res.stdout
 
 
 # ---- hostile clients ---------------------------------------------------------------------------
@@ -401,7 +404,8 @@ def test_hostile_messages(blob: tuple[Path, list[bytes]], start_daemon: Callable
     ):
         s.sendall(frame(body))
         reply = read_reply(s)
-        assert reply is not None and reply["ok"] is False, body
+        assert reply is not None, body
+        assert reply["ok"] is False, body
     s.sendall(frame(b'{"op": "status"}'))
     assert read_reply(s)["ok"]  # type: ignore[index]
     s.close()
@@ -409,7 +413,8 @@ def test_hostile_messages(blob: tuple[Path, list[bytes]], start_daemon: Callable
     s = raw(d.sock)
     s.sendall(struct.pack(">I", 0xFFFFFFF0) + b"x" * 100)
     reply = read_reply(s)
-    assert reply is not None and reply["error"] == "too_large"
+    assert reply is not None
+    assert reply["error"] == "too_large"
     assert s.recv(10) == b""
     s.close()
     # Random garbage and truncated frames, then hang-ups.
@@ -513,7 +518,7 @@ def test_restart_adopts_and_cleans(
     a = start_daemon(path)
     store = open_store(path, mode="daemon")
     (old,) = our_segments(a.pid)
-    inode = os.stat(SHM / old).st_ino
+    inode = (SHM / old).stat().st_ino
     # A half-finished load of the dead daemon (not in its state file) must be cleaned up.
     junk = old.rsplit("-", 1)[0] + "-deadbeef"
     (SHM / junk).write_bytes(b"partial")
@@ -522,10 +527,11 @@ def test_restart_adopts_and_cleans(
     b = start_daemon()
     st = b.wait_loaded(1)
     (seg,) = st["segments"]
-    assert seg["adopted"] and seg["paths"] == [os.fspath(path)]
+    assert seg["adopted"]
+    assert seg["paths"] == [os.fspath(path)]
     assert our_segments(a.pid) == []
     (new,) = our_segments(b.pid)
-    assert os.stat(SHM / new).st_ino == inode, "the same pages, not a second copy"
+    assert (SHM / new).stat().st_ino == inode, "the same pages, not a second copy"
     again = open_store(path, mode="daemon")
     check_all(again, recs)
     check_all(store, recs)
@@ -577,7 +583,8 @@ def test_kill9_mid_epoch_then_gc(blob: tuple[Path, list[bytes]], start_daemon: C
     res = cli("gc", sock=d.sock)
     assert our_segments(d.pid) == []
     assert "removed" in res.stdout
-    assert not d.sock.exists() and not d.sock.with_name(d.sock.name + ".state").exists()
+    assert not d.sock.exists()
+    assert not d.sock.with_name(d.sock.name + ".state").exists()
     check_all(ds.store, recs)
 
 
@@ -602,7 +609,8 @@ def test_sigint_stops_cleanly(blob: tuple[Path, list[bytes]], start_daemon: Call
 def test_second_daemon_on_same_socket_refused(start_daemon: Callable[..., Daemon]) -> None:
     d = start_daemon()
     res = cli("serve", sock=d.sock, check=False, timeout=30)
-    assert res.returncode == 1 and "already listening" in res.stderr
+    assert res.returncode == 1
+    assert "already listening" in res.stderr
     assert d.status()["ok"]
 
 
@@ -620,7 +628,7 @@ def as_user(fn: Callable[[], str], groups: list[int]) -> str:
             os.setgid(65534)
             os.setuid(65534)
             result = fn()
-        except BaseException as e:
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
             result = f"{type(e).__name__}: {e}"
         os.write(w, result.encode())
         os._exit(0)
@@ -650,14 +658,14 @@ def test_other_users_refused(
     os.chown(rundir, -1, group.gr_gid)
     d = start_daemon(path, args=("--group", "users"), at=rundir / "smstore.sock")
     (name,) = our_segments(d.pid)
-    assert os.stat(SHM / name).st_mode & 0o777 == 0o440
-    assert os.stat(SHM / name).st_gid == group.gr_gid
+    assert (SHM / name).stat().st_mode & 0o777 == 0o440
+    assert (SHM / name).stat().st_gid == group.gr_gid
     sock = os.fspath(d.sock)
     checksum = smstore.open(path).checksum
     # The member reads its own copy of the file (matched to the segment by content).
     spath = os.fspath(public / "data.smst")
     shutil.copyfile(path, spath)
-    os.chmod(spath, 0o644)
+    Path(spath).chmod(0o644)
 
     def member() -> str:
         store = open_store(spath, mode="daemon", socket=sock)
@@ -686,10 +694,12 @@ def test_other_users_refused(
 
     assert as_user(member, [group.gr_gid]) == "DaemonStore True smstore daemon: only uid 0 may stop"
     got = as_user(outsider, [])
-    assert got.startswith("refused:") and got.endswith("no read"), got
+    assert got.startswith("refused:"), got
+    assert got.endswith("no read"), got
     # Even with the directory and socket opened up by mistake, the daemon checks credentials.
     d.sock.parent.chmod(0o711)
     d.sock.chmod(0o666)
     got = as_user(outsider, [])
-    assert "may not use this smstore daemon" in got and got.endswith("no read"), got
+    assert "may not use this smstore daemon" in got, got
+    assert got.endswith("no read"), got
     assert d.status()["ok"]
