@@ -61,13 +61,17 @@ std::shared_ptr<const Mapping> Mapping::map_file(const std::string& path) {
     return map_fd(f.fd, path);
 }
 
-Store::Store(std::shared_ptr<const Mapping> mapping, std::string label)
+Store::Store(std::shared_ptr<const Mapping> mapping, std::string label, bool full_index)
     : mapping_(std::move(mapping)), label_(std::move(label)) {
     std::memcpy(&header_, mapping_->data(), sizeof header_);
     validate_header(header_, mapping_->size(), label_);
     data_ = mapping_->data() + header_.data_offset;
     offsets_ = reinterpret_cast<const uint64_t*>(mapping_->data() + header_.index_offset);
-    validate_index(offsets_, header_.record_count, header_.data_size, label_);
+    if (full_index) {
+        validate_index(offsets_, header_.record_count, header_.data_size, label_);
+    } else if (offsets_[0] != 0 || offsets_[header_.record_count] != header_.data_size) {
+        throw Error(Error::Kind::Format, label_ + ": corrupt index: it does not span the data section");
+    }
 }
 
 std::shared_ptr<Store> Store::open(const std::string& path) {

@@ -33,8 +33,10 @@ private:
 
 class Store {
 public:
-    // Validates the header and the whole offsets index (O(records), data untouched).
-    Store(std::shared_ptr<const Mapping> mapping, std::string label);
+    // Validates the header and the whole offsets index (O(records), data untouched). With
+    // full_index false only the index's ends are checked, in O(1): for segments that the daemon
+    // validated when it loaded them and that nobody can write (see shm.hpp).
+    Store(std::shared_ptr<const Mapping> mapping, std::string label, bool full_index = true);
     static std::shared_ptr<Store> open(const std::string& path);
 
     uint64_t size() const noexcept { return header_.record_count; }

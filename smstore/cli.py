@@ -1,4 +1,4 @@
-"""The `smstore` command line: pack, info, verify, get."""
+"""The `smstore` command line: pack, info, verify, get, and the node daemon's serve/status/load/unload/stop/gc."""
 
 from __future__ import annotations
 
@@ -141,7 +141,178 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("indices", nargs="+", type=int, help="record indices (negative counts from the end)")
     p.add_argument("-n", "--newline", action="store_true", help="write a newline after each record")
     p.set_defaults(func=cmd_get)
+    _add_daemon_commands(sub)
     return parser
+
+
+# ---- the node daemon (docs/daemon.md) --------------------------------------------------------
+
+
+def _size(text: str) -> int:
+    units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+    text = text.strip().lower().removesuffix("ib").removesuffix("b")
+    if text and text[-1] in units:
+        return int(float(text[:-1]) * units[text[-1]])
+    return int(text)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import logging
+    import os
+
+    from smstore.daemon import serve
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="smstore serve[%(process)d] %(asctime)s %(levelname)s %(message)s",
+        stream=sys.stderr,
+    )
+    limit = args.shm_limit if args.shm_limit is not None else os.environ.get("SMSTORE_SHM_LIMIT")
+    return serve(args.files, sock=args.socket, group=args.group, shm_limit=_size(limit) if limit else 0)
+
+
+def _client_pids(pids: list[int]) -> str:
+    return ", ".join(str(p) for p in pids) if pids else "-"
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    import time
+
+    from smstore.client import daemon_request
+
+    reply = daemon_request({"op": "status"}, args.socket)
+    if args.json:
+        print(json.dumps(reply, indent=2))
+        return 0
+    shm = reply["shm"]
+    print(
+        f"daemon pid {reply['pid']} on {reply['socket']}; /dev/shm: {_human(shm['available'])} free "
+        f"of {_human(shm['total'])}"
+    )
+    for seg in reply["segments"]:
+        loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seg["loaded_at"]))
+        how = "adopted" if seg["adopted"] else f"in {seg['load_seconds']:.2f} s"
+        print(f"{', '.join(seg['paths']) or '(unlinked file)'}")
+        print(f"  checksum xxh64:{seg['checksum']}  size {_human(seg['size'])}  records {seg['records']}")
+        print(f"  segment {seg['segment']}  loaded {loaded} ({how})")
+        print(f"  clients {len(seg['clients'])}: {_client_pids(seg['clients'])}")
+    for path in reply["loading"]:
+        print(f"{path}\n  loading...")
+    if not reply["segments"] and not reply["loading"]:
+        print("no blobs loaded")
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from smstore.client import daemon_request
+
+    status = 0
+    for path in args.files:
+        try:
+            reply = daemon_request(
+                {"op": "load", "path": os.fspath(Path(path).absolute())}, args.socket, timeout=None
+            )
+        except StoreError as e:
+            print(f"smstore load: {path}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        print(f"{path}: loaded as {reply['segment']} ({_human(reply['size'])}, xxh64:{reply['checksum']})")
+    return status
+
+
+def cmd_unload(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from smstore.client import daemon_request
+    from smstore.daemon import read_checksum
+
+    status = 0
+    for target in args.targets:
+        msg: dict[str, Any] = {"op": "unload", "path": os.fspath(Path(target).absolute())}
+        try:
+            checksum = read_checksum(target)
+        except OSError:
+            checksum = target.removeprefix("xxh64:") if len(target.removeprefix("xxh64:")) == 16 else None
+        if checksum:
+            msg["checksum"] = checksum
+        try:
+            reply = daemon_request(msg, args.socket)
+        except StoreError as e:
+            print(f"smstore unload: {target}: {e}", file=sys.stderr)
+            status = 1
+            continue
+        still = reply["clients"]
+        note = f"; freed when its {len(still)} client(s) detach" if still else ""
+        print(f"{target}: unloaded {reply['segment']}{note}")
+    return status
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    import time
+
+    from smstore._ipc import process_start_time
+    from smstore.client import daemon_request
+
+    reply = daemon_request({"op": "stop"}, args.socket)
+    pid = int(reply["pid"])
+    deadline = time.monotonic() + args.timeout
+    while process_start_time(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    print(f"stopped the smstore daemon (pid {pid})")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    from smstore.daemon import collect_garbage
+
+    removed = collect_garbage(args.socket)
+    for path in removed:
+        print(f"removed {path}")
+    if not removed:
+        print("nothing to remove")
+    return 0
+
+
+def _add_daemon_commands(sub: Any) -> None:
+    def with_socket(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        p.add_argument("--socket", help="the daemon's socket (default: $SMSTORE_SOCKET or a per-user path)")
+        return p
+
+    p = with_socket(sub.add_parser("serve", help="run the node daemon in the foreground (logs to stderr)"))
+    p.add_argument("files", nargs="*", help="blobs to load at start")
+    p.add_argument("--group", help="share the socket and segments (read-only) with this group")
+    p.add_argument(
+        "--shm-limit",
+        metavar="SIZE",
+        help="use at most SIZE bytes of /dev/shm (e.g. 64M; default $SMSTORE_SHM_LIMIT or no limit)",
+    )
+    p.add_argument("-v", "--verbose", action="store_true")
+    p.set_defaults(func=cmd_serve)
+
+    p = with_socket(sub.add_parser("status", help="the daemon's segments, their clients and load times"))
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_status)
+
+    p = with_socket(sub.add_parser("load", help="ask the running daemon to load blobs"))
+    p.add_argument("files", nargs="+")
+    p.set_defaults(func=cmd_load)
+
+    p = with_socket(
+        sub.add_parser("unload", help="unload blobs (by file or xxh64 checksum); clients keep theirs")
+    )
+    p.add_argument("targets", nargs="+", metavar="FILE")
+    p.set_defaults(func=cmd_unload)
+
+    p = with_socket(sub.add_parser("stop", help="stop the daemon; it removes its segments and socket"))
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for it to exit")
+    p.set_defaults(func=cmd_stop)
+
+    p = with_socket(sub.add_parser("gc", help="remove segments and sockets left by daemons that died"))
+    p.set_defaults(func=cmd_gc)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -11,6 +11,7 @@ from torch.utils.data import Dataset
 from smstore._core import RecordReader
 from smstore._decode import Decoder, make_decoder
 from smstore._store import Store
+from smstore.client import Mode, open_store
 
 __all__ = ["SharedStoreDataset"]
 
@@ -30,6 +31,9 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             ``"json"``, ``"numpy"`` (dtype from the blob's ``npy:<dtype>`` encoding, zero-copy and
             read-only), or a callable taking the memoryview.
         transform: Called on each decoded record.
+        mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
+            file, else a mapping of the file; ``"daemon"``: require the daemon; ``"mmap"``: never
+            use it. See :func:`smstore.client.open_store`.
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
@@ -42,19 +46,21 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         *,
         decode: str | Decoder | None = None,
         transform: Callable[[Any], Any] | None = None,
+        mode: Mode = "auto",
     ) -> None:
         self.path = os.fspath(path)
         self.decode = decode
         self.transform = transform
-        store = Store(self.path)
+        self.mode: Mode = mode
+        store = open_store(self.path, mode)
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
         self._decoder = make_decoder(decode, store.encoding, self.path)
         self._bind(store, self._decoder, transform)
 
     def _attach(self) -> None:
-        """Map the blob in this process (called by the C base on first access after unpickling)."""
-        self._bind(Store(self.path), self._decoder, self.transform)
+        """Attach in this process (called by the C base on first access after unpickling)."""
+        self._bind(open_store(self.path, self.mode), self._decoder, self.transform)
 
     @property
     def store(self) -> Store:

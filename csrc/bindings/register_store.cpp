@@ -200,15 +200,25 @@ Args:
             py::arg("path"))
         .def_static(
             "_from_fd",
-            [](int fd, const std::string& label) {
+            [](int fd, const std::string& label, bool full_index) {
                 std::shared_ptr<Store> s;
                 {
                     py::gil_scoped_release release;
-                    s = std::make_shared<Store>(Mapping::map_fd(fd, label), label);
+                    s = std::make_shared<Store>(Mapping::map_fd(fd, label), label, full_index);
                 }
                 return PyStore(std::move(s));
             },
-            py::arg("fd"), py::arg("label"))
+            py::arg("fd"), py::arg("label"), py::arg("full_index") = true)
+        // The same as a constructor, so that Python subclasses of Store can attach to a segment.
+        .def(py::init([](int fd, const std::string& label, bool full_index) {
+                 std::shared_ptr<Store> s;
+                 {
+                     py::gil_scoped_release release;
+                     s = std::make_shared<Store>(Mapping::map_fd(fd, label), label, full_index);
+                 }
+                 return PyStore(std::move(s));
+             }),
+             py::arg("fd"), py::arg("label"), py::arg("full_index"))
         .def("__len__", &PyStore::size)
         .def(
             "__getitem__",

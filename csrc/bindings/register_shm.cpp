@@ -1,0 +1,39 @@
+// smstore._core shared-memory functions: what the daemon needs to load, size-check and unlink segments.
+#include "register.hpp"
+#include "shm.hpp"
+
+namespace py = pybind11;
+
+namespace smstore::bindings {
+
+void register_shm(py::module_& m) {
+    m.attr("SHM_DIR") = kShmDir;
+    m.def(
+        "shm_space",
+        [](const std::string& dir) {
+            ShmSpace s = shm_space(dir);
+            return py::make_tuple(s.available, s.total);
+        },
+        py::arg("dir") = kShmDir, "(available, total) bytes of the filesystem holding shared memory.");
+    m.def("check_shm_room", &check_shm_room, py::arg("needed"), py::arg("available"), py::arg("label"),
+          "Raise SharedMemoryError (saying how to make room) if needed > available.");
+    m.def(
+        "shm_load",
+        [](const std::string& path, const std::string& name, unsigned mode, int64_t gid, uint64_t room_limit) {
+            LoadOptions opt;
+            opt.mode = static_cast<mode_t>(mode);
+            opt.gid = gid;
+            opt.room_limit = room_limit;
+            LoadedSegment seg;
+            {
+                py::gil_scoped_release release;
+                seg = load_segment(path, name, opt);
+            }
+            return py::make_tuple(seg.fd, seg.size, seg.checksum, seg.record_count);
+        },
+        py::arg("path"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1, py::arg("room_limit") = 0,
+        "Load a blob into a new segment; returns (read-only fd, size, checksum, record_count).");
+    m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");
+}
+
+}  // namespace smstore::bindings

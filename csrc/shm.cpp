@@ -1,0 +1,216 @@
+// Loading blobs into POSIX shared memory: the room is checked and the pages reserved up front, so a
+// full /dev/shm is an error at load time and never a SIGBUS in a reader later.
+#include "shm.hpp"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+
+#include "error.hpp"
+#include "format.hpp"
+#include "xxhash64.hpp"
+
+namespace smstore {
+namespace {
+
+// Small enough that a chunk is still in cache when it is hashed and written after read().
+constexpr size_t kChunk = size_t{1} << 20;
+
+std::string human(uint64_t n) {
+    const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
+    double v = static_cast<double>(n);
+    int u = 0;
+    while (v >= 1024 && u < 4) {
+        v /= 1024;
+        ++u;
+    }
+    char buf[32];
+    std::snprintf(buf, sizeof buf, u == 0 ? "%.0f %s" : "%.1f %s", v, units[u]);
+    return buf;
+}
+
+struct Fd {
+    int fd = -1;
+    ~Fd() {
+        if (fd >= 0) ::close(fd);
+    }
+};
+
+// Unlinks the segment and unmaps the load mapping unless the load completed.
+struct SegmentGuard {
+    std::string name;
+    void* map = MAP_FAILED;
+    size_t map_size = 0;
+    bool keep = false;
+    ~SegmentGuard() {
+        if (map != MAP_FAILED) ::munmap(map, map_size);
+        if (!keep) ::shm_unlink(name.c_str());
+    }
+};
+
+// Reads exactly n bytes unless the file ends first; returns how many were read.
+size_t read_full(int fd, unsigned char* out, size_t n, const std::string& label) {
+    size_t got = 0;
+    while (got < n) {
+        ssize_t r = ::read(fd, out + got, n - got);
+        if (r < 0) {
+            if (errno == EINTR) continue;
+            throw_errno(label + ": read", errno);
+        }
+        if (r == 0) break;
+        got += static_cast<size_t>(r);
+    }
+    return got;
+}
+
+// Writes all of buf; a full filesystem becomes the same clear error as the room check.
+void write_full(int fd, const unsigned char* buf, size_t n, const std::string& name, const std::string& label,
+                uint64_t needed) {
+    size_t done = 0;
+    while (done < n) {
+        ssize_t w = ::write(fd, buf + done, n - done);
+        if (w < 0) {
+            if (errno == EINTR) continue;
+            if (errno == ENOSPC) {
+                // Room taken by someone else since the check: report what there was for this segment.
+                auto written = static_cast<uint64_t>(std::max<off_t>(0, ::lseek(fd, 0, SEEK_CUR)));
+                uint64_t had = written + shm_space(kShmDir).available;
+                check_shm_room(needed, had < needed ? had : needed - 1, label);
+            }
+            throw_errno("write " + name, errno);
+        }
+        done += static_cast<size_t>(w);
+    }
+}
+
+std::string hex64(uint64_t v) {
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
+    return buf;
+}
+
+}  // namespace
+
+ShmSpace shm_space(const std::string& dir) {
+    struct statvfs st;
+    if (::statvfs(dir.c_str(), &st) != 0) throw_errno("statvfs " + dir, errno);
+    return {static_cast<uint64_t>(st.f_bavail) * st.f_frsize, static_cast<uint64_t>(st.f_blocks) * st.f_frsize};
+}
+
+void check_shm_room(uint64_t needed, uint64_t available, const std::string& label) {
+    if (needed <= available) return;
+    uint64_t gib = (needed + (uint64_t{1} << 30) - 1) >> 30;
+    std::string size = std::to_string(gib + gib / 4 + 1) + "g";  // some headroom for a second generation
+    throw Error(
+        Error::Kind::Shm,
+        label + ": not enough shared memory: loading it needs " + human(needed) + " (" + std::to_string(needed) +
+            " bytes) in " + kShmDir + ", but only " + human(available) + " is available. " + kShmDir +
+            " is a tmpfs and containers often get only 64 MiB. Give it more room: docker run --shm-size=" + size +
+            " (or --ipc=host to use the host's); in Kubernetes mount an emptyDir with medium: Memory "
+            "and sizeLimit: " +
+            std::to_string(gib + gib / 4 + 1) + "Gi at " + kShmDir + "; on a host, mount -o remount,size=" + size +
+            " " + kShmDir + ". Or read the file directly: mode=\"mmap\".",
+        ENOSPC);
+}
+
+LoadedSegment load_segment(const std::string& path, const std::string& name, const LoadOptions& options) {
+    // O_NONBLOCK: a FIFO must not block the daemon; it is refused below as not a regular file.
+    Fd src{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
+    if (src.fd < 0) throw_errno(path, errno);
+    struct stat st;
+    if (::fstat(src.fd, &st) != 0) throw_errno(path, errno);
+    if (!S_ISREG(st.st_mode)) throw Error(Error::Kind::Format, path + ": not a regular file");
+    auto size = static_cast<uint64_t>(st.st_size);
+    if (size < kHeaderSize) {
+        throw Error(Error::Kind::Truncated, path + ": truncated or not an smstore blob: file is " +
+                                                std::to_string(size) + " bytes, shorter than the header");
+    }
+    ::posix_fadvise(src.fd, 0, 0, POSIX_FADV_SEQUENTIAL);
+
+    // Refuse foreign and malformed files before anything is created.
+    unsigned char header[kHeaderSize];
+    if (read_full(src.fd, header, kHeaderSize, path) != kHeaderSize) {
+        throw Error(Error::Kind::Truncated, path + ": truncated while reading the header");
+    }
+    Header h;
+    std::memcpy(&h, header, sizeof h);
+    validate_header(h, size, path);
+
+    uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    uint64_t needed = (size + page - 1) / page * page;
+    uint64_t available = shm_space(options.shm_dir).available;
+    if (options.room_limit > 0 && options.room_limit < available) available = options.room_limit;
+    check_shm_room(needed, available, path);
+
+    // Writable by the owner only while loading; the final (read-only) mode is set at the end.
+    Fd seg{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600)};
+    if (seg.fd < 0) throw_errno("shm_open " + name, errno);
+    SegmentGuard guard{name};
+    if (::fchmod(seg.fd, 0600) != 0) throw_errno("fchmod " + name, errno);
+
+    // read() into a cache-sized buffer, hash it while it is hot, write() it into the segment.
+    // Every page is written, so the segment has no holes and a reader can never fault on one;
+    // tmpfs allocates pages at write(), so a full /dev/shm is ENOSPC here, not SIGBUS later.
+    // (posix_fallocate would also reserve the pages, but zeroes each one before we overwrite it.)
+    std::unique_ptr<unsigned char[]> buf(new unsigned char[kChunk]);
+    write_full(seg.fd, header, kHeaderSize, name, path, needed);
+    Xxh64 hash;
+    uint64_t pos = kHeaderSize;
+    while (pos < size) {
+        size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, size - pos));
+        size_t got = read_full(src.fd, buf.get(), want, path);
+        if (got != want) {
+            throw Error(Error::Kind::Truncated, path + ": file shrank while it was being loaded (" +
+                                                    std::to_string(pos + got) + " of " + std::to_string(size) +
+                                                    " bytes); was it rewritten in place?");
+        }
+        hash.update(buf.get(), got);
+        write_full(seg.fd, buf.get(), got, name, path, needed);
+        pos += got;
+    }
+    unsigned char extra;
+    if (read_full(src.fd, &extra, 1, path) != 0) {
+        throw Error(Error::Kind::Format, path + ": file grew while it was being loaded; was it rewritten in place?");
+    }
+    std::memset(header + kChecksumFieldOffset, 0, sizeof(uint64_t));
+    hash.update(header, kHeaderSize);
+    uint64_t actual = hash.digest();
+    if (actual != h.checksum) {
+        throw Error(Error::Kind::Checksum, path + ": checksum mismatch: stored " + hex64(h.checksum) +
+                                               ", contents hash to " + hex64(actual) +
+                                               "; the file is corrupt, re-pack or re-copy it (not loaded)");
+    }
+    guard.map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, seg.fd, 0);
+    if (guard.map == MAP_FAILED) throw_errno("mmap " + name, errno);
+    guard.map_size = size;
+    auto* mapped = static_cast<const unsigned char*>(guard.map);
+    validate_index(reinterpret_cast<const uint64_t*>(mapped + h.index_offset), h.record_count, h.data_size, path);
+
+    if (options.gid >= 0 && ::fchown(seg.fd, static_cast<uid_t>(-1), static_cast<gid_t>(options.gid)) != 0) {
+        throw_errno("fchown " + name + " to group " + std::to_string(options.gid), errno);
+    }
+    if (::fchmod(seg.fd, options.mode) != 0) throw_errno("fchmod " + name, errno);
+    // Hand out a read-only descriptor: clients that receive it cannot map the segment writable.
+    std::string self = "/proc/self/fd/" + std::to_string(seg.fd);
+    int ro = ::open(self.c_str(), O_RDONLY | O_CLOEXEC);
+    if (ro < 0) throw_errno("reopen " + name + " read-only", errno);
+    guard.keep = true;
+    return {ro, size, h.checksum, h.record_count};
+}
+
+bool unlink_segment(const std::string& name) {
+    if (::shm_unlink(name.c_str()) == 0) return true;
+    if (errno == ENOENT) return false;
+    throw_errno("shm_unlink " + name, errno);
+}
+
+}  // namespace smstore

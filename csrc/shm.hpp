@@ -1,0 +1,47 @@
+// POSIX shared-memory segments holding whole blobs: room checks, checksummed loading, unlinking.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <string>
+
+namespace smstore {
+
+// Where shm_open() puts its objects on Linux; statvfs() of it is the room a segment can use.
+inline constexpr const char* kShmDir = "/dev/shm";
+
+struct ShmSpace {
+    uint64_t available;  // bytes an unprivileged user may still allocate
+    uint64_t total;
+};
+
+// The room in the filesystem at `dir` (normally kShmDir).
+ShmSpace shm_space(const std::string& dir);
+
+// Throws Error(Shm) saying how much `label` needs, how much is free and how to make room.
+void check_shm_room(uint64_t needed, uint64_t available, const std::string& label);
+
+struct LoadOptions {
+    mode_t mode = 0400;       // final mode; 0400 or 0440: nobody may write a loaded segment
+    int64_t gid = -1;         // >= 0: chown the segment to this group (with mode 0440)
+    uint64_t room_limit = 0;  // > 0: pretend at most this many bytes are free (tests, quotas)
+    std::string shm_dir = kShmDir;
+};
+
+struct LoadedSegment {
+    int fd;  // read-only descriptor of the segment; the caller owns it
+    uint64_t size;
+    uint64_t checksum;
+    uint64_t record_count;
+};
+
+// Creates segment `name` ("/..." as for shm_open) with O_EXCL, reserves its pages, reads `path`
+// sequentially into it while hashing, and validates structure and checksum. On any failure the
+// segment is unlinked and Error is thrown: nothing is left behind.
+LoadedSegment load_segment(const std::string& path, const std::string& name, const LoadOptions& options);
+
+// shm_unlink(name); false if it did not exist, throws Error on any other failure.
+bool unlink_segment(const std::string& name);
+
+}  // namespace smstore

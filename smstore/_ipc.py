@@ -1,0 +1,181 @@
+"""What the daemon and its clients share: socket location, message framing, segment names, liveness."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import socket
+import stat
+import struct
+from pathlib import Path
+from typing import Any
+
+from smstore.errors import DaemonError
+
+__all__ = [
+    "MAX_MESSAGE",
+    "SEGMENT_RE",
+    "decode_body",
+    "default_socket_path",
+    "encode",
+    "ensure_private_dir",
+    "process_alive",
+    "process_start_time",
+    "request",
+    "socket_path",
+]
+
+# Requests and replies are tiny (a status of thousands of segments fits); anything larger is hostile.
+MAX_MESSAGE = 1 << 20
+_LEN = struct.Struct(">I")
+
+# /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-<checksum>-<random>: enough for `smstore gc`
+# to tell whose segment it is and whether the daemon that made it is still alive.
+SEGMENT_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})-([0-9a-f]{8})$")
+
+
+def default_socket_path() -> Path:
+    """The per-user default: ``$XDG_RUNTIME_DIR/smstore/smstore.sock`` or ``/tmp/smstore-<uid>/smstore.sock``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    base = Path(runtime) / "smstore" if runtime else Path(f"/tmp/smstore-{os.getuid()}")
+    return base / "smstore.sock"
+
+
+def socket_path(explicit: str | os.PathLike[str] | None = None) -> Path:
+    """The socket to use: ``explicit``, else ``$SMSTORE_SOCKET``, else the per-user default."""
+    if explicit is not None:
+        return Path(explicit)
+    env = os.environ.get("SMSTORE_SOCKET")
+    return Path(env) if env else default_socket_path()
+
+
+def ensure_private_dir(path: Path, *, create: bool, group_gid: int | None = None) -> None:
+    """Check (and optionally create) the socket's directory: ours, and closed to other users.
+
+    Raises:
+        DaemonError: The directory belongs to someone else or others may write to it (or, without a
+            group, enter it).
+    """
+    mode = 0o700 if group_gid is None else 0o710
+    if create and not path.exists():
+        path.mkdir(mode=mode, parents=False)
+        if group_gid is not None:
+            os.chown(path, -1, group_gid)
+        path.chmod(mode)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        msg = f"{path}: not a directory; cannot put the smstore socket there"
+        raise DaemonError(msg)
+    if st.st_uid != os.getuid():
+        msg = f"{path}: owned by uid {st.st_uid}, not by you (uid {os.getuid()}); refusing to use it for the socket"
+        raise DaemonError(msg)
+    forbidden = 0o022 if group_gid is not None else 0o077
+    if create and st.st_mode & forbidden:
+        msg = (
+            f"{path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users in; the socket directory must be "
+            f"{mode:04o} (chmod {mode:o} {path})"
+        )
+        raise DaemonError(msg)
+    if st.st_mode & 0o022:
+        msg = f"{path}: writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); refusing to use it"
+        raise DaemonError(msg)
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON."""
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE:
+        msg = f"message of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte limit"
+        raise DaemonError(msg)
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(buf: bytes | bytearray) -> int:
+    """The body length announced by the first 4 bytes of buf."""
+    return int(_LEN.unpack_from(buf)[0])
+
+
+def decode_body(body: bytes | bytearray) -> dict[str, Any]:
+    """Parse a frame body; ValueError unless it is a JSON object."""
+    obj = json.loads(body.decode("utf-8"))
+    if not isinstance(obj, dict):
+        msg = "a message must be a JSON object"
+        raise ValueError(msg)  # noqa: TRY004 - callers treat every malformed message alike
+    return obj
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)
+
+
+def request(
+    message: dict[str, Any], path: Path, *, timeout: float | None = 10.0
+) -> tuple[dict[str, Any], int | None, socket.socket]:
+    """Send one request on a new connection; return (reply, received fd or None, the open socket).
+
+    A new connection per request: nothing is shared across fork. The caller closes the socket, or
+    keeps it open to stay listed as a client of a segment it attached.
+
+    Raises:
+        DaemonError: No daemon listens at ``path``, it broke the connection, or it timed out.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fds: list[int] = []
+    try:
+        sock.settimeout(timeout)
+        try:
+            sock.connect(os.fspath(path))
+        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+            msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
+            raise DaemonError(msg) from None
+        # A daemon that refuses us replies at once and closes: read that reply even if sending failed.
+        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+            sock.sendall(encode(message))
+        buf = bytearray()
+        need = 4
+        while len(buf) < need:
+            data, got, _flags, _addr = socket.recv_fds(sock, 65536, 4)
+            fds.extend(got)
+            if not data:
+                msg = f"the smstore daemon on {path} closed the connection without a reply"
+                raise DaemonError(msg)
+            buf += data
+            if need == 4 and len(buf) >= 4:
+                need = 4 + frame_length(buf)
+                if need - 4 > MAX_MESSAGE:
+                    msg = f"the smstore daemon on {path} sent an oversized reply"
+                    raise DaemonError(msg)
+        reply = decode_body(buf[4:need])
+        _close_all(fds[1:])
+        return reply, (fds[0] if fds else None), sock
+    except BaseException as e:
+        _close_all(fds)
+        sock.close()
+        if isinstance(e, TimeoutError):
+            msg = f"the smstore daemon on {path} did not answer within {timeout} s"
+            raise DaemonError(msg) from None
+        if isinstance(e, (ConnectionError, ValueError)) and not isinstance(e, DaemonError):
+            msg = f"bad exchange with the smstore daemon on {path}: {e}"
+            raise DaemonError(msg) from None
+        raise
+
+
+def process_start_time(pid: int) -> int | None:
+    """The start time of a process (clock ticks since boot), or None if it does not run (or is a zombie)."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return None
+    # The command name may contain spaces and parentheses: fields resume after the last ')'.
+    fields = raw[raw.rindex(b")") + 2 :].split()
+    if fields[0] in (b"Z", b"X"):
+        return None
+    return int(fields[19])
+
+
+def process_alive(pid: int, start_time: int) -> bool:
+    """Whether the process `pid` that started at `start_time` still runs (pid reuse is not liveness)."""
+    return process_start_time(pid) == start_time

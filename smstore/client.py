@@ -1,0 +1,162 @@
+"""open_store(): the daemon's shared-memory copy of a blob when it serves one, else a mapping of the file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import weakref
+from typing import Any, Literal
+
+from smstore import _core
+from smstore._ipc import request, socket_path
+from smstore._store import Store
+from smstore.daemon import read_checksum
+from smstore.errors import DaemonError
+
+__all__ = ["DaemonStore", "daemon_request", "open_store"]
+
+log = logging.getLogger("smstore")
+
+Mode = Literal["auto", "daemon", "mmap"]
+_MODES = ("auto", "daemon", "mmap")
+_logged: set[tuple[str, str]] = set()
+
+
+class DaemonStore(Store):
+    """A Store over the daemon's read-only shared-memory segment (see :func:`open_store`).
+
+    The daemon validated the blob (checksum and index) when it loaded it, and nobody can write the
+    segment, so attaching checks only the header: O(1), independent of the blob's size.
+    """
+
+    def __init__(self, fd: int, path: str, info: dict[str, Any], conn: socket.socket | None) -> None:
+        _core.Store.__init__(self, fd, path, False)
+        self.segment: str = str(info.get("segment", ""))
+        self._conn = conn
+        _attachments.add(self)
+
+    def close(self) -> None:
+        """Unmap (once no record view is alive) and leave the daemon's client list."""
+        super().close()
+        self._drop_connection()
+
+    def __del__(self) -> None:
+        # Dropping a Store without close() is normal use: leave quietly, no ResourceWarning.
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()
+            self._conn = None
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<smstore.DaemonStore (closed)>"
+        return (
+            f"<smstore.DaemonStore {self.path!r} in {self.segment}: {len(self)} records, {self.nbytes} bytes>"
+        )
+
+
+# Connections that keep this process listed as a client of a segment; a forked child must not
+# keep its parent's (the daemon would otherwise see the parent as attached after it exited).
+_attachments: weakref.WeakSet[DaemonStore] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for store in list(_attachments):
+        store._drop_connection()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def daemon_request(
+    message: dict[str, Any], sock: str | os.PathLike[str] | None = None, *, timeout: float | None = 10.0
+) -> dict[str, Any]:
+    """Send one request to the daemon and return its reply; DaemonError if it refused or failed."""
+    reply, fd, conn = request(message, socket_path(sock), timeout=timeout)
+    conn.close()
+    if fd is not None:
+        os.close(fd)
+    if not reply.get("ok"):
+        msg = f"smstore daemon: {reply.get('message', reply.get('error', 'request failed'))}"
+        raise DaemonError(msg)
+    return reply
+
+
+def _log_once(path: str, choice: str, message: str, *args: object) -> None:
+    if (path, choice) not in _logged:
+        _logged.add((path, choice))
+        log.info(message, *args)
+
+
+def open_store(
+    path: str | os.PathLike[str], mode: Mode = "auto", socket: str | os.PathLike[str] | None = None
+) -> Store:
+    """Open a blob: the daemon's shared-memory copy, or a read-only mapping of the file.
+
+    The daemon and the file are matched by content: the checksum in the file's header (a 4 KiB
+    read) must be one the daemon serves. Each call makes its own connection, so this is safe in
+    forked DataLoader workers.
+
+    Args:
+        path: The ``.smst`` file.
+        mode: ``"auto"`` uses the daemon's copy if it serves this file, else maps the file (and
+            logs once, on the ``smstore`` logger, which it chose); ``"daemon"`` requires the
+            daemon; ``"mmap"`` never asks it.
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default).
+
+    Raises:
+        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
+        StoreError: The file is missing or not a valid blob (when it has to be opened).
+    """
+    if mode not in _MODES:
+        msg = f"mode must be one of {', '.join(_MODES)}, not {mode!r}"
+        raise ValueError(msg)
+    spath = os.fspath(path)
+    if mode == "mmap":
+        return Store(spath)
+    try:
+        checksum = read_checksum(spath)
+    except OSError:
+        checksum = None
+    if checksum is None:
+        # Missing, unreadable or not a blob: let the reader raise its precise error.
+        return Store(spath)
+    sock_at = socket_path(socket)
+    try:
+        reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
+    except DaemonError as e:
+        if mode == "daemon":
+            raise
+        _log_once(spath, "mmap", "%s: mapping the file (%s)", spath, e)
+        return Store(spath)
+    if not reply.get("ok") or fd is None:
+        conn.close()
+        if fd is not None:
+            os.close(fd)
+        if mode == "daemon":
+            if reply.get("error") == "not_served":
+                msg = (
+                    f"{spath}: the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
+                    f"load it with 'smstore load {spath}'"
+                )
+            else:
+                msg = f"{spath}: the smstore daemon on {sock_at} refused: {reply.get('message')}"
+            raise DaemonError(msg)
+        _log_once(
+            spath, "mmap", "%s: mapping the file (the daemon on %s: %s)", spath, sock_at, reply.get("message")
+        )
+        return Store(spath)
+    try:
+        conn.settimeout(None)
+        store = DaemonStore(fd, spath, reply, conn)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        os.close(fd)  # the mapping holds the segment now
+    _log_once(spath, "daemon", "%s: using the smstore daemon's shared-memory copy %s", spath, store.segment)
+    return store

@@ -1,0 +1,705 @@
+"""The node daemon: real `smstore serve` processes on real sockets, real /dev/shm, real fork/spawn/forkserver."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import logging
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import smstore
+from smstore import _core
+from smstore.client import DaemonStore, daemon_request, open_store
+from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError
+
+SHM = Path("/dev/shm")
+IS_ROOT = os.geteuid() == 0
+
+
+def make_records(n: int, seed: int = 0) -> list[bytes]:
+    # Awkward bytes on purpose: NULs, CRs, invalid UTF-8, empty records, one large record.
+    recs = [f"{seed}:{i}:".encode() + bytes((i * 7 + j) % 256 for j in range(i % 50)) for i in range(n)]
+    recs[1] = b""
+    recs[2] = b"\x00\r\n\xff"
+    recs[n // 2] = os.urandom(300_000)
+    return recs
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    recs = make_records(2000)
+    path = tmp_path / "data.smst"
+    smstore.pack(recs, path)
+    return path, recs
+
+
+def our_segments(pid: int) -> list[str]:
+    """Names in /dev/shm made by the daemon with this pid."""
+    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(f"smstore-{os.getuid()}-{pid}-"))
+
+
+def cli(*args: str, sock: Path, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    res = subprocess.run(
+        [sys.executable, "-m", "smstore", *args, "--socket", os.fspath(sock)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+    if check and res.returncode != 0:
+        raise AssertionError(f"smstore {' '.join(args)} failed ({res.returncode}): {res.stderr}")
+    return res
+
+
+@dataclass
+class Daemon:
+    proc: subprocess.Popen[bytes]
+    sock: Path
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def status(self) -> dict[str, Any]:
+        return daemon_request({"op": "status"}, self.sock)
+
+    def segment(self, checksum: str) -> dict[str, Any]:
+        (seg,) = [s for s in self.status()["segments"] if s["checksum"] == checksum]
+        return seg
+
+    def wait_loaded(self, count: int, timeout: float = 60) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise AssertionError(f"daemon exited ({self.proc.returncode}): {self.log.read_text()}")
+            with contextlib.suppress(DaemonError):
+                st = self.status()
+                if len(st["segments"]) >= count and not st["loading"]:
+                    return st
+            if time.monotonic() > deadline:
+                raise AssertionError(f"daemon not ready: {self.log.read_text()}")
+            time.sleep(0.02)
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Daemon]]:
+    """Starts `smstore serve` on a socket unique to the test; stops it and checks /dev/shm after."""
+    sockdir = tmp_path / "run"
+    sockdir.mkdir(mode=0o700)
+    sock = sockdir / "smstore.sock"
+    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(sock))
+    started: list[Daemon] = []
+
+    def start(
+        *files: Path,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        loaded: int = -1,
+        at: Path | None = None,
+    ) -> Daemon:
+        log = tmp_path / f"daemon{len(started)}.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "smstore",
+                    "serve",
+                    "--socket",
+                    os.fspath(at or sock),
+                    *map(str, files),
+                    *args,
+                ],
+                stderr=err,
+                env={**os.environ, **(env or {})},
+            )
+        d = Daemon(proc, at or sock, log)
+        started.append(d)
+        d.wait_loaded(len(files) if loaded < 0 else loaded)
+        return d
+
+    yield start
+    leftovers: list[str] = []
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                d.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()
+        for name in our_segments(d.pid):
+            leftovers.append(name)
+            _core.shm_unlink("/" + name)
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}"
+    assert not any(d.sock.exists() for d in started), "socket left behind"
+
+
+def check_all(store: smstore.Store, recs: list[bytes]) -> None:
+    assert len(store) == len(recs)
+    for i, r in enumerate(recs):
+        assert bytes(store[i]) == r, i
+
+
+# ---- basics -----------------------------------------------------------------------------------
+
+
+def test_serve_attach_status_stop(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    store = open_store(path, mode="daemon")
+    assert isinstance(store, DaemonStore)
+    check_all(store, recs)
+    assert store.metadata["encoding"] == "bytes"
+    assert store.path == os.fspath(path)
+    (name,) = our_segments(d.pid)
+    st = (SHM / name).stat()
+    assert st.st_mode & 0o777 == 0o400, "segments are read-only and private"
+    assert st.st_size == path.stat().st_size
+    seg = d.segment(store.checksum)
+    assert seg["paths"] == [os.fspath(path)]
+    assert seg["clients"] == [os.getpid()]
+    assert seg["size"] == path.stat().st_size
+    out = cli("status", sock=d.sock).stdout
+    assert os.fspath(path) in out
+    assert store.checksum in out
+    assert str(os.getpid()) in out
+    # Stopping unlinks the segment; this process's mapping stays valid.
+    cli("stop", sock=d.sock)
+    assert d.proc.wait(timeout=10) == 0
+    assert our_segments(d.pid) == []
+    assert not d.sock.exists()
+    check_all(store, recs)
+    store.close()
+    assert "Traceback" not in d.log.read_text()
+
+
+def test_modes(
+    blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    path, recs = blob
+    caplog.set_level(logging.INFO, logger="smstore")
+    # No daemon yet: auto maps the file and says so once; daemon mode is a clear error.
+    s = open_store(path)
+    assert type(s) is smstore.Store
+    check_all(s, recs)
+    assert any("mapping the file" in r.getMessage() for r in caplog.records)
+    with pytest.raises(DaemonError, match="cannot reach an smstore daemon"):
+        open_store(path, mode="daemon")
+    other = tmp_path / "other.smst"
+    smstore.pack([b"x", b"y"], other)
+    start_daemon(path)
+    assert isinstance(open_store(path), DaemonStore)
+    assert sum("shared-memory copy" in r.getMessage() for r in caplog.records) == 1
+    assert isinstance(open_store(path), DaemonStore)
+    assert sum("shared-memory copy" in r.getMessage() for r in caplog.records) == 1, "logs once"
+    assert type(open_store(path, mode="mmap")) is smstore.Store
+    # A file the daemon does not serve.
+    assert type(open_store(other)) is smstore.Store
+    with pytest.raises(DaemonError, match="does not serve"):
+        open_store(other, mode="daemon")
+    with pytest.raises(ValueError, match="mode"):
+        open_store(path, mode="shm")  # type: ignore[arg-type]
+    with pytest.raises(smstore.StoreNotFoundError):
+        open_store(tmp_path / "missing.smst", mode="daemon")
+
+
+def test_daemon_does_not_import_torch() -> None:
+    code = "import sys, smstore.cli, smstore.daemon, smstore.client; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"
+
+
+def test_matched_by_content_and_new_generation(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    # A copy elsewhere has the same checksum: it is served by the same segment.
+    copy = tmp_path / "copy.smst"
+    shutil.copyfile(path, copy)
+    old = open_store(copy, mode="daemon")
+    assert isinstance(old, DaemonStore)
+    (first,) = our_segments(d.pid)
+    # Rewrite the file: a new generation; `load` replaces the old one, whose readers keep their bytes.
+    new_recs = make_records(500, seed=1)
+    smstore.pack(new_recs, path)
+    cli("load", os.fspath(path), sock=d.sock)
+    (second,) = our_segments(d.pid)
+    assert second != first
+    new = open_store(path, mode="daemon")
+    check_all(new, new_recs)
+    check_all(old, recs)
+    # Loading the same contents again is a no-op.
+    cli("load", os.fspath(path), sock=d.sock)
+    assert our_segments(d.pid) == [second]
+
+
+def test_corrupt_blob_refused(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    path, _ = blob
+    bad = tmp_path / "bad.smst"
+    data = bytearray(path.read_bytes())
+    data[5000] ^= 0x10
+    bad.write_bytes(bytes(data))
+    d = start_daemon()
+    res = cli("load", os.fspath(bad), sock=d.sock, check=False)
+    assert res.returncode == 1
+    assert "checksum mismatch" in res.stderr
+    assert os.fspath(bad) in res.stderr
+    foreign = tmp_path / "foreign.smst"
+    foreign.write_bytes(b"hello" * 2000)
+    res = cli("load", os.fspath(foreign), sock=d.sock, check=False)
+    assert res.returncode == 1
+    assert "not an smstore blob" in res.stderr
+    assert our_segments(d.pid) == []
+    assert d.status()["segments"] == []
+    # The daemon serves on.
+    cli("load", os.fspath(path), sock=d.sock)
+    assert len(our_segments(d.pid)) == 1
+
+
+def test_core_load_leaves_nothing_behind(blob: tuple[Path, list[bytes]], tmp_path: Path) -> None:
+    path, recs = blob
+    name = f"/smstore-test-{os.getpid()}-core"
+    bad = tmp_path / "bad.smst"
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 1  # in the metadata, the last section hashed before the header
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError):
+        _core.shm_load(os.fspath(bad), name)
+    assert not (SHM / name[1:]).exists()
+    fd, size, checksum, count = _core.shm_load(os.fspath(path), name)
+    try:
+        assert (size, count) == (path.stat().st_size, len(recs))
+        assert os.fstat(fd).st_mode & 0o777 == 0o400
+        assert os.get_blocking(fd)
+        assert (os.O_ACCMODE & __import__("fcntl").fcntl(fd, __import__("fcntl").F_GETFL)) == os.O_RDONLY
+        with pytest.raises(smstore.StoreIOError):  # O_EXCL: never overwrite an existing segment
+            _core.shm_load(os.fspath(path), name)
+        store = _core.Store._from_fd(fd, "seg", False)
+        assert f"{checksum:016x}" == store.checksum
+        store.verify()
+    finally:
+        os.close(fd)
+        assert _core.shm_unlink(name)
+    assert not _core.shm_unlink(name)
+
+
+# ---- /dev/shm too small ---------------------------------------------------------------------
+
+
+def test_shm_too_small_limit(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    path, _ = blob
+    d = start_daemon(args=("--shm-limit", "64K"))
+    res = cli("load", os.fspath(path), sock=d.sock, check=False)
+    assert res.returncode == 1
+    for text in (
+        "not enough shared memory",
+        "needs",
+        "available",
+        "--shm-size",
+        "--ipc=host",
+        "emptyDir",
+        "sizeLimit",
+    ):
+        assert text in res.stderr, text
+    assert our_segments(d.pid) == []
+    with pytest.raises(SharedMemoryError, match="--shm-size"):
+        _core.shm_load(os.fspath(path), f"/smstore-test-{os.getpid()}-small", 0o400, -1, 4096)
+    assert not (SHM / f"smstore-test-{os.getpid()}-small").exists()
+
+
+@pytest.mark.skipif(
+    not IS_ROOT or shutil.which("unshare") is None, reason="needs root and unshare to mount a tmpfs"
+)
+def test_shm_too_small_real_tmpfs(blob: tuple[Path, list[bytes]]) -> None:
+    path, _ = blob
+    # A private mount namespace with a 128 KiB tmpfs on /dev/shm, as a container would have.
+    code = (
+        "import smstore, smstore._core as c\n"
+        "try:\n"
+        f"    c.shm_load({os.fspath(path)!r}, '/smstore-small-test')\n"
+        "except smstore.SharedMemoryError as e:\n"
+        "    print('REFUSED', e)\n"
+        "else:\n"
+        "    print('LOADED')\n"
+    )
+    script = f'mount -t tmpfs -o size=128k tmpfs /dev/shm && exec {sys.executable} -c "$0"'
+    res = subprocess.run(
+        ["unshare", "-m", "sh", "-c", script, code], capture_output=True, text=True, check=False
+    )
+    if "mount" in res.stderr and res.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.strip()}")
+    assert res.stdout.startswith("REFUSED"), res.stdout + res.stderr
+    assert "needs" in res.stdout
+    assert "--shm-size" in res.stdout
+
+
+# ---- hostile clients ---------------------------------------------------------------------------
+
+
+def raw(sock: Path) -> socket.socket:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(os.fspath(sock))
+    return s
+
+
+def read_reply(s: socket.socket) -> dict[str, Any] | None:
+    buf = b""
+    while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
+        chunk = s.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    reply: dict[str, Any] = json.loads(buf[4:])
+    return reply
+
+
+def frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def test_hostile_messages(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    path, recs = blob
+    d = start_daemon(path, env={"SMSTORE_IO_TIMEOUT": "1"})
+    checksum = smstore.open(path).checksum
+    # A client that stalls mid-message blocks nobody, and is dropped after the timeout.
+    stalled = raw(d.sock)
+    stalled.sendall(b"\x00\x00\x01")
+    # Malformed bodies get an error reply on a connection that stays usable.
+    s = raw(d.sock)
+    for body in (
+        b"not json",
+        b"\xff\xfe",
+        b"[1, 2]",
+        b"{}",
+        b'{"op": "nope"}',
+        b'{"op": "attach", "checksum": 5}',
+        b'{"op": "load", "path": "relative.smst"}',
+        b'{"op": "unload", "path": 7}',
+    ):
+        s.sendall(frame(body))
+        reply = read_reply(s)
+        assert reply is not None, body
+        assert reply["ok"] is False, body
+    s.sendall(frame(b'{"op": "status"}'))
+    assert read_reply(s)["ok"]  # type: ignore[index]
+    s.close()
+    # Oversized: an error reply, then the connection is closed.
+    s = raw(d.sock)
+    s.sendall(struct.pack(">I", 0xFFFFFFF0) + b"x" * 100)
+    reply = read_reply(s)
+    assert reply is not None
+    assert reply["error"] == "too_large"
+    assert s.recv(10) == b""
+    s.close()
+    # Random garbage and truncated frames, then hang-ups.
+    for junk in (os.urandom(5000), frame(b'{"op": "status"}')[:7], b"\x00"):
+        s = raw(d.sock)
+        s.sendall(junk)
+        s.close()
+    # Several frames in one send, and one frame split over sends.
+    s = raw(d.sock)
+    s.sendall(frame(b'{"op":"status"}') * 3)
+    for _ in range(3):
+        assert read_reply(s)["ok"]  # type: ignore[index]
+    whole = frame(b'{"op":"status"}')
+    for b in whole:
+        s.sendall(bytes([b]))
+    assert read_reply(s)["ok"]  # type: ignore[index]
+    s.close()
+    # The daemon still serves attaches, and the stalled client was dropped.
+    store = open_store(path, mode="daemon")
+    check_all(store, recs)
+    assert d.segment(checksum)["clients"] == [os.getpid()]
+    stalled.settimeout(10)
+    assert stalled.recv(10) == b""
+    stalled.close()
+    assert d.proc.poll() is None
+    assert "Traceback" not in d.log.read_text()
+
+
+# ---- lifetime ----------------------------------------------------------------------------------
+
+
+def test_unload_while_mapped(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    store = open_store(path, mode="daemon")
+    assert isinstance(store, DaemonStore)
+    view = store[len(recs) // 2]
+    res = cli("unload", os.fspath(path), sock=d.sock)
+    assert "freed when its 1 client(s) detach" in res.stdout
+    # The name is gone (nothing new can attach), the pages are not: we still read correct bytes.
+    assert our_segments(d.pid) == []
+    assert d.status()["segments"] == []
+    with pytest.raises(DaemonError, match="does not serve"):
+        open_store(path, mode="daemon")
+    check_all(store, recs)
+    maps = Path("/proc/self/maps").read_text()
+    assert f"/dev/shm{store.segment} (deleted)" in maps
+    store.close()
+    assert bytes(view) == recs[len(recs) // 2], "a view keeps its mapping alive"
+    assert f"/dev/shm{store.segment} (deleted)" in Path("/proc/self/maps").read_text()
+    del view
+    assert f"/dev/shm{store.segment}" not in Path("/proc/self/maps").read_text(), (
+        "freed with the last mapping"
+    )
+
+
+HOLDER = """
+import sys, os
+from smstore.client import open_store
+s = open_store(sys.argv[1], mode="daemon")
+print(s.segment, flush=True)
+sys.stdin.read()
+assert bytes(s[3]) == bytes.fromhex(sys.argv[2])
+"""
+
+
+def test_two_jobs_share_one_segment(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    jobs = [
+        subprocess.Popen(
+            [sys.executable, "-c", HOLDER, os.fspath(path), recs[3].hex()],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(2)
+    ]
+    try:
+        segs = {j.stdout.readline().strip() for j in jobs}  # type: ignore[union-attr]
+        assert len(segs) == 1
+        assert len(our_segments(d.pid)) == 1
+        checksum = smstore.open(path).checksum
+        assert d.segment(checksum)["clients"] == sorted(j.pid for j in jobs)
+        out = cli("status", sock=d.sock).stdout
+        assert all(str(j.pid) in out for j in jobs)
+    finally:
+        for j in jobs:
+            j.communicate("", timeout=30)
+    assert [j.returncode for j in jobs] == [0, 0]
+    # Clients that exited are no longer listed.
+    assert d.segment(checksum)["clients"] == []
+
+
+def test_restart_adopts_and_cleans(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, recs = blob
+    a = start_daemon(path)
+    store = open_store(path, mode="daemon")
+    (old,) = our_segments(a.pid)
+    inode = (SHM / old).stat().st_ino
+    # A half-finished load of the dead daemon (not in its state file) must be cleaned up.
+    junk = old.rsplit("-", 1)[0] + "-deadbeef"
+    (SHM / junk).write_bytes(b"partial")
+    a.proc.kill()
+    a.proc.wait()
+    b = start_daemon()
+    st = b.wait_loaded(1)
+    (seg,) = st["segments"]
+    assert seg["adopted"]
+    assert seg["paths"] == [os.fspath(path)]
+    assert our_segments(a.pid) == []
+    (new,) = our_segments(b.pid)
+    assert (SHM / new).stat().st_ino == inode, "the same pages, not a second copy"
+    again = open_store(path, mode="daemon")
+    check_all(again, recs)
+    check_all(store, recs)
+
+
+# ---- DataLoader workers ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_through_daemon(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], method: str
+) -> None:
+    torch = pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    path, recs = blob
+    start_daemon(path)
+    ds = smstore.SharedStoreDataset(path, decode="bytes", mode="daemon")
+    assert isinstance(ds.store, DaemonStore)
+    loader = DataLoader(
+        ds,
+        batch_size=64,
+        num_workers=2,
+        multiprocessing_context=method,
+        collate_fn=list,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    seen = [r for batch in loader for r in batch]
+    assert sorted(seen) == sorted(recs)
+
+
+def test_kill9_mid_epoch_then_gc(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    path, recs = blob
+    d = start_daemon(path)
+    ds = smstore.SharedStoreDataset(path, decode="bytes", mode="daemon")
+    loader = DataLoader(ds, batch_size=16, num_workers=2, multiprocessing_context="fork", collate_fn=list)
+    out: list[bytes] = []
+    for k, batch in enumerate(loader):
+        out.extend(batch)
+        if k == 3:
+            d.proc.kill()
+            d.proc.wait()
+    assert out == recs, "readers finish the epoch with correct bytes"
+    assert len(our_segments(d.pid)) == 1, "kill -9 leaves the segment"
+    res = cli("gc", sock=d.sock)
+    assert our_segments(d.pid) == []
+    assert "removed" in res.stdout
+    assert not d.sock.exists()
+    assert not d.sock.with_name(d.sock.name + ".state").exists()
+    check_all(ds.store, recs)
+
+
+def test_gc_spares_live_daemons(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    path, _ = blob
+    d = start_daemon(path)
+    cli("gc", sock=d.sock)
+    assert len(our_segments(d.pid)) == 1
+    assert d.sock.exists()
+    assert d.status()["segments"]
+
+
+def test_sigint_stops_cleanly(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    path, _ = blob
+    d = start_daemon(path)
+    d.proc.send_signal(signal.SIGINT)
+    assert d.proc.wait(timeout=10) == 0
+    assert our_segments(d.pid) == []
+    assert not d.sock.exists()
+
+
+def test_second_daemon_on_same_socket_refused(start_daemon: Callable[..., Daemon]) -> None:
+    d = start_daemon()
+    res = cli("serve", sock=d.sock, check=False, timeout=30)
+    assert res.returncode == 1
+    assert "already listening" in res.stderr
+    assert d.status()["ok"]
+
+
+# ---- other users -------------------------------------------------------------------------------
+
+
+def as_user(fn: Callable[[], str], groups: list[int]) -> str:
+    """Run fn in a forked child as uid/gid 65534 (nobody) with the given supplementary groups."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            os.setgroups(groups)
+            os.setgid(65534)
+            os.setuid(65534)
+            result = fn()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
+            result = f"{type(e).__name__}: {e}"
+        os.write(w, result.encode())
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        data = f.read().decode()
+    os.waitpid(pid, 0)
+    return data
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_other_users_refused(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    path, recs = blob
+    try:
+        group = grp.getgrnam("users")
+    except KeyError:
+        pytest.skip("no 'users' group")
+    # Shared with the group: the socket directory must let the group in (and the path to it: not
+    # under pytest's private tmp_path).
+    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))
+    request.addfinalizer(lambda: shutil.rmtree(public))
+    public.chmod(0o755)
+    rundir = public / "run"
+    rundir.mkdir(mode=0o710)
+    os.chown(rundir, -1, group.gr_gid)
+    d = start_daemon(path, args=("--group", "users"), at=rundir / "smstore.sock")
+    (name,) = our_segments(d.pid)
+    assert (SHM / name).stat().st_mode & 0o777 == 0o440
+    assert (SHM / name).stat().st_gid == group.gr_gid
+    sock = os.fspath(d.sock)
+    checksum = smstore.open(path).checksum
+    # The member reads its own copy of the file (matched to the segment by content).
+    spath = os.fspath(public / "data.smst")
+    shutil.copyfile(path, spath)
+    Path(spath).chmod(0o644)
+
+    def member() -> str:
+        store = open_store(spath, mode="daemon", socket=sock)
+        ok = all(bytes(store[i]) == recs[i] for i in range(len(recs)))
+        try:
+            daemon_request({"op": "stop"}, sock)
+            stop = "stopped"
+        except DaemonError as e:
+            stop = str(e)
+        return f"{type(store).__name__} {ok} {stop}"
+
+    def outsider() -> str:
+        results = []
+        try:
+            daemon_request({"op": "attach", "checksum": checksum}, sock)
+            results.append("attached")
+        except DaemonError as e:
+            results.append(f"refused: {e}")
+        try:
+            with open(SHM / name, "rb") as f:
+                f.read(10)
+            results.append("read the segment")
+        except PermissionError:
+            results.append("no read")
+        return " | ".join(results)
+
+    assert as_user(member, [group.gr_gid]) == "DaemonStore True smstore daemon: only uid 0 may stop"
+    got = as_user(outsider, [])
+    assert got.startswith("refused:"), got
+    assert got.endswith("no read"), got
+    # Even with the directory and socket opened up by mistake, the daemon checks credentials.
+    d.sock.parent.chmod(0o711)
+    d.sock.chmod(0o666)
+    got = as_user(outsider, [])
+    assert "may not use this smstore daemon" in got, got
+    assert got.endswith("no read"), got
+    assert d.status()["ok"]
