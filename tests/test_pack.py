@@ -617,3 +617,67 @@ def test_memory_does_not_hold_input(tmp_path: Path, big_input: tuple[Path, int])
     # 4 MiB buffers; a packer that held the 48 MiB input would exceed this.
     assert grown_kib < 32 * 1024, grown_kib
     (tmp_path / "m.smst").unlink()
+
+
+# ----------------------------------------------------------------------------- jsonl differential
+
+
+def _python_accepts(line: bytes) -> bool:
+    """Python's json module as the RFC 8259 oracle (minus its NaN/Infinity extension)."""
+
+    def reject_constant(name: str) -> object:
+        raise ValueError(name)
+
+    try:
+        json.loads(line.decode("utf-8"), parse_constant=reject_constant)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+_JSON_TOKENS = [
+    "{", "}", "[", "]", ",", ":", " ", "\t", "\r", '"', '"a"', '"k":', "\\", "\\u00e9", "\\ud800", "\\x",
+    "0", "1", "-", "+", ".", "e", "E", "05", "1.5e3", "true", "tru", "null", "false", "\u00e9", "\x01", "\x7f",
+]  # fmt: skip
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    line=st.one_of(
+        st.lists(st.sampled_from(_JSON_TOKENS), max_size=12).map(lambda t: "".join(t).encode()),
+        _JSON_VALUES.map(lambda v: json.dumps(v, ensure_ascii=False).encode()),
+        st.binary(max_size=12).filter(lambda b: b"\n" not in b),
+        st.sampled_from(
+            [
+                b'"\xc3\xa9"',
+                b'"\xed\xa0\x80"',
+                b'"\xc0\xaf"',
+                b'"\xf4\x90\x80\x80"',
+                b'"\xe2\x82"',
+                b"[" * 600,
+            ]
+        ),
+    )
+)
+def test_jsonl_validation_agrees_with_python(tmp_path: Path, line: bytes) -> None:
+    src = tmp_path / "one.jsonl"
+    src.write_bytes(line + b"\n")
+    out = tmp_path / "one.smst"
+    message = ""
+    try:
+        smstore.pack_files([src], out, format="jsonl", progress=False, durable=False)
+    except PackInputError as e:
+        message = str(e)
+    accepted = not message
+    assert accepted == _python_accepts(line), (line, message)
+    if message:
+        assert f"{src}:1:" in message
+    if accepted:
+        assert read_all(out) == [line]

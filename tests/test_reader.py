@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import os
 import threading
 from pathlib import Path
 
@@ -356,3 +357,22 @@ def test_gather_concurrent_with_close(make_blob) -> None:
             t.join()
         assert all(r == everything for r in results)
         assert all("closed" in str(e) for e in errors)
+
+
+def test_from_fd(awkward_blob: Path, awkward_records: list[bytes], tmp_path: Path) -> None:
+    fd = os.open(awkward_blob, os.O_RDONLY)
+    try:
+        s = smstore._core.Store._from_fd(fd, "label-for-fd")
+    finally:
+        os.close(fd)  # the mapping outlives the descriptor
+    assert [bytes(s[i]) for i in range(len(s))] == awkward_records
+    assert s.path == "label-for-fd"
+    s.close()
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"junk" * 2000)
+    fd = os.open(junk, os.O_RDONLY)
+    try:
+        with pytest.raises(smstore.StoreFormatError, match="label-for-junk"):
+            smstore._core.Store._from_fd(fd, "label-for-junk")
+    finally:
+        os.close(fd)
