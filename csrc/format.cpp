@@ -14,7 +14,9 @@ namespace {
 }
 
 // a + b without wrapping; false on overflow.
-bool add_ok(uint64_t a, uint64_t b, uint64_t& out) { return !__builtin_add_overflow(a, b, &out); }
+bool add_ok(uint64_t a, uint64_t b, uint64_t& out) {
+    return !__builtin_add_overflow(a, b, &out);
+}
 
 void check_section(const std::string& label, const char* name, uint64_t offset, uint64_t size, uint64_t file_size) {
     uint64_t end;

@@ -30,7 +30,8 @@ private:
         return false;
     }
     void ws() {
-        while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r')) ++p_;
+        while (p_ < end_ && (*p_ == ' ' || *p_ == '\t' || *p_ == '\n' || *p_ == '\r'))
+            ++p_;
     }
     bool literal(const char* word) {
         for (const char* w = word; *w; ++w, ++p_) {
@@ -44,13 +45,20 @@ private:
     bool value(int depth) {
         if (p_ == end_) return fail("unexpected end of input");
         switch (*p_) {
-            case '{': return object(depth + 1);
-            case '[': return array(depth + 1);
-            case '"': return string();
-            case 't': return literal("true");
-            case 'f': return literal("false");
-            case 'n': return literal("null");
-            default: return number();
+            case '{':
+                return object(depth + 1);
+            case '[':
+                return array(depth + 1);
+            case '"':
+                return string();
+            case 't':
+                return literal("true");
+            case 'f':
+                return literal("false");
+            case 'n':
+                return literal("null");
+            default:
+                return number();
         }
     }
     bool object(int depth) {
@@ -158,20 +166,23 @@ private:
         if (*p_ == '0') {
             ++p_;
         } else if (digit(*p_)) {
-            while (p_ < end_ && digit(*p_)) ++p_;
+            while (p_ < end_ && digit(*p_))
+                ++p_;
         } else {
             return fail("invalid value");
         }
         if (p_ < end_ && *p_ == '.') {
             ++p_;
             if (p_ == end_ || !digit(*p_)) return fail("invalid number");
-            while (p_ < end_ && digit(*p_)) ++p_;
+            while (p_ < end_ && digit(*p_))
+                ++p_;
         }
         if (p_ < end_ && (*p_ == 'e' || *p_ == 'E')) {
             ++p_;
             if (p_ < end_ && (*p_ == '+' || *p_ == '-')) ++p_;
             if (p_ == end_ || !digit(*p_)) return fail("invalid number");
-            while (p_ < end_ && digit(*p_)) ++p_;
+            while (p_ < end_ && digit(*p_))
+                ++p_;
         }
         return true;
     }

@@ -78,7 +78,9 @@ std::string_view Store::metadata() const noexcept {
     return {reinterpret_cast<const char*>(mapping_->data() + header_.meta_offset), header_.meta_size};
 }
 
-uint64_t Store::compute_checksum() const noexcept { return blob_checksum(mapping_->data(), mapping_->size()); }
+uint64_t Store::compute_checksum() const noexcept {
+    return blob_checksum(mapping_->data(), mapping_->size());
+}
 
 void Store::verify() const {
     uint64_t actual = compute_checksum();
@@ -92,7 +94,8 @@ void Store::verify() const {
 
 uint64_t Store::gather_size(const uint64_t* indices, size_t n) const noexcept {
     uint64_t total = 0;
-    for (size_t k = 0; k < n; ++k) total += offsets_[indices[k] + 1] - offsets_[indices[k]];
+    for (size_t k = 0; k < n; ++k)
+        total += offsets_[indices[k] + 1] - offsets_[indices[k]];
     return total;
 }
 

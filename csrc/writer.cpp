@@ -29,7 +29,8 @@ std::string random_suffix() {
     static const char chars[] = "abcdefghijklmnopqrstuvwxyz0123456789";
     std::random_device rd;
     std::string s(10, 'x');
-    for (char& c : s) c = chars[rd() % (sizeof chars - 1)];
+    for (char& c : s)
+        c = chars[rd() % (sizeof chars - 1)];
     return s;
 }
 
@@ -75,7 +76,9 @@ Writer::Writer(std::string path, bool durable) : path_(std::move(path)), durable
     offsets_.push_back(0);
 }
 
-Writer::~Writer() { abort(); }
+Writer::~Writer() {
+    abort();
+}
 
 void Writer::check_open() const {
     if (fd_ < 0) throw Error(Error::Kind::Io, path_ + ": writer is closed");
@@ -242,15 +245,14 @@ void check_json_line(const std::string& file, uint64_t line_no, const char* p, s
     std::string why;
     size_t column = 0;
     if (!json_valid(p, n, &why, &column)) {
-        throw Error(Error::Kind::Input, file + ":" + std::to_string(line_no) + ": invalid JSON: " + why +
-                                            " (column " + std::to_string(column) + ")");
+        throw Error(Error::Kind::Input, file + ":" + std::to_string(line_no) + ": invalid JSON: " + why + " (column " +
+                                            std::to_string(column) + ")");
     }
 }
 
 }  // namespace
 
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format,
-                    PackProgress* progress) {
+uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress) {
     constexpr uint64_t kProgressEvery = 32 << 20;
     std::vector<unsigned char> buf(kBufferSize);
     std::string pending;  // jsonl only: the part of a line that spans reads

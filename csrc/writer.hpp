@@ -73,7 +73,6 @@ struct PackProgress {
 // Streams text files (or "-" for stdin) into `writer`: record i is line i without its '\n'; a final
 // line without '\n' is a record; every other byte is kept. Jsonl validates each line as JSON and
 // throws Error(Input) naming the file and line. Returns the bytes read.
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format,
-                    PackProgress* progress);
+uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress);
 
 }  // namespace smstore

@@ -12,7 +12,9 @@ constexpr uint64_t P3 = 0x165667B19E3779F9ULL;
 constexpr uint64_t P4 = 0x85EBCA77C2B2AE63ULL;
 constexpr uint64_t P5 = 0x27D4EB2F165667C5ULL;
 
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
+inline uint64_t rotl(uint64_t x, int r) {
+    return (x << r) | (x >> (64 - r));
+}
 
 inline uint64_t read64(const unsigned char* p) {
     uint64_t v;
@@ -61,7 +63,8 @@ void Xxh64::update(const void* data, size_t len) noexcept {
     if (mem_size_) {
         size_t fill = 32 - mem_size_;
         std::memcpy(mem_ + mem_size_, p, fill);
-        for (int i = 0; i < 4; ++i) v_[i] = round(v_[i], read64(mem_ + 8 * i));
+        for (int i = 0; i < 4; ++i)
+            v_[i] = round(v_[i], read64(mem_ + 8 * i));
         p += fill;
         mem_size_ = 0;
     }
@@ -84,7 +87,8 @@ uint64_t Xxh64::digest() const noexcept {
     uint64_t h;
     if (total_len_ >= 32) {
         h = rotl(v_[0], 1) + rotl(v_[1], 7) + rotl(v_[2], 12) + rotl(v_[3], 18);
-        for (int i = 0; i < 4; ++i) h = merge_round(h, v_[i]);
+        for (int i = 0; i < 4; ++i)
+            h = merge_round(h, v_[i]);
     } else {
         h = seed_ + P5;
     }

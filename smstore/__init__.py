@@ -11,11 +11,10 @@ from typing import TYPE_CHECKING, Any
 try:
     from smstore import _core
 except ImportError as err:  # pragma: no cover - only without a built extension
-    msg = (
+    raise ImportError(
         "smstore's compiled module smstore._core could not be imported. If you are running from a "
         "source checkout, install the package first (pip install .) and run outside the source tree."
-    )
-    raise ImportError(msg) from err
+    ) from err
 
 from smstore._pack import PackStats, Writer, pack, pack_files
 from smstore._store import Store, open

@@ -161,7 +161,7 @@ def pack_files(
     return PackStats(writer.record_count, total, writer.data_size, time.perf_counter() - start)
 
 
-class _progress_bar:  # noqa: N801 - used as a context manager like a function
+class _progress_bar:
     """A tqdm byte counter on a terminal; None (no callback) otherwise."""
 
     def __init__(self, names: Sequence[str], enabled: bool | None) -> None:

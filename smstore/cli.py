@@ -34,7 +34,12 @@ def cmd_pack(args: argparse.Namespace) -> int:
             user[key] = value
     progress = None if not args.quiet else False
     stats = smstore.pack_files(
-        args.inputs, args.output, format=args.format, metadata=user, progress=progress, durable=not args.no_fsync
+        args.inputs,
+        args.output,
+        format=args.format,
+        metadata=user,
+        progress=progress,
+        durable=not args.no_fsync,
     )
     if not args.quiet:
         rate = stats.input_bytes / stats.seconds / 2**20 if stats.seconds > 0 else float("inf")

@@ -8,19 +8,21 @@ from typing import Any
 
 from torch.utils.data import Dataset
 
+from smstore._core import RecordReader
 from smstore._decode import Decoder, make_decoder
 from smstore._store import Store
 
 __all__ = ["SharedStoreDataset"]
 
 
-class SharedStoreDataset(Dataset[Any]):
+class SharedStoreDataset(RecordReader, Dataset[Any]):
     """A map-style Dataset of the records of an smstore blob.
 
     The blob is mapped read-only; every process that reads it (DataLoader workers, local ranks)
     shares the same physical pages, so memory does not grow with the number of processes. The
     dataset pickles as its path and options only and attaches lazily in each process, so it works
-    with the ``fork``, ``spawn`` and ``forkserver`` start methods.
+    with the ``fork``, ``spawn`` and ``forkserver`` start methods. ``ds[i]`` runs in C (see
+    ``smstore._core.RecordReader``).
 
     Args:
         path: The ``.smst`` blob.
@@ -45,33 +47,27 @@ class SharedStoreDataset(Dataset[Any]):
         self.decode = decode
         self.transform = transform
         store = Store(self.path)
-        self._store: Store | None = store
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
         self._decoder = make_decoder(decode, store.encoding, self.path)
+        self._bind(store, self._decoder, transform)
 
-    def _attach(self) -> Store:
-        self._store = Store(self.path)
-        return self._store
+    def _attach(self) -> None:
+        """Map the blob in this process (called by the C base on first access after unpickling)."""
+        self._bind(Store(self.path), self._decoder, self.transform)
 
     @property
     def store(self) -> Store:
         """The Store this process reads from (attached on first use)."""
-        return self._store if self._store is not None else self._attach()
+        store = self._bound_store
+        if store is None:
+            self._attach()
+            store = self._bound_store
+            assert store is not None  # _attach() binds one
+        return store
 
     def __len__(self) -> int:
         return self._len
-
-    def __getitem__(self, index: int) -> Any:
-        store = self._store
-        if store is None:
-            store = self._attach()
-        record = store[index]
-        if self._decoder is not None:
-            record = self._decoder(record)
-        if self.transform is not None:
-            record = self.transform(record)
-        return record
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         records: list[Any] = self.store.get_batch(indices)
@@ -86,7 +82,6 @@ class SharedStoreDataset(Dataset[Any]):
     def __getstate__(self) -> dict[str, Any]:
         # Path and options only: never the data, never a mapping or a socket.
         state = self.__dict__.copy()
-        state["_store"] = None
         state["_decoder"] = None  # may be a closure; rebuilt from `decode` on unpickling
         return state
 

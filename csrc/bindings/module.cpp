@@ -6,5 +6,6 @@ PYBIND11_MODULE(_core, m, pybind11::mod_gil_not_used()) {
     m.attr("__version__") = SMSTORE_VERSION;
     smstore::bindings::register_errors(m);
     smstore::bindings::register_store(m);
+    smstore::bindings::register_record_reader(m);
     smstore::bindings::register_writer(m);
 }

@@ -7,6 +7,7 @@ namespace smstore::bindings {
 
 void register_errors(pybind11::module_& m);
 void register_store(pybind11::module_& m);
+void register_record_reader(pybind11::module_& m);
 void register_writer(pybind11::module_& m);
 
 }  // namespace smstore::bindings

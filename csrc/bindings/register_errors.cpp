@@ -15,10 +15,10 @@ struct KindClass {
 };
 
 constexpr KindClass kErrorTable[] = {
-    {Error::Kind::Format, "StoreFormatError"},   {Error::Kind::Truncated, "StoreTruncatedError"},
-    {Error::Kind::Version, "StoreVersionError"}, {Error::Kind::Checksum, "ChecksumMismatchError"},
+    {Error::Kind::Format, "StoreFormatError"},     {Error::Kind::Truncated, "StoreTruncatedError"},
+    {Error::Kind::Version, "StoreVersionError"},   {Error::Kind::Checksum, "ChecksumMismatchError"},
     {Error::Kind::NotFound, "StoreNotFoundError"}, {Error::Kind::Io, "StoreIOError"},
-    {Error::Kind::Input, "PackInputError"},      {Error::Kind::Shm, "SharedMemoryError"},
+    {Error::Kind::Input, "PackInputError"},        {Error::Kind::Shm, "SharedMemoryError"},
 };
 
 // Borrowed for the life of the interpreter: smstore.errors is never unloaded.
@@ -29,8 +29,8 @@ void raise(const Error& e) {
     for (size_t i = 0; i < std::size(kErrorTable); ++i) {
         if (kErrorTable[i].kind == e.kind()) cls = g_classes[i];
     }
-    if (e.sys_errno() && PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls),
-                                          reinterpret_cast<PyTypeObject*>(PyExc_OSError))) {
+    if (e.sys_errno() &&
+        PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls), reinterpret_cast<PyTypeObject*>(PyExc_OSError))) {
         // OSError subclasses get (errno, message) so that .errno works as usual.
         PyObject* args = Py_BuildValue("(is)", e.sys_errno(), e.what());
         PyErr_SetObject(cls, args);

@@ -1,133 +1,25 @@
-// smstore._core.Store: zero-copy, read-only memoryviews of records that keep their mapping alive.
+// smstore.Store: zero-copy, read-only memoryviews of records; indexing runs in raw CPython slots.
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
-#include <vector>
+#include <algorithm>
+#include <cstdio>
 
+#include "error.hpp"
+#include "py_store.hpp"
 #include "register.hpp"
-#include "store.hpp"
 
 namespace py = pybind11;
 
 namespace smstore::bindings {
 namespace {
 
-// Exports a store's data section through the buffer protocol. Every memoryview of a record is a
-// slice of one memoryview of this object, so it holds a reference to it, and so to the mapping:
-// closing or dropping the Store never leaves a view pointing at unmapped memory.
+// Exports a store's data section through the buffer protocol (see record_view).
 struct DataExport {
     std::shared_ptr<Store> store;
 };
 
-class PyStore {
-public:
-    explicit PyStore(std::shared_ptr<Store> store) : store_(std::move(store)) {
-        count_ = store_->size();
-        offsets_ = store_->offsets();
-        owner_ = py::cast(std::make_shared<DataExport>(DataExport{store_}));
-        PyObject* view = PyMemoryView_FromObject(owner_.ptr());
-        if (!view) throw py::error_already_set();
-        view_ = py::reinterpret_steal<py::object>(view);
-    }
-
-    const Store& core() const {
-        if (!store_) throw py::value_error("I/O operation on a closed smstore.Store");
-        return *store_;
-    }
-
-    std::shared_ptr<Store> shared() const {
-        core();
-        return store_;
-    }
-
-    uint64_t size() const { return count_; }
-
-    uint64_t normalize(Py_ssize_t i) const {
-        auto n = static_cast<Py_ssize_t>(count_);
-        if (i < 0) i += n;
-        if (i < 0 || i >= n) {
-            throw py::index_error("record index " + std::to_string(i < 0 ? i - n : i) + " out of range for " +
-                                  std::to_string(count_) + " records");
-        }
-        return static_cast<uint64_t>(i);
-    }
-
-    py::object record(uint64_t i) const {
-        PyObject* r = PySequence_GetSlice(view_.ptr(), static_cast<Py_ssize_t>(offsets_[i]),
-                                          static_cast<Py_ssize_t>(offsets_[i + 1]));
-        if (!r) throw py::error_already_set();
-        return py::reinterpret_steal<py::object>(r);
-    }
-
-    py::object getitem(Py_ssize_t i) const {
-        core();
-        return record(normalize(i));
-    }
-
-    std::vector<uint64_t> normalize_all(const py::handle& indices) const {
-        core();
-        std::vector<uint64_t> out;
-        if (PyList_Check(indices.ptr()) || PyTuple_Check(indices.ptr())) {
-            py::sequence seq = py::reinterpret_borrow<py::sequence>(indices);
-            out.reserve(seq.size());
-            for (auto item : seq) out.push_back(normalize(item.cast<Py_ssize_t>()));
-            return out;
-        }
-        auto arr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(indices);
-        if (!arr) throw py::type_error("indices must be a sequence or array of integers");
-        if (arr.ndim() != 1) throw py::value_error("indices must be one-dimensional");
-        auto view = arr.unchecked<1>();
-        out.reserve(static_cast<size_t>(view.shape(0)));
-        for (py::ssize_t k = 0; k < view.shape(0); ++k) out.push_back(normalize(view(k)));
-        return out;
-    }
-
-    py::list get_batch(const py::handle& indices) const {
-        std::vector<uint64_t> idx = normalize_all(indices);
-        py::list out(idx.size());
-        for (size_t k = 0; k < idx.size(); ++k) {
-            PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(k), record(idx[k]).release().ptr());
-        }
-        return out;
-    }
-
-    py::tuple gather(const py::handle& indices) const {
-        std::vector<uint64_t> idx = normalize_all(indices);
-        std::shared_ptr<Store> keep = store_;  // stays mapped while the GIL is released
-        uint64_t total = keep->gather_size(idx.data(), idx.size());
-        py::array_t<uint8_t> data(static_cast<py::ssize_t>(total));
-        py::array_t<int64_t> offsets(static_cast<py::ssize_t>(idx.size() + 1));
-        unsigned char* out = data.mutable_data();
-        int64_t* out_offsets = offsets.mutable_data();
-        {
-            py::gil_scoped_release release;
-            keep->gather(idx.data(), idx.size(), out, out_offsets);
-        }
-        return py::make_tuple(std::move(data), std::move(offsets));
-    }
-
-    py::array offsets_array() const {
-        const Store& s = core();
-        py::array_t<uint64_t> arr({static_cast<py::ssize_t>(s.size() + 1)}, {static_cast<py::ssize_t>(8)},
-                                  s.offsets(), owner_);
-        arr.attr("setflags")(py::arg("write") = false);
-        return arr;
-    }
-
-    void close() {
-        store_.reset();
-        view_ = py::none();
-        owner_ = py::none();
-    }
-    bool closed() const { return !store_; }
-
-private:
-    std::shared_ptr<Store> store_;
-    py::object owner_;
-    py::object view_;
-    uint64_t count_ = 0;
-    const uint64_t* offsets_ = nullptr;
-};
+PyTypeObject* g_store_type = nullptr;  // owned by the module
 
 std::string hex64(uint64_t v) {
     char buf[17];
@@ -135,7 +27,145 @@ std::string hex64(uint64_t v) {
     return buf;
 }
 
+// Raw slots: pybind11's dispatcher costs more than the whole record lookup, so store[i] and
+// len(store) bypass it. The pybind11 definitions stay for introspection and explicit calls.
+PyObject* store_subscript(PyObject* self, PyObject* key) {
+    PyStore* s = py_store_from(self);
+    return s ? s->getitem(key) : nullptr;
+}
+
+PyObject* store_item(PyObject* self, Py_ssize_t i) {
+    PyObject* key = PyLong_FromSsize_t(i);
+    if (!key) return nullptr;
+    PyObject* r = store_subscript(self, key);
+    Py_DECREF(key);
+    return r;
+}
+
+Py_ssize_t store_length(PyObject* self) {
+    PyStore* s = py_store_from(self);
+    return s ? static_cast<Py_ssize_t>(s->size()) : -1;
+}
+
+py::object parse_metadata(const PyStore& s) {
+    auto meta = s.core().metadata();
+    try {
+        py::object parsed = py::module_::import("json").attr("loads")(py::bytes(meta.data(), meta.size()));
+        if (py::isinstance<py::dict>(parsed)) return parsed;
+    } catch (py::error_already_set&) {
+    }
+    throw Error(Error::Kind::Format,
+                s.core().label() + ": corrupt metadata block (not a JSON object); run 'smstore verify' on it");
+}
+
 }  // namespace
+
+PyStore::PyStore(std::shared_ptr<Store> store) : store_(std::move(store)) {
+    count_ = store_->size();
+    offsets_ = store_->offsets();
+    owner_ = py::cast(std::make_shared<DataExport>(DataExport{store_}));
+    PyObject* view = PyMemoryView_FromObject(owner_.ptr());
+    if (!view) throw py::error_already_set();
+    view_ = py::reinterpret_steal<py::object>(view);
+}
+
+const Store& PyStore::core() const {
+    if (!store_) throw py::value_error("I/O operation on a closed smstore.Store");
+    return *store_;
+}
+
+std::shared_ptr<Store> PyStore::shared() const {
+    core();
+    return store_;
+}
+
+void PyStore::close() {
+    store_.reset();
+    view_ = py::none();
+    owner_ = py::none();
+    offsets_ = nullptr;
+}
+
+PyObject* PyStore::getitem(PyObject* key) const {
+    if (!store_) {
+        PyErr_SetString(PyExc_ValueError, "I/O operation on a closed smstore.Store");
+        return nullptr;
+    }
+    Py_ssize_t i = normalize_index(key, count_);
+    if (i < 0) return nullptr;
+    return record_view(view_.ptr(), offsets_[i], offsets_[i + 1]);
+}
+
+std::vector<uint64_t> PyStore::normalize_all(py::handle indices) const {
+    core();
+    std::vector<uint64_t> out;
+    PyObject* seq = indices.ptr();
+    if (PyList_Check(seq) || PyTuple_Check(seq)) {
+        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
+        PyObject** items = PySequence_Fast_ITEMS(seq);
+        out.resize(static_cast<size_t>(n));
+        for (Py_ssize_t k = 0; k < n; ++k) {
+            Py_ssize_t i = normalize_index(items[k], count_);
+            if (i < 0) throw py::error_already_set();
+            out[static_cast<size_t>(k)] = static_cast<uint64_t>(i);
+        }
+        return out;
+    }
+    auto arr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(indices);
+    if (!arr) throw py::type_error("indices must be a sequence or array of integers");
+    if (arr.ndim() != 1) throw py::value_error("indices must be one-dimensional");
+    const int64_t* p = arr.data();
+    auto n = static_cast<int64_t>(count_);
+    out.resize(static_cast<size_t>(arr.shape(0)));
+    for (size_t k = 0; k < out.size(); ++k) {
+        int64_t i = p[k] < 0 ? p[k] + n : p[k];
+        if (i < 0 || i >= n) {
+            throw py::index_error("record index " + std::to_string(p[k]) + " out of range for " +
+                                  std::to_string(count_) + " records");
+        }
+        out[k] = static_cast<uint64_t>(i);
+    }
+    return out;
+}
+
+py::list PyStore::get_batch(py::handle indices) const {
+    std::vector<uint64_t> idx = normalize_all(indices);
+    // Random indices miss the cache on their offsets: keep a few loads in flight ahead of use.
+    constexpr size_t kAhead = 8;
+    for (size_t k = 0; k < std::min(kAhead, idx.size()); ++k)
+        __builtin_prefetch(offsets_ + idx[k]);
+    py::list out(idx.size());
+    for (size_t k = 0; k < idx.size(); ++k) {
+        if (k + kAhead < idx.size()) __builtin_prefetch(offsets_ + idx[k + kAhead]);
+        PyObject* r = record_view(view_.ptr(), offsets_[idx[k]], offsets_[idx[k] + 1]);
+        if (!r) throw py::error_already_set();
+        PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(k), r);
+    }
+    return out;
+}
+
+py::tuple PyStore::gather(py::handle indices) const {
+    std::vector<uint64_t> idx = normalize_all(indices);
+    std::shared_ptr<Store> keep = store_;  // stays mapped while the GIL is released
+    uint64_t total = keep->gather_size(idx.data(), idx.size());
+    py::array_t<uint8_t> data(static_cast<py::ssize_t>(total));
+    py::array_t<int64_t> offsets(static_cast<py::ssize_t>(idx.size() + 1));
+    unsigned char* out = data.mutable_data();
+    int64_t* out_offsets = offsets.mutable_data();
+    {
+        py::gil_scoped_release release;
+        keep->gather(idx.data(), idx.size(), out, out_offsets);
+    }
+    return py::make_tuple(std::move(data), std::move(offsets));
+}
+
+PyStore* py_store_from(PyObject* obj) {
+    if (!PyObject_TypeCheck(obj, g_store_type)) {
+        PyErr_Format(PyExc_TypeError, "expected an smstore.Store, not %s", Py_TYPE(obj)->tp_name);
+        return nullptr;
+    }
+    return py::handle(obj).cast<PyStore*>();
+}
 
 void register_store(py::module_& m) {
     py::class_<DataExport, std::shared_ptr<DataExport>>(m, "_DataExport", py::buffer_protocol())
@@ -146,16 +176,27 @@ void register_store(py::module_& m) {
                                    /*readonly=*/true);
         });
 
-    py::class_<PyStore>(m, "Store", "A read-only, memory-mapped smstore blob.")
-        .def(py::init([](const std::string& path) {
-                 std::shared_ptr<Store> s;
-                 {
-                     py::gil_scoped_release release;  // validating the index of a large store takes a while
-                     s = Store::open(path);
-                 }
-                 return PyStore(std::move(s));
-             }),
-             py::arg("path"))
+    auto open_path = [](const std::string& path) {
+        std::shared_ptr<Store> s;
+        {
+            py::gil_scoped_release release;  // validating the index of a large store takes a while
+            s = Store::open(path);
+        }
+        return PyStore(std::move(s));
+    };
+
+    py::class_<PyStore> cls(m, "Store", R"doc(A read-only, memory-mapped smstore blob.
+
+``store[i]`` is a zero-copy, read-only ``memoryview`` of record ``i`` (negative indices count
+from the end). Every view keeps the mapping alive, so views stay valid after ``close()``.
+
+Args:
+    path: The ``.smst`` file to map. Its header and offsets index are validated on open.
+)doc");
+    cls.def(py::init([open_path](const py::object& path) {
+                return open_path(py::str(py::module_::import("os").attr("fspath")(path)));
+            }),
+            py::arg("path"))
         .def_static(
             "_from_fd",
             [](int fd, const std::string& label) {
@@ -168,22 +209,43 @@ void register_store(py::module_& m) {
             },
             py::arg("fd"), py::arg("label"))
         .def("__len__", &PyStore::size)
-        .def("__getitem__", &PyStore::getitem, py::arg("index"))
-        .def("get_batch", &PyStore::get_batch, py::arg("indices"))
-        .def("gather", &PyStore::gather, py::arg("indices"))
-        .def("verify",
-             [](const PyStore& s) {
-                 auto keep = s.shared();
-                 py::gil_scoped_release release;
-                 keep->verify();
+        .def(
+            "__getitem__",
+            [](const PyStore& s, const py::object& index) {
+                PyObject* r = s.getitem(index.ptr());
+                if (!r) throw py::error_already_set();
+                return py::reinterpret_steal<py::object>(r);
+            },
+            py::arg("index"))
+        .def("get_batch", &PyStore::get_batch, py::arg("indices"),
+             "Records at `indices` as a list of memoryviews, in one call.")
+        .def("gather", &PyStore::gather, py::arg("indices"),
+             "Copy the records at `indices` back to back: (uint8 data, int64 offsets of len+1).")
+        .def(
+            "verify",
+            [](const PyStore& s) {
+                auto keep = s.shared();
+                py::gil_scoped_release release;
+                keep->verify();
+            },
+            "Check the checksum over every byte; raise ChecksumMismatchError if it differs.")
+        .def(
+            "compute_checksum",
+            [](const PyStore& s) {
+                auto keep = s.shared();
+                py::gil_scoped_release release;
+                return hex64(keep->compute_checksum());
+            },
+            "XXH64 of the contents as 16 hex digits (reads every byte).")
+        .def("close", &PyStore::close, "Drop this Store's mapping; records already handed out stay valid.")
+        .def("__enter__", [](py::object self) { return self; })
+        .def("__exit__", [](PyStore& s, const py::args&) { s.close(); })
+        .def("__repr__",
+             [](const PyStore& s) -> std::string {
+                 if (s.closed()) return "<smstore.Store (closed)>";
+                 return "<smstore.Store '" + s.core().label() + "': " + std::to_string(s.size()) + " records, " +
+                        std::to_string(s.core().data_size()) + " bytes>";
              })
-        .def("compute_checksum",
-             [](const PyStore& s) {
-                 auto keep = s.shared();
-                 py::gil_scoped_release release;
-                 return hex64(keep->compute_checksum());
-             })
-        .def("close", &PyStore::close)
         .def_property_readonly("closed", &PyStore::closed)
         .def_property_readonly("path", [](const PyStore& s) { return s.core().label(); })
         .def_property_readonly("checksum", [](const PyStore& s) { return hex64(s.core().stored_checksum()); })
@@ -195,7 +257,26 @@ void register_store(py::module_& m) {
                                    auto meta = s.core().metadata();
                                    return py::bytes(meta.data(), meta.size());
                                })
-        .def_property_readonly("offsets", &PyStore::offsets_array);
+        .def_property_readonly("metadata", &parse_metadata,
+                               "The metadata block: encoding, source, created, user metadata.")
+        .def_property_readonly(
+            "encoding", [](const PyStore& s) { return parse_metadata(s).attr("get")("encoding", "bytes"); },
+            "How records are encoded: lines, jsonl, bytes or npy:<dtype>.")
+        .def_property_readonly("offsets", [](const PyStore& s) {
+            const Store& core = s.core();
+            py::array_t<uint64_t> arr({static_cast<py::ssize_t>(core.size() + 1)}, {static_cast<py::ssize_t>(8)},
+                                      core.offsets(), s.owner());
+            arr.attr("setflags")(py::arg("write") = false);
+            return arr;
+        });
+
+    g_store_type = reinterpret_cast<PyTypeObject*>(cls.ptr());
+    auto* heap = reinterpret_cast<PyHeapTypeObject*>(cls.ptr());
+    heap->as_mapping.mp_subscript = store_subscript;
+    heap->as_mapping.mp_length = store_length;
+    heap->as_sequence.sq_item = store_item;
+    heap->as_sequence.sq_length = store_length;
+    PyType_Modified(reinterpret_cast<PyTypeObject*>(cls.ptr()));
 }
 
 }  // namespace smstore::bindings

@@ -63,7 +63,8 @@ void register_writer(py::module_& m) {
             "extend",
             [](Writer& w, const py::iterable& records) {
                 uint64_t before = w.record_count();
-                for (auto item : records) append_object(w, item);
+                for (auto item : records)
+                    append_object(w, item);
                 return w.record_count() - before;
             },
             py::arg("records"))

@@ -1,0 +1,73 @@
+// The Python-facing Store object shared by the Store bindings and the Dataset fast path.
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "store.hpp"
+
+namespace smstore::bindings {
+
+// A zero-copy record: a slice of `view`, the memoryview of a store's data section. The slice
+// shares the view's managed buffer, which holds the exporting object and so the mapping: no
+// record can outlive the memory it points into.
+inline PyObject* record_view(PyObject* view, uint64_t begin, uint64_t end) {
+    // Offsets fit in Py_ssize_t (files are smaller than 2**63), and FromSsize_t has a fast path.
+    PyObject* start = PyLong_FromSsize_t(static_cast<Py_ssize_t>(begin));
+    PyObject* stop = start ? PyLong_FromSsize_t(static_cast<Py_ssize_t>(end)) : nullptr;
+    PyObject* slice = stop ? PySlice_New(start, stop, nullptr) : nullptr;
+    Py_XDECREF(start);
+    Py_XDECREF(stop);
+    if (!slice) return nullptr;
+    PyObject* record = PyObject_GetItem(view, slice);
+    Py_DECREF(slice);
+    return record;
+}
+
+// Python semantics for one index: negative counts from the end; -1 with IndexError set if outside.
+inline Py_ssize_t normalize_index(PyObject* key, uint64_t count) {
+    Py_ssize_t i = PyLong_CheckExact(key) ? PyLong_AsSsize_t(key) : PyNumber_AsSsize_t(key, PyExc_IndexError);
+    if (i == -1 && PyErr_Occurred()) return -1;
+    auto n = static_cast<Py_ssize_t>(count);
+    Py_ssize_t j = i < 0 ? i + n : i;
+    if (j < 0 || j >= n) {
+        PyErr_Format(PyExc_IndexError, "record index %zd out of range for %zd records", i, n);
+        return -1;
+    }
+    return j;
+}
+
+class PyStore {
+public:
+    explicit PyStore(std::shared_ptr<Store> store);
+
+    const Store& core() const;
+    std::shared_ptr<Store> shared() const;
+    uint64_t size() const noexcept { return count_; }
+    bool closed() const noexcept { return !store_; }
+    PyObject* view() const noexcept { return view_.ptr(); }
+    const uint64_t* offsets() const noexcept { return offsets_; }
+    const pybind11::object& owner() const noexcept { return owner_; }
+    void close();
+
+    // New reference, or nullptr with a Python error set.
+    PyObject* getitem(PyObject* key) const;
+    std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
+    pybind11::list get_batch(pybind11::handle indices) const;
+    pybind11::tuple gather(pybind11::handle indices) const;
+
+private:
+    std::shared_ptr<Store> store_;
+    pybind11::object owner_;
+    pybind11::object view_;
+    uint64_t count_ = 0;
+    const uint64_t* offsets_ = nullptr;
+};
+
+// The PyStore inside a Python Store object, or nullptr with TypeError set.
+PyStore* py_store_from(PyObject* obj);
+
+}  // namespace smstore::bindings

@@ -1,0 +1,157 @@
+// smstore._core.RecordReader: the C base of SharedStoreDataset, so ds[i] never enters a Python frame.
+
+#include "py_store.hpp"
+#include "register.hpp"
+
+namespace py = pybind11;
+
+namespace smstore::bindings {
+namespace {
+
+// Holds what ds[i] needs, borrowed from a bound Store. Python subclasses add __dict__ and
+// implement _attach() (called on first access in a process that has not bound a Store yet).
+struct RecordReader {
+    PyObject_HEAD PyObject* store;  // the bound smstore.Store, or nullptr
+    PyObject* view;                 // its data memoryview
+    PyObject* decode;               // callable or nullptr
+    PyObject* transform;            // callable or nullptr
+    const uint64_t* offsets;
+    uint64_t count;
+};
+
+int reader_clear(PyObject* self) {
+    auto* r = reinterpret_cast<RecordReader*>(self);
+    Py_CLEAR(r->store);
+    Py_CLEAR(r->view);
+    Py_CLEAR(r->decode);
+    Py_CLEAR(r->transform);
+    r->offsets = nullptr;
+    r->count = 0;
+    return 0;
+}
+
+int reader_traverse(PyObject* self, visitproc visit, void* arg) {
+    auto* r = reinterpret_cast<RecordReader*>(self);
+    Py_VISIT(Py_TYPE(self));
+    Py_VISIT(r->store);
+    Py_VISIT(r->view);
+    Py_VISIT(r->decode);
+    Py_VISIT(r->transform);
+    return 0;
+}
+
+void reader_dealloc(PyObject* self) {
+    PyTypeObject* type = Py_TYPE(self);  // instances of heap types own a reference to their type
+    PyObject_GC_UnTrack(self);
+    reader_clear(self);
+    type->tp_free(self);
+    Py_DECREF(type);
+}
+
+PyObject* reader_subscript(PyObject* self, PyObject* key) {
+    auto* r = reinterpret_cast<RecordReader*>(self);
+    if (!r->view) {
+        PyObject* done = PyObject_CallMethod(self, "_attach", nullptr);
+        if (!done) return nullptr;
+        Py_DECREF(done);
+        if (!r->view) {
+            PyErr_SetString(PyExc_RuntimeError, "_attach() did not bind a Store");
+            return nullptr;
+        }
+    }
+    Py_ssize_t i = normalize_index(key, r->count);
+    if (i < 0) return nullptr;
+    PyObject* record = record_view(r->view, r->offsets[i], r->offsets[i + 1]);
+    if (record && r->decode) {
+        PyObject* decoded = PyObject_CallOneArg(r->decode, record);
+        Py_DECREF(record);
+        record = decoded;
+    }
+    if (record && r->transform) {
+        PyObject* transformed = PyObject_CallOneArg(r->transform, record);
+        Py_DECREF(record);
+        record = transformed;
+    }
+    return record;
+}
+
+// _bind(store, decode, transform): read records of `store`, passing them through the callables.
+PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "_bind(store, decode, transform) takes 3 arguments");
+        return nullptr;
+    }
+    PyStore* s = py_store_from(args[0]);
+    if (!s) return nullptr;
+    if (s->closed()) {
+        PyErr_SetString(PyExc_ValueError, "I/O operation on a closed smstore.Store");
+        return nullptr;
+    }
+    for (Py_ssize_t k = 1; k < 3; ++k) {
+        if (args[k] != Py_None && !PyCallable_Check(args[k])) {
+            PyErr_SetString(PyExc_TypeError, "decode and transform must be callables or None");
+            return nullptr;
+        }
+    }
+    auto* r = reinterpret_cast<RecordReader*>(self);
+    reader_clear(self);
+    r->store = Py_NewRef(args[0]);
+    r->view = Py_NewRef(s->view());
+    r->decode = args[1] == Py_None ? nullptr : Py_NewRef(args[1]);
+    r->transform = args[2] == Py_None ? nullptr : Py_NewRef(args[2]);
+    r->offsets = s->offsets();
+    r->count = s->size();
+    Py_RETURN_NONE;
+}
+
+PyObject* reader_unbind(PyObject* self, PyObject*) {
+    reader_clear(self);
+    Py_RETURN_NONE;
+}
+
+PyObject* reader_bound_store(PyObject* self, void*) {
+    auto* r = reinterpret_cast<RecordReader*>(self);
+    return Py_NewRef(r->store ? r->store : Py_None);
+}
+
+PyMethodDef reader_methods[] = {
+    {"_bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reader_bind)), METH_FASTCALL,
+     "_bind(store, decode, transform): serve records of `store` through the given callables."},
+    {"_unbind", reader_unbind, METH_NOARGS, "Forget the bound Store (the next access calls _attach())."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+PyGetSetDef reader_getset[] = {
+    {"_bound_store", reader_bound_store, nullptr, "The bound Store, or None.", nullptr},
+    {nullptr, nullptr, nullptr, nullptr, nullptr},
+};
+
+PyType_Slot reader_slots[] = {
+    {Py_tp_doc, const_cast<char*>("Base of SharedStoreDataset: self[i] reads record i of the bound Store in C.")},
+    {Py_tp_new, reinterpret_cast<void*>(PyType_GenericNew)},
+    {Py_tp_dealloc, reinterpret_cast<void*>(reader_dealloc)},
+    {Py_tp_traverse, reinterpret_cast<void*>(reader_traverse)},
+    {Py_tp_clear, reinterpret_cast<void*>(reader_clear)},
+    {Py_mp_subscript, reinterpret_cast<void*>(reader_subscript)},
+    {Py_tp_methods, reader_methods},
+    {Py_tp_getset, reader_getset},
+    {0, nullptr},
+};
+
+PyType_Spec reader_spec = {
+    "smstore._core.RecordReader",
+    sizeof(RecordReader),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    reader_slots,
+};
+
+}  // namespace
+
+void register_record_reader(py::module_& m) {
+    PyObject* type = PyType_FromSpec(&reader_spec);
+    if (!type) throw py::error_already_set();
+    m.add_object("RecordReader", py::reinterpret_steal<py::object>(type));
+}
+
+}  // namespace smstore::bindings

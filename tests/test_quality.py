@@ -1,0 +1,85 @@
+"""The code standards as tests: formatting, lint, types, stubs, and warning-free C++."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+import sysconfig
+from pathlib import Path
+
+import pybind11
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPP = sorted((ROOT / "csrc").rglob("*.cpp")) + sorted((ROOT / "csrc").rglob("*.hpp"))
+
+
+def run(*cmd: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(c) for c in cmd], cwd=cwd, capture_output=True, text=True, check=False)
+
+
+def tool(name: str) -> str:
+    path = shutil.which(name) or str(Path(sys.executable).parent / name)
+    if not Path(path).exists():
+        pytest.fail(f"{name} is not installed: pip install '.[test]'")
+    return path
+
+
+def test_ruff_lint_and_format() -> None:
+    paths = ["smstore", "tests", "benchmarks", "examples"]
+    lint = run(tool("ruff"), "check", *paths)
+    assert lint.returncode == 0, lint.stdout + lint.stderr
+    fmt = run(tool("ruff"), "format", "--check", *paths)
+    assert fmt.returncode == 0, fmt.stdout + fmt.stderr
+
+
+def test_mypy_strict() -> None:
+    result = run(sys.executable, "-m", "mypy")
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_stub_matches_compiled_module(tmp_path: Path) -> None:
+    # Run outside the source tree so that the installed package (with _core) is checked.
+    result = run(
+        sys.executable,
+        "-m",
+        "mypy.stubtest",
+        "smstore",
+        "--mypy-config-file",
+        ROOT / "pyproject.toml",
+        "--allowlist",
+        ROOT / "tests" / "stubtest-allowlist.txt",
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_clang_format_clean() -> None:
+    result = run(tool("clang-format"), "--dry-run", "-Werror", *CPP)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_core_never_includes_pybind11() -> None:
+    for path in (ROOT / "csrc").glob("*.[ch]pp"):
+        assert "pybind11" not in path.read_text(), f"{path.name}: the core must not include pybind11"
+
+
+@pytest.mark.parametrize("source", [p for p in CPP if p.suffix == ".cpp"], ids=lambda p: p.name)
+def test_cpp_warning_free(source: Path) -> None:
+    compiler = shutil.which("c++") or pytest.fail("no C++ compiler")
+    result = run(
+        compiler,
+        "-std=c++17",
+        "-fsyntax-only",
+        "-Wall",
+        "-Wextra",
+        "-Werror",
+        "-fvisibility=hidden",  # as CMakeLists.txt builds it
+        f"-I{ROOT / 'csrc'}",
+        f"-I{pybind11.get_include()}",
+        f"-I{sysconfig.get_paths()['include']}",
+        '-DSMSTORE_VERSION="test"',
+        source,
+    )
+    assert result.returncode == 0, result.stderr
