@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+import gc
 import json
 import os
 import pickle
@@ -304,3 +306,61 @@ def test_distributed_sampler_with_workers(numbered_blob: tuple[Path, list[bytes]
         seen.update(int(r.split(b"|", 1)[0]) for r in got)
     assert set(seen) == set(range(len(recs)))
     assert sum(seen.values()) == -(-len(recs) // world) * world
+
+
+# ----------------------------------------------------------------------------- indexing and lifetime
+
+
+def test_dataset_indexing_rules(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    ds = SharedStoreDataset(awkward_blob, decode="bytes")
+    n = len(awkward_records)
+    assert ds[np.int64(3)] == awkward_records[3]
+    assert ds[np.uint8(2)] == awkward_records[2]
+    assert ds[-n] == awkward_records[0]
+    for bad in (n, -n - 1, 2**70, -(2**70)):
+        with pytest.raises(IndexError):
+            ds[bad]
+    for bad in (1.0, "1", None):
+        with pytest.raises(TypeError):
+            ds[bad]
+
+
+def test_dataset_views_outlive_dataset(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    ds = SharedStoreDataset(awkward_blob)
+    views = [ds[i] for i in range(len(ds))] + ds.__getitems__(list(range(len(ds))))
+    del ds
+    gc.collect()
+    assert [bytes(v) for v in views] == awkward_records * 2
+
+
+def test_dataset_after_its_store_is_closed(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    """Closing the Store under a Dataset must never expose unmapped memory: correct bytes or ValueError."""
+    ds = SharedStoreDataset(awkward_blob, decode="bytes")
+    ds.store.close()
+    for i in range(len(ds)):
+        try:
+            got = ds[i]
+        except ValueError:
+            continue
+        assert got == awkward_records[i]
+    try:
+        batch = ds.__getitems__([0, 1])
+    except ValueError:
+        pass
+    else:
+        assert batch == awkward_records[:2]
+
+
+def test_dataset_copies_reattach(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    ds = SharedStoreDataset(awkward_blob, decode="bytes", transform=tl.upper)
+    for clone in (copy.copy(ds), copy.deepcopy(ds)):
+        assert [clone[i] for i in range(len(clone))] == [r.upper() for r in awkward_records]
+
+
+def test_unpickled_dataset_whose_file_vanished(awkward_blob: Path) -> None:
+    state = pickle.dumps(SharedStoreDataset(awkward_blob))
+    awkward_blob.unlink()
+    ds = pickle.loads(state)  # attaching is lazy ...
+    with pytest.raises(smstore.StoreNotFoundError) as ei:
+        ds[0]  # ... so the error shows on first access, naming the file
+    assert str(awkward_blob) in str(ei.value)
