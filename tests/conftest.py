@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 # Make the helper module importable by name, here and in spawn/forkserver children (they inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
@@ -14,6 +15,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from smstore_testlib import AWKWARD
 
 import smstore
+
+# No example database: the suite leaves nothing behind in the source tree.
+settings.register_profile("smstore", database=None)
+settings.load_profile("smstore")
 
 
 @pytest.fixture
