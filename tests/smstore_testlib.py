@@ -33,6 +33,9 @@ HEADER_FIELDS = (
     "checksum",
 )
 CHECKSUM_OFFSET = 96
+# Where test subprocesses run: `python -c` and `python -m` put their cwd first on sys.path, and from
+# the repository root that would shadow the installed smstore with the unbuilt source tree.
+SAFE_CWD = Path(__file__).resolve().parent
 
 
 # name -> (byte offset, struct format), as laid out in csrc/format.hpp.

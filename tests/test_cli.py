@@ -28,6 +28,7 @@ def run(*args: str | Path, stdin: bytes | None = None) -> subprocess.CompletedPr
         capture_output=True,
         timeout=120,
         check=False,
+        cwd=tl.SAFE_CWD,
     )
 
 
@@ -76,6 +77,7 @@ def test_pack_progress_bar_on_a_terminal(tmp_path: Path, text_file: Path) -> Non
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=slave,
+            cwd=tl.SAFE_CWD,
         )
         os.close(slave)
         slave = -1
@@ -281,7 +283,9 @@ def test_console_script_entry_point(packed: Path) -> None:
     exe = Path(sys.executable).parent / "smstore"
     if not exe.exists():
         pytest.skip("smstore console script not installed next to this interpreter")
-    r = subprocess.run([str(exe), "get", str(packed), "1"], capture_output=True, timeout=60, check=False)
+    r = subprocess.run(
+        [str(exe), "get", str(packed), "1"], capture_output=True, timeout=60, check=False, cwd=tl.SAFE_CWD
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout == LINES[1]
 
@@ -297,7 +301,11 @@ def test_import_and_cli_never_import_torch(packed: Path) -> None:
         "print('clean')\n"
     )
     r = subprocess.run(
-        [sys.executable, "-c", code, str(packed)], capture_output=True, timeout=60, check=False
+        [sys.executable, "-c", code, str(packed)],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd=tl.SAFE_CWD,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout == b"clean\n"

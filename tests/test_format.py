@@ -282,7 +282,12 @@ def test_fifo_does_not_hang(tmp_path: Path) -> None:
     )
     # In a child so that a regression shows as a timeout instead of a hung test session.
     r = subprocess.run(
-        [sys.executable, "-c", code, str(fifo)], capture_output=True, text=True, timeout=60, check=False
+        [sys.executable, "-c", code, str(fifo)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tl.SAFE_CWD,
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("REFUSED")

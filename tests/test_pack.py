@@ -126,6 +126,7 @@ def test_stdin_input(tmp_path: Path) -> None:
         capture_output=True,
         timeout=60,
         check=False,
+        cwd=tl.SAFE_CWD,
     )
     assert r.returncode == 0, r.stderr
     assert read_all(out) == [b"zero", b"one\r", b"\x00two", b"", b"three"]
@@ -432,6 +433,7 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_file(
         text=True,
         check=True,
         timeout=120,
+        cwd=tl.SAFE_CWD,
     )
     pack_seconds = float(timing.stdout.split()[1])
     (tmp_path / "timing.smst").unlink()
@@ -442,7 +444,10 @@ def test_sigkill_at_random_moments_never_publishes_a_partial_file(
     outcomes = []
     for frac in fractions:
         proc = subprocess.Popen(
-            [sys.executable, "-c", _PACK_SCRIPT, str(src), str(out)], stdout=subprocess.PIPE, text=True
+            [sys.executable, "-c", _PACK_SCRIPT, str(src), str(out)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=tl.SAFE_CWD,
         )
         try:
             assert proc.stdout is not None
@@ -472,6 +477,7 @@ def test_sigkill_mid_stream_keeps_previous_output(tmp_path: Path, fed: int) -> N
             [sys.executable, "-c", _PACK_SCRIPT, "-", str(target)],
             stdin=subprocess.PIPE,
             stderr=subprocess.PIPE,
+            cwd=tl.SAFE_CWD,
         )
         try:
             assert proc.stdin is not None
@@ -550,6 +556,7 @@ def test_out_of_disk_is_a_clean_error(tmp_path: Path, where: str, mode: str) -> 
         text=True,
         timeout=120,
         check=False,
+        cwd=tl.SAFE_CWD,
     )
     assert r.returncode == 0, r.stderr
     kind, *rest = r.stdout.strip().split("|")
@@ -574,6 +581,7 @@ def test_out_of_disk_is_a_clean_error(tmp_path: Path, where: str, mode: str) -> 
         text=True,
         timeout=120,
         check=False,
+        cwd=tl.SAFE_CWD,
     )
     assert r.stdout.startswith("StoreIOError|"), r.stdout + r.stderr
     assert not fresh.exists()
@@ -611,6 +619,7 @@ def test_memory_does_not_hold_input(tmp_path: Path, big_input: tuple[Path, int])
         text=True,
         check=True,
         timeout=120,
+        cwd=tl.SAFE_CWD,
     )
     grown_kib = int(r.stdout)
     # Offsets index: 8 bytes per line (~5 MiB here, twice that while the vector grows) plus two
