@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -26,7 +27,12 @@ public:
         end_record();
     }
     // Part of the current record; end_record() closes it. Lets records of any size stream through.
-    void write_data(const void* data, size_t size);
+    // Inline: `smstore pack` calls it once per line, and most lines fit the buffer.
+    void write_data(const void* data, size_t size) {
+        if (__builtin_expect(fd_ < 0, 0)) check_open();
+        put(data, size);
+        data_size_ += size;
+    }
     void end_record() {
         offsets_.push_back(data_size_);
         ++records_;
@@ -44,7 +50,17 @@ public:
 
 private:
     void check_open() const;
-    void put(const void* data, size_t size);  // through the buffer, hashed in file order
+    // Through the buffer, hashed in file order.
+    void put(const void* data, size_t size) {
+        file_pos_ += size;
+        if (size <= buf_.size() - buf_used_) {
+            std::memcpy(buf_.data() + buf_used_, data, size);
+            buf_used_ += size;
+            return;
+        }
+        put_slow(data, size);
+    }
+    void put_slow(const void* data, size_t size);
     void flush_buffer();
     void write_all(const void* data, size_t size);
     void publish();
@@ -59,6 +75,8 @@ private:
     uint64_t records_ = 0;
     uint64_t data_size_ = 0;
     uint64_t file_pos_ = 0;  // bytes after the header handed to put()
+    uint64_t written_ = 0;   // bytes after the header handed to write(2)
+    uint64_t synced_ = 0;    // bytes after the header whose writeback has been started
     Xxh64 hash_;
 };
 

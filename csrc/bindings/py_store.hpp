@@ -11,19 +11,18 @@
 
 namespace smstore::bindings {
 
-// A zero-copy record: a slice of `view`, the memoryview of a store's data section. The slice
-// shares the view's managed buffer, which holds the exporting object and so the mapping: no
-// record can outlive the memory it points into.
+// A zero-copy record: a view of bytes [begin, end) of `view`, the 1-D memoryview of a store's
+// data section. PyMemoryView_FromObject(view) registers a new view on the same managed buffer,
+// which holds the exporting object and so the mapping: no record can outlive the memory it
+// points into. The new view is ours alone until returned, so we narrow it in place exactly as
+// CPython's memoryview slicing does (init_slice), without building two ints and a slice object.
 inline PyObject* record_view(PyObject* view, uint64_t begin, uint64_t end) {
-    // Offsets fit in Py_ssize_t (files are smaller than 2**63), and FromSsize_t has a fast path.
-    PyObject* start = PyLong_FromSsize_t(static_cast<Py_ssize_t>(begin));
-    PyObject* stop = start ? PyLong_FromSsize_t(static_cast<Py_ssize_t>(end)) : nullptr;
-    PyObject* slice = stop ? PySlice_New(start, stop, nullptr) : nullptr;
-    Py_XDECREF(start);
-    Py_XDECREF(stop);
-    if (!slice) return nullptr;
-    PyObject* record = PyObject_GetItem(view, slice);
-    Py_DECREF(slice);
+    PyObject* record = PyMemoryView_FromObject(view);
+    if (!record) return nullptr;
+    Py_buffer* buf = PyMemoryView_GET_BUFFER(record);
+    buf->buf = static_cast<char*>(buf->buf) + begin;
+    buf->len = static_cast<Py_ssize_t>(end - begin);
+    buf->shape[0] = buf->len;
     return record;
 }
 
@@ -58,6 +57,8 @@ public:
     PyObject* view() const noexcept { return view_.ptr(); }
     const uint64_t* offsets() const noexcept { return offsets_; }
     const pybind11::object& owner() const noexcept { return owner_; }
+    // The parsed metadata block, parsed once (a dict; callers must not mutate it).
+    pybind11::object metadata() const;
     void close();
 
     // New reference, or nullptr with a Python error set.
@@ -70,6 +71,7 @@ private:
     std::shared_ptr<Store> store_;
     pybind11::object owner_;
     pybind11::object view_;
+    mutable pybind11::object metadata_;
     uint64_t count_ = 0;
     const uint64_t* offsets_ = nullptr;
 };

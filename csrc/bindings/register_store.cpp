@@ -47,17 +47,6 @@ Py_ssize_t store_length(PyObject* self) {
     return s ? static_cast<Py_ssize_t>(s->size()) : -1;
 }
 
-py::object parse_metadata(const PyStore& s) {
-    auto meta = s.core().metadata();
-    try {
-        py::object parsed = py::module_::import("json").attr("loads")(py::bytes(meta.data(), meta.size()));
-        if (py::isinstance<py::dict>(parsed)) return parsed;
-    } catch (py::error_already_set&) {
-    }
-    throw Error(Error::Kind::Format,
-                s.core().label() + ": corrupt metadata block (not a JSON object); run 'smstore verify' on it");
-}
-
 }  // namespace
 
 PyStore::PyStore(std::shared_ptr<Store> store) : store_(std::move(store)) {
@@ -77,6 +66,18 @@ const Store& PyStore::core() const {
 std::shared_ptr<Store> PyStore::shared() const {
     core();
     return store_;
+}
+
+py::object PyStore::metadata() const {
+    if (metadata_) return metadata_;
+    auto meta = core().metadata();
+    try {
+        py::object parsed = py::module_::import("json").attr("loads")(py::bytes(meta.data(), meta.size()));
+        if (py::isinstance<py::dict>(parsed)) return metadata_ = parsed;
+    } catch (py::error_already_set&) {
+    }
+    throw Error(Error::Kind::Format,
+                core().label() + ": corrupt metadata block (not a JSON object); run 'smstore verify' on it");
 }
 
 void PyStore::close() {
@@ -257,10 +258,11 @@ Args:
                                    auto meta = s.core().metadata();
                                    return py::bytes(meta.data(), meta.size());
                                })
-        .def_property_readonly("metadata", &parse_metadata,
-                               "The metadata block: encoding, source, created, user metadata.")
         .def_property_readonly(
-            "encoding", [](const PyStore& s) { return parse_metadata(s).attr("get")("encoding", "bytes"); },
+            "metadata", [](const PyStore& s) { return py::module_::import("copy").attr("deepcopy")(s.metadata()); },
+            "The metadata block (a fresh dict): encoding, source, created, user metadata.")
+        .def_property_readonly(
+            "encoding", [](const PyStore& s) { return s.metadata().attr("get")("encoding", "bytes"); },
             "How records are encoded: lines, jsonl, bytes or npy:<dtype>.")
         .def_property_readonly("offsets", [](const PyStore& s) {
             const Store& core = s.core();
