@@ -376,3 +376,27 @@ def test_from_fd(awkward_blob: Path, awkward_records: list[bytes], tmp_path: Pat
             smstore._core.Store._from_fd(fd, "label-for-junk")
     finally:
         os.close(fd)
+
+
+def test_record_views_behave_like_memoryviews(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    with smstore.open(awkward_blob) as s:
+        views = [s[i] for i in range(len(s))] + s.get_batch(list(range(len(s))))
+        for view, rec in zip(views, awkward_records * 2, strict=True):
+            assert view.nbytes == len(view) == len(rec)
+            assert view.shape == (len(rec),)
+            assert view.strides == (1,)
+            assert view.contiguous
+            assert view == rec
+            assert hash(view) == hash(rec)  # read-only byte views hash like bytes
+            assert view.tolist() == list(rec)
+            assert bytes(view[::-1]) == rec[::-1]
+            assert bytes(view[1:-1]) == rec[1:-1]
+            assert view.cast("c").tobytes() == rec
+            if len(rec) >= 4:
+                np.testing.assert_array_equal(np.frombuffer(view, dtype=np.uint8, offset=2), list(rec[2:]))
+        # Releasing one view leaves the others (and the store) intact.
+        views[1].release()
+        with pytest.raises(ValueError, match="released"):
+            bytes(views[1])
+        assert bytes(views[2]) == awkward_records[2]
+        assert bytes(s[1]) == awkward_records[1]
