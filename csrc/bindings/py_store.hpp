@@ -29,7 +29,14 @@ inline PyObject* record_view(PyObject* view, uint64_t begin, uint64_t end) {
 // Python semantics for one index: negative counts from the end; -1 with IndexError set if outside.
 inline Py_ssize_t normalize_index(PyObject* key, uint64_t count) {
     Py_ssize_t i = PyLong_CheckExact(key) ? PyLong_AsSsize_t(key) : PyNumber_AsSsize_t(key, PyExc_IndexError);
-    if (i == -1 && PyErr_Occurred()) return -1;
+    if (i == -1 && PyErr_Occurred()) {
+        // An int beyond Py_ssize_t is still just outside the store: IndexError, as list does.
+        if (PyErr_ExceptionMatches(PyExc_OverflowError)) {
+            PyErr_Clear();
+            PyErr_SetString(PyExc_IndexError, "cannot fit 'int' into an index-sized integer");
+        }
+        return -1;
+    }
     auto n = static_cast<Py_ssize_t>(count);
     Py_ssize_t j = i < 0 ? i + n : i;
     if (j < 0 || j >= n) {

@@ -1,0 +1,159 @@
+"""Helpers shared by the tests, importable by name so spawn/forkserver DataLoader workers can unpickle them."""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+HEADER_SIZE = 4096
+MAGIC = b"\x89SMST\r\n\x1a"
+# The on-disk header (csrc/format.hpp): little-endian, 104 bytes, zero padded to 4096.
+HEADER_STRUCT = struct.Struct("<8sIIQQQQQQQQQIIQ")
+HEADER_FIELDS = (
+    "magic",
+    "version",
+    "header_size",
+    "flags",
+    "file_size",
+    "record_count",
+    "data_offset",
+    "data_size",
+    "index_offset",
+    "index_size",
+    "meta_offset",
+    "meta_size",
+    "checksum_algo",
+    "reserved0",
+    "checksum",
+)
+CHECKSUM_OFFSET = 96
+# Where test subprocesses run: `python -c` and `python -m` put their cwd first on sys.path, and from
+# the repository root that would shadow the installed smstore with the unbuilt source tree.
+SAFE_CWD = Path(__file__).resolve().parent
+
+
+# name -> (byte offset, struct format), as laid out in csrc/format.hpp.
+FIELDS: dict[str, tuple[int, str]] = {
+    "magic": (0, "<8s"),
+    "version": (8, "<I"),
+    "header_size": (12, "<I"),
+    "flags": (16, "<Q"),
+    "file_size": (24, "<Q"),
+    "record_count": (32, "<Q"),
+    "data_offset": (40, "<Q"),
+    "data_size": (48, "<Q"),
+    "index_offset": (56, "<Q"),
+    "index_size": (64, "<Q"),
+    "meta_offset": (72, "<Q"),
+    "meta_size": (80, "<Q"),
+    "checksum_algo": (88, "<I"),
+    "reserved0": (92, "<I"),
+    "checksum": (96, "<Q"),
+}
+
+
+def parse_header(blob: bytes) -> dict[str, Any]:
+    return dict(zip(HEADER_FIELDS, HEADER_STRUCT.unpack_from(blob, 0), strict=True))
+
+
+def set_field(blob: bytes | bytearray, name: str, value: Any) -> bytearray:
+    """A copy of `blob` with one header field replaced (the checksum is left stale)."""
+    out = bytearray(blob)
+    offset, fmt = FIELDS[name]
+    struct.pack_into(fmt, out, offset, value)
+    return out
+
+
+def expected_checksum(blob: bytes) -> int:
+    """The documented rule: XXH64 of bytes[4096:] followed by the header with the checksum zeroed."""
+    header = bytearray(blob[:HEADER_SIZE])
+    header[CHECKSUM_OFFSET : CHECKSUM_OFFSET + 8] = bytes(8)
+    return xxhash.xxh64(bytes(blob[HEADER_SIZE:]) + bytes(header)).intdigest()
+
+
+def reseal(blob: bytes | bytearray) -> bytearray:
+    """Recompute the checksum after a deliberate edit, so that only the structural fault remains."""
+    out = bytearray(blob)
+    struct.pack_into("<Q", out, CHECKSUM_OFFSET, expected_checksum(bytes(out)))
+    return out
+
+
+# No record contains '\n', so the same list packs identically through the lines packer.
+AWKWARD = [
+    b"",
+    b"hello",
+    b"\r",
+    b"carriage\r",
+    b"\rlead and\rmiddle\r",
+    b"\x00",
+    b"nul\x00in\x00the\x00middle",
+    b"\xff\xfe\xfd invalid utf-8 \xc3\x28 \xed\xa0\x80",
+    "h\u00e9llo w\u00f6rld \u6f22\u5b57 \U0001f600".encode(),
+    b"",
+    b" ",
+    b"\t\x0b\x0c",
+    b"\x1a\x89SMST",
+    bytes(range(256)).replace(b"\n", b""),
+    b"x" * 5000,
+    b"",
+]
+
+
+def random_records(n: int, seed: int = 0, max_len: int = 200, newline: bool = False) -> list[bytes]:
+    """`n` random records of random bytes (no '\\n' unless asked), some empty."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        length = 0 if i % 17 == 0 else rng.randrange(max_len)
+        rec = rng.randbytes(length)
+        if not newline:
+            rec = rec.replace(b"\n", b"\r")
+        out.append(rec)
+    return out
+
+
+def lines_oracle(data: bytes) -> list[bytes]:
+    """Records `smstore pack` must produce for one text input: every line without its '\\n'."""
+    if not data:
+        return []
+    parts = data.split(b"\n")
+    if parts[-1] == b"":
+        parts.pop()
+    return parts
+
+
+def lines_oracle_files(datas: Iterable[bytes]) -> list[bytes]:
+    out: list[bytes] = []
+    for d in datas:
+        out.extend(lines_oracle(d))
+    return out
+
+
+def stray_temps(directory: str | os.PathLike[str]) -> list[str]:
+    """Temporary files the writer may leave behind (named `.NAME.smstore-tmp-*`)."""
+    return sorted(p.name for p in Path(directory).iterdir() if ".smstore-tmp-" in p.name)
+
+
+# ---- picklable callables for DataLoader workers (spawn/forkserver import them by name) ----
+
+
+def tag_with_pid(record: Any) -> tuple[int, Any]:
+    return (os.getpid(), record)
+
+
+def identity_collate(batch: Sequence[Any]) -> list[Any]:
+    return list(batch)
+
+
+def to_bytes(view: memoryview) -> bytes:
+    return bytes(view)
+
+
+def upper(record: bytes) -> bytes:
+    return record.upper()

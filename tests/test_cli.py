@@ -1,0 +1,311 @@
+"""The `smstore` command line, run as real subprocesses: exit codes, exact stdout bytes, messages."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import pty
+import select
+import struct
+import subprocess
+import sys
+import termios
+from pathlib import Path
+
+import pytest
+import smstore_testlib as tl
+
+import smstore
+
+LINES = tl.AWKWARD[:-1]  # the records of the awkward corpus, as a text file (last line unterminated)
+
+
+def run(*args: str | Path, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "smstore", *map(str, args)],
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+        check=False,
+        cwd=tl.SAFE_CWD,
+    )
+
+
+@pytest.fixture
+def text_file(tmp_path: Path) -> Path:
+    p = tmp_path / "data.txt"
+    p.write_bytes(b"\n".join(LINES))
+    return p
+
+
+@pytest.fixture
+def packed(tmp_path: Path, text_file: Path) -> Path:
+    out = tmp_path / "data.smst"
+    r = run("pack", text_file, "-o", out)
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_pack(packed: Path, text_file: Path) -> None:
+    with smstore.open(packed, verify=True) as s:
+        assert [bytes(v) for v in s] == LINES
+        assert s.encoding == "lines"
+        assert s.metadata["source"] == [str(text_file)]
+
+
+def test_pack_output_messages(tmp_path: Path, text_file: Path) -> None:
+    out = tmp_path / "o.smst"
+    r = run("pack", text_file, "-o", out)
+    assert r.returncode == 0
+    assert r.stdout == b""  # stdout stays clean for pipelines
+    assert f"packed {len(LINES)} records".encode() in r.stderr
+    assert b"\r" not in r.stderr.replace(b"\r\n", b"")  # not a terminal: no progress bar redraws
+    r = run("pack", text_file, "-o", out, "-q")
+    assert r.returncode == 0
+    assert r.stdout == b""
+    assert r.stderr == b""
+
+
+def test_pack_progress_bar_on_a_terminal(tmp_path: Path, text_file: Path) -> None:
+    master, slave = pty.openpty()
+    # A fresh pty is 0x0; tqdm would draw a zero-width bar.
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    try:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "smstore", "pack", str(text_file), "-o", str(tmp_path / "tty.smst")],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=slave,
+            cwd=tl.SAFE_CWD,
+        )
+        os.close(slave)
+        slave = -1
+        out = b""
+        while select.select([master], [], [], 60)[0]:  # a hung child fails the test, not the session
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the child closed the terminal
+                break
+            if not chunk:
+                break
+            out += chunk
+        assert proc.wait(timeout=60) == 0
+    finally:
+        os.close(master)
+        if slave >= 0:
+            os.close(slave)
+    assert b"pack:" in out  # the tqdm bar
+    assert b"100%" in out
+    assert b"packed" in out
+
+
+def test_pack_several_inputs_and_meta(tmp_path: Path, text_file: Path) -> None:
+    second = tmp_path / "second.txt"
+    second.write_bytes(b"tail 1\ntail 2\n")
+    out = tmp_path / "two.smst"
+    r = run(
+        "pack", text_file, second, "-o", out, "--meta", "lang=en", "--meta", "split=a=b", "-q", "--no-fsync"
+    )
+    assert r.returncode == 0, r.stderr
+    with smstore.open(out) as s:
+        assert [bytes(v) for v in s] == [*LINES, b"tail 1", b"tail 2"]
+        assert s.metadata["user"] == {"lang": "en", "split": "a=b"}
+
+
+def test_pack_bad_meta(tmp_path: Path, text_file: Path) -> None:
+    out = tmp_path / "o.smst"
+    r = run("pack", text_file, "-o", out, "--meta", "novalue")
+    assert r.returncode == 2
+    assert b"KEY=VALUE" in r.stderr
+    assert not out.exists()
+
+
+def test_pack_missing_input(tmp_path: Path) -> None:
+    out = tmp_path / "o.smst"
+    missing = tmp_path / "missing.txt"
+    r = run("pack", missing, "-o", out)
+    assert r.returncode == 1
+    assert str(missing).encode() in r.stderr
+    assert b"Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_pack_jsonl(tmp_path: Path) -> None:
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(b'{"a": 1}\n[1, 2]\n"s"\n')
+    out = tmp_path / "j.smst"
+    r = run("pack", "--format", "jsonl", good, "-o", out, "-q")
+    assert r.returncode == 0, r.stderr
+    with smstore.open(out) as s:
+        assert [json.loads(bytes(v)) for v in s] == [{"a": 1}, [1, 2], "s"]
+        assert s.encoding == "jsonl"
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"a": 1}\n{"a": 2}\n{"a": }\n')
+    r = run("pack", "--format", "jsonl", bad, "-o", out, "-q")
+    assert r.returncode == 1
+    assert f"{bad}:3:".encode() in r.stderr
+    assert b"Traceback" not in r.stderr
+    with smstore.open(out) as s:  # the earlier good output is untouched
+        assert len(s) == 3
+
+
+def test_pack_stdin(tmp_path: Path) -> None:
+    out = tmp_path / "stdin.smst"
+    r = run("pack", "-", "-o", out, "-q", stdin=b"a\r\n\x00\n\nz")
+    assert r.returncode == 0, r.stderr
+    with smstore.open(out) as s:
+        assert [bytes(v) for v in s] == [b"a\r", b"\x00", b"", b"z"]
+
+
+def test_info(packed: Path, text_file: Path) -> None:
+    r = run("info", packed)
+    assert r.returncode == 0, r.stderr
+    text = r.stdout.decode()
+    with smstore.open(packed) as s:
+        checksum, nbytes, created = s.checksum, s.nbytes, s.metadata["created"]
+    assert checksum in text
+    assert created in text
+    assert str(text_file) in text
+    fields = dict(line.split(None, 1) for line in text.splitlines())
+    assert fields["records"] == str(len(LINES))
+    assert fields["data_bytes"].startswith(f"{nbytes} ")
+    assert fields["encoding"] == "lines"
+
+
+def test_info_json(packed: Path, text_file: Path) -> None:
+    r = run("info", "--json", packed)
+    assert r.returncode == 0, r.stderr
+    info = json.loads(r.stdout)
+    with smstore.open(packed) as s:
+        assert info["records"] == len(s) == len(LINES)
+        assert info["data_bytes"] == s.nbytes == sum(map(len, LINES))
+        assert info["file_bytes"] == packed.stat().st_size
+        assert info["checksum"] == f"xxh64:{s.checksum}"
+        assert info["created"] == s.metadata["created"]
+    assert info["format_version"] == 1
+    assert info["encoding"] == "lines"
+    assert info["source"] == [str(text_file)]
+    assert info["path"] == str(packed)
+
+
+def test_info_bad_file(tmp_path: Path) -> None:
+    p = tmp_path / "foreign.smst"
+    p.write_bytes(b"not a blob at all")
+    r = run("info", p)
+    assert r.returncode == 1
+    assert str(p).encode() in r.stderr
+    assert b"Traceback" not in r.stderr
+    assert r.stdout == b""
+
+
+def test_verify_ok(packed: Path) -> None:
+    r = run("verify", packed)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith(f"{packed}: OK".encode())
+
+
+@pytest.mark.parametrize("where", ["data", "index", "meta", "header_padding", "checksum"])
+def test_verify_detects_corruption(packed: Path, where: str) -> None:
+    blob = bytearray(packed.read_bytes())
+    h = tl.parse_header(blob)
+    pos = {
+        "data": 4096 + h["data_size"] // 2,
+        "index": h["index_offset"] + 8 * (h["record_count"] // 2) + 7,  # high byte: breaks the order too
+        "meta": h["meta_offset"] + h["meta_size"] - 2,
+        "header_padding": 2000,
+        "checksum": tl.CHECKSUM_OFFSET,
+    }[where]
+    blob[pos] ^= 0x04
+    packed.write_bytes(blob)
+    r = run("verify", packed)
+    assert r.returncode != 0
+    err = r.stderr.decode()
+    assert f"{packed}: FAILED" in err
+    assert "checksum mismatch" in err or "corrupt" in err
+    assert "Traceback" not in err
+    assert r.stdout == b""
+
+
+def test_verify_truncated_and_several_stores(tmp_path: Path, packed: Path) -> None:
+    cut = tmp_path / "cut.smst"
+    cut.write_bytes(packed.read_bytes()[:-10])
+    missing = tmp_path / "missing.smst"
+    r = run("verify", packed, cut, missing)
+    assert r.returncode == 1
+    assert r.stdout.decode().startswith(f"{packed}: OK")
+    err = r.stderr.decode()
+    assert f"{cut}: FAILED" in err
+    assert "truncated" in err
+    assert f"{missing}: FAILED" in err
+
+
+def test_get_exact_bytes(packed: Path) -> None:
+    for i in (0, 1, 2, 6, 7, 13, 14, -1, -len(LINES)):
+        r = run("get", packed, str(i))
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == LINES[i]
+
+
+def test_get_several_and_newline(packed: Path) -> None:
+    r = run("get", packed, "1", "7", "3")
+    assert r.stdout == LINES[1] + LINES[7] + LINES[3]
+    r = run("get", "-n", packed, "1", "7", "0")
+    assert r.stdout == LINES[1] + b"\n" + LINES[7] + b"\n" + LINES[0] + b"\n"
+
+
+def test_get_out_of_range(packed: Path) -> None:
+    r = run("get", packed, str(len(LINES)))
+    assert r.returncode == 1
+    assert b"out of range" in r.stderr
+    assert b"Traceback" not in r.stderr
+    assert r.stdout == b""
+
+
+def test_get_missing_store(tmp_path: Path) -> None:
+    r = run("get", tmp_path / "nope.smst", "0")
+    assert r.returncode == 1
+    assert b"nope.smst" in r.stderr
+    assert b"Traceback" not in r.stderr
+
+
+def test_version_and_usage() -> None:
+    r = run("--version")
+    assert r.returncode == 0
+    assert r.stdout.decode().strip() == f"smstore {smstore.__version__}"
+    r = run()
+    assert r.returncode == 2
+    assert b"usage" in r.stderr
+
+
+def test_console_script_entry_point(packed: Path) -> None:
+    exe = Path(sys.executable).parent / "smstore"
+    if not exe.exists():
+        pytest.skip("smstore console script not installed next to this interpreter")
+    r = subprocess.run(
+        [str(exe), "get", str(packed), "1"], capture_output=True, timeout=60, check=False, cwd=tl.SAFE_CWD
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == LINES[1]
+
+
+def test_import_and_cli_never_import_torch(packed: Path) -> None:
+    code = (
+        "import sys, smstore, smstore.cli, io, contextlib\n"
+        "buf = io.StringIO()\n"
+        "with contextlib.redirect_stdout(buf):\n"
+        "    assert smstore.cli.main(['info', sys.argv[1]]) == 0\n"
+        "    assert smstore.cli.main(['verify', sys.argv[1]]) == 0\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('clean')\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(packed)],
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd=tl.SAFE_CWD,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"clean\n"

@@ -1,0 +1,692 @@
+"""Packing: line semantics byte for byte, jsonl validation, the Python API, and atomic publication."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import smstore_testlib as tl
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import smstore
+from smstore import PackInputError, StoreError, StoreIOError, StoreNotFoundError
+
+MiB = 1 << 20
+BUF = 4 * MiB  # the packer's read buffer (csrc/writer.cpp kBufferSize)
+
+
+def read_all(path: Path) -> list[bytes]:
+    with smstore.open(path, verify=True) as s:
+        return [bytes(r) for r in s]
+
+
+def pack_bytes(tmp_path: Path, *datas: bytes, fmt: str = "lines") -> list[bytes]:
+    inputs = []
+    for k, d in enumerate(datas):
+        p = tmp_path / f"in{k}.txt"
+        p.write_bytes(d)
+        inputs.append(p)
+    out = tmp_path / "out.smst"
+    stats = smstore.pack_files(inputs, out, format=fmt, progress=False, durable=False)
+    recs = read_all(out)
+    assert stats.records == len(recs)
+    assert stats.input_bytes == sum(map(len, datas))
+    assert stats.data_bytes == sum(map(len, recs))
+    return recs
+
+
+# ----------------------------------------------------------------------------- line semantics
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        (b"", []),
+        (b"\n", [b""]),
+        (b"\n\n", [b"", b""]),
+        (b"a", [b"a"]),
+        (b"a\n", [b"a"]),
+        (b"a\nb", [b"a", b"b"]),
+        (b"a\r\nb\r\n", [b"a\r", b"b\r"]),
+        (b"\r", [b"\r"]),
+        (b"\r\n\r", [b"\r", b"\r"]),
+        (b"x\x00y\n\x00\n", [b"x\x00y", b"\x00"]),
+        (b"\xff\xfe\n\xc3\x28\n\xed\xa0\x80", [b"\xff\xfe", b"\xc3\x28", b"\xed\xa0\x80"]),
+        (b"\n\nlast\n\n", [b"", b"", b"last", b""]),
+        (b"  \t \n", [b"  \t "]),
+    ],
+)
+def test_line_semantics(tmp_path: Path, data: bytes, expected: list[bytes]) -> None:
+    assert tl.lines_oracle(data) == expected  # the oracle used below agrees with the hand-written cases
+    assert pack_bytes(tmp_path, data) == expected
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    datas=st.lists(
+        st.lists(st.sampled_from([b"a", b"\n", b"\r", b"\x00", b"\xff", b"\xc3", b"\xa9", b"xyz"])).map(
+            b"".join
+        ),
+        min_size=1,
+        max_size=4,
+    )
+)
+def test_lines_property(tmp_path: Path, datas: list[bytes]) -> None:
+    assert pack_bytes(tmp_path, *datas) == tl.lines_oracle_files(datas)
+
+
+def test_long_lines_spanning_the_read_buffer(tmp_path: Path) -> None:
+    rng = random.Random(5)
+    big = rng.randbytes(9 * MiB).replace(b"\n", b"\r")
+    data = (
+        b"first\n"
+        + big
+        + b"\n"
+        + b"y" * (BUF - 3 - len(b"first\n") - len(big) % BUF)  # ends just before a buffer boundary
+        + b"\nstraddle\n"
+        + b"z" * (BUF - 1)
+        + b"\n"
+        + b"tail-without-newline"
+    )
+    recs = pack_bytes(tmp_path, data)
+    assert recs == tl.lines_oracle(data)
+    assert recs[1] == big
+    assert recs[-1] == b"tail-without-newline"
+
+
+@pytest.mark.parametrize("nl_at", [BUF - 1, BUF, BUF + 1, 2 * BUF - 1])
+def test_newline_at_buffer_edges(tmp_path: Path, nl_at: int) -> None:
+    data = b"q" * nl_at + b"\n" + b"r" * 10 + b"\n\n"
+    assert pack_bytes(tmp_path, data) == [b"q" * nl_at, b"r" * 10, b""]
+
+
+def test_many_inputs_concatenate_in_order(tmp_path: Path) -> None:
+    datas = [b"a\nb", b"", b"\n", b"c\nd\n", b"e", b"\r\n\x00", b"f" * (BUF + 7), b"g\n"]
+    recs = pack_bytes(tmp_path, *datas)
+    # Each file's unterminated last line is its own record: "b" and "c" never merge.
+    assert recs == [b"a", b"b", b"", b"c", b"d", b"e", b"\r", b"\x00", b"f" * (BUF + 7), b"g"]
+
+
+def test_stdin_input(tmp_path: Path) -> None:
+    data = b"one\r\n\x00two\n\nthree"
+    before = tmp_path / "before.txt"
+    before.write_bytes(b"zero\n")
+    out = tmp_path / "stdin.smst"
+    r = subprocess.run(
+        [sys.executable, "-m", "smstore", "pack", str(before), "-", "-o", str(out), "-q"],
+        input=data,
+        capture_output=True,
+        timeout=60,
+        check=False,
+        cwd=tl.SAFE_CWD,
+    )
+    assert r.returncode == 0, r.stderr
+    assert read_all(out) == [b"zero", b"one\r", b"\x00two", b"", b"three"]
+    with smstore.open(out) as s:
+        assert s.metadata["source"] == [str(before), "-"]
+        assert s.encoding == "lines"
+
+
+def test_pack_files_metadata(tmp_path: Path) -> None:
+    src = tmp_path / "x.txt"
+    src.write_bytes(b"a\nb\n")
+    out = tmp_path / "x.smst"
+    smstore.pack_files([src], out, metadata={"lang": "en"}, progress=False, durable=False)
+    with smstore.open(out) as s:
+        assert s.metadata["user"] == {"lang": "en"}
+        assert s.metadata["source"] == [str(src.resolve())]
+        assert s.encoding == "lines"
+
+
+def test_missing_input_leaves_no_output(tmp_path: Path) -> None:
+    good = tmp_path / "good.txt"
+    good.write_bytes(b"a\n")
+    out = tmp_path / "out.smst"
+    with pytest.raises(StoreNotFoundError) as ei:
+        smstore.pack_files([good, tmp_path / "nope.txt"], out, progress=False)
+    assert "nope.txt" in str(ei.value)
+    assert not out.exists()
+    assert tl.stray_temps(tmp_path) == []
+
+
+def test_directory_input_and_output_are_refused(tmp_path: Path) -> None:
+    src = tmp_path / "x.txt"
+    src.write_bytes(b"a\n")
+    with pytest.raises(StoreIOError, match="directory"):
+        smstore.pack_files([tmp_path], tmp_path / "o.smst", progress=False)
+    with pytest.raises(StoreIOError, match="directory"):
+        smstore.pack_files([src], tmp_path, progress=False)
+    with pytest.raises(StoreIOError):
+        smstore.pack_files([src], tmp_path / "no" / "such" / "dir.smst", progress=False)
+    assert not (tmp_path / "o.smst").exists()
+    assert tl.stray_temps(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- jsonl
+
+VALID_JSON_LINES = [
+    b'{"a": 1, "b": [true, false, null], "c": {"d": "e"}}',
+    b"[]",
+    b"{}",
+    b"0",
+    b"-1.5e+10",
+    b'"caf\\u00e9 \\n \\" \\\\ \\/"',
+    '"h\u00e9llo \u6f22\u5b57 \U0001f600"'.encode(),
+    b'  {"spaced" : [ 1 , 2 ] }  ',
+    b'{"trailing cr": 1}\r',
+    b"true",
+    b"null",
+]
+
+
+def test_jsonl_valid_lines(tmp_path: Path) -> None:
+    data = b"\n".join(VALID_JSON_LINES) + b"\n"
+    recs = pack_bytes(tmp_path, data, fmt="jsonl")
+    assert recs == VALID_JSON_LINES
+    for r in recs:
+        json.loads(r)
+    with smstore.open(tmp_path / "out.smst") as s:
+        assert s.encoding == "jsonl"
+
+
+def test_jsonl_unterminated_last_line_is_validated(tmp_path: Path) -> None:
+    assert pack_bytes(tmp_path, b'{"a": 1}\n[2]', fmt="jsonl") == [b'{"a": 1}', b"[2]"]
+    with pytest.raises(PackInputError, match=r"in0\.txt:2\b"):
+        pack_bytes(tmp_path, b'{"a": 1}\n[2', fmt="jsonl")
+
+
+@pytest.mark.parametrize(
+    ("lines", "bad_line"),
+    [
+        ([b"{}", b"{}", b"{bad}", b"{}"], 3),
+        ([b"{bad"], 1),
+        ([b"{}", b""], 2),  # an empty line is not a JSON value
+        ([b"{}", b"[1, 2"], 2),
+        ([b"{}", b"1 2"], 2),
+        ([b"{}", b'"\xff"'], 2),  # invalid UTF-8 inside a string
+        ([b"{}", b"{}", b"{}", b"nulL"], 4),
+    ],
+)
+def test_jsonl_bad_line_reported_with_file_and_line(
+    tmp_path: Path, lines: list[bytes], bad_line: int
+) -> None:
+    src = tmp_path / "data.jsonl"
+    src.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "out.smst"
+    out.write_bytes(b"previous")
+    with pytest.raises(PackInputError) as ei:
+        smstore.pack_files([src], out, format="jsonl", progress=False)
+    assert f"{src}:{bad_line}:" in str(ei.value)
+    assert out.read_bytes() == b"previous"
+    assert tl.stray_temps(tmp_path) == []
+
+
+def test_jsonl_line_numbers_restart_per_file(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_bytes(b"1\n2\n3\n")
+    b.write_bytes(b"4\nnope\n")
+    with pytest.raises(PackInputError, match=rf"{b}:2:"):
+        smstore.pack_files([a, b], tmp_path / "o.smst", format="jsonl", progress=False)
+
+
+def test_jsonl_lines_spanning_read_buffers(tmp_path: Path) -> None:
+    big = json.dumps({"k": "v" * (BUF + 100), "arr": list(range(1000))}).encode()
+    huge = json.dumps(["w" * 1000] * (2 * BUF // 1000)).encode()  # spans three reads
+    lines = [b"{}", big, b"[1]", huge, b'"end"']
+    assert pack_bytes(tmp_path, b"\n".join(lines), fmt="jsonl") == lines
+    # The fault sits after the first buffer boundary of the line.
+    bad = big[:-1] + b"," + b"}"
+    with pytest.raises(PackInputError, match=r"in0\.txt:2:"):
+        pack_bytes(tmp_path, b"\n".join([b"{}", bad, b"[1]"]), fmt="jsonl")
+    with pytest.raises(PackInputError, match=r"in0\.txt:3:"):
+        pack_bytes(tmp_path, b"\n".join([b"{}", big, huge[:-1]]), fmt="jsonl")
+
+
+def test_unknown_format(tmp_path: Path) -> None:
+    src = tmp_path / "x.txt"
+    src.write_bytes(b"a\n")
+    with pytest.raises(ValueError, match="format"):
+        smstore.pack_files([src], tmp_path / "o.smst", format="csv", progress=False)
+    assert not (tmp_path / "o.smst").exists()
+
+
+# ----------------------------------------------------------------------------- Python API
+
+
+def test_pack_accepts_bytes_str_buffers_and_arrays(tmp_path: Path) -> None:
+    arr = np.arange(10, dtype="<i4")
+    f64 = np.linspace(0, 1, 7)
+    records = [
+        b"bytes\x00\r",
+        "str \u00e9\u6f22 \U0001f600",
+        "",
+        bytearray(b"\xffbytearray"),
+        memoryview(b"0123456789")[2:5],
+        arr,
+        f64,
+        np.zeros((3, 4), dtype=np.uint8),
+        memoryview(arr).cast("B"),
+    ]
+    out = tmp_path / "api.smst"
+    assert smstore.pack(records, out, durable=False) == len(records)
+    assert read_all(out) == [
+        b"bytes\x00\r",
+        "str \u00e9\u6f22 \U0001f600".encode(),
+        b"",
+        b"\xffbytearray",
+        b"234",
+        arr.tobytes(),
+        f64.tobytes(),
+        bytes(12),
+        arr.tobytes(),
+    ]
+
+
+def test_pack_generator_and_records_with_newlines(tmp_path: Path) -> None:
+    recs = [b"has\nnewline", b"\n", b"\n\n"] + [str(i).encode() for i in range(1000)]
+    out = tmp_path / "gen.smst"
+    smstore.pack((r for r in recs), out, durable=False)
+    assert read_all(out) == recs
+
+
+def test_writer_append_extend(tmp_path: Path) -> None:
+    out = tmp_path / "w.smst"
+    with smstore.Writer(out, encoding="jsonl", metadata={"m": 1}, durable=False) as w:
+        w.append(b"1")
+        assert w.extend(["2", b"[3]"]) == 2
+        w.append(memoryview(b"{}"))
+        assert w.record_count == 4
+        assert not out.exists()  # nothing is visible before the block ends
+    assert read_all(out) == [b"1", b"2", b"[3]", b"{}"]
+    with smstore.open(out) as s:
+        assert s.encoding == "jsonl"
+        assert s.metadata["user"] == {"m": 1}
+
+
+def test_exception_inside_with_leaves_previous_file(tmp_path: Path) -> None:
+    out = tmp_path / "keep.smst"
+    smstore.pack([b"old"], out, durable=False)
+    old = out.read_bytes()
+
+    def fail_midway(target: Path) -> None:
+        with smstore.Writer(target, durable=False) as w:
+            w.extend([b"new"] * 1000)
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_midway(out)
+    assert out.read_bytes() == old
+    assert tl.stray_temps(tmp_path) == []
+
+    fresh = tmp_path / "fresh.smst"
+    with pytest.raises(RuntimeError, match="boom"):
+        fail_midway(fresh)
+    assert not fresh.exists()
+    assert tl.stray_temps(tmp_path) == []
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [123, None, 1.5, np.arange(10)[::2], ["nested"], "lone surrogate \ud800"],
+    ids=["int", "none", "float", "strided", "list", "surrogate"],
+)
+def test_bad_record_aborts_pack(tmp_path: Path, bad: object) -> None:
+    out = tmp_path / "bad.smst"
+    smstore.pack([b"old"], out, durable=False)
+    old = out.read_bytes()
+    with pytest.raises((TypeError, ValueError)):
+        smstore.pack([b"a", b"b", bad], out)  # type: ignore[list-item]
+    assert out.read_bytes() == old
+    assert tl.stray_temps(tmp_path) == []
+
+
+def test_writer_close_is_idempotent_and_abort_after_close_keeps_file(tmp_path: Path) -> None:
+    out = tmp_path / "c.smst"
+    w = smstore.Writer(out, durable=False)
+    w.append(b"x")
+    w.close()
+    w.close()
+    w.abort()
+    assert read_all(out) == [b"x"]
+    with pytest.raises(StoreIOError):
+        w.append(b"y")
+
+
+def test_writer_abort_discards(tmp_path: Path) -> None:
+    out = tmp_path / "a.smst"
+    w = smstore.Writer(out, durable=False)
+    w.append(b"x")
+    w.abort()
+    w.close()  # nothing to publish after abort
+    assert not out.exists()
+    assert tl.stray_temps(tmp_path) == []
+
+
+def test_pack_overwrites_completed(tmp_path: Path) -> None:
+    out = tmp_path / "o.smst"
+    smstore.pack([b"old"], out)
+    smstore.pack([b"new", b"er"], out)
+    assert read_all(out) == [b"new", b"er"]
+    assert tl.stray_temps(tmp_path) == []
+
+
+def test_relative_output_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    smstore.pack([b"rel"], "rel.smst")
+    assert read_all(tmp_path / "rel.smst") == [b"rel"]
+    assert tl.stray_temps(tmp_path) == []
+
+
+# ----------------------------------------------------------------------------- atomicity
+
+_PACK_SCRIPT = """
+import sys, time, smstore
+print("ready", flush=True)
+t0 = time.monotonic()
+smstore.pack_files(sys.argv[1:-1], sys.argv[-1], progress=False)
+print(time.monotonic() - t0, flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def big_input(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
+    d = tmp_path_factory.mktemp("big")
+    p = d / "big.txt"
+    line = b"some line of text with \r and \x00 bytes and more text to make it longer\n"
+    chunk = line * (MiB // len(line))
+    with open(p, "wb") as f:
+        f.writelines(chunk for _ in range(48))
+    return p, 48 * (MiB // len(line))
+
+
+def _check_after_kill(out: Path, old: bytes, n_new: int) -> str:
+    if not out.exists():
+        return "absent"
+    content = out.read_bytes()
+    if content == old:
+        return "old"
+    # Only a complete, verified new blob may have replaced the old one.
+    with smstore.open(out, verify=True) as s:
+        assert len(s) == n_new
+    return "new"
+
+
+def test_sigkill_at_random_moments_never_publishes_a_partial_file(
+    tmp_path: Path, big_input: tuple[Path, int]
+) -> None:
+    src, n = big_input
+    out = tmp_path / "out.smst"
+    smstore.pack([b"previous"], out)
+    old = out.read_bytes()
+
+    timing = subprocess.run(
+        [sys.executable, "-c", _PACK_SCRIPT, str(src), str(tmp_path / "timing.smst")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=tl.SAFE_CWD,
+    )
+    pack_seconds = float(timing.stdout.split()[1])
+    (tmp_path / "timing.smst").unlink()
+
+    rng = random.Random(11)
+    # Spread over the whole pack (reading, writing, fsync, rename), plus random moments.
+    fractions = [0.02, 0.3, 0.7, 0.95, 1.5] + [rng.uniform(0, 1.2) for _ in range(3)]
+    outcomes = []
+    for frac in fractions:
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PACK_SCRIPT, str(src), str(out)],
+            stdout=subprocess.PIPE,
+            text=True,
+            cwd=tl.SAFE_CWD,
+        )
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ready\n"
+            time.sleep(frac * pack_seconds)
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.stdout.close()  # type: ignore[union-attr]
+        outcome = _check_after_kill(out, old, n)
+        assert outcome != "absent"
+        outcomes.append(outcome)
+        if outcome == "new":  # put the old one back for the next round
+            smstore.pack([b"previous"], out)
+            old = out.read_bytes()
+    assert "old" in outcomes  # at least one kill landed before publication
+
+
+@pytest.mark.parametrize("fed", [0, MiB, BUF + MiB // 2])
+def test_sigkill_mid_stream_keeps_previous_output(tmp_path: Path, fed: int) -> None:
+    out = tmp_path / "out.smst"
+    smstore.pack([b"previous"], out)
+    old = out.read_bytes()
+    fresh = tmp_path / "fresh.smst"
+    for target in (out, fresh):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _PACK_SCRIPT, "-", str(target)],
+            stdin=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=tl.SAFE_CWD,
+        )
+        try:
+            assert proc.stdin is not None
+            proc.stdin.write(b"line\n" * (fed // 5))
+            proc.stdin.flush()
+            time.sleep(0.5)
+            assert proc.poll() is None  # still waiting for more input
+        finally:
+            proc.send_signal(signal.SIGKILL)
+            proc.wait()
+            proc.stdin.close()  # type: ignore[union-attr]
+            proc.stderr.close()  # type: ignore[union-attr]
+    assert out.read_bytes() == old
+    assert not fresh.exists()
+    # O_TMPFILE: a killed writer leaves nothing behind, not even a hidden temporary.
+    assert tl.stray_temps(tmp_path) == []
+
+
+_FSIZE_SCRIPT = """
+import resource, signal, sys, smstore
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+limit = int(sys.argv[1])
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+try:
+    if sys.argv[2] == "files":
+        smstore.pack_files([sys.argv[3]], sys.argv[4], progress=False)
+    else:
+        smstore.pack((b"r%07d" % i for i in range(int(sys.argv[3]))), sys.argv[4])
+except smstore.StoreIOError as e:
+    print("StoreIOError", e.errno, e, sep="|")
+except BaseException as e:
+    print("OTHER", type(e).__name__, e, sep="|")
+else:
+    print("OK")
+"""
+
+
+@pytest.mark.parametrize("where", ["zero", "header", "data", "index", "last_byte"])
+@pytest.mark.parametrize("mode", ["files", "api"])
+def test_out_of_disk_is_a_clean_error(tmp_path: Path, where: str, mode: str) -> None:
+    n = 200_000
+    src = tmp_path / "src.txt"
+    src.write_bytes(b"".join(b"r%07d\n" % i for i in range(n)))
+    data_size = 8 * n
+    full_size = 4096 + data_size + 8 * (n + 1) + 400  # metadata is a few hundred bytes
+    limit = {
+        "zero": 0,
+        "header": 4096,
+        "data": 4096 + data_size // 2,
+        "index": 4096 + data_size + 8 * n // 2,
+        "last_byte": None,
+    }[where]
+    if limit is None:  # exactly one byte short of the real size
+        ref = tmp_path / "ref.smst"
+        if mode == "files":
+            smstore.pack_files([src], ref, progress=False)
+        else:  # same records, same metadata size as the child's smstore.pack()
+            smstore.pack((b"r%07d" % i for i in range(n)), ref)
+        limit = ref.stat().st_size - 1
+        ref.unlink()
+    assert limit < full_size
+    out = tmp_path / "out.smst"
+    smstore.pack([b"previous"], out)
+    old = out.read_bytes()
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FSIZE_SCRIPT,
+            str(limit),
+            mode,
+            str(src) if mode == "files" else str(n),
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tl.SAFE_CWD,
+    )
+    assert r.returncode == 0, r.stderr
+    kind, *rest = r.stdout.strip().split("|")
+    assert kind == "StoreIOError", r.stdout
+    assert int(rest[0]) == 27  # EFBIG
+    assert str(out) in rest[1]
+    assert out.read_bytes() == old
+    assert tl.stray_temps(tmp_path) == []
+
+    fresh = tmp_path / "fresh.smst"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            _FSIZE_SCRIPT,
+            str(limit),
+            mode,
+            str(src) if mode == "files" else str(n),
+            str(fresh),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tl.SAFE_CWD,
+    )
+    assert r.stdout.startswith("StoreIOError|"), r.stdout + r.stderr
+    assert not fresh.exists()
+    assert tl.stray_temps(tmp_path) == []
+
+
+def test_store_error_hierarchy() -> None:
+    assert issubclass(PackInputError, StoreError)
+    assert issubclass(PackInputError, ValueError)
+    assert issubclass(StoreIOError, OSError)
+    assert issubclass(StoreNotFoundError, FileNotFoundError)
+    for name in smstore.errors.__all__:
+        assert issubclass(getattr(smstore, name), StoreError)
+
+
+def test_memory_does_not_hold_input(tmp_path: Path, big_input: tuple[Path, int]) -> None:
+    """The packer streams: its peak resident memory grows by far less than the 48 MiB input.
+
+    One process and no shared pages, so the kernel's high-water mark (VmHWM) is the right measure.
+    """
+    src, _ = big_input
+    code = (
+        "import sys, smstore\n"
+        "def kib(key):\n"
+        "    for line in open('/proc/self/status'):\n"
+        "        if line.startswith(key):\n"
+        "            return int(line.split()[1])\n"
+        "before = kib('VmRSS:')\n"
+        "smstore.pack_files([sys.argv[1]], sys.argv[2], progress=False, durable=False)\n"
+        "print(kib('VmHWM:') - before)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(src), str(tmp_path / "m.smst")],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+        cwd=tl.SAFE_CWD,
+    )
+    grown_kib = int(r.stdout)
+    # Offsets index: 8 bytes per line (~5 MiB here, twice that while the vector grows) plus two
+    # 4 MiB buffers; a packer that held the 48 MiB input would exceed this.
+    assert grown_kib < 32 * 1024, grown_kib
+    (tmp_path / "m.smst").unlink()
+
+
+# ----------------------------------------------------------------------------- jsonl differential
+
+
+def _python_accepts(line: bytes) -> bool:
+    """Python's json module as the RFC 8259 oracle (minus its NaN/Infinity extension)."""
+
+    def reject_constant(name: str) -> object:
+        raise ValueError(name)
+
+    try:
+        json.loads(line.decode("utf-8"), parse_constant=reject_constant)
+    except (ValueError, RecursionError):
+        return False
+    return True
+
+
+_JSON_TOKENS = [
+    "{", "}", "[", "]", ",", ":", " ", "\t", "\r", '"', '"a"', '"k":', "\\", "\\u00e9", "\\ud800", "\\x",
+    "0", "1", "-", "+", ".", "e", "E", "05", "1.5e3", "true", "tru", "null", "false", "\u00e9", "\x01", "\x7f",
+]  # fmt: skip
+_JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=5), children, max_size=4)
+    ),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    line=st.one_of(
+        st.lists(st.sampled_from(_JSON_TOKENS), max_size=12).map(lambda t: "".join(t).encode()),
+        _JSON_VALUES.map(lambda v: json.dumps(v, ensure_ascii=False).encode()),
+        st.binary(max_size=12).filter(lambda b: b"\n" not in b),
+        st.sampled_from(
+            [
+                b'"\xc3\xa9"',
+                b'"\xed\xa0\x80"',
+                b'"\xc0\xaf"',
+                b'"\xf4\x90\x80\x80"',
+                b'"\xe2\x82"',
+                b"[" * 600,
+            ]
+        ),
+    )
+)
+def test_jsonl_validation_agrees_with_python(tmp_path: Path, line: bytes) -> None:
+    src = tmp_path / "one.jsonl"
+    src.write_bytes(line + b"\n")
+    out = tmp_path / "one.smst"
+    message = ""
+    try:
+        smstore.pack_files([src], out, format="jsonl", progress=False, durable=False)
+    except PackInputError as e:
+        message = str(e)
+    accepted = not message
+    assert accepted == _python_accepts(line), (line, message)
+    if message:
+        assert f"{src}:1:" in message
+    if accepted:
+        assert read_all(out) == [line]

@@ -1,0 +1,402 @@
+"""The reader: byte-exact records, read-only views, indexing rules, batch access and keep-alive."""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from smstore_testlib import random_records
+
+import smstore
+
+# ----------------------------------------------------------------------------- records
+
+
+def test_records_byte_exact(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    with smstore.open(awkward_blob) as s:
+        assert len(s) == len(awkward_records)
+        for i, expected in enumerate(awkward_records):
+            view = s[i]
+            assert isinstance(view, memoryview)
+            assert bytes(view) == expected
+            assert len(view) == len(expected)
+        assert [bytes(v) for v in s] == awkward_records
+        assert s.nbytes == sum(map(len, awkward_records))
+        assert s.file_size == awkward_blob.stat().st_size
+        assert s.format_version == 1
+        assert s.path == str(awkward_blob)
+
+
+def test_random_records_byte_exact(make_blob) -> None:
+    recs = random_records(3000, seed=3, newline=True)
+    with smstore.open(make_blob(recs)) as s:
+        assert [bytes(v) for v in s.get_batch(range(len(recs)))] == recs
+        assert [s[i].tobytes() for i in range(len(recs))] == recs
+
+
+def test_views_are_read_only(awkward_blob: Path) -> None:
+    with smstore.open(awkward_blob) as s:
+        view = s[1]
+        assert view.readonly
+        assert view.format == "B"
+        assert view.itemsize == 1
+        assert view.ndim == 1
+        assert view.c_contiguous
+        with pytest.raises(TypeError):
+            view[0] = 0
+        with pytest.raises(TypeError):
+            view[:] = b"x" * len(view)
+        arr = np.frombuffer(view, dtype=np.uint8)
+        assert not arr.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            arr[0] = 0
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            arr.setflags(write=True)
+        for batch_view in s.get_batch([0, 1, 4]):
+            assert batch_view.readonly
+            if len(batch_view):
+                with pytest.raises(TypeError):
+                    batch_view[0] = 1
+        assert bytes(s[1]) == b"hello"
+
+
+def test_negative_indices(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    n = len(awkward_records)
+    with smstore.open(awkward_blob) as s:
+        for i in range(1, n + 1):
+            assert bytes(s[-i]) == awkward_records[-i]
+
+
+@pytest.mark.parametrize("bad", [16, 17, 10**6, -17, -18, -(10**6), 2**63 - 1, -(2**63), 2**70, -(2**70)])
+def test_index_error_outside(awkward_blob: Path, bad: int) -> None:
+    with smstore.open(awkward_blob) as s:
+        assert len(s) == 16
+        with pytest.raises(IndexError):
+            s[bad]
+
+
+@pytest.mark.parametrize("bad", [1.0, "1", None, b"\x01", [1]])
+def test_non_integer_index_is_type_error(awkward_blob: Path, bad: object) -> None:
+    with smstore.open(awkward_blob) as s, pytest.raises(TypeError):
+        s[bad]  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "dtype", [np.int8, np.int16, np.int32, np.int64, np.uint8, np.uint32, np.uint64, np.intp]
+)
+def test_numpy_integer_indices(awkward_blob: Path, awkward_records: list[bytes], dtype: type) -> None:
+    with smstore.open(awkward_blob) as s:
+        assert bytes(s[dtype(1)]) == awkward_records[1]
+        assert bytes(s[dtype(15)]) == awkward_records[15]
+        if np.issubdtype(dtype, np.signedinteger):
+            assert bytes(s[dtype(-2)]) == awkward_records[-2]
+
+
+def test_empty_store(make_blob) -> None:
+    with smstore.open(make_blob([])) as s:
+        assert len(s) == 0
+        assert list(s) == []
+        assert s.get_batch([]) == []
+        data, offs = s.gather([])
+        assert len(data) == 0
+        assert list(offs) == [0]
+        with pytest.raises(IndexError):
+            s[0]
+        with pytest.raises(IndexError):
+            s[-1]
+
+
+# ----------------------------------------------------------------------------- batches
+
+
+INDEX_FORMS = {
+    "list": lambda idx: list(idx),
+    "tuple": lambda idx: tuple(idx),
+    "int64": lambda idx: np.array(idx, dtype=np.int64),
+    "int32": lambda idx: np.array(idx, dtype=np.int32),
+    "uint32": lambda idx: np.array([i for i in idx if i >= 0], dtype=np.uint32),
+    "numpy-scalars-in-list": lambda idx: [np.int64(i) for i in idx],
+    "range": lambda idx: range(3, 9),
+    "strided-array": lambda idx: np.array(idx + idx, dtype=np.int64)[::2],
+}
+
+
+@pytest.mark.parametrize("form", list(INDEX_FORMS))
+def test_get_batch_and_gather_index_forms(
+    awkward_blob: Path, awkward_records: list[bytes], form: str
+) -> None:
+    raw = [3, 0, 15, -1, -16, 7, 7, 13, 2]
+    indices = INDEX_FORMS[form](raw)
+    as_ints = [int(i) for i in indices]
+    expected = [awkward_records[i] for i in as_ints]
+    with smstore.open(awkward_blob) as s:
+        views = s.get_batch(indices)
+        assert isinstance(views, list)
+        assert all(isinstance(v, memoryview) and v.readonly for v in views)
+        assert [bytes(v) for v in views] == expected
+
+        data, offs = s.gather(indices)
+        assert data.dtype == np.uint8
+        assert offs.dtype == np.int64
+        assert data.ndim == 1
+        assert offs.shape == (len(expected) + 1,)
+        assert offs[0] == 0
+        assert int(offs[-1]) == len(data) == sum(map(len, expected))
+        assert [data[offs[k] : offs[k + 1]].tobytes() for k in range(len(expected))] == expected
+
+
+def test_gather_returns_an_independent_copy(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    with smstore.open(awkward_blob) as s:
+        data, _ = s.gather([1])
+        assert data.flags.writeable
+        data[:] = 0
+        assert bytes(s[1]) == awkward_records[1]
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        [16],
+        [0, 16],
+        [-17],
+        (0, 99),
+        np.array([0, 16]),
+        np.array([-17]),
+        np.array([2**63], dtype=np.uint64),
+        [2**70],
+    ],
+)
+def test_batch_out_of_range(awkward_blob: Path, bad: object) -> None:
+    with smstore.open(awkward_blob) as s:
+        with pytest.raises(IndexError):
+            s.get_batch(bad)
+        with pytest.raises(IndexError):
+            s.gather(bad)
+
+
+@pytest.mark.parametrize("bad", [[1.5], ["a"], [None], np.array([1.5]), np.array(["1"])])
+def test_batch_non_integer_indices_are_type_errors(awkward_blob: Path, bad: object) -> None:
+    with smstore.open(awkward_blob) as s:
+        with pytest.raises(TypeError):
+            s.get_batch(bad)
+        with pytest.raises(TypeError):
+            s.gather(bad)
+
+
+@pytest.mark.parametrize("bad", ["01", 3, None])
+def test_batch_scalar_is_refused(awkward_blob: Path, bad: object) -> None:
+    with smstore.open(awkward_blob) as s:
+        with pytest.raises((TypeError, ValueError)):
+            s.get_batch(bad)
+        with pytest.raises((TypeError, ValueError)):
+            s.gather(bad)
+
+
+def test_batch_empty(awkward_blob: Path) -> None:
+    with smstore.open(awkward_blob) as s:
+        for empty in ([], (), np.array([], dtype=np.int64)):
+            assert s.get_batch(empty) == []
+            data, offs = s.gather(empty)
+            assert data.shape == (0,)
+            assert list(offs) == [0]
+
+
+def test_batch_two_dimensional_is_refused(awkward_blob: Path) -> None:
+    with smstore.open(awkward_blob) as s, pytest.raises(ValueError, match="one-dimensional"):
+        s.get_batch(np.zeros((2, 2), dtype=np.int64))
+
+
+def test_offsets_array(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    expected = np.cumsum([0] + [len(r) for r in awkward_records]).astype(np.uint64)
+    with smstore.open(awkward_blob) as s:
+        offs = s.offsets
+        assert offs.dtype == np.uint64
+        assert offs.shape == (len(awkward_records) + 1,)
+        np.testing.assert_array_equal(offs, expected)
+        assert not offs.flags.writeable
+        with pytest.raises(ValueError, match="read-only"):
+            offs[0] = 1
+        with pytest.raises(ValueError, match="WRITEABLE"):
+            offs.setflags(write=True)
+    # Still valid after close: the array keeps the mapping alive.
+    np.testing.assert_array_equal(offs, expected)
+
+
+# ----------------------------------------------------------------------------- lifetime
+
+
+def _mapped(path: Path) -> bool:
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(str(path)) for line in f)
+
+
+def test_views_outlive_close(make_blob) -> None:
+    recs = random_records(500, seed=9, max_len=3000)
+    path = make_blob(recs)
+    s = smstore.open(path)
+    single = [s[i] for i in range(len(recs))]
+    batch = s.get_batch(list(range(len(recs))))
+    sub = s[3][1:-1]
+    s.close()
+    assert s.closed
+    # Churn the address space so that a freed mapping would be reused by something else.
+    for _ in range(20):
+        with smstore.open(path) as other:
+            other.gather(list(range(len(recs))))
+    junk = [np.ones(1 << 16, dtype=np.uint8) for _ in range(50)]
+    assert [bytes(v) for v in single] == recs
+    assert [bytes(v) for v in batch] == recs
+    assert bytes(sub) == recs[3][1:-1]
+    del junk
+
+
+def test_views_outlive_the_store_object_and_mapping_is_released_after(make_blob) -> None:
+    recs = random_records(300, seed=10, max_len=5000)
+    path = make_blob(recs)
+    gc.collect()
+    assert not _mapped(path)
+    s = smstore.open(path)
+    views = s.get_batch(list(range(len(recs))))
+    offs = s.offsets
+    assert _mapped(path)
+    del s
+    gc.collect()
+    assert _mapped(path)  # kept alive by the views
+    assert [bytes(v) for v in views] == recs
+    assert int(offs[-1]) == sum(map(len, recs))
+    del views
+    gc.collect()
+    assert _mapped(path)  # the offsets array alone still holds it
+    del offs
+    gc.collect()
+    assert not _mapped(path)  # and nothing leaks once the last holder is gone
+
+
+def test_close_unmaps_when_no_views(make_blob) -> None:
+    path = make_blob([b"abc"])
+    gc.collect()
+    s = smstore.open(path)
+    assert _mapped(path)
+    s.close()
+    gc.collect()
+    assert not _mapped(path)
+
+
+def test_closed_store_raises_value_error(awkward_blob: Path) -> None:
+    s = smstore.open(awkward_blob)
+    s.close()
+    s.close()  # idempotent
+    assert s.closed
+    for op in (
+        lambda: s[0],
+        lambda: s[-1],
+        lambda: s.get_batch([0]),
+        lambda: s.gather([0]),
+        lambda: s.verify(),
+        lambda: s.compute_checksum(),
+        lambda: s.offsets,
+        lambda: s.checksum,
+        lambda: s.nbytes,
+        lambda: list(s),
+    ):
+        with pytest.raises(ValueError, match="closed"):
+            op()
+    assert "closed" in repr(s)
+
+
+def test_context_manager(awkward_blob: Path) -> None:
+    with smstore.open(awkward_blob) as s:
+        assert not s.closed
+        view = s[1]
+    assert s.closed
+    assert bytes(view) == b"hello"
+    with pytest.raises(ValueError, match="closed"):
+        s[1]
+    # An exception in the block still closes it.
+    with pytest.raises(KeyError), smstore.open(awkward_blob) as s2:
+        raise KeyError
+    assert s2.closed
+
+
+def test_open_with_verify_and_pathlike(awkward_blob: Path) -> None:
+    with smstore.open(awkward_blob, verify=True) as s:
+        assert len(s) == 16
+    with smstore.Store(str(awkward_blob)) as s:
+        assert len(s) == 16
+
+
+def test_gather_concurrent_with_close(make_blob) -> None:
+    """gather() runs without the GIL; a concurrent close() must neither crash nor corrupt its result."""
+    recs = random_records(2000, seed=12, max_len=2000)
+    path = make_blob(recs)
+    everything = b"".join(recs)
+    for _ in range(5):
+        s = smstore.open(path)
+        results: list[bytes] = []
+        errors: list[BaseException] = []
+
+        def worker(
+            store: smstore.Store = s, results: list[bytes] = results, errors: list[BaseException] = errors
+        ) -> None:
+            try:
+                for _ in range(20):
+                    data, _offs = store.gather(np.arange(len(recs)))
+                    results.append(data.tobytes())
+            except ValueError as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=worker) for _ in range(3)]
+        for t in threads:
+            t.start()
+        s.close()
+        for t in threads:
+            t.join()
+        assert all(r == everything for r in results)
+        assert all("closed" in str(e) for e in errors)
+
+
+def test_from_fd(awkward_blob: Path, awkward_records: list[bytes], tmp_path: Path) -> None:
+    fd = os.open(awkward_blob, os.O_RDONLY)
+    try:
+        s = smstore._core.Store._from_fd(fd, "label-for-fd")
+    finally:
+        os.close(fd)  # the mapping outlives the descriptor
+    assert [bytes(s[i]) for i in range(len(s))] == awkward_records
+    assert s.path == "label-for-fd"
+    s.close()
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"junk" * 2000)
+    fd = os.open(junk, os.O_RDONLY)
+    try:
+        with pytest.raises(smstore.StoreFormatError, match="label-for-junk"):
+            smstore._core.Store._from_fd(fd, "label-for-junk")
+    finally:
+        os.close(fd)
+
+
+def test_record_views_behave_like_memoryviews(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    with smstore.open(awkward_blob) as s:
+        views = [s[i] for i in range(len(s))] + s.get_batch(list(range(len(s))))
+        for view, rec in zip(views, awkward_records * 2, strict=True):
+            assert view.nbytes == len(view) == len(rec)
+            assert view.shape == (len(rec),)
+            assert view.strides == (1,)
+            assert view.contiguous
+            assert view == rec
+            assert hash(view) == hash(rec)  # read-only byte views hash like bytes
+            assert view.tolist() == list(rec)
+            assert bytes(view[::-1]) == rec[::-1]
+            assert bytes(view[1:-1]) == rec[1:-1]
+            assert view.cast("c").tobytes() == rec
+            if len(rec) >= 4:
+                np.testing.assert_array_equal(np.frombuffer(view, dtype=np.uint8, offset=2), list(rec[2:]))
+        # Releasing one view leaves the others (and the store) intact.
+        views[1].release()
+        with pytest.raises(ValueError, match="released"):
+            bytes(views[1])
+        assert bytes(views[2]) == awkward_records[2]
+        assert bytes(s[1]) == awkward_records[1]
