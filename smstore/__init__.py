@@ -31,6 +31,7 @@ from smstore.errors import (
     StoreTruncatedError,
     StoreVersionError,
 )
+from smstore.sampler import GlobalShuffleSampler
 
 if TYPE_CHECKING:
     from smstore.dataset import SharedStoreDataset
@@ -40,6 +41,7 @@ __version__: str = _core.__version__
 __all__ = [
     "ChecksumMismatchError",
     "DaemonError",
+    "GlobalShuffleSampler",
     "PackInputError",
     "PackStats",
     "SharedMemoryError",
