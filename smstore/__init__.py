@@ -17,6 +17,7 @@ except ImportError as err:  # pragma: no cover - only without a built extension
     )
     raise ImportError(msg) from err
 
+from smstore._arrays import pack_arrays, pack_npy_lines
 from smstore._pack import PackStats, Writer, pack, pack_files
 from smstore._store import Store, open
 from smstore.errors import (
@@ -57,7 +58,9 @@ __all__ = [
     "__version__",
     "open",
     "pack",
+    "pack_arrays",
     "pack_files",
+    "pack_npy_lines",
 ]
 
 # The torch-facing pieces load on first use: `import smstore` (the CLI, the daemon) never imports torch.

@@ -7,4 +7,5 @@ PYBIND11_MODULE(_core, m, pybind11::mod_gil_not_used()) {
     smstore::bindings::register_errors(m);
     smstore::bindings::register_store(m);
     smstore::bindings::register_writer(m);
+    smstore::bindings::register_arrays(m);
 }

@@ -8,5 +8,6 @@ namespace smstore::bindings {
 void register_errors(pybind11::module_& m);
 void register_store(pybind11::module_& m);
 void register_writer(pybind11::module_& m);
+void register_arrays(pybind11::module_& m);
 
 }  // namespace smstore::bindings
