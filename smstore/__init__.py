@@ -35,6 +35,7 @@ from smstore.errors import (
 from smstore.sampler import GlobalShuffleSampler
 
 if TYPE_CHECKING:
+    from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
 
 __version__: str = _core.__version__
@@ -54,6 +55,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreTruncatedError",
     "StoreVersionError",
+    "TokenCollator",
     "Writer",
     "__version__",
     "open",
@@ -64,7 +66,7 @@ __all__ = [
 ]
 
 # The torch-facing pieces load on first use: `import smstore` (the CLI, the daemon) never imports torch.
-_LAZY = {"SharedStoreDataset": "smstore.dataset"}
+_LAZY = {"SharedStoreDataset": "smstore.dataset", "TokenCollator": "smstore.collate"}
 
 
 def __getattr__(name: str) -> Any:
