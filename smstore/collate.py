@@ -60,8 +60,10 @@ class TokenCollator:
 
     Args:
         source: The ``.smst`` path, a ``SharedStoreDataset`` (anything with a ``.store``), or an
-            open ``Store`` (not picklable: main-process use only). Records must be arrays
-            (``npy:<dtype>`` encoding; see ``smstore.pack_arrays``).
+            open ``Store`` (not picklable: main-process use only). Array records (``npy:<dtype>``
+            encoding; see ``smstore.pack_arrays``) are tokens of their dtype; any other record
+            (text lines, bytes) is a sequence of byte tokens (``uint8``, a vocabulary of 256), which
+            is what a byte-level language model reads.
         mode: ``"pad"`` or ``"pack"``.
         pad_value: The padding token.
         max_length: Truncate records longer than this (in both modes).
@@ -128,7 +130,9 @@ class TokenCollator:
         self.pin_memory = pin_memory
         self._store: Store | None = None
         store = self.store
-        self.record_dtype = numpy_dtype(store.encoding, store.path)
+        # Array records carry their dtype; any other record is a byte string: uint8 tokens.
+        enc = store.encoding
+        self.record_dtype = numpy_dtype(enc, store.path) if enc.startswith("npy:") else np.dtype(np.uint8)
         self._len = len(store)
         if self.dtype is not None:
             self._check_pad_value()
