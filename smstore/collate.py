@@ -56,7 +56,8 @@ class TokenCollator:
     * ``mode="pack"``: ``tokens`` ``[T]``, all records concatenated, and ``cu_seqlens`` ``[B + 1]``
       (int32, the FlashAttention varlen convention; int64 past 2**31 tokens): record ``i`` is
       ``tokens[cu_seqlens[i]:cu_seqlens[i + 1]]``.
-    * ``indices`` ``[B]`` (int64) when the batch was given as indices: which records these are.
+    * ``indices`` ``[B]`` (int64) when the batch was given as indices and ``return_indices``:
+      which records these are (for logging, exact-resume checks, per-sample weights).
 
     Args:
         source: The ``.smst`` path, a ``SharedStoreDataset`` (anything with a ``.store``), or an
@@ -80,6 +81,8 @@ class TokenCollator:
             processes). Where torch has no accelerator (CPU-only builds) pinning is impossible and
             this option is ignored: the batch comes in ordinary memory (``pinned_memory_available()``
             tells which).
+        return_indices: Add the ``indices`` tensor to batches given as indices. Each tensor a
+            worker returns costs one shared-memory hand-over, so turn it off when unused.
     """
 
     def __init__(
@@ -95,6 +98,7 @@ class TokenCollator:
         fixed_length: bool = False,
         dtype: Any = None,
         pin_memory: bool = False,
+        return_indices: bool = True,
     ) -> None:
         if mode not in ("pad", "pack"):
             msg = f"mode must be 'pad' or 'pack', not {mode!r}"
@@ -128,6 +132,7 @@ class TokenCollator:
         self.fixed_length = fixed_length
         self.dtype = dtype
         self.pin_memory = pin_memory
+        self.return_indices = return_indices
         self._store: Store | None = None
         store = self.store
         # Array records carry their dtype; any other record is a byte string: uint8 tokens.
@@ -188,7 +193,7 @@ class TokenCollator:
             lengths = np.array([a.size for a in arrays], dtype=np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=self.record_dtype)
         out = self._pad(flat, lengths, torch) if self.mode == "pad" else self._pack(flat, lengths, torch)
-        if indices is not None:
+        if indices is not None and self.return_indices:
             out["indices"] = torch.from_numpy(np.asarray(indices, dtype=np.int64).copy())
         return out
 

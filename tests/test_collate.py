@@ -250,3 +250,8 @@ def test_spawned_worker_attaches_by_path(tokens: Path) -> None:
         multiprocessing_context="spawn",
     )
     assert check_batches(epoch_batches(loader), 10) == list(sampler)
+
+
+def test_return_indices_off(tokens: Path) -> None:
+    out = TokenCollator(tokens, return_indices=False)([1, 2])
+    assert set(out) == {"tokens", "lengths"}
