@@ -189,7 +189,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sampler-n", type=float, default=1e9, help="records for the sampler benchmark")
     p.add_argument("--sampler-count", type=int, default=2_000_000, help="indices to draw")
-    p.add_argument("--records", type=int, default=256 * 120, help="token records for the DataLoader benchmark")
+    p.add_argument(
+        "--records", type=int, default=256 * 120, help="token records for the DataLoader benchmark"
+    )
     p.add_argument("--workers", default="1,2,4", help="worker counts")
     p.add_argument("--repeat", type=int, default=3, help="epochs per configuration; the best is shown")
     args = p.parse_args()
