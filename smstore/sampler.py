@@ -151,7 +151,7 @@ class GlobalShuffleSampler:
 
     **Memory.** O(1) in the number of records: the permutation is computed, never stored (a
     stored permutation of 1e9 records is 8 GB per rank). The iterator holds one chunk of at most
-    65536 indices (~2 MiB while it is being computed) and the sampler a handful of integers.
+    65536 indices (~3 MiB at peak while one is computed) and the sampler a handful of integers.
 
     Args:
         dataset_or_len: The dataset (anything with ``len``) or the number of records.
