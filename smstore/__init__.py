@@ -16,6 +16,7 @@ except ImportError as err:  # pragma: no cover - only without a built extension
         "source checkout, install the package first (pip install .) and run outside the source tree."
     ) from err
 
+from smstore._arrays import pack_arrays, pack_npy_lines
 from smstore._pack import PackStats, Writer, pack, pack_files
 from smstore._store import Store, open
 from smstore.errors import (
@@ -30,8 +31,10 @@ from smstore.errors import (
     StoreTruncatedError,
     StoreVersionError,
 )
+from smstore.sampler import GlobalShuffleSampler
 
 if TYPE_CHECKING:
+    from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
 
 __version__: str = _core.__version__
@@ -39,6 +42,7 @@ __version__: str = _core.__version__
 __all__ = [
     "ChecksumMismatchError",
     "DaemonError",
+    "GlobalShuffleSampler",
     "PackInputError",
     "PackStats",
     "SharedMemoryError",
@@ -50,15 +54,18 @@ __all__ = [
     "StoreNotFoundError",
     "StoreTruncatedError",
     "StoreVersionError",
+    "TokenCollator",
     "Writer",
     "__version__",
     "open",
     "pack",
+    "pack_arrays",
     "pack_files",
+    "pack_npy_lines",
 ]
 
 # The torch-facing pieces load on first use: `import smstore` (the CLI, the daemon) never imports torch.
-_LAZY = {"SharedStoreDataset": "smstore.dataset"}
+_LAZY = {"SharedStoreDataset": "smstore.dataset", "TokenCollator": "smstore.collate"}
 
 
 def __getattr__(name: str) -> Any:

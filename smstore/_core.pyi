@@ -91,3 +91,11 @@ class Writer:
     def path(self) -> str: ...
     @property
     def is_open(self) -> bool: ...
+
+def pack_npy_lines(
+    writer: Writer,
+    inputs: Sequence[str],
+    kind: str,
+    itemsize: int,
+    progress: Callable[[int], None] | None = None,
+) -> int: ...

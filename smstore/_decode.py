@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -39,6 +40,38 @@ def _json(view: memoryview) -> Any:
     return json.loads(view.tobytes())
 
 
+def _torch_decoder(dtype: np.dtype[Any], path: str) -> Decoder:
+    """Records as zero-copy, read-only 1-D tensors over the mapping (torch imported here only)."""
+    import torch
+
+    try:
+        tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except (TypeError, RuntimeError) as e:
+        msg = f"{path}: records of dtype {dtype} have no torch equivalent ({e})"
+        raise StoreFormatError(msg) from None
+    frombuffer = torch.frombuffer
+    silenced = False
+
+    def _torch(view: memoryview) -> Any:
+        nonlocal silenced
+        if not view.nbytes:
+            return torch.empty(0, dtype=tdtype)  # frombuffer refuses empty buffers
+        if silenced:
+            return frombuffer(view, dtype=tdtype)
+        # torch warns (once per process) that the buffer is not writable. It is read-only by
+        # design: the mapping is PROT_READ, so writing through the tensor kills the process with
+        # SIGSEGV. Silence that one warning, once, instead of paying catch_warnings per record.
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message="The given buffer is not writable", category=UserWarning
+            )
+            tensor = frombuffer(view, dtype=tdtype)
+        silenced = True
+        return tensor
+
+    return _torch
+
+
 def make_decoder(decode: str | Decoder | None, encoding: str, path: str) -> Decoder | None:
     """Turn a ``decode=`` argument into a function of one memoryview (None: no decoding)."""
     if decode is None or callable(decode):
@@ -56,5 +89,7 @@ def make_decoder(decode: str | Decoder | None, encoding: str, path: str) -> Deco
             return np.frombuffer(view, dtype=dtype)
 
         return _numpy
-    msg = f"decode must be None, 'bytes', 'utf8', 'json', 'numpy' or a callable, not {decode!r}"
+    if decode == "torch":
+        return _torch_decoder(numpy_dtype(encoding, path), path)
+    msg = f"decode must be None, 'bytes', 'utf8', 'json', 'numpy', 'torch' or a callable, not {decode!r}"
     raise ValueError(msg)

@@ -33,14 +33,27 @@ def cmd_pack(args: argparse.Namespace) -> int:
                 return 2
             user[key] = value
     progress = None if not args.quiet else False
-    stats = smstore.pack_files(
-        args.inputs,
-        args.output,
-        format=args.format,
-        metadata=user,
-        progress=progress,
-        durable=not args.no_fsync,
-    )
+    if args.format == "npy-lines":
+        stats = smstore.pack_npy_lines(
+            args.inputs,
+            args.output,
+            dtype=args.dtype or "uint16",
+            metadata=user,
+            progress=progress,
+            durable=not args.no_fsync,
+        )
+    elif args.dtype is not None:
+        print("smstore pack: --dtype applies to --format npy-lines only", file=sys.stderr)
+        return 2
+    else:
+        stats = smstore.pack_files(
+            args.inputs,
+            args.output,
+            format=args.format,
+            metadata=user,
+            progress=progress,
+            durable=not args.no_fsync,
+        )
     if not args.quiet:
         rate = stats.input_bytes / stats.seconds / 2**20 if stats.seconds > 0 else float("inf")
         print(
@@ -121,7 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("pack", help="pack text files into a blob, one record per line")
     p.add_argument("inputs", nargs="+", help="input files, read in order ('-' for stdin)")
     p.add_argument("-o", "--output", required=True, help="the .smst file to write (atomically)")
-    p.add_argument("--format", choices=["lines", "jsonl"], default="lines", help="jsonl validates every line")
+    p.add_argument(
+        "--format",
+        choices=["lines", "jsonl", "npy-lines"],
+        default="lines",
+        help="jsonl validates every line; npy-lines packs each line of integers as one array of --dtype",
+    )
+    p.add_argument("--dtype", help="npy-lines: the integer dtype of the records (default uint16)")
     p.add_argument("--meta", action="append", metavar="KEY=VALUE", help="user metadata (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing the file")

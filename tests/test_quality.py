@@ -45,7 +45,7 @@ def test_stub_matches_compiled_module(tmp_path: Path) -> None:
         sys.executable,
         "-m",
         "mypy.stubtest",
-        "smstore",
+        "smstore._core",
         "--mypy-config-file",
         ROOT / "pyproject.toml",
         "--allowlist",

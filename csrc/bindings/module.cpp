@@ -9,4 +9,5 @@ PYBIND11_MODULE(_core, m, pybind11::mod_gil_not_used()) {
     smstore::bindings::register_record_reader(m);
     smstore::bindings::register_writer(m);
     smstore::bindings::register_shm(m);
+    smstore::bindings::register_arrays(m);
 }

@@ -10,5 +10,6 @@ void register_store(pybind11::module_& m);
 void register_record_reader(pybind11::module_& m);
 void register_writer(pybind11::module_& m);
 void register_shm(pybind11::module_& m);
+void register_arrays(pybind11::module_& m);
 
 }  // namespace smstore::bindings

@@ -112,12 +112,32 @@ std::vector<uint64_t> PyStore::normalize_all(py::handle indices) const {
         }
         return out;
     }
-    auto arr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(indices);
+    // Arrays (and other sequences, through numpy) must hold integers: a float or string index is
+    // a bug in the caller, not something to round.
+    py::array arr = py::array::ensure(indices);
     if (!arr) throw py::type_error("indices must be a sequence or array of integers");
     if (arr.ndim() != 1) throw py::value_error("indices must be one-dimensional");
-    const int64_t* p = arr.data();
+    char kind = arr.dtype().kind();
+    if (arr.size() != 0 && kind != 'i' && kind != 'u') {
+        throw py::type_error("indices must be integers, not an array of dtype " +
+                             py::str(arr.dtype()).cast<std::string>());
+    }
+    out.resize(static_cast<size_t>(arr.size()));
+    if (kind == 'u' && arr.itemsize() == 8) {  // values >= 2**63 do not fit int64
+        auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+        const uint64_t* p = u.data();
+        for (size_t k = 0; k < out.size(); ++k) {
+            if (p[k] >= count_) {
+                throw py::index_error("record index " + std::to_string(p[k]) + " out of range for " +
+                                      std::to_string(count_) + " records");
+            }
+            out[k] = p[k];
+        }
+        return out;
+    }
+    auto signed_arr = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(arr);
+    const int64_t* p = signed_arr.data();
     auto n = static_cast<int64_t>(count_);
-    out.resize(static_cast<size_t>(arr.shape(0)));
     for (size_t k = 0; k < out.size(); ++k) {
         int64_t i = p[k] < 0 ? p[k] + n : p[k];
         if (i < 0 || i >= n) {

@@ -2,6 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "error.hpp"
+#include "progress.hpp"
 #include "register.hpp"
 #include "writer.hpp"
 
@@ -9,20 +10,6 @@ namespace py = pybind11;
 
 namespace smstore::bindings {
 namespace {
-
-// Calls a Python progress callback from the GIL-free pack loop, and lets Ctrl-C cancel the pack.
-class CallbackProgress : public PackProgress {
-public:
-    explicit CallbackProgress(py::object fn) : fn_(std::move(fn)) {}
-    void update(uint64_t bytes_read) override {
-        py::gil_scoped_acquire acquire;
-        if (PyErr_CheckSignals() != 0) throw py::error_already_set();
-        if (!fn_.is_none()) fn_(bytes_read);
-    }
-
-private:
-    py::object fn_;
-};
 
 // Appends one record from bytes, str (UTF-8) or any C-contiguous buffer.
 void append_object(Writer& w, const py::handle& obj) {

@@ -1,0 +1,221 @@
+// The npy-lines packer: parses integer text in a streaming loop and writes typed array records.
+#include "npy_lines.hpp"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <limits>
+
+#include "error.hpp"
+
+namespace smstore {
+
+std::string IntDtype::name() const {
+    return std::string(kind == 'u' ? "uint" : "int") + std::to_string(itemsize * 8);
+}
+
+namespace {
+
+constexpr size_t kReadSize = 4 << 20;
+constexpr uint64_t kProgressEvery = 32 << 20;
+
+class Input {
+public:
+    explicit Input(const std::string& name) : name_(name) {
+        if (name == "-") {
+            fd_ = 0;
+            name_ = "<stdin>";
+            return;
+        }
+        fd_ = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
+        if (fd_ < 0) throw_errno(name, errno);
+        struct stat st;
+        if (::fstat(fd_, &st) == 0 && S_ISDIR(st.st_mode)) {
+            ::close(fd_);
+            throw Error(Error::Kind::Io, name + ": is a directory");
+        }
+        ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
+    }
+    ~Input() {
+        if (fd_ > 0) ::close(fd_);
+    }
+    Input(const Input&) = delete;
+    Input& operator=(const Input&) = delete;
+
+    size_t read(char* buf, size_t size) {
+        for (;;) {
+            ssize_t n = ::read(fd_, buf, size);
+            if (n >= 0) return static_cast<size_t>(n);
+            if (errno != EINTR) throw_errno(name_ + ": read failed", errno);
+        }
+    }
+    const std::string& name() const { return name_; }
+
+private:
+    std::string name_;
+    int fd_ = -1;
+};
+
+bool is_space(char c) {
+    return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f';
+}
+
+std::string shown(const char* p, size_t n) {
+    constexpr size_t kMax = 40;
+    std::string s(p, n < kMax ? n : kMax);
+    for (char& c : s) {
+        if (static_cast<unsigned char>(c) < 0x20 || static_cast<unsigned char>(c) >= 0x7f) c = '?';
+    }
+    return n > kMax ? s + "..." : s;
+}
+
+template <typename T>
+class LineParser {
+public:
+    LineParser(Writer& writer, IntDtype dtype) : writer_(writer), dtype_(dtype) {}
+
+    // One complete line, without its '\n'.
+    void line(const std::string& file, uint64_t line_no, const char* p, size_t n) {
+        values_.clear();
+        const char* end = p + n;
+        const char* start = p;
+        while (p < end) {
+            if (is_space(*p)) {
+                ++p;
+                continue;
+            }
+            const char* tok = p;
+            while (p < end && !is_space(*p))
+                ++p;
+            values_.push_back(parse(file, line_no, static_cast<size_t>(tok - start) + 1, tok, p));
+        }
+        writer_.append(values_.data(), values_.size() * sizeof(T));
+    }
+
+private:
+    [[noreturn]] void fail(const std::string& file, uint64_t line_no, size_t column, const std::string& why) {
+        throw Error(Error::Kind::Input,
+                    file + ":" + std::to_string(line_no) + ": column " + std::to_string(column) + ": " + why);
+    }
+
+    T parse(const std::string& file, uint64_t line_no, size_t column, const char* p, const char* end) {
+        const char* tok = p;
+        auto len = static_cast<size_t>(end - p);
+        bool negative = false;
+        if (*p == '-' || *p == '+') negative = *p++ == '-';
+        if (p == end) fail(file, line_no, column, "bad token '" + shown(tok, len) + "': not an integer");
+        uint64_t magnitude = 0;
+        bool overflow = false;
+        for (; p < end; ++p) {
+            auto digit = static_cast<unsigned>(*p - '0');
+            if (digit > 9) fail(file, line_no, column, "bad token '" + shown(tok, len) + "': not an integer");
+            overflow |= __builtin_mul_overflow(magnitude, 10u, &magnitude);
+            overflow |= __builtin_add_overflow(magnitude, digit, &magnitude);
+        }
+        constexpr auto lo = std::numeric_limits<T>::min();
+        constexpr auto hi = std::numeric_limits<T>::max();
+        // Magnitudes compare as unsigned: -lo fits in uint64_t for every signed T.
+        const uint64_t limit =
+            negative ? static_cast<uint64_t>(-(static_cast<__int128>(lo))) : static_cast<uint64_t>(hi);
+        if (overflow || magnitude > limit) {
+            fail(file, line_no, column,
+                 "value " + shown(tok, len) + " out of range for " + dtype_.name() + " [" + std::to_string(lo) + ", " +
+                     std::to_string(hi) + "]");
+        }
+        if (negative) return static_cast<T>(-static_cast<__int128>(magnitude));
+        return static_cast<T>(magnitude);
+    }
+
+    Writer& writer_;
+    IntDtype dtype_;
+    std::vector<T> values_;
+};
+
+template <typename T>
+uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress) {
+    LineParser<T> parser(writer, dtype);
+    std::vector<char> buf(kReadSize);
+    std::string pending;  // the part of a line that spans reads
+    uint64_t total = 0, next_report = kProgressEvery;
+    for (const auto& name : inputs) {
+        Input in(name);
+        uint64_t line_no = 1;
+        bool open_line = false;
+        for (;;) {
+            size_t n = in.read(buf.data(), buf.size());
+            if (n == 0) break;
+            total += n;
+            const char* p = buf.data();
+            const char* end = p + n;
+            while (p < end) {
+                auto nl = static_cast<const char*>(std::memchr(p, '\n', static_cast<size_t>(end - p)));
+                if (!nl) {
+                    pending.append(p, static_cast<size_t>(end - p));
+                    open_line = true;
+                    break;
+                }
+                if (pending.empty()) {
+                    parser.line(in.name(), line_no, p, static_cast<size_t>(nl - p));
+                } else {
+                    pending.append(p, static_cast<size_t>(nl - p));
+                    parser.line(in.name(), line_no, pending.data(), pending.size());
+                    pending.clear();
+                }
+                ++line_no;
+                open_line = false;
+                p = nl + 1;
+            }
+            if (progress && total >= next_report) {
+                progress->update(total);
+                next_report = total + kProgressEvery;
+            }
+        }
+        if (open_line) {  // a final line without '\n' is a record
+            parser.line(in.name(), line_no, pending.data(), pending.size());
+            pending.clear();
+        }
+    }
+    if (progress) progress->update(total);
+    return total;
+}
+
+}  // namespace
+
+uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype,
+                        PackProgress* progress) {
+    if (dtype.kind == 'u') {
+        switch (dtype.itemsize) {
+            case 1:
+                return pack_typed<uint8_t>(writer, inputs, dtype, progress);
+            case 2:
+                return pack_typed<uint16_t>(writer, inputs, dtype, progress);
+            case 4:
+                return pack_typed<uint32_t>(writer, inputs, dtype, progress);
+            case 8:
+                return pack_typed<uint64_t>(writer, inputs, dtype, progress);
+            default:
+                break;
+        }
+    } else if (dtype.kind == 'i') {
+        switch (dtype.itemsize) {
+            case 1:
+                return pack_typed<int8_t>(writer, inputs, dtype, progress);
+            case 2:
+                return pack_typed<int16_t>(writer, inputs, dtype, progress);
+            case 4:
+                return pack_typed<int32_t>(writer, inputs, dtype, progress);
+            case 8:
+                return pack_typed<int64_t>(writer, inputs, dtype, progress);
+            default:
+                break;
+        }
+    }
+    throw Error(Error::Kind::Input,
+                std::string("npy-lines packs integer dtypes (int8..int64, uint8..uint64), not kind '") + dtype.kind +
+                    "' of " + std::to_string(dtype.itemsize) + " bytes");
+}
+
+}  // namespace smstore

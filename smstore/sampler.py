@@ -1,0 +1,363 @@
+"""GlobalShuffleSampler: an exact global shuffle whose order survives a change of world size and resumes in O(1)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from collections.abc import Iterator, Sized
+from operator import length_hint
+from typing import Any
+
+import numpy as np
+
+__all__ = ["FeistelPermutation", "GlobalShuffleSampler"]
+
+_U64 = np.uint64
+# splitmix64's finalizer constants: a cheap, well-mixing 64-bit round function.
+_M1 = _U64(0xBF58476D1CE4E5B9)
+_M2 = _U64(0x94D049BB133111EB)
+_STATE_VERSION = 1
+
+
+class FeistelPermutation:
+    """A keyed bijection of ``range(n)`` that needs O(1) memory.
+
+    An alternating (unbalanced) Feistel network permutes the ``b``-bit integers, ``2**b`` being
+    the smallest power of two ``>= n`` (so at most ``2n``); values that land outside ``[0, n)``
+    are sent through the network again (cycle-walking) until they land inside, which keeps the map
+    a bijection of ``[0, n)``. The expected number of passes is ``2**b / n < 2``. Each round splits
+    the value into a high part ``A`` and a low part ``B`` and maps ``(A, B)`` to
+    ``(B, A xor F_k(B))``; the parts trade widths every round, which is why any bit width works.
+    ``F_k`` is splitmix64's finalizer applied to ``B + k``, with one 64-bit key per round.
+
+    The permutation is a pure function of ``key`` and ``n``; it holds ``rounds`` 64-bit keys and
+    nothing else. It is a shuffle, not cryptography.
+
+    Args:
+        n: The size of the domain.
+        key: Any bytes; the round keys are derived from it with BLAKE2b.
+        rounds: Feistel rounds (6 by default: well past the 4 that make a good pseudorandom
+            permutation from good round functions).
+    """
+
+    def __init__(self, n: int, key: bytes, *, rounds: int = 6) -> None:
+        if n < 0:
+            msg = f"n must be >= 0, not {n}"
+            raise ValueError(msg)
+        if n > 2**63:
+            msg = f"n must be <= 2**63, not {n}"
+            raise ValueError(msg)
+        self.n = n
+        self.bits = max(2, (n - 1).bit_length())
+        digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
+        self._keys = [_U64(int.from_bytes(digest[8 * i : 8 * i + 8], "little")) for i in range(rounds)]
+        lo = self.bits // 2
+        # Per round: (bits of the low half B, bits of the high half A).
+        self._splits: list[tuple[_U64, _U64, _U64, _U64]] = []
+        for _ in range(rounds):
+            hi = self.bits - lo
+            self._splits.append((_U64(lo), _U64(hi), _U64((1 << lo) - 1), _U64((1 << hi) - 1)))
+            lo = hi
+
+    def _network(self, x: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
+        x = x.copy()
+        b = np.empty_like(x)
+        z = np.empty_like(x)
+        for key, (lo, hi, lo_mask, hi_mask) in zip(self._keys, self._splits, strict=True):
+            np.bitwise_and(x, lo_mask, out=b)
+            np.right_shift(x, lo, out=x)  # x is now A
+            # z = F_k(B): uint64 arithmetic wraps, which is what we want.
+            np.add(b, key, out=z)
+            z ^= z >> _U64(30)
+            z *= _M1
+            z ^= z >> _U64(27)
+            z *= _M2
+            z ^= z >> _U64(31)
+            x ^= z
+            x &= hi_mask  # A xor F(B), hi bits wide: the new low half
+            np.left_shift(b, hi, out=b)
+            x |= b  # B becomes the new high half
+        return x
+
+    def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The images of an array of positions in ``[0, n)``, as int64."""
+        x = np.asarray(positions).astype(np.uint64, copy=False)
+        y = self._network(x)
+        n = _U64(self.n)
+        out_of_range = np.flatnonzero(y >= n)
+        while out_of_range.size:
+            walked = self._network(y[out_of_range])
+            y[out_of_range] = walked
+            out_of_range = out_of_range[walked >= n]
+        return y.astype(np.int64)
+
+    def __getitem__(self, position: int) -> int:
+        if not 0 <= position < self.n:
+            msg = f"position {position} out of range for a permutation of {self.n}"
+            raise IndexError(msg)
+        return int(self(np.array([position], dtype=np.uint64))[0])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _world_from_env() -> tuple[int, int]:
+    """(rank, world size) from an initialized torch.distributed, else torchrun's env, else (0, 1)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return int(dist.get_rank()), int(dist.get_world_size())
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    return 0, 1
+
+
+class GlobalShuffleSampler:
+    """An exact global shuffle of every record, split across ranks, that resumes in O(1).
+
+    **The order.** Epoch ``e`` visits the records in the order ``O = [P(0), P(1), ..., P(N-1)]``
+    where ``P`` is a keyed bijection of ``range(N)`` (:class:`FeistelPermutation`) whose key is
+    derived from ``(seed, e, N)`` only: the global order does not depend on the world size, and a
+    different seed or epoch gives a different permutation. Rank ``r`` of ``W`` yields
+    ``O[r], O[r + W], O[r + 2W], ...`` (DistributedSampler's convention), so interleaving the
+    ranks' streams gives back the world-size-1 order.
+
+    **Padding.** When ``W`` does not divide ``N``, every rank still yields the same number of
+    samples, ``ceil(N / W)``: positions ``p >= N`` wrap around to ``O[p - N]`` (``O[p mod N]``), so
+    the first ``ceil(N / W) * W - N`` samples of the epoch are seen twice, exactly like
+    ``DistributedSampler``'s padding. With ``drop_last=True`` each rank yields ``floor(N / W)`` and
+    the last ``N mod W`` positions of the order are skipped in that epoch. After a resume at ``k``
+    the same rule applies to the remaining ``N - k`` positions with the new world size.
+
+    **Resume.** :meth:`state_dict` is ``{"seed", "epoch", "consumed", "num_records", ...}`` where
+    ``consumed`` counts the *global* positions of the epoch already handed out. After
+    :meth:`load_state_dict`, rank ``r`` of any world size ``W'`` yields ``O[k + r], O[k + r + W'],
+    ...`` with ``k = consumed``: exactly where the global order left off, computed in O(1)
+    without iterating the skipped part. All ranks consume in lockstep (as in DDP), so the state of
+    any one rank (rank 0's, by convention) describes them all.
+
+    **Which position to save.** A ``DataLoader`` with workers draws indices from the sampler ahead
+    of the training loop (``prefetch_factor * num_workers`` batches), so what the sampler has
+    handed out is not what the loop has trained on. Two exact ways:
+
+    * torchdata's ``StatefulDataLoader``: save ``loader.state_dict()``. It snapshots the sampler
+      state at the batch the loop last received, and ``loader.load_state_dict()`` hands it back.
+    * A plain ``DataLoader``: count the samples your loop received in the current pass
+      (``batches * batch_size``) and save ``sampler.state_dict(local_consumed=count)``.
+
+    ``sampler.state_dict()`` without an argument is the position the sampler's current iterator
+    has reached: exact when iterating the sampler directly or with ``num_workers=0`` and no
+    prefetch, ahead of the loop otherwise.
+
+    **Memory.** O(1) in the number of records: the permutation is computed, never stored (a
+    stored permutation of 1e9 records is 8 GB per rank). The iterator holds one chunk of at most
+    65536 indices (~3 MiB at peak while one is computed) and the sampler a handful of integers.
+
+    Args:
+        dataset_or_len: The dataset (anything with ``len``) or the number of records.
+        seed: Any integer; the same on every rank.
+        rank: This rank; by default from ``torch.distributed`` when it is initialized, else the
+            ``RANK`` environment variable (torchrun), else 0.
+        world_size: The number of ranks; found like ``rank``.
+        drop_last: Drop the tail that does not divide evenly instead of padding.
+    """
+
+    def __init__(
+        self,
+        dataset_or_len: Sized | int,
+        *,
+        seed: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+    ) -> None:
+        n = dataset_or_len if isinstance(dataset_or_len, int) else len(dataset_or_len)
+        if n < 0:
+            msg = f"the number of records must be >= 0, not {n}"
+            raise ValueError(msg)
+        if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+            msg = f"seed must be an integer, not {seed!r}"
+            raise TypeError(msg)
+        if rank is None or world_size is None:
+            env_rank, env_world = _world_from_env()
+            rank = env_rank if rank is None else rank
+            world_size = env_world if world_size is None else world_size
+        if world_size < 1 or not 0 <= rank < world_size:
+            msg = f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+            raise ValueError(msg)
+        self.num_records = int(n)
+        self.seed = int(seed)
+        self.rank = int(rank)
+        self.world_size = int(world_size)
+        self.drop_last = bool(drop_last)
+        self.epoch = 0
+        self._consumed = 0  # global positions handed out in this epoch
+        self._resume = False  # the next __iter__ starts at _consumed instead of 0
+        self._iter_token = 0
+        self._perm_cache: tuple[tuple[int, int], FeistelPermutation] | None = None
+        # The pass under way (the latest __iter__): where it started and how far it has come.
+        self._in_pass = False
+        self._pass_start = 0
+        self._pass_done = 0  # local samples of the chunks before the current one
+        self._pass_chunk: Iterator[int] | None = None
+        self._pass_chunk_len = 0
+        self._pass_finished = False
+
+    # -- the order --------------------------------------------------------------------------
+
+    def permutation(self, epoch: int | None = None) -> FeistelPermutation:
+        """The bijection ``P`` with ``O[p] = P(p)`` for ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        cache_key = (self.seed, epoch)
+        if self._perm_cache is None or self._perm_cache[0] != cache_key:
+            key = f"smstore-global-shuffle-v1:{self.seed}:{epoch}:{self.num_records}".encode()
+            self._perm_cache = (cache_key, FeistelPermutation(self.num_records, key))
+        return self._perm_cache[1]
+
+    def global_order(self, start: int = 0, stop: int | None = None) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """``O[start:stop]`` of the current epoch as an int64 array (for tests and tools)."""
+        stop = self.num_records if stop is None else min(stop, self.num_records)
+        if stop <= start:
+            return np.empty(0, dtype=np.int64)
+        return self.permutation()(np.arange(start, stop, dtype=np.uint64))
+
+    def _local_count(self, start: int) -> int:
+        remaining = max(0, self.num_records - start)
+        if self.drop_last:
+            return remaining // self.world_size
+        return -(-remaining // self.world_size)
+
+    def _local_indices(
+        self, perm: FeistelPermutation, start: int, i0: int, i1: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The record indices this rank yields at local steps ``[i0, i1)`` of a pass from ``start``."""
+        pos = np.arange(i0, i1, dtype=np.uint64)
+        pos *= _U64(self.world_size)
+        pos += _U64(start + self.rank)
+        if (
+            not self.drop_last
+            and self.num_records
+            and (start + self.rank + (i1 - 1) * self.world_size) >= (self.num_records)
+        ):
+            pos %= _U64(self.num_records)  # the padding wraps around to the start of the order
+        return perm(pos)
+
+    # -- the Sampler protocol ---------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Samples this rank yields in the next pass (the rest of the epoch after a resume)."""
+        return self._local_count(self._consumed if self._resume else 0)
+
+    def __iter__(self) -> Iterator[int]:
+        start = self._consumed if self._resume else 0
+        self._resume = False
+        self._consumed = start
+        self._iter_token += 1
+        self._in_pass, self._pass_finished = True, False
+        self._pass_start, self._pass_done, self._pass_chunk, self._pass_chunk_len = start, 0, None, 0
+        return self._generate(self._iter_token, self.permutation(), start, self._local_count(start))
+
+    def _generate(self, token: int, perm: FeistelPermutation, start: int, count: int) -> Iterator[int]:
+        done = 0
+        chunk = 256  # small first chunks: the first batch after a resume arrives at once
+        while done < count:
+            m = min(chunk, count - done)
+            values = iter(self._local_indices(perm, start, done, done + m).tolist())
+            if token == self._iter_token:
+                self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
+            yield from values
+            done += m
+            chunk = min(chunk * 4, 65536)
+        if token == self._iter_token:
+            self._pass_done, self._pass_chunk, self._pass_chunk_len = count, None, 0
+            self._pass_finished = True
+            self._consumed = self.num_records  # the epoch is complete (drop_last's tail included)
+
+    def _live_local(self) -> int:
+        """Local samples the current pass has handed out."""
+        chunk = self._pass_chunk
+        if chunk is None:
+            return self._pass_done
+        return self._pass_done + self._pass_chunk_len - length_hint(chunk)
+
+    # -- epochs and state -------------------------------------------------------------------
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch of the next pass. A state loaded for this same epoch is kept."""
+        epoch = int(epoch)
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._consumed = 0
+            self._resume = False
+            self._in_pass = False
+            self._iter_token += 1  # a pass of the old epoch no longer updates the state
+
+    def _global_after(self, start: int, local: int) -> int:
+        """The global position after ``local`` samples of a pass from ``start``."""
+        if local >= self._local_count(start):
+            return self.num_records  # the pass is over, and with it the epoch (drop_last's tail too)
+        return start + local * self.world_size
+
+    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
+        """The resumable position: ``{"seed", "epoch", "consumed", "num_records", ...}``.
+
+        Args:
+            local_consumed: How many samples of the current pass (the latest ``iter()``) this
+                rank's training loop has received. Give it with a plain ``DataLoader``, whose
+                prefetching runs the sampler ahead of the loop. By default, the position the
+                sampler's iterator has reached.
+        """
+        if self._resume or not self._in_pass:
+            consumed = self._consumed  # no pass under way: the pending (or initial) position
+        elif local_consumed is not None:
+            if local_consumed < 0:
+                msg = f"local_consumed must be >= 0, not {local_consumed}"
+                raise ValueError(msg)
+            consumed = self._global_after(self._pass_start, local_consumed)
+        elif self._pass_finished:
+            consumed = self.num_records
+        else:
+            consumed = self._global_after(self._pass_start, self._live_local())
+        return {
+            "version": _STATE_VERSION,
+            "seed": self.seed,
+            "epoch": self.epoch,
+            "consumed": consumed,
+            "num_records": self.num_records,
+            "world_size": self.world_size,  # informational: resuming with another one is fine
+            "drop_last": self.drop_last,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next pass starts at ``state["consumed"]`` of ``state["epoch"]``, in O(1).
+
+        Raises:
+            ValueError: The state belongs to a dataset of another size, or is malformed.
+        """
+        try:
+            seed, epoch, consumed = int(state["seed"]), int(state["epoch"]), int(state["consumed"])
+        except (KeyError, TypeError, ValueError) as e:
+            msg = f"not a GlobalShuffleSampler state: {e!r}"
+            raise ValueError(msg) from None
+        n = state.get("num_records", self.num_records)
+        if n != self.num_records:
+            msg = (
+                f"the state was saved for {n} records but this sampler has {self.num_records}: "
+                "the order of another dataset cannot be resumed"
+            )
+            raise ValueError(msg)
+        if not 0 <= consumed <= self.num_records:
+            msg = f"consumed={consumed} is outside [0, {self.num_records}]"
+            raise ValueError(msg)
+        self.seed = seed
+        self.epoch = epoch
+        self._consumed = consumed
+        self._resume = True
+        self._in_pass = False
+        self._iter_token += 1
+
+    def __repr__(self) -> str:
+        return (
+            f"GlobalShuffleSampler(num_records={self.num_records}, seed={self.seed}, epoch={self.epoch}, "
+            f"rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})"
+        )

@@ -1,0 +1,352 @@
+"""GlobalShuffleSampler: world-size-independent global order, padding, O(1) resume across world sizes."""
+
+from __future__ import annotations
+
+import itertools
+import time
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from smstore.sampler import FeistelPermutation, GlobalShuffleSampler
+
+
+def rank_streams(
+    n: int, seed: int, world: int, *, epoch: int = 0, drop_last: bool = False
+) -> list[list[int]]:
+    streams = []
+    for r in range(world):
+        s = GlobalShuffleSampler(n, seed=seed, rank=r, world_size=world, drop_last=drop_last)
+        s.set_epoch(epoch)
+        streams.append(list(s))
+    return streams
+
+
+def interleave(streams: list[list[int]]) -> list[int]:
+    """Rank r's i-th sample sits at global position r + i*W."""
+    return [x for row in itertools.zip_longest(*streams) for x in row if x is not None]
+
+
+def reference_order(n: int, seed: int, epoch: int = 0) -> list[int]:
+    s = GlobalShuffleSampler(n, seed=seed, rank=0, world_size=1)
+    s.set_epoch(epoch)
+    return s.global_order().tolist()
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 64, 97, 1000, 4099])
+def test_permutation_is_a_bijection(n: int) -> None:
+    perm = FeistelPermutation(n, b"key")
+    image = perm(np.arange(n, dtype=np.uint64))
+    assert image.dtype == np.int64
+    assert sorted(image.tolist()) == list(range(n))
+    if n:
+        assert perm[n - 1] == image[-1]
+        with pytest.raises(IndexError):
+            perm[n]
+
+
+@settings(max_examples=40, deadline=None)
+@given(n=st.integers(1, 3000), key=st.binary(max_size=16))
+def test_permutation_is_a_bijection_property(n: int, key: bytes) -> None:
+    image = FeistelPermutation(n, key)(np.arange(n))
+    assert np.array_equal(np.sort(image), np.arange(n))
+
+
+def test_permutation_actually_shuffles() -> None:
+    n = 10_000
+    image = FeistelPermutation(n, b"k")(np.arange(n))
+    assert np.count_nonzero(image == np.arange(n)) < 20  # ~1 fixed point expected
+    # Neighbouring positions land far apart: no local structure survives.
+    assert np.median(np.abs(np.diff(image))) > n / 10
+
+
+@pytest.mark.parametrize("n", [1, 7, 24, 1000, 1001])
+def test_world_sizes_1_2_3_8_give_the_same_global_order(n: int) -> None:
+    order = reference_order(n, seed=5)
+    assert sorted(order) == list(range(n))
+    for world in (1, 2, 3, 8):
+        streams = rank_streams(n, 5, world)
+        per_rank = -(-n // world)
+        assert [len(s) for s in streams] == [per_rank] * world
+        merged = interleave(streams)
+        # Padding, as DistributedSampler: positions p >= n wrap to O[p - n].
+        assert merged == [order[p % n] for p in range(per_rank * world)]
+        assert set(merged) == set(range(n))
+
+
+@pytest.mark.parametrize("world", [2, 3, 8])
+def test_drop_last_drops_the_tail_of_the_order(world: int) -> None:
+    n = 1001
+    order = reference_order(n, seed=9)
+    streams = rank_streams(n, 9, world, drop_last=True)
+    assert [len(s) for s in streams] == [n // world] * world
+    assert interleave(streams) == order[: (n // world) * world]
+
+
+def test_more_ranks_than_records_pads_every_rank() -> None:
+    streams = rank_streams(3, 0, 8)
+    order = reference_order(3, 0)
+    assert streams == [[order[r % 3]] for r in range(8)]
+    assert rank_streams(3, 0, 8, drop_last=True) == [[] for _ in range(8)]
+
+
+def test_empty_dataset() -> None:
+    s = GlobalShuffleSampler(0, seed=0, rank=0, world_size=2)
+    assert len(s) == 0
+    assert list(s) == []
+
+
+def test_seed_and_epoch_change_the_permutation() -> None:
+    n = 500
+    base = reference_order(n, seed=1, epoch=0)
+    others = [reference_order(n, seed=2, epoch=0), reference_order(n, seed=1, epoch=1)]
+    for other in others:
+        assert sorted(other) == list(range(n))
+        assert other != base
+        assert sum(a == b for a, b in zip(base, other, strict=True)) < 20
+    assert reference_order(n, seed=1, epoch=0) == base  # and it is reproducible
+
+
+def test_dataset_argument_and_len() -> None:
+    s = GlobalShuffleSampler(list(range(10)), seed=0, rank=1, world_size=4)
+    assert len(s) == 3
+    assert len(list(s)) == 3
+    s = GlobalShuffleSampler(10, seed=0, rank=1, world_size=4, drop_last=True)
+    assert len(s) == 2
+
+
+def test_rank_and_world_size_from_torchrun_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    s = GlobalShuffleSampler(30, seed=0)
+    assert (s.rank, s.world_size) == (2, 3)
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    s = GlobalShuffleSampler(30, seed=0)
+    assert (s.rank, s.world_size) == (0, 1)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error"),
+    [
+        ({"seed": 0, "rank": 2, "world_size": 2}, ValueError),
+        ({"seed": 0, "rank": 0, "world_size": 0}, ValueError),
+        ({"seed": "a", "rank": 0, "world_size": 1}, TypeError),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, object], error: type[Exception]) -> None:
+    with pytest.raises(error):
+        GlobalShuffleSampler(10, **kwargs)  # type: ignore[arg-type]
+
+
+def resume_stream(
+    n: int, seed: int, epoch: int, w1: int, k: int, w2: int, drop_last: bool
+) -> tuple[int, list[int]]:
+    """Consume k samples on each of w1 ranks, save rank 0's state, resume on w2 ranks.
+
+    Returns the saved global position and the concatenated global stream.
+    """
+    first = []
+    state = None
+    for r in range(w1):
+        s = GlobalShuffleSampler(n, seed=seed, rank=r, world_size=w1, drop_last=drop_last)
+        s.set_epoch(epoch)
+        first.append(list(itertools.islice(iter(s), k)))
+        if r == 0:
+            state = s.state_dict()
+    assert state is not None
+    resumed = []
+    for r in range(w2):
+        s = GlobalShuffleSampler(n, seed=seed + 1000, rank=r, world_size=w2, drop_last=drop_last)
+        s.load_state_dict(state)  # the seed and epoch come from the state
+        s.set_epoch(epoch)  # the same epoch keeps the loaded position
+        resumed.append(list(s))
+    return state["consumed"], interleave(first) + interleave(resumed)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    n=st.integers(1, 400),
+    seed=st.integers(-(2**70), 2**70),
+    epoch=st.integers(0, 5),
+    w1=st.integers(1, 8),
+    w2=st.integers(1, 8),
+    frac=st.floats(0, 1),
+    drop_last=st.booleans(),
+)
+def test_resume_with_another_world_size_continues_the_global_order(
+    n: int, seed: int, epoch: int, w1: int, w2: int, frac: float, drop_last: bool
+) -> None:
+    per_rank = n // w1 if drop_last else -(-n // w1)
+    k = int(frac * per_rank)
+    consumed, stream = resume_stream(n, seed, epoch, w1, k, w2, drop_last)
+    order = reference_order(n, seed, epoch)
+    if k == per_rank:
+        assert consumed == n  # a finished pass finishes the epoch: nothing is left to resume
+        assert len(stream) == k * w1
+        return
+    assert consumed == k * w1
+    # Uninterrupted: the global order, then the rest laid out for the new world size.
+    remaining = n - consumed
+    tail_len = (remaining // w2) * w2 if drop_last else -(-remaining // w2) * w2
+    assert stream == order[:consumed] + [order[p % n] for p in range(consumed, consumed + tail_len)]
+
+
+def test_live_state_counts_what_the_iterator_handed_out() -> None:
+    s = GlobalShuffleSampler(10_000, seed=3, rank=1, world_size=4)
+    assert s.state_dict()["consumed"] == 0
+    it = iter(s)
+    for expected in range(1, 700):  # crosses the first chunk boundaries (256, 1024)
+        next(it)
+        assert s.state_dict()["consumed"] == 4 * expected
+    rest = list(it)
+    assert len(rest) == 2500 - 699
+    assert s.state_dict()["consumed"] == 10_000
+
+
+def test_state_from_the_training_loop_count_overrides_prefetch() -> None:
+    order = reference_order(1000, seed=4)
+    s = GlobalShuffleSampler(1000, seed=4, rank=0, world_size=2)
+    it = iter(s)
+    got = [next(it) for _ in range(100)]  # a DataLoader ran 100 ahead...
+    state = s.state_dict(local_consumed=40)  # ...but the loop trained on 40
+    assert state["consumed"] == 80
+    assert got[:40] == order[0:80:2]
+    s2 = GlobalShuffleSampler(1000, seed=4, rank=0, world_size=1)
+    s2.load_state_dict(state)
+    assert list(s2) == order[80:]
+    assert s.state_dict(local_consumed=500)["consumed"] == 1000
+    with pytest.raises(ValueError, match="local_consumed"):
+        s.state_dict(local_consumed=-1)
+
+
+def test_epochs_and_pending_resume() -> None:
+    s = GlobalShuffleSampler(100, seed=1, rank=0, world_size=1)
+    s.load_state_dict({"seed": 1, "epoch": 3, "consumed": 90})
+    assert len(s) == 10
+    s.set_epoch(3)  # the loop re-selects the loaded epoch: the position is kept
+    assert s.state_dict()["consumed"] == 90
+    assert list(s) == reference_order(100, 1, 3)[90:]
+    assert list(s) == reference_order(100, 1, 3)  # another pass of the same epoch starts over
+    s.set_epoch(4)
+    assert list(s) == reference_order(100, 1, 4)
+    s.load_state_dict({"seed": 1, "epoch": 3, "consumed": 50})
+    s.set_epoch(5)  # another epoch drops the loaded position
+    assert list(s) == reference_order(100, 1, 5)
+
+
+def test_set_epoch_mid_pass_detaches_the_old_iterator() -> None:
+    s = GlobalShuffleSampler(100, seed=1, rank=0, world_size=1)
+    it = iter(s)
+    first = [next(it) for _ in range(10)]
+    s.set_epoch(1)
+    assert s.state_dict() == {**s.state_dict(), "epoch": 1, "consumed": 0}
+    assert first + list(it) == reference_order(100, 1, 0)  # the old pass keeps its own epoch
+    assert s.state_dict()["consumed"] == 0
+
+
+@pytest.mark.parametrize(
+    "state",
+    [
+        {"seed": 0, "epoch": 0, "consumed": 5, "num_records": 11},
+        {"seed": 0, "epoch": 0, "consumed": 11},
+        {"seed": 0, "epoch": 0, "consumed": -1},
+        {"seed": 0, "consumed": 1},
+        {"seed": "x", "epoch": 0, "consumed": 1},
+    ],
+)
+def test_load_state_dict_rejects_bad_states(state: dict[str, object]) -> None:
+    s = GlobalShuffleSampler(10, seed=0, rank=0, world_size=1)
+    with pytest.raises(ValueError, match=r"records|consumed|state"):
+        s.load_state_dict(state)
+
+
+def test_resume_near_the_end_of_a_billion_records_is_o1() -> None:
+    n = 10**9
+    s = GlobalShuffleSampler(n, seed=11, rank=3, world_size=8)
+    it = iter(s)
+    next(it)
+    s.load_state_dict({"seed": 11, "epoch": 2, "consumed": n - 20, "num_records": n})
+    start = time.process_time()
+    tail = list(s)
+    # Generous: iterating the skipped 1e9 positions would take minutes, not milliseconds.
+    assert time.process_time() - start < 2.0
+    expected = FeistelPermutation(n, f"smstore-global-shuffle-v1:11:2:{n}".encode())(
+        np.arange(n - 20 + 3, n, 8, dtype=np.uint64)
+    )
+    assert tail[: len(expected)] == expected.tolist()
+    assert len(tail) == 3  # positions n-17, n-9, n-1
+
+
+def loader_batches(loader: object, k: int | None = None) -> list[list[int]]:
+    out = []
+    for i, batch in enumerate(loader):  # type: ignore[call-overload]
+        if k is not None and i == k:
+            break
+        out.append(batch.tolist())
+    return out
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_dataloader_resume_from_the_loop_count_with_another_world_size(num_workers: int) -> None:
+    from torch.utils.data import DataLoader
+
+    n, batch, k = 1000, 16, 7
+    order = reference_order(n, seed=21, epoch=1)
+    first = []
+    state = None
+    for r in range(2):
+        s = GlobalShuffleSampler(n, seed=21, rank=r, world_size=2)
+        s.set_epoch(1)
+        loader = DataLoader(range(n), batch_size=batch, sampler=s, num_workers=num_workers)
+        got = loader_batches(loader, k)
+        first.append([x for b in got for x in b])
+        if r == 0:
+            # The workers prefetched batches beyond k; the loop's own count is what was trained on.
+            if num_workers:
+                assert s.state_dict()["consumed"] > 2 * k * batch
+            state = s.state_dict(local_consumed=k * batch)
+    assert state is not None
+    assert state["consumed"] == 2 * k * batch
+    rest = []
+    for r in range(3):
+        s = GlobalShuffleSampler(n, seed=0, rank=r, world_size=3)
+        s.load_state_dict(state)
+        loader = DataLoader(range(n), batch_size=batch, sampler=s, num_workers=num_workers)
+        rest.append([x for b in loader_batches(loader) for x in b])
+    consumed = state["consumed"]
+    tail = -(-(n - consumed) // 3) * 3
+    assert interleave(first) + interleave(rest) == order[:consumed] + [
+        order[p % n] for p in range(consumed, consumed + tail)
+    ]
+
+
+# torchdata 0.11 calls torch.set_vital, deprecated in recent torch.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_stateful_dataloader_carries_the_sampler_state(num_workers: int) -> None:
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    n, batch, k = 600, 10, 9
+    order = reference_order(n, seed=8)
+    first, states = [], []
+    for r in range(2):
+        s = GlobalShuffleSampler(n, seed=8, rank=r, world_size=2)
+        loader = sdl.StatefulDataLoader(range(n), batch_size=batch, sampler=s, num_workers=num_workers)
+        it = iter(loader)
+        got = [next(it).tolist() for _ in range(k)]
+        first.append([x for b in got for x in b])
+        states.append(loader.state_dict())
+        del it
+    # Every rank resumes from rank 0's loader state, here with another world size: the sampler
+    # state inside it is the global position, and each new sampler keeps its own rank.
+    rest = []
+    for r in range(4):
+        s = GlobalShuffleSampler(n, seed=8, rank=r, world_size=4)
+        loader = sdl.StatefulDataLoader(range(n), batch_size=batch, sampler=s, num_workers=num_workers)
+        loader.load_state_dict(states[0])
+        rest.append([x for b in loader_batches(loader) for x in b])
+    consumed = 2 * k * batch
+    assert interleave(first) + interleave(rest) == order[:consumed] + order[consumed:]
