@@ -10,6 +10,7 @@
 #include <limits>
 
 #include "error.hpp"
+#include "input_file.hpp"
 
 namespace smstore {
 
@@ -21,43 +22,6 @@ namespace {
 
 constexpr size_t kReadSize = 4 << 20;
 constexpr uint64_t kProgressEvery = 32 << 20;
-
-class Input {
-public:
-    explicit Input(const std::string& name) : name_(name) {
-        if (name == "-") {
-            fd_ = 0;
-            name_ = "<stdin>";
-            return;
-        }
-        fd_ = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd_ < 0) throw_errno(name, errno);
-        struct stat st;
-        if (::fstat(fd_, &st) == 0 && S_ISDIR(st.st_mode)) {
-            ::close(fd_);
-            throw Error(Error::Kind::Io, name + ": is a directory");
-        }
-        ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
-    }
-    ~Input() {
-        if (fd_ > 0) ::close(fd_);
-    }
-    Input(const Input&) = delete;
-    Input& operator=(const Input&) = delete;
-
-    size_t read(char* buf, size_t size) {
-        for (;;) {
-            ssize_t n = ::read(fd_, buf, size);
-            if (n >= 0) return static_cast<size_t>(n);
-            if (errno != EINTR) throw_errno(name_ + ": read failed", errno);
-        }
-    }
-    const std::string& name() const { return name_; }
-
-private:
-    std::string name_;
-    int fd_ = -1;
-};
 
 bool is_space(char c) {
     return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f';
@@ -141,7 +105,7 @@ uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntD
     std::string pending;  // the part of a line that spans reads
     uint64_t total = 0, next_report = kProgressEvery;
     for (const auto& name : inputs) {
-        Input in(name);
+        InputFile in(name);
         uint64_t line_no = 1;
         bool open_line = false;
         for (;;) {

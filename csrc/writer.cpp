@@ -11,6 +11,7 @@
 
 #include "error.hpp"
 #include "format.hpp"
+#include "input_file.hpp"
 #include "json_check.hpp"
 
 namespace smstore {
@@ -206,40 +207,6 @@ void Writer::abort() noexcept {
 }
 
 namespace {
-
-class InputFile {
-public:
-    explicit InputFile(const std::string& name) : name_(name) {
-        if (name == "-") {
-            fd_ = 0;
-            name_ = "<stdin>";
-            return;
-        }
-        fd_ = ::open(name.c_str(), O_RDONLY | O_CLOEXEC);
-        if (fd_ < 0) throw_errno(name, errno);
-        struct stat st;
-        if (::fstat(fd_, &st) == 0 && S_ISDIR(st.st_mode)) {
-            ::close(fd_);
-            throw Error(Error::Kind::Io, name + ": is a directory");
-        }
-        ::posix_fadvise(fd_, 0, 0, POSIX_FADV_SEQUENTIAL);
-    }
-    ~InputFile() {
-        if (fd_ > 0) ::close(fd_);
-    }
-    size_t read(unsigned char* buf, size_t size) {
-        for (;;) {
-            ssize_t n = ::read(fd_, buf, size);
-            if (n >= 0) return static_cast<size_t>(n);
-            if (errno != EINTR) throw_errno(name_ + ": read failed", errno);
-        }
-    }
-    const std::string& name() const { return name_; }
-
-private:
-    std::string name_;
-    int fd_ = -1;
-};
 
 void check_json_line(const std::string& file, uint64_t line_no, const char* p, size_t n) {
     std::string why;

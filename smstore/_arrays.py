@@ -3,15 +3,14 @@
 from __future__ import annotations
 
 import os
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from smstore import _core
-from smstore._pack import PackStats, Writer, _progress_bar, build_metadata
+from smstore._pack import PackStats, Writer, pack_text_inputs
 from smstore.errors import PackInputError
 
 __all__ = ["array_encoding", "pack_arrays", "pack_npy_lines"]
@@ -136,22 +135,14 @@ def pack_npy_lines(
         PackInputError: A token that is not an integer, or a value out of the dtype's range, with
             its file, line and column.
     """
-    names = [os.fspath(p) for p in inputs]
-    if not names:
-        msg = "pack_npy_lines needs at least one input file"
-        raise ValueError(msg)
     dt = _record_dtype(dtype, os.fspath(output))
     if dt.kind not in "iu":
         msg = f"npy-lines packs integers: dtype must be int8..int64 or uint8..uint64, not {dt}"
         raise PackInputError(msg)
-    sources = [os.path.abspath(n) if n != "-" else "-" for n in names]
-    meta = build_metadata(array_encoding(dt), source=sources, user=metadata)
-    start = time.perf_counter()
-    writer = _core.Writer(os.fspath(output), durable)
-    with _progress_bar(names, progress) as bar:
-        try:
-            total = _core.pack_npy_lines(writer, names, dt.kind, dt.itemsize, bar)
-            writer.finish(meta)
-        finally:
-            writer.abort()
-    return PackStats(writer.record_count, total, writer.data_size, time.perf_counter() - start)
+
+    def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
+        return _core.pack_npy_lines(writer, names, dt.kind, dt.itemsize, bar)
+
+    return pack_text_inputs(
+        inputs, output, array_encoding(dt), run, metadata=metadata, progress=progress, durable=durable
+    )

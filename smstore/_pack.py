@@ -144,17 +144,44 @@ def pack_files(
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         progress: Show a progress bar; by default only when stderr is a terminal.
     """
+
+    def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
+        return writer.pack_lines(names, format, bar)
+
+    return pack_text_inputs(
+        inputs, output, format, run, metadata=metadata, progress=progress, durable=durable
+    )
+
+
+PackLoop = Callable[[_core.Writer, list[str], Callable[[int], None] | None], int]
+
+
+def pack_text_inputs(
+    inputs: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    encoding: str,
+    run: PackLoop,
+    *,
+    metadata: dict[str, Any] | None,
+    progress: bool | None,
+    durable: bool,
+) -> PackStats:
+    """Run a C++ pack loop over text inputs into a new blob: metadata, progress bar, atomic publish.
+
+    ``run(writer, input_names, progress_callback)`` streams the inputs into the writer and returns
+    the bytes it read; on any exception nothing is published.
+    """
     names = [os.fspath(p) for p in inputs]
     if not names:
-        msg = "pack_files needs at least one input file"
+        msg = "packing needs at least one input file"
         raise ValueError(msg)
     sources = [os.path.abspath(n) if n != "-" else "-" for n in names]
-    meta = build_metadata(format, source=sources, user=metadata)
+    meta = build_metadata(encoding, source=sources, user=metadata)
     start = time.perf_counter()
     writer = _core.Writer(os.fspath(output), durable)
     with _progress_bar(names, progress) as bar:
         try:
-            total = writer.pack_lines(names, format, bar)
+            total = run(writer, names, bar)
             writer.finish(meta)
         finally:
             writer.abort()
