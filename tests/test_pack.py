@@ -542,22 +542,19 @@ def test_out_of_disk_is_a_clean_error(tmp_path: Path, where: str, mode: str) -> 
     out = tmp_path / "out.smst"
     smstore.pack([b"previous"], out)
     old = out.read_bytes()
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _FSIZE_SCRIPT,
-            str(limit),
-            mode,
-            str(src) if mode == "files" else str(n),
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tl.SAFE_CWD,
-    )
+
+    def run_with_fsize_limit(target: Path) -> subprocess.CompletedProcess[str]:
+        source = str(src) if mode == "files" else str(n)
+        return subprocess.run(
+            [sys.executable, "-c", _FSIZE_SCRIPT, str(limit), mode, source, str(target)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=tl.SAFE_CWD,
+        )
+
+    r = run_with_fsize_limit(out)
     assert r.returncode == 0, r.stderr
     kind, *rest = r.stdout.strip().split("|")
     assert kind == "StoreIOError", r.stdout
@@ -567,22 +564,7 @@ def test_out_of_disk_is_a_clean_error(tmp_path: Path, where: str, mode: str) -> 
     assert tl.stray_temps(tmp_path) == []
 
     fresh = tmp_path / "fresh.smst"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            _FSIZE_SCRIPT,
-            str(limit),
-            mode,
-            str(src) if mode == "files" else str(n),
-            str(fresh),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-        cwd=tl.SAFE_CWD,
-    )
+    r = run_with_fsize_limit(fresh)
     assert r.stdout.startswith("StoreIOError|"), r.stdout + r.stderr
     assert not fresh.exists()
     assert tl.stray_temps(tmp_path) == []
