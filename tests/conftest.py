@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,21 @@ import smstore
 # No example database: the suite leaves nothing behind in the source tree.
 settings.register_profile("smstore", database=None)
 settings.load_profile("smstore")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _run_outside_the_source_tree() -> Iterator[None]:
+    """Run the suite (and every subprocess it starts) from tests/, not the repository root.
+
+    From the root, `python -m smstore` or `python -c "import smstore"` would import the source
+    tree's smstore/ (which has no compiled module) instead of the installed package.
+    """
+    before = Path.cwd()
+    os.chdir(Path(__file__).parent)
+    try:
+        yield
+    finally:
+        os.chdir(before)
 
 
 @pytest.fixture
