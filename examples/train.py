@@ -1,23 +1,31 @@
 """Train a byte-level language model from an smstore blob with torchrun, DDP and a resumable global shuffle.
 
     smstore pack examples/data/corpus.txt -o corpus.smst
-    torchrun --nproc-per-node=2 examples/train.py --data corpus.smst --steps 30
+    smstore serve corpus.smst &          # optional: one shared-memory copy per node
+    torchrun --nproc-per-node=2 examples/train.py --data corpus.smst --steps 30 --mode daemon
     torchrun --nproc-per-node=2 examples/train.py --data corpus.smst --steps 60 --resume
 
 Every rank reads the one shared copy of the blob (its DataLoader workers too); each batch is one
 ``Store.gather`` in a worker (``TokenCollator``); the order is ``GlobalShuffleSampler``'s, and the
 checkpoint holds the model, the optimizer and the sampler's global position, so ``--resume`` goes
 on exactly where the last run stopped, with any number of ranks. Runs on CPU (gloo).
+
+``--mode`` picks where records come from (``auto``: the ``smstore serve`` daemon's copy when it
+serves the blob, else a mapping of the file; ``daemon``: require the daemon; ``mmap``: never use
+it) and ``--socket`` which daemon to ask (default ``$SMSTORE_SOCKET``, else the per-user default):
+with several simulated nodes on one machine each node has its own. Every rank logs what it got.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import re
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +35,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from smstore import GlobalShuffleSampler, SharedStoreDataset, TokenCollator
+from smstore.client import DaemonStore, daemon_request
+from smstore.errors import DaemonError
 
 PAD = 0  # NUL never occurs in text lines; padding positions are masked out of the loss anyway
 
@@ -70,7 +80,9 @@ def mapping_pss_kib(pid: int, name: str) -> int:
     with open(f"/proc/{pid}/smaps") as f:
         for line in f:
             if re.match(r"^[0-9a-f]+-[0-9a-f]+ ", line):
-                inside = line.rstrip("\n").endswith(name)
+                fields = line.split(maxsplit=5)
+                # The path may end in " (deleted)": a segment unloaded or stopped while mapped.
+                inside = len(fields) == 6 and fields[5].rstrip("\n").removesuffix(" (deleted)") == name
             elif inside and line.startswith("Pss:"):
                 total += int(line.split()[1])
     return total
@@ -96,18 +108,66 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def memory_report(blob_path: str) -> tuple[int, int, int]:
-    """(processes, PSS of all of them, PSS of the blob mappings), in KiB, for this rank's tree."""
-    name = os.path.realpath(blob_path)
+def memory_report(mapped: str, daemon_pid: int | None) -> tuple[int, int, int, int]:
+    """(processes, daemons, PSS of all of them, PSS of the blob's mappings), in KiB.
+
+    The processes are this rank's tree (the rank and its DataLoader workers), plus the daemon
+    when `daemon_pid` is given (one rank per node passes it, so each daemon is counted once).
+    `mapped` is what the blob's pages are mapped as: the file, or the daemon's segment.
+    """
     procs = total = blob = 0
-    for pid in process_tree(os.getpid()):
+    pids = process_tree(os.getpid())
+    if daemon_pid is not None:
+        pids.append(daemon_pid)
+    daemons = 0
+    for pid in pids:
         try:
             total += pss_kib(pid)
-            blob += mapping_pss_kib(pid, name)
-            procs += 1
+            blob += mapping_pss_kib(pid, mapped)
         except OSError:
             continue
-    return procs, total, blob
+        if pid == daemon_pid:
+            daemons += 1
+        else:
+            procs += 1
+    return procs, daemons, total, blob
+
+
+def describe_source(store: Any, sock: str | None) -> dict[str, Any]:
+    """Where this rank's records come from; for the daemon, its pid and whether it lists us.
+
+    The daemon's pid comes from its ``status`` reply (the same as ``smstore status --json``),
+    which also lists, per segment, the pids of the processes attached to it.
+    """
+    info: dict[str, Any] = {
+        "rank": int(os.environ.get("RANK", "0")),
+        "local_rank": int(os.environ.get("LOCAL_RANK", "0")),
+        "node": int(os.environ.get("GROUP_RANK", "0")),
+        "pid": os.getpid(),
+    }
+    if not isinstance(store, DaemonStore):
+        return {**info, "source": "mmap", "mapped": os.path.realpath(store.path)}
+    status = daemon_request({"op": "status"}, sock)
+    clients: list[int] = next((s["clients"] for s in status["segments"] if s["segment"] == store.segment), [])
+    return {
+        **info,
+        "source": "daemon",
+        "segment": store.segment,
+        "mapped": "/dev/shm" + store.segment,
+        "socket": status["socket"],
+        "daemon_pid": int(status["pid"]),
+        "listed": os.getpid() in clients,
+    }
+
+
+def batch_digest(tokens: torch.Tensor, lengths: torch.Tensor) -> str:
+    """BLAKE2b of the batch's records as the loop received them: each one's length, then its bytes."""
+    h = hashlib.blake2b(digest_size=16)
+    rows = tokens.to(torch.uint8).numpy()
+    for row, n in zip(rows, lengths.tolist(), strict=True):
+        h.update(int(n).to_bytes(8, "little"))
+        h.update(row[:n].tobytes())
+    return h.hexdigest()
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,12 +179,37 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="records per rank per step")
     p.add_argument("--max-length", type=int, default=96, help="bytes kept of each record")
     p.add_argument("--workers", type=int, default=2, help="DataLoader workers per rank")
+    p.add_argument(
+        "--mode",
+        choices=["auto", "daemon", "mmap"],
+        default="auto",
+        help="auto: the smstore daemon's shared-memory copy if it serves the blob, else map the file; "
+        "daemon: require the daemon; mmap: never use it",
+    )
+    p.add_argument("--socket", help="the daemon's socket (default: $SMSTORE_SOCKET, else the per-user one)")
+    p.add_argument(
+        "--in-order",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="DataLoader in_order (--no-in-order: batches in completion order; breaks exact resume)",
+    )
+    p.add_argument("--pin-memory", action="store_true", help="DataLoader pin_memory (needs an accelerator)")
+    p.add_argument(
+        "--persistent-workers",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep the DataLoader workers across epochs (with --workers > 0)",
+    )
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0, help="seeds the model and the global shuffle")
     p.add_argument("--checkpoint", default="checkpoint.pt", help="where to save (and --resume from)")
     p.add_argument("--resume", action="store_true", help="continue from --checkpoint")
     p.add_argument("--log-every", type=int, default=10)
-    p.add_argument("--trace", help="append each rank's batch indices to TRACE.rank<R> (JSON lines)")
+    p.add_argument(
+        "--trace",
+        help="append to TRACE.rank<R> (JSON lines) where the rank's records come from, then each "
+        "batch's indices and a digest of its bytes",
+    )
     p.add_argument("--sample", type=int, default=60, help="bytes to generate at the end (0: none)")
     return p.parse_args()
 
@@ -143,8 +228,26 @@ def main() -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    # The one line that chooses where records come from (mode="daemon"/"auto" once the daemon lands).
-    dataset = SharedStoreDataset(args.data)
+    if args.socket:
+        # The environment, not an argument: DataLoader workers that attach themselves (spawn,
+        # forkserver) inherit it, and so ask the same daemon as their rank.
+        os.environ["SMSTORE_SOCKET"] = os.path.abspath(args.socket)
+    sock = os.environ.get("SMSTORE_SOCKET")
+    # The one line that chooses where records come from.
+    try:
+        dataset = SharedStoreDataset(args.data, mode=args.mode)
+    except DaemonError as e:
+        raise SystemExit(f"rank {rank}: {e}") from None
+    source = describe_source(dataset.store, sock)
+    where = (
+        f"the daemon's copy {source['segment']} (daemon pid {source['daemon_pid']} on {source['socket']})"
+        if source["source"] == "daemon"
+        else f"a mapping of {source['mapped']}"
+    )
+    print(
+        f"rank {rank}/{world} (node {source['node']}, pid {os.getpid()}): --mode {args.mode}: {where}",
+        flush=True,
+    )
     collate = TokenCollator(dataset, max_length=args.max_length, pad_value=PAD, dtype=torch.long)
     sampler = GlobalShuffleSampler(len(dataset), seed=args.seed)  # rank and world size from torch.distributed
     loader = DataLoader(
@@ -153,8 +256,12 @@ def main() -> None:
         sampler=sampler,
         collate_fn=collate,
         num_workers=args.workers,
-        persistent_workers=args.workers > 0,
+        persistent_workers=args.persistent_workers and args.workers > 0,
+        pin_memory=args.pin_memory,
+        in_order=args.in_order,
     )
+    if not args.in_order:
+        log("note: --no-in-order: the checkpoint's position is approximate (batches arrive out of order)")
     model: nn.Module = ByteGRU()
     if distributed:
         model = DistributedDataParallel(model)
@@ -178,6 +285,8 @@ def main() -> None:
     )
 
     trace = open(f"{args.trace}.rank{rank}", "a") if args.trace else None  # noqa: SIM115
+    if trace:
+        trace.write(json.dumps({"source": source, "mode": args.mode, "records": len(dataset)}) + "\n")
     start = time.perf_counter()
     tokens_seen = 0
     loss_value = float("nan")
@@ -196,9 +305,13 @@ def main() -> None:
             tokens_seen += count
             loss_value = loss.item()
             if trace:
-                trace.write(
-                    json.dumps({"step": step, "epoch": epoch, "indices": batch["indices"].tolist()}) + "\n"
-                )
+                record = {
+                    "step": step,
+                    "epoch": epoch,
+                    "indices": batch["indices"].tolist(),
+                    "digest": batch_digest(batch["tokens"], batch["lengths"]),
+                }
+                trace.write(json.dumps(record) + "\n")
             if step % args.log_every == 0 or step == args.steps:
                 rate = tokens_seen * world / (time.perf_counter() - start)
                 log(f"step {step:5d}  epoch {epoch}  loss {loss_value:.3f}  {rate:,.0f} tokens/s")
@@ -229,16 +342,20 @@ def main() -> None:
     if trace:
         trace.close()
 
-    # Memory while the workers are still alive: every process of every rank, PSS summed.
-    procs, total, blob = memory_report(dataset.store.path)
+    # Memory while the workers are still alive: every process of every rank, PSS summed, and the
+    # daemon that serves the blob (counted by local rank 0 only: once per node).
+    daemon_pid = source.get("daemon_pid") if source["local_rank"] == 0 else None
+    procs, daemons, total, blob = memory_report(source["mapped"], daemon_pid)
     if distributed:
-        counts = torch.tensor([procs, total, blob], dtype=torch.int64)
+        counts = torch.tensor([procs, daemons, total, blob], dtype=torch.int64)
         dist.all_reduce(counts)
-        procs, total, blob = (int(x) for x in counts)
+        procs, daemons, total, blob = (int(x) for x in counts)
     blob_kib = Path(args.data).stat().st_size / 1024
-    # Blob pages are shared (page cache, or the daemon's segment): summed PSS stays within one copy.
+    # Blob pages are shared (page cache, or the daemon's segment): summed PSS stays within one copy
+    # per node (per daemon, when several simulated nodes each run their own).
+    with_daemons = f" + {daemons} daemon{'s' if daemons != 1 else ''}" if daemons else ""
     log(
-        f"memory: {procs} processes (ranks + workers), PSS {total / 1024:.1f} MiB summed; "
+        f"memory: {procs} processes (ranks + workers){with_daemons}, PSS {total / 1024:.1f} MiB summed; "
         f"the blob's mapped pages {blob / 1024:.2f} MiB summed, for a {blob_kib / 1024:.2f} MiB blob "
         f"({blob / blob_kib:.2f}x)"
     )
