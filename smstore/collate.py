@@ -10,6 +10,8 @@ import numpy as np
 
 from smstore._decode import numpy_dtype
 from smstore._store import Store
+from smstore.client import Mode as StoreMode
+from smstore.client import open_store
 
 __all__ = ["TokenCollator", "pinned_memory_available"]
 
@@ -66,6 +68,9 @@ class TokenCollator:
             (text lines, bytes) is a sequence of byte tokens (``uint8``, a vocabulary of 256), which
             is what a byte-level language model reads.
         mode: ``"pad"`` or ``"pack"``.
+        store_mode: With a path: ``"auto"`` (the daemon's shared-memory copy when it serves this
+            file, else a mapping of the file), ``"daemon"`` or ``"mmap"``, as in
+            ``SharedStoreDataset``.
         pad_value: The padding token.
         max_length: Truncate records longer than this (in both modes).
         truncation: Keep the first (``"right"``: cut the end) or last (``"left"``) tokens.
@@ -99,6 +104,7 @@ class TokenCollator:
         dtype: Any = None,
         pin_memory: bool = False,
         return_indices: bool = True,
+        store_mode: StoreMode = "auto",
     ) -> None:
         if mode not in ("pad", "pack"):
             msg = f"mode must be 'pad' or 'pack', not {mode!r}"
@@ -124,6 +130,7 @@ class TokenCollator:
             self._path = None
             self._source = source
         self.mode = mode
+        self.store_mode: StoreMode = store_mode
         self.pad_value = int(pad_value)
         self.max_length = max_length
         self.truncation = truncation
@@ -151,7 +158,7 @@ class TokenCollator:
             return self._source.store if hasattr(self._source, "store") else self._source  # type: ignore[no-any-return]
         if self._store is None:
             assert self._path is not None
-            self._store = Store(self._path)
+            self._store = open_store(self._path, self.store_mode)
         return self._store
 
     def __len__(self) -> int:

@@ -225,6 +225,23 @@ def test_modes(
         open_store(tmp_path / "missing.smst", mode="daemon")
 
 
+def test_collator_reads_through_the_daemon(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    from smstore.collate import TokenCollator
+
+    path, recs = blob
+    with pytest.raises(DaemonError, match="cannot reach an smstore daemon"):
+        TokenCollator(path, store_mode="daemon")
+    start_daemon(path)
+    collate = TokenCollator(path, mode="pack", store_mode="daemon")
+    assert isinstance(collate.store, DaemonStore)
+    assert type(TokenCollator(path, store_mode="mmap").store) is smstore.Store
+    batch = collate([3, 0, 7])
+    expected = recs[3] + recs[0] + recs[7]
+    assert bytes(batch["tokens"].numpy().astype("uint8")) == expected
+
+
 def test_daemon_does_not_import_torch() -> None:
     code = "import sys, smstore.cli, smstore.daemon, smstore.client; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
