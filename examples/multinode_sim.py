@@ -78,6 +78,7 @@ class Node:
                 [sys.executable, "-m", "smstore", "serve", "--socket", str(self.sock), str(data)],
                 stderr=log,
                 stdin=subprocess.DEVNULL,
+                cwd=self.dir,  # not the repository root, whose smstore/ has no compiled module
             )
 
     def wait_ready(self, timeout: float = 60.0) -> None:
@@ -247,6 +248,7 @@ def main() -> int:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     env=env,
+                    cwd=node.dir,
                 )
         deadline = time.monotonic() + args.timeout
         for node in nodes:

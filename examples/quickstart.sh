@@ -16,6 +16,9 @@ if [[ -n "${SMSTORE_RUN_DIR:-}" ]]; then
 else
     run="$(mktemp -d)"
 fi
+# Work from the run directory: from the repository root, `python -m smstore` would import the
+# source tree (which has no compiled module) instead of the installed package.
+cd "$run"
 sock="$run/daemon/smstore.sock"
 daemon_pid=""
 job_pid=""
