@@ -16,7 +16,6 @@ except ImportError as err:  # pragma: no cover - only without a built extension
         "source checkout, install the package first (pip install .) and run outside the source tree."
     ) from err
 
-from smstore._arrays import pack_arrays, pack_npy_lines
 from smstore._pack import PackStats, Writer, pack, pack_files
 from smstore._store import Store, open
 from smstore.errors import (
@@ -31,11 +30,12 @@ from smstore.errors import (
     StoreTruncatedError,
     StoreVersionError,
 )
-from smstore.sampler import GlobalShuffleSampler
 
 if TYPE_CHECKING:
+    from smstore._arrays import pack_arrays, pack_npy_lines
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
+    from smstore.sampler import GlobalShuffleSampler
 
 __version__: str = _core.__version__
 
@@ -64,8 +64,15 @@ __all__ = [
     "pack_npy_lines",
 ]
 
-# The torch-facing pieces load on first use: `import smstore` (the CLI, the daemon) never imports torch.
-_LAZY = {"SharedStoreDataset": "smstore.dataset", "TokenCollator": "smstore.collate"}
+# These load on first use: `import smstore` (the CLI, the daemon) never imports torch, and numpy
+# only when something needs it, so that commands start fast.
+_LAZY = {
+    "SharedStoreDataset": "smstore.dataset",
+    "TokenCollator": "smstore.collate",
+    "GlobalShuffleSampler": "smstore.sampler",
+    "pack_arrays": "smstore._arrays",
+    "pack_npy_lines": "smstore._arrays",
+}
 
 
 def __getattr__(name: str) -> Any:

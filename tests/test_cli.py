@@ -293,6 +293,7 @@ def test_console_script_entry_point(packed: Path) -> None:
 def test_import_and_cli_never_import_torch(packed: Path) -> None:
     code = (
         "import sys, smstore, smstore.cli, io, contextlib\n"
+        "assert 'numpy' not in sys.modules, 'numpy was imported: the CLI would start slowly'\n"
         "buf = io.StringIO()\n"
         "with contextlib.redirect_stdout(buf):\n"
         "    assert smstore.cli.main(['info', sys.argv[1]]) == 0\n"
