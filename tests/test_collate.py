@@ -203,8 +203,13 @@ def check_batches(batches: list[dict[str, torch.Tensor]], max_length: int) -> li
     ids=["workers", "in_order=False", "persistent_workers", "pin_memory"],
 )
 def test_dataloader_with_workers_and_global_shuffle(tokens: Path, options: dict[str, object]) -> None:
-    if options.get("pin_memory") and not pinned_memory_available():
-        pytest.skip("pin_memory=True needs an accelerator; this torch has none")
+    def batches(loader: DataLoader[int]) -> list[int]:
+        if options.get("pin_memory") and not pinned_memory_available():
+            # CPU-only torch: the DataLoader says it cannot pin and goes on; batches must still be right.
+            with pytest.warns(UserWarning, match="no accelerator"):
+                return check_batches(epoch_batches(loader), 10)
+        return check_batches(epoch_batches(loader), 10)
+
     collate = TokenCollator(tokens, max_length=10)
     n = len(collate)
     for epoch in (0, 1):
@@ -213,7 +218,7 @@ def test_dataloader_with_workers_and_global_shuffle(tokens: Path, options: dict[
             sampler = GlobalShuffleSampler(n, seed=3, rank=rank, world_size=2)
             sampler.set_epoch(epoch)
             loader = DataLoader(range(n), batch_size=16, sampler=sampler, collate_fn=collate, **options)  # type: ignore[arg-type]
-            seen = check_batches(epoch_batches(loader), 10)
+            seen = batches(loader)
             expected = list(sampler)
             if options.get("in_order") is False:
                 assert sorted(seen) == sorted(expected)  # every index once, in whatever order workers finish

@@ -290,10 +290,7 @@ def test_daemon_mode_reads_byte_exact_out_of_order_with_persistent_workers(
 
 @pytest.mark.slow
 def test_daemon_mode_pin_memory(tmp_path: Path, daemon: Callable[[Path], Path]) -> None:
-    from smstore.collate import pinned_memory_available
-
-    if not pinned_memory_available():
-        pytest.skip("pin_memory needs an accelerator (CPU-only torch cannot pin)")
+    # Without an accelerator the DataLoader warns and does not pin; the bytes must be right either way.
     recs = awkward_corpus(40)
     data = tmp_path / "awkward.smst"
     smstore.pack(recs, data, durable=False)
