@@ -96,10 +96,16 @@ void Store::verify() const {
     }
 }
 
-uint64_t Store::gather_size(const uint64_t* indices, size_t n) const noexcept {
+uint64_t Store::gather_size(const uint64_t* indices, size_t n) const {
     uint64_t total = 0;
-    for (size_t k = 0; k < n; ++k)
-        total += offsets_[indices[k] + 1] - offsets_[indices[k]];
+    for (size_t k = 0; k < n; ++k) {
+        uint64_t i = indices[k], b = offsets_[i], e = offsets_[i + 1];
+        if (b > e || e > header_.data_size || __builtin_add_overflow(total, e - b, &total)) {
+            throw Error(Error::Kind::Format, label_ + ": corrupt index: record " + std::to_string(i) + " spans [" +
+                                                 std::to_string(b) + ", " + std::to_string(e) +
+                                                 ") outside the data section");
+        }
+    }
     return total;
 }
 

@@ -35,7 +35,8 @@ class Store {
 public:
     // Validates the header and the whole offsets index (O(records), data untouched). With
     // full_index false only the index's ends are checked, in O(1): for segments that the daemon
-    // validated when it loaded them and that nobody can write (see shm.hpp).
+    // validated when it loaded them (see shm.hpp). Readers of such a Store must check each record's
+    // offsets against data_size() (the bindings do; gather_size() does).
     Store(std::shared_ptr<const Mapping> mapping, std::string label, bool full_index = true);
     static std::shared_ptr<Store> open(const std::string& path);
 
@@ -57,8 +58,9 @@ public:
     uint64_t compute_checksum() const noexcept;
     void verify() const;  // throws Error(Checksum) on mismatch
 
-    // Total bytes of the records at `indices` (each < size()).
-    uint64_t gather_size(const uint64_t* indices, size_t n) const noexcept;
+    // Total bytes of the records at `indices` (each < size()). Checks each record lies inside the
+    // data section (throws Error(Format) if not), so gather() may trust them.
+    uint64_t gather_size(const uint64_t* indices, size_t n) const;
     // Copies them back to back into out; out_offsets gets n + 1 entries.
     void gather(const uint64_t* indices, size_t n, unsigned char* out, int64_t* out_offsets) const noexcept;
 

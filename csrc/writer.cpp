@@ -44,6 +44,7 @@ std::string temp_name_for(const std::string& path) {
     auto slash = path.rfind('/');
     std::string base = slash == std::string::npos ? path : path.substr(slash + 1);
     std::string dir = slash == std::string::npos ? "" : path.substr(0, slash + 1);
+    base = base.substr(0, 180);  // the suffix must fit too: names are at most 255 bytes
     return dir + "." + base + ".smstore-tmp-" + std::to_string(::getpid()) + "-" + random_suffix();
 }
 
@@ -132,6 +133,9 @@ void Writer::put_slow(const void* data, size_t size) {
 
 void Writer::finish(std::string_view metadata_json) {
     check_open();
+    if (offsets_.back() != data_size_) {  // write_data() without its end_record()
+        throw Error(Error::Kind::Input, path_ + ": the last record was left unfinished; nothing was written");
+    }
     Header h{};
     std::memcpy(h.magic, kMagic, sizeof kMagic);
     h.version = kFormatVersion;

@@ -26,8 +26,9 @@ _logged: set[tuple[str, str]] = set()
 class DaemonStore(Store):
     """A Store over the daemon's read-only shared-memory segment (see :func:`open_store`).
 
-    The daemon validated the blob (checksum and index) when it loaded it, and nobody can write the
-    segment, so attaching checks only the header: O(1), independent of the blob's size.
+    The daemon validated the blob (checksum and index) when it loaded it, and no other user can
+    write the segment, so attaching checks only the header and the index's ends: O(1), whatever
+    the blob's size. Every record access still checks its offsets against the data section.
     """
 
     def __init__(self, fd: int, path: str, info: dict[str, Any], conn: socket.socket | None) -> None:
@@ -153,6 +154,10 @@ def open_store(
     try:
         conn.settimeout(None)
         store = DaemonStore(fd, spath, reply, conn)
+        if (held := store.checksum) != checksum:
+            store.close()
+            msg = f"{spath}: the daemon on {sock_at} sent a segment holding {held}, not {checksum}"
+            raise DaemonError(msg)
     except BaseException:
         conn.close()
         raise

@@ -232,7 +232,9 @@ class Daemon:
                 msg = "wrong owner, type or mode"
                 raise ValueError(msg)
             paths = [str(p) for p in entry["paths"]]
-            store = _core.Store._from_fd(fd, paths[0] if paths else new, False)
+            # A previous daemon's segment: its owner could have changed it since, so check it all.
+            store = _core.Store._from_fd(fd, paths[0] if paths else new, True)
+            store.verify()
             if store.checksum != checksum or store.file_size != int(entry["size"]):
                 msg = "contents do not match the state file"
                 raise ValueError(msg)

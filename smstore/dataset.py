@@ -12,6 +12,7 @@ from smstore._core import RecordReader
 from smstore._decode import Decoder, make_decoder
 from smstore._store import Store
 from smstore.client import Mode, open_store
+from smstore.errors import StoreChangedError
 
 __all__ = ["SharedStoreDataset"]
 
@@ -53,14 +54,28 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         self.transform = transform
         self.mode: Mode = mode
         store = open_store(self.path, mode)
+        self.checksum = store.checksum  # every process must read these very bytes
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
         self._decoder = make_decoder(decode, store.encoding, self.path)
         self._bind(store, self._decoder, transform)
 
     def _attach(self) -> None:
-        """Attach in this process (called by the C base on first access after unpickling)."""
-        self._bind(open_store(self.path, self.mode), self._decoder, self.transform)
+        """Attach in this process (called by the C base on first access after unpickling).
+
+        Raises:
+            StoreChangedError: The file was re-packed since the dataset was created, so this
+                process would read other records than the others (and than ``len`` says).
+        """
+        store = open_store(self.path, self.mode)
+        if (now := store.checksum) != self.checksum:
+            store.close()
+            msg = (
+                f"{self.path}: the file changed since this dataset was created (checksum {self.checksum}, "
+                f"now {now}); create the dataset again to read the new file"
+            )
+            raise StoreChangedError(msg)
+        self._bind(store, self._decoder, self.transform)
 
     @property
     def store(self) -> Store:

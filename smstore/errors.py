@@ -7,6 +7,7 @@ __all__ = [
     "DaemonError",
     "PackInputError",
     "SharedMemoryError",
+    "StoreChangedError",
     "StoreError",
     "StoreFormatError",
     "StoreIOError",
@@ -34,6 +35,10 @@ class StoreVersionError(StoreFormatError):
 
 class ChecksumMismatchError(StoreFormatError):
     """The stored checksum does not match the file's contents."""
+
+
+class StoreChangedError(StoreError):
+    """The file was replaced since a dataset was created: a process would read other data."""
 
 
 class StoreIOError(StoreError, OSError):

@@ -386,13 +386,22 @@ def raw(sock: Path) -> socket.socket:
 
 
 def read_reply(s: socket.socket) -> dict[str, Any] | None:
-    buf = b""
-    while len(buf) < 4 or len(buf) < 4 + struct.unpack(">I", buf[:4])[0]:
-        chunk = s.recv(65536)
-        if not chunk:
-            return None
-        buf += chunk
-    reply: dict[str, Any] = json.loads(buf[4:])
+    """One reply frame (a 4-byte big-endian length, then JSON); None if the daemon closed first."""
+
+    def exactly(n: int) -> bytes | None:
+        buf = b""
+        while len(buf) < n:
+            chunk = s.recv(n - len(buf))  # never past this frame: replies may arrive back to back
+            if not chunk:
+                return None
+            buf += chunk
+        return buf
+
+    head = exactly(4)
+    body = exactly(struct.unpack(">I", head)[0]) if head is not None else None
+    if body is None:
+        return None
+    reply: dict[str, Any] = json.loads(body)
     return reply
 
 
@@ -552,6 +561,30 @@ def test_restart_adopts_and_cleans(
     again = open_store(path, mode="daemon")
     check_all(again, recs)
     check_all(store, recs)
+
+
+def test_restart_refuses_a_segment_changed_since(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    # The owner can chmod and write a dead daemon's segment: adoption must check it all.
+    path, _ = blob
+    a = start_daemon(path)
+    (old,) = our_segments(a.pid)
+    a.proc.kill()
+    a.proc.wait()
+    seg = SHM / old
+    seg.chmod(0o600)
+    with open(seg, "r+b") as f:
+        f.seek(4096)
+        first = f.read(1)
+        f.seek(4096)
+        f.write(bytes([first[0] ^ 0x01]))
+    seg.chmod(0o400)
+    b = start_daemon()
+    assert b.wait_loaded(0)["segments"] == []
+    assert not seg.exists()
+    assert our_segments(b.pid) == []
+    assert "could not adopt" in b.log.read_text()
 
 
 # ---- DataLoader workers ------------------------------------------------------------------------

@@ -364,3 +364,35 @@ def test_unpickled_dataset_whose_file_vanished(awkward_blob: Path) -> None:
     with pytest.raises(smstore.StoreNotFoundError) as ei:
         ds[0]  # ... so the error shows on first access, naming the file
     assert str(awkward_blob) in str(ei.value)
+
+
+def test_attaching_to_a_repacked_file_refuses(tmp_path: Path) -> None:
+    path = tmp_path / "d.smst"
+    smstore.pack([b"a", b"b"], path, durable=False)
+    ds = SharedStoreDataset(path, mode="mmap")
+    clone = pickle.loads(pickle.dumps(ds))  # what a spawn or forkserver worker receives
+    smstore.pack([b"x", b"y", b"z"], path, durable=False)
+    with pytest.raises(smstore.StoreChangedError, match=r"d\.smst: the file changed since"):
+        clone[0]
+    assert bytes(ds[0]) == b"a"  # the original still maps the file it was created on
+
+
+def test_index_that_unbinds_or_rebinds_the_dataset(tmp_path: Path) -> None:
+    path, small = tmp_path / "d.smst", tmp_path / "small.smst"
+    smstore.pack([b"a", b"b", b"c"], path, durable=False)
+    smstore.pack([b"x"], small, durable=False)
+    ds = SharedStoreDataset(path, decode="bytes")
+
+    class Unbinds:
+        def __index__(self) -> int:
+            ds._unbind()
+            return 2
+
+    class RebindsSmaller:
+        def __index__(self) -> int:
+            ds._bind(smstore.open(small), None, None)
+            return 2
+
+    assert ds[Unbinds()] == b"c"  # re-attached to its own file
+    with pytest.raises(IndexError, match="out of range for 1 records"):
+        ds[RebindsSmaller()]

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -672,3 +674,28 @@ def test_jsonl_validation_agrees_with_python(tmp_path: Path, line: bytes) -> Non
         assert f"{src}:1:" in message
     if accepted:
         assert read_all(out) == [line]
+
+
+def test_writer_refuses_a_second_thread_while_packing(tmp_path: Path) -> None:
+    # pack_lines runs without the GIL; an abort() from another thread then would close the file
+    # descriptor under it. Block the pack on a FIFO and try.
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    out = tmp_path / "out.smst"
+    w = smstore._core.Writer(str(out), False)
+    result: list[object] = []
+    packer = threading.Thread(target=lambda: result.append(w.pack_lines([str(fifo)])))
+    packer.start()
+    # Opening a FIFO for writing returns once the reader has opened it: the packer is then inside
+    # pack_lines (marked busy before it released the GIL), blocked on its input.
+    with open(fifo, "wb") as feed:
+        feed.write(b"one\n")
+        feed.flush()
+        for call in (w.abort, lambda: w.append(b"x"), lambda: w.finish("{}")):
+            with pytest.raises(ValueError, match="in use by another thread"):
+                call()
+        feed.write(b"two")
+    packer.join(timeout=10)
+    assert result == [7]
+    w.finish("{}")
+    assert [bytes(r) for r in smstore.open(out)] == [b"one", b"two"]

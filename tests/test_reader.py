@@ -400,3 +400,72 @@ def test_record_views_behave_like_memoryviews(awkward_blob: Path, awkward_record
             bytes(views[1])
         assert bytes(views[2]) == awkward_records[2]
         assert bytes(s[1]) == awkward_records[1]
+
+
+# -- Python code running inside an access (review findings) ------------------------------------
+
+
+class _ClosesStore:
+    """An index whose __index__ closes the store it is about to be used on."""
+
+    def __init__(self, store: smstore.Store) -> None:
+        self.store = store
+
+    def __index__(self) -> int:
+        self.store.close()
+        return 0
+
+
+@pytest.mark.parametrize("access", ["getitem", "get_batch", "gather"])
+def test_index_that_closes_the_store_is_a_value_error(awkward_blob: Path, access: str) -> None:
+    s = smstore.open(awkward_blob)
+    key = _ClosesStore(s)
+    call = (lambda: s[key]) if access == "getitem" else (lambda: getattr(s, access)([key]))
+    with pytest.raises(ValueError, match="closed"):
+        call()
+
+
+def test_index_that_empties_its_list_reads_the_snapshot(
+    awkward_blob: Path, awkward_records: list[bytes]
+) -> None:
+    indices: list[object] = []
+
+    class Clears:
+        def __index__(self) -> int:
+            indices.clear()
+            gc.collect()
+            return 2
+
+    indices.extend([Clears(), 0, 1])
+    with smstore.open(awkward_blob) as s:
+        assert [bytes(v) for v in s.get_batch(indices)] == [awkward_records[i] for i in (2, 0, 1)]
+
+
+def test_uninitialized_store_raises() -> None:
+    s = smstore.Store.__new__(smstore.Store)
+    with pytest.raises(ValueError, match="never initialized"):
+        s[0]
+    with pytest.raises(ValueError, match="never initialized"):
+        len(s)
+
+
+def test_unscanned_index_is_checked_on_every_access(tmp_path: Path) -> None:
+    # The O(1) attach used for daemon segments checks only the index's ends; a record whose
+    # offsets leave the data section must still raise, never read out of bounds.
+    path = tmp_path / "c.smst"
+    smstore.pack([b"aaaa", b"bb", b"c"], path, durable=False)
+    raw = bytearray(path.read_bytes())
+    index_offset = int.from_bytes(raw[56:64], "little")
+    raw[index_offset + 8 : index_offset + 16] = (100).to_bytes(8, "little")  # record 1 starts past the data
+    path.write_bytes(raw)
+    with pytest.raises(smstore.StoreFormatError, match="goes backwards"):
+        smstore.open(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        s = smstore.Store._from_fd(fd, str(path), False)
+    finally:
+        os.close(fd)
+    for call in (lambda: s[0], lambda: s[1], lambda: s.get_batch([1]), lambda: s.gather([2, 0])):
+        with pytest.raises(smstore.StoreFormatError, match=r"c\.smst: corrupt index: record [01]"):
+            call()
+    assert bytes(s[2]) == b"c"

@@ -1,7 +1,7 @@
 // The smstore._core extension module: a dispatcher to the register_* files.
 #include "register.hpp"
 
-PYBIND11_MODULE(_core, m, pybind11::mod_gil_not_used()) {
+PYBIND11_MODULE(_core, m) {  // needs the GIL: stores and writers are not safe without it
     m.doc() = "smstore's C++ core: blob reader, writer and shared-memory segments";
     m.attr("__version__") = SMSTORE_VERSION;
     smstore::bindings::register_errors(m);

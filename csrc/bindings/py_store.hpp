@@ -26,8 +26,9 @@ inline PyObject* record_view(PyObject* view, uint64_t begin, uint64_t end) {
     return record;
 }
 
-// Python semantics for one index: negative counts from the end; -1 with IndexError set if outside.
-inline Py_ssize_t normalize_index(PyObject* key, uint64_t count) {
+// The integer value of an index object. This may run Python code (__index__), which may close or
+// rebind stores: callers do it before they look at any store state. False with an error set.
+inline bool index_value(PyObject* key, Py_ssize_t* out) {
     Py_ssize_t i = PyLong_CheckExact(key) ? PyLong_AsSsize_t(key) : PyNumber_AsSsize_t(key, PyExc_IndexError);
     if (i == -1 && PyErr_Occurred()) {
         // An int beyond Py_ssize_t is still just outside the store: IndexError, as list does.
@@ -35,8 +36,14 @@ inline Py_ssize_t normalize_index(PyObject* key, uint64_t count) {
             PyErr_Clear();
             PyErr_SetString(PyExc_IndexError, "cannot fit 'int' into an index-sized integer");
         }
-        return -1;
+        return false;
     }
+    *out = i;
+    return true;
+}
+
+// Python semantics for an index value: negative counts from the end; -1 with IndexError set if outside.
+inline Py_ssize_t normalize_value(Py_ssize_t i, uint64_t count) {
     auto n = static_cast<Py_ssize_t>(count);
     Py_ssize_t j = i < 0 ? i + n : i;
     if (j < 0 || j >= n) {
@@ -61,7 +68,11 @@ public:
     pybind11::object metadata() const;
     void close();
 
-    // New reference, or nullptr with a Python error set.
+    // Record i (i < size()) as a new reference, or nullptr with a Python error set: ValueError when
+    // closed, StoreFormatError when its offsets leave the data section. The check costs two compares
+    // and makes every read safe even where the index was not scanned in full (daemon segments).
+    PyObject* record(uint64_t i) const;
+    // store[key]: new reference, or nullptr with a Python error set.
     PyObject* getitem(PyObject* key) const;
     std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
     pybind11::list get_batch(pybind11::handle indices) const;
@@ -73,6 +84,7 @@ private:
     pybind11::object view_;
     mutable pybind11::object metadata_;
     uint64_t count_ = 0;
+    uint64_t data_size_ = 0;
     const uint64_t* offsets_ = nullptr;
 };
 

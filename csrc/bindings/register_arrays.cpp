@@ -2,7 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "npy_lines.hpp"
-#include "progress.hpp"
+#include "py_writer.hpp"
 #include "register.hpp"
 #include "writer.hpp"
 
@@ -13,11 +13,12 @@ namespace smstore::bindings {
 void register_arrays(py::module_& m) {
     m.def(
         "pack_npy_lines",
-        [](Writer& w, const std::vector<std::string>& inputs, const std::string& kind, int itemsize,
+        [](PyWriter& w, const std::vector<std::string>& inputs, const std::string& kind, int itemsize,
            const py::object& progress) {
             if (kind.size() != 1) throw py::value_error("kind must be 'i' or 'u'");
             IntDtype dtype{kind[0], itemsize};
             CallbackProgress cb(progress);
+            PyWriter::Busy busy(w);
             py::gil_scoped_release release;
             return pack_npy_lines(w, inputs, dtype, &cb);
         },

@@ -24,7 +24,9 @@ constexpr KindClass kErrorTable[] = {
 // Borrowed for the life of the interpreter: smstore.errors is never unloaded.
 PyObject* g_classes[std::size(kErrorTable)];
 
-void raise(const Error& e) {
+}  // namespace
+
+void set_python_error(const Error& e) {
     PyObject* cls = PyExc_RuntimeError;
     for (size_t i = 0; i < std::size(kErrorTable); ++i) {
         if (kErrorTable[i].kind == e.kind()) cls = g_classes[i];
@@ -40,8 +42,6 @@ void raise(const Error& e) {
     PyErr_SetString(cls, e.what());
 }
 
-}  // namespace
-
 void register_errors(py::module_& m) {
     py::module_ errors = py::module_::import("smstore.errors");
     for (size_t i = 0; i < std::size(kErrorTable); ++i) {
@@ -53,7 +53,7 @@ void register_errors(py::module_& m) {
         try {
             if (p) std::rethrow_exception(p);
         } catch (const Error& e) {
-            raise(e);
+            set_python_error(e);
         }
     });
 }

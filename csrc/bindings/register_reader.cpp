@@ -12,21 +12,17 @@ namespace {
 // implement _attach() (called on first access in a process that has not bound a Store yet).
 struct RecordReader {
     PyObject_HEAD PyObject* store;  // the bound smstore.Store, or nullptr
-    PyObject* view;                 // its data memoryview
+    PyStore* core;                  // its C++ object (alive while we hold `store`)
     PyObject* decode;               // callable or nullptr
     PyObject* transform;            // callable or nullptr
-    const uint64_t* offsets;
-    uint64_t count;
 };
 
 int reader_clear(PyObject* self) {
     auto* r = reinterpret_cast<RecordReader*>(self);
+    r->core = nullptr;
     Py_CLEAR(r->store);
-    Py_CLEAR(r->view);
     Py_CLEAR(r->decode);
     Py_CLEAR(r->transform);
-    r->offsets = nullptr;
-    r->count = 0;
     return 0;
 }
 
@@ -34,7 +30,6 @@ int reader_traverse(PyObject* self, visitproc visit, void* arg) {
     auto* r = reinterpret_cast<RecordReader*>(self);
     Py_VISIT(Py_TYPE(self));
     Py_VISIT(r->store);
-    Py_VISIT(r->view);
     Py_VISIT(r->decode);
     Py_VISIT(r->transform);
     return 0;
@@ -48,30 +43,38 @@ void reader_dealloc(PyObject* self) {
     Py_DECREF(type);
 }
 
+// Calls fn(arg) and drops arg; nullptr (with the error set) if arg is nullptr or the call fails.
+PyObject* apply(PyObject* fn, PyObject* arg) {
+    if (!arg || !fn) return arg;
+    PyObject* out = PyObject_CallOneArg(fn, arg);
+    Py_DECREF(arg);
+    return out;
+}
+
 PyObject* reader_subscript(PyObject* self, PyObject* key) {
     auto* r = reinterpret_cast<RecordReader*>(self);
-    if (!r->view) {
+    // __index__, _attach(), decode and transform are Python code that may rebind or unbind this
+    // reader: run the index first, then read the binding, and call the callables through our own
+    // references.
+    Py_ssize_t value;
+    if (!index_value(key, &value)) return nullptr;
+    if (!r->core) {
         PyObject* done = PyObject_CallMethod(self, "_attach", nullptr);
         if (!done) return nullptr;
         Py_DECREF(done);
-        if (!r->view) {
+        if (!r->core) {
             PyErr_SetString(PyExc_RuntimeError, "_attach() did not bind a Store");
             return nullptr;
         }
     }
-    Py_ssize_t i = normalize_index(key, r->count);
+    Py_ssize_t i = normalize_value(value, r->core->size());
     if (i < 0) return nullptr;
-    PyObject* record = record_view(r->view, r->offsets[i], r->offsets[i + 1]);
-    if (record && r->decode) {
-        PyObject* decoded = PyObject_CallOneArg(r->decode, record);
-        Py_DECREF(record);
-        record = decoded;
-    }
-    if (record && r->transform) {
-        PyObject* transformed = PyObject_CallOneArg(r->transform, record);
-        Py_DECREF(record);
-        record = transformed;
-    }
+    PyObject* record = r->core->record(static_cast<uint64_t>(i));
+    PyObject* decode = Py_XNewRef(r->decode);
+    PyObject* transform = Py_XNewRef(r->transform);
+    record = apply(transform, apply(decode, record));
+    Py_XDECREF(decode);
+    Py_XDECREF(transform);
     return record;
 }
 
@@ -96,11 +99,9 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     auto* r = reinterpret_cast<RecordReader*>(self);
     reader_clear(self);
     r->store = Py_NewRef(args[0]);
-    r->view = Py_NewRef(s->view());
+    r->core = s;
     r->decode = args[1] == Py_None ? nullptr : Py_NewRef(args[1]);
     r->transform = args[2] == Py_None ? nullptr : Py_NewRef(args[2]);
-    r->offsets = s->offsets();
-    r->count = s->size();
     Py_RETURN_NONE;
 }
 

@@ -51,6 +51,7 @@ Py_ssize_t store_length(PyObject* self) {
 
 PyStore::PyStore(std::shared_ptr<Store> store) : store_(std::move(store)) {
     count_ = store_->size();
+    data_size_ = store_->data_size();
     offsets_ = store_->offsets();
     owner_ = py::cast(std::make_shared<DataExport>(DataExport{store_}));
     PyObject* view = PyMemoryView_FromObject(owner_.ptr());
@@ -74,7 +75,8 @@ py::object PyStore::metadata() const {
     try {
         py::object parsed = py::module_::import("json").attr("loads")(py::bytes(meta.data(), meta.size()));
         if (py::isinstance<py::dict>(parsed)) return metadata_ = parsed;
-    } catch (py::error_already_set&) {
+    } catch (py::error_already_set& e) {
+        if (!e.matches(PyExc_ValueError)) throw;  // JSONDecodeError and UnicodeDecodeError are ValueErrors
     }
     throw Error(Error::Kind::Format,
                 core().label() + ": corrupt metadata block (not a JSON object); run 'smstore verify' on it");
@@ -87,28 +89,45 @@ void PyStore::close() {
     offsets_ = nullptr;
 }
 
-PyObject* PyStore::getitem(PyObject* key) const {
+PyObject* PyStore::record(uint64_t i) const {
     if (!store_) {
         PyErr_SetString(PyExc_ValueError, "I/O operation on a closed smstore.Store");
         return nullptr;
     }
-    Py_ssize_t i = normalize_index(key, count_);
-    if (i < 0) return nullptr;
-    return record_view(view_.ptr(), offsets_[i], offsets_[i + 1]);
+    uint64_t begin = offsets_[i], end = offsets_[i + 1];
+    if (begin > end || end > data_size_) {
+        set_python_error(Error(Error::Kind::Format, store_->label() + ": corrupt index: record " + std::to_string(i) +
+                                                        " spans [" + std::to_string(begin) + ", " +
+                                                        std::to_string(end) + ") outside the " +
+                                                        std::to_string(data_size_) + "-byte data section"));
+        return nullptr;
+    }
+    return record_view(view_.ptr(), begin, end);
+}
+
+PyObject* PyStore::getitem(PyObject* key) const {
+    Py_ssize_t value;
+    if (!index_value(key, &value)) return nullptr;
+    Py_ssize_t i = normalize_value(value, count_);
+    return i < 0 ? nullptr : record(static_cast<uint64_t>(i));
 }
 
 std::vector<uint64_t> PyStore::normalize_all(py::handle indices) const {
-    core();
     std::vector<uint64_t> out;
     PyObject* seq = indices.ptr();
     if (PyList_Check(seq) || PyTuple_Check(seq)) {
-        Py_ssize_t n = PySequence_Fast_GET_SIZE(seq);
-        PyObject** items = PySequence_Fast_ITEMS(seq);
-        out.resize(static_cast<size_t>(n));
-        for (Py_ssize_t k = 0; k < n; ++k) {
-            Py_ssize_t i = normalize_index(items[k], count_);
+        // A tuple snapshot: an item's __index__ may mutate the list it came from.
+        auto items = py::reinterpret_steal<py::tuple>(PySequence_Tuple(seq));
+        if (!items) throw py::error_already_set();
+        out.resize(items.size());
+        for (size_t k = 0; k < out.size(); ++k) {
+            Py_ssize_t value;
+            if (!index_value(PyTuple_GET_ITEM(items.ptr(), static_cast<Py_ssize_t>(k)), &value)) {
+                throw py::error_already_set();
+            }
+            Py_ssize_t i = normalize_value(value, count_);
             if (i < 0) throw py::error_already_set();
-            out[static_cast<size_t>(k)] = static_cast<uint64_t>(i);
+            out[k] = static_cast<uint64_t>(i);
         }
         return out;
     }
@@ -150,7 +169,8 @@ std::vector<uint64_t> PyStore::normalize_all(py::handle indices) const {
 }
 
 py::list PyStore::get_batch(py::handle indices) const {
-    std::vector<uint64_t> idx = normalize_all(indices);
+    std::vector<uint64_t> idx = normalize_all(indices);  // may run Python code: look at store_ after it
+    shared();                                            // raises if closed
     // Random indices miss the cache on their offsets: keep a few loads in flight ahead of use.
     constexpr size_t kAhead = 8;
     for (size_t k = 0; k < std::min(kAhead, idx.size()); ++k)
@@ -158,7 +178,7 @@ py::list PyStore::get_batch(py::handle indices) const {
     py::list out(idx.size());
     for (size_t k = 0; k < idx.size(); ++k) {
         if (k + kAhead < idx.size()) __builtin_prefetch(offsets_ + idx[k + kAhead]);
-        PyObject* r = record_view(view_.ptr(), offsets_[idx[k]], offsets_[idx[k] + 1]);
+        PyObject* r = record(idx[k]);
         if (!r) throw py::error_already_set();
         PyList_SET_ITEM(out.ptr(), static_cast<Py_ssize_t>(k), r);
     }
@@ -166,8 +186,8 @@ py::list PyStore::get_batch(py::handle indices) const {
 }
 
 py::tuple PyStore::gather(py::handle indices) const {
-    std::vector<uint64_t> idx = normalize_all(indices);
-    std::shared_ptr<Store> keep = store_;  // stays mapped while the GIL is released
+    std::vector<uint64_t> idx = normalize_all(indices);  // may run Python code: look at store_ after it
+    std::shared_ptr<Store> keep = shared();              // stays mapped while the GIL is released
     uint64_t total = keep->gather_size(idx.data(), idx.size());
     py::array_t<uint8_t> data(static_cast<py::ssize_t>(total));
     py::array_t<int64_t> offsets(static_cast<py::ssize_t>(idx.size() + 1));
@@ -185,7 +205,13 @@ PyStore* py_store_from(PyObject* obj) {
         PyErr_Format(PyExc_TypeError, "expected an smstore.Store, not %s", Py_TYPE(obj)->tp_name);
         return nullptr;
     }
-    return py::handle(obj).cast<PyStore*>();
+    auto* inst = reinterpret_cast<py::detail::instance*>(obj);
+    auto vh = inst->get_value_and_holder();
+    if (!vh.holder_constructed()) {
+        PyErr_SetString(PyExc_ValueError, "this smstore.Store was never initialized");
+        return nullptr;
+    }
+    return vh.template holder<std::unique_ptr<PyStore>>().get();
 }
 
 void register_store(py::module_& m) {

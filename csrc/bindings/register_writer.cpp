@@ -2,7 +2,7 @@
 #include <pybind11/stl.h>
 
 #include "error.hpp"
-#include "progress.hpp"
+#include "py_writer.hpp"
 #include "register.hpp"
 #include "writer.hpp"
 
@@ -43,21 +43,29 @@ void append_object(Writer& w, const py::handle& obj) {
 }  // namespace
 
 void register_writer(py::module_& m) {
-    py::class_<Writer>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
+    py::class_<PyWriter>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
         .def(py::init<std::string, bool>(), py::arg("path"), py::arg("durable") = true)
-        .def("append", &append_object, py::arg("record"))
+        .def(
+            "append",
+            [](PyWriter& w, const py::handle& record) {
+                w.check_idle();
+                append_object(w, record);
+            },
+            py::arg("record"))
         .def(
             "extend",
-            [](Writer& w, const py::iterable& records) {
+            [](PyWriter& w, const py::iterable& records) {
                 uint64_t before = w.record_count();
-                for (auto item : records)
+                for (auto item : records) {
+                    w.check_idle();  // the iterable is Python code: it may have handed w to a thread
                     append_object(w, item);
+                }
                 return w.record_count() - before;
             },
             py::arg("records"))
         .def(
             "pack_lines",
-            [](Writer& w, const std::vector<std::string>& inputs, const std::string& format,
+            [](PyWriter& w, const std::vector<std::string>& inputs, const std::string& format,
                const py::object& progress) {
                 LineFormat fmt;
                 if (format == "lines") {
@@ -68,22 +76,28 @@ void register_writer(py::module_& m) {
                     throw py::value_error("format must be 'lines' or 'jsonl', not '" + format + "'");
                 }
                 CallbackProgress cb(progress);
+                PyWriter::Busy busy(w);
                 py::gil_scoped_release release;
                 return pack_lines(w, inputs, fmt, &cb);
             },
             py::arg("inputs"), py::arg("format") = "lines", py::arg("progress") = py::none())
         .def(
             "finish",
-            [](Writer& w, const std::string& metadata_json) {
+            [](PyWriter& w, const std::string& metadata_json) {
+                PyWriter::Busy busy(w);
                 py::gil_scoped_release release;
                 w.finish(metadata_json);
             },
             py::arg("metadata_json"))
-        .def("abort", &Writer::abort)
-        .def_property_readonly("record_count", &Writer::record_count)
-        .def_property_readonly("data_size", &Writer::data_size)
-        .def_property_readonly("path", &Writer::path)
-        .def_property_readonly("is_open", &Writer::is_open);
+        .def("abort",
+             [](PyWriter& w) {
+                 w.check_idle();
+                 w.abort();
+             })
+        .def_property_readonly("record_count", &PyWriter::record_count)
+        .def_property_readonly("data_size", &PyWriter::data_size)
+        .def_property_readonly("path", &PyWriter::path)
+        .def_property_readonly("is_open", &PyWriter::is_open);
 }
 
 }  // namespace smstore::bindings
