@@ -35,6 +35,8 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
             file, else a mapping of the file; ``"daemon"``: require the daemon; ``"mmap"``: never
             use it. See :func:`smstore.client.open_store`.
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+            Every process the dataset is pickled to uses the same one.
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
@@ -48,12 +50,14 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         decode: str | Decoder | None = None,
         transform: Callable[[Any], Any] | None = None,
         mode: Mode = "auto",
+        socket: str | os.PathLike[str] | None = None,
     ) -> None:
         self.path = os.fspath(path)
         self.decode = decode
         self.transform = transform
         self.mode: Mode = mode
-        store = open_store(self.path, mode)
+        self.socket = os.fspath(socket) if socket is not None else None
+        store = open_store(self.path, mode, self.socket)
         self.checksum = store.checksum  # every process must read these very bytes
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
@@ -67,7 +71,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             StoreChangedError: The file was re-packed since the dataset was created, so this
                 process would read other records than the others (and than ``len`` says).
         """
-        store = open_store(self.path, self.mode)
+        store = open_store(self.path, self.mode, self.socket)
         if (now := store.checksum) != self.checksum:
             store.close()
             msg = (

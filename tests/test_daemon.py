@@ -7,6 +7,7 @@ import grp
 import json
 import logging
 import os
+import pickle
 import shutil
 import signal
 import socket
@@ -240,6 +241,23 @@ def test_collator_reads_through_the_daemon(
     batch = collate([3, 0, 7])
     expected = recs[3] + recs[0] + recs[7]
     assert bytes(batch["tokens"].numpy().astype("uint8")) == expected
+
+
+def test_dataset_socket_argument_reaches_workers(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from smstore import SharedStoreDataset
+
+    path, recs = blob
+    d = start_daemon(path)
+    monkeypatch.delenv("SMSTORE_SOCKET", raising=False)  # only the argument points at the daemon
+    ds = SharedStoreDataset(path, mode="daemon", socket=d.sock, decode="bytes")
+    assert isinstance(ds.store, DaemonStore)
+    clone = pickle.loads(pickle.dumps(ds))  # what a spawn worker receives
+    assert [clone[i] for i in range(len(recs))] == recs
+    assert isinstance(clone.store, DaemonStore)
+    with pytest.raises(DaemonError):
+        SharedStoreDataset(path, mode="daemon", socket=d.sock.parent / "nobody.sock")
 
 
 def test_daemon_does_not_import_torch() -> None:
