@@ -61,8 +61,6 @@ public:
     std::shared_ptr<Store> shared() const;
     uint64_t size() const noexcept { return count_; }
     bool closed() const noexcept { return !store_; }
-    PyObject* view() const noexcept { return view_.ptr(); }
-    const uint64_t* offsets() const noexcept { return offsets_; }
     const pybind11::object& owner() const noexcept { return owner_; }
     // The parsed metadata block, parsed once (a dict; callers must not mutate it).
     pybind11::object metadata() const;
