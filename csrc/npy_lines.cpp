@@ -1,16 +1,11 @@
 // The npy-lines packer: parses integer text in a streaming loop and writes typed array records.
 #include "npy_lines.hpp"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstring>
 #include <limits>
 
 #include "error.hpp"
-#include "input_file.hpp"
+#include "line_scanner.hpp"
 
 namespace smstore {
 
@@ -19,9 +14,6 @@ std::string IntDtype::name() const {
 }
 
 namespace {
-
-constexpr size_t kReadSize = 4 << 20;
-constexpr uint64_t kProgressEvery = 32 << 20;
 
 bool is_space(char c) {
     return c == ' ' || c == '\t' || c == '\r' || c == '\v' || c == '\f';
@@ -101,49 +93,11 @@ private:
 template <typename T>
 uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress) {
     LineParser<T> parser(writer, dtype);
-    std::vector<char> buf(kReadSize);
-    std::string pending;  // the part of a line that spans reads
-    uint64_t total = 0, next_report = kProgressEvery;
-    for (const auto& name : inputs) {
-        InputFile in(name);
-        uint64_t line_no = 1;
-        bool open_line = false;
-        for (;;) {
-            size_t n = in.read(buf.data(), buf.size());
-            if (n == 0) break;
-            total += n;
-            const char* p = buf.data();
-            const char* end = p + n;
-            while (p < end) {
-                auto nl = static_cast<const char*>(std::memchr(p, '\n', static_cast<size_t>(end - p)));
-                if (!nl) {
-                    pending.append(p, static_cast<size_t>(end - p));
-                    open_line = true;
-                    break;
-                }
-                if (pending.empty()) {
-                    parser.line(in.name(), line_no, p, static_cast<size_t>(nl - p));
-                } else {
-                    pending.append(p, static_cast<size_t>(nl - p));
-                    parser.line(in.name(), line_no, pending.data(), pending.size());
-                    pending.clear();
-                }
-                ++line_no;
-                open_line = false;
-                p = nl + 1;
-            }
-            if (progress && total >= next_report) {
-                progress->update(total);
-                next_report = total + kProgressEvery;
-            }
-        }
-        if (open_line) {  // a final line without '\n' is a record
-            parser.line(in.name(), line_no, pending.data(), pending.size());
-            pending.clear();
-        }
-    }
-    if (progress) progress->update(total);
-    return total;
+    LineJoiner joiner;
+    return scan_lines(inputs, progress,
+                      [&](const std::string& file, uint64_t line_no, const char* p, size_t n, bool starts, bool ends) {
+                          if (joiner.add(p, n, starts, ends)) parser.line(file, line_no, p, n);
+                      });
 }
 
 }  // namespace

@@ -11,8 +11,8 @@
 
 #include "error.hpp"
 #include "format.hpp"
-#include "input_file.hpp"
 #include "json_check.hpp"
+#include "line_scanner.hpp"
 
 namespace smstore {
 namespace {
@@ -224,63 +224,22 @@ void check_json_line(const std::string& file, uint64_t line_no, const char* p, s
 }  // namespace
 
 uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress) {
-    constexpr uint64_t kProgressEvery = 32 << 20;
-    std::vector<unsigned char> buf(kBufferSize);
-    std::string pending;  // jsonl only: the part of a line that spans reads
-    uint64_t total = 0, next_report = kProgressEvery;
-    const bool jsonl = format == LineFormat::Jsonl;
-
-    for (const auto& name : inputs) {
-        InputFile in(name);
-        uint64_t line_no = 1;
-        bool open_line = false;  // bytes of an unterminated line have been written
-        for (;;) {
-            size_t n = in.read(buf.data(), buf.size());
-            if (n == 0) break;
-            total += n;
-            const unsigned char* p = buf.data();
-            const unsigned char* end = p + n;
-            while (p < end) {
-                auto nl = static_cast<const unsigned char*>(std::memchr(p, '\n', static_cast<size_t>(end - p)));
-                const unsigned char* stop = nl ? nl : end;
-                auto len = static_cast<size_t>(stop - p);
-                if (jsonl) {
-                    if (nl && pending.empty()) {
-                        check_json_line(in.name(), line_no, reinterpret_cast<const char*>(p), len);
-                    } else {
-                        pending.append(reinterpret_cast<const char*>(p), len);
-                        if (nl) {
-                            check_json_line(in.name(), line_no, pending.data(), pending.size());
-                            pending.clear();
-                        }
-                    }
-                }
-                writer.write_data(p, len);
-                if (nl) {
-                    writer.end_record();
-                    ++line_no;
-                    open_line = false;
-                    p = nl + 1;
-                } else {
-                    open_line = true;
-                    p = end;
-                }
-            }
-            if (progress && total >= next_report) {
-                progress->update(total);
-                next_report = total + kProgressEvery;
-            }
-        }
-        if (open_line) {  // a final line without '\n' is a record
-            if (jsonl) {
-                check_json_line(in.name(), line_no, pending.data(), pending.size());
-                pending.clear();
-            }
-            writer.end_record();
-        }
+    if (format == LineFormat::Lines) {
+        return scan_lines(inputs, progress,
+                          [&](const std::string&, uint64_t, const char* p, size_t n, bool, bool ends) {
+                              writer.write_data(p, n);
+                              if (ends) writer.end_record();
+                          });
     }
-    if (progress) progress->update(total);
-    return total;
+    LineJoiner joiner;
+    return scan_lines(inputs, progress,
+                      [&](const std::string& file, uint64_t line_no, const char* p, size_t n, bool starts, bool ends) {
+                          writer.write_data(p, n);
+                          if (joiner.add(p, n, starts, ends)) {
+                              check_json_line(file, line_no, p, n);
+                              writer.end_record();
+                          }
+                      });
 }
 
 }  // namespace smstore

@@ -1,0 +1,77 @@
+// The one read loop behind every text packer: stream pack inputs line by line.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "input_file.hpp"
+#include "writer.hpp"
+
+namespace smstore {
+
+// Reads `inputs` in order (files, or "-" for stdin) and hands every line to `on_piece` as it is
+// read, never holding a line whole: on_piece(file, line_no, data, size, starts, ends) receives
+// consecutive pieces of line `line_no` (1-based within its file); `starts` marks a line's first
+// piece and `ends` its last. A line ends at its '\n' (not passed on) or at the end of its file;
+// an unterminated last line ends with an empty piece. Reports progress every 32 MiB and returns
+// the bytes read.
+template <typename OnPiece>
+uint64_t scan_lines(const std::vector<std::string>& inputs, PackProgress* progress, OnPiece&& on_piece) {
+    constexpr size_t kReadSize = 256 << 10;  // stays in L2 on its way into the writer's buffer
+    constexpr uint64_t kProgressEvery = 32 << 20;
+    std::vector<char> buf(kReadSize);
+    uint64_t total = 0, next_report = kProgressEvery;
+    for (const auto& name : inputs) {
+        InputFile in(name);
+        uint64_t line_no = 1;
+        bool open_line = false;  // a piece of the current line has been handed on
+        for (size_t n; (n = in.read(buf.data(), buf.size())) != 0;) {
+            total += n;
+            const char* p = buf.data();
+            const char* end = p + n;
+            while (p < end) {
+                auto nl = static_cast<const char*>(std::memchr(p, '\n', static_cast<size_t>(end - p)));
+                const char* stop = nl ? nl : end;
+                on_piece(in.name(), line_no, p, static_cast<size_t>(stop - p), !open_line, nl != nullptr);
+                if (nl) {
+                    ++line_no;
+                    open_line = false;
+                    p = nl + 1;
+                } else {
+                    open_line = true;
+                    p = end;
+                }
+            }
+            if (progress && total >= next_report) {
+                progress->update(total);
+                next_report = total + kProgressEvery;
+            }
+        }
+        if (open_line) on_piece(in.name(), line_no, buf.data(), 0, false, true);
+    }
+    if (progress) progress->update(total);
+    return total;
+}
+
+// Joins scan_lines' pieces into whole lines, copying only the lines that span reads.
+class LineJoiner {
+public:
+    // Takes one piece; when it ends a line, returns true with [data, data + size) the whole line
+    // (valid until the next call).
+    bool add(const char*& data, size_t& size, bool starts, bool ends) {
+        if (starts && ends) return true;  // the common case: the line lay within one read
+        if (starts) pending_.clear();
+        pending_.append(data, size);
+        if (!ends) return false;
+        data = pending_.data();
+        size = pending_.size();
+        return true;
+    }
+
+private:
+    std::string pending_;
+};
+
+}  // namespace smstore
