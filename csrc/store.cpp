@@ -61,6 +61,20 @@ std::shared_ptr<const Mapping> Mapping::map_file(const std::string& path) {
     return map_fd(f.fd, path);
 }
 
+std::optional<uint64_t> peek_checksum(const std::string& path) {
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; it is then refused as not regular.
+    Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
+    if (f.fd < 0) throw_errno(path, errno);
+    struct stat st;
+    if (::fstat(f.fd, &st) != 0) throw_errno(path, errno);
+    Header h;
+    if (!S_ISREG(st.st_mode) || ::pread(f.fd, &h, sizeof h, 0) != static_cast<ssize_t>(sizeof h) ||
+        std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) {
+        return std::nullopt;
+    }
+    return h.checksum;
+}
+
 Store::Store(std::shared_ptr<const Mapping> mapping, std::string label, bool full_index)
     : mapping_(std::move(mapping)), label_(std::move(label)) {
     std::memcpy(&header_, mapping_->data(), sizeof header_);

@@ -3,6 +3,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -30,6 +31,11 @@ private:
     const unsigned char* data_;
     uint64_t size_;
 };
+
+// The checksum in the header of the blob at `path`, from one small read without mapping or
+// validating anything (so a daemon client can ask for the file by content, cheaply); nullopt when
+// it is not a regular file that starts with the magic bytes. Throws Error if it cannot be opened.
+std::optional<uint64_t> peek_checksum(const std::string& path);
 
 class Store {
 public:

@@ -46,21 +46,11 @@ SHM_DIR = Path(_core.SHM_DIR)
 IO_TIMEOUT = float(os.environ.get("SMSTORE_IO_TIMEOUT", "5"))
 MAX_CONNECTIONS = 4096
 _UCRED = struct.Struct("3i")
-_MAGIC = b"\x89SMST\r\n\x1a"
 
 
 def read_checksum(path: str | os.PathLike[str]) -> str | None:
-    """The checksum recorded in a blob's header (4 KiB read), or None if it is no blob."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return None
-        head = os.pread(fd, 104, 0)
-    finally:
-        os.close(fd)
-    if len(head) < 104 or head[:8] != _MAGIC:
-        return None
-    return f"{int.from_bytes(head[96:104], 'little'):016x}"
+    """The checksum recorded in a blob's header (one small read), or None if it is no blob."""
+    return _core.peek_checksum(os.fspath(path))
 
 
 @dataclass

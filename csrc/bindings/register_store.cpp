@@ -328,6 +328,19 @@ Args:
             return arr;
         });
 
+    m.def(
+        "peek_checksum",
+        [](const std::string& path) -> py::object {
+            std::optional<uint64_t> checksum;
+            {
+                py::gil_scoped_release release;
+                checksum = peek_checksum(path);
+            }
+            return checksum ? py::object(py::str(hex64(*checksum))) : py::object(py::none());
+        },
+        py::arg("path"),
+        "The checksum in a blob's header (one small read, nothing validated), or None if it is no blob.");
+
     g_store_type = reinterpret_cast<PyTypeObject*>(cls.ptr());
     auto* heap = reinterpret_cast<PyHeapTypeObject*>(cls.ptr());
     heap->as_mapping.mp_subscript = store_subscript;
