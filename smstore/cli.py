@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import os
 import sys
+import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import smstore
@@ -176,9 +180,6 @@ def _size(text: str) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import logging
-    import os
-
     from smstore.daemon import serve
 
     logging.basicConfig(
@@ -195,8 +196,6 @@ def _client_pids(pids: list[int]) -> str:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    import time
-
     from smstore.client import daemon_request
 
     reply = daemon_request({"op": "status"}, args.socket)
@@ -223,9 +222,6 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
     from smstore.client import daemon_request
 
     status = 0
@@ -243,9 +239,6 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
     from smstore.client import daemon_request
     from smstore.daemon import read_checksum
 
@@ -271,8 +264,6 @@ def cmd_unload(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    import time
-
     from smstore._ipc import process_start_time
     from smstore.client import daemon_request
 
