@@ -11,7 +11,7 @@ import numpy as np
 
 from smstore.errors import StoreFormatError
 
-__all__ = ["Decoder", "make_decoder", "numpy_dtype"]
+__all__ = ["Decoder", "make_decoder", "numpy_dtype", "torch_dtype"]
 
 Decoder = Callable[[memoryview], Any]
 
@@ -40,15 +40,22 @@ def _json(view: memoryview) -> Any:
     return json.loads(view.tobytes())
 
 
+def torch_dtype(dtype: np.dtype[Any], path: str) -> Any:
+    """The torch dtype of records of numpy ``dtype`` (torch imported here only)."""
+    import torch
+
+    try:
+        return torch.from_numpy(np.empty(0, dtype=dtype)).dtype
+    except (TypeError, RuntimeError) as e:
+        msg = f"{path}: records of dtype {dtype} have no torch equivalent ({e})"
+        raise StoreFormatError(msg) from None
+
+
 def _torch_decoder(dtype: np.dtype[Any], path: str) -> Decoder:
     """Records as zero-copy, read-only 1-D tensors over the mapping (torch imported here only)."""
     import torch
 
-    try:
-        tdtype = torch.from_numpy(np.empty(0, dtype=dtype)).dtype
-    except (TypeError, RuntimeError) as e:
-        msg = f"{path}: records of dtype {dtype} have no torch equivalent ({e})"
-        raise StoreFormatError(msg) from None
+    tdtype = torch_dtype(dtype, path)
     frombuffer = torch.frombuffer
     silenced = False
 

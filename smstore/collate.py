@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from smstore._decode import numpy_dtype
+from smstore._decode import numpy_dtype, torch_dtype
 from smstore._store import Store
 from smstore.client import Mode as StoreMode
 from smstore.client import open_store
@@ -173,16 +173,16 @@ class TokenCollator:
     def _check_pad_value(self) -> None:
         import torch
 
-        dtype = self._torch_dtype(torch)
+        dtype = self._torch_dtype()
         info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
         if not info.min <= self.pad_value <= info.max:
             msg = f"pad_value={self.pad_value} does not fit in {dtype}"
             raise ValueError(msg)
 
-    def _torch_dtype(self, torch: Any) -> Any:
+    def _torch_dtype(self) -> Any:
         if self.dtype is not None:
             return self.dtype
-        return torch.from_numpy(np.empty(0, dtype=self.record_dtype)).dtype
+        return torch_dtype(self.record_dtype, self.store.path)
 
     # -- collation --------------------------------------------------------------------------
 
@@ -217,9 +217,7 @@ class TokenCollator:
         )
         if self.pad_to_multiple_of:
             width = -(-width // self.pad_to_multiple_of) * self.pad_to_multiple_of
-        tokens = torch.full(
-            (b, width), self.pad_value, dtype=self._torch_dtype(torch), pin_memory=self._pin()
-        )
+        tokens = torch.full((b, width), self.pad_value, dtype=self._torch_dtype(), pin_memory=self._pin())
         grid = tokens.numpy()
         starts = np.zeros(b + 1, dtype=np.int64)
         np.cumsum(lengths, out=starts[1:])
@@ -251,7 +249,7 @@ class TokenCollator:
         np.cumsum(lengths, out=cu[1:])
         if cu[-1] < 2**31:
             cu = cu.astype(np.int32)
-        dtype = self._torch_dtype(torch)
+        dtype = self._torch_dtype()
         if self._pin():
             tokens = torch.empty(flat.size, dtype=dtype, pin_memory=True)
             tokens.numpy()[:] = flat
