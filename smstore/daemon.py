@@ -53,6 +53,17 @@ def read_checksum(path: str | os.PathLike[str]) -> str | None:
     return _core.peek_checksum(os.fspath(path))
 
 
+def _segment_prefix(uid: int, pid: int, start_time: int) -> str:
+    """How the names of one daemon's segments begin (SEGMENT_RE in _ipc.py parses them)."""
+    return f"smstore-{uid}-{pid}-{start_time}-"
+
+
+def _segments_of(uid: int, pid: int, start_time: int) -> list[str]:
+    """Names of the segments in /dev/shm that daemon (pid, start_time) of `uid` created."""
+    prefix = _segment_prefix(uid, pid, start_time)
+    return [p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix)]
+
+
 @dataclass
 class Segment:
     """One generation of one blob in shared memory."""
@@ -200,11 +211,9 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     _core.shm_unlink("/" + str(entry["name"]))
         # Whatever else the dead daemon left (a load it did not finish) goes.
-        prefix = f"smstore-{self.uid}-{old_pid}-{old_start}-"
-        for name in (p.name for p in SHM_DIR.iterdir()):
-            if name.startswith(prefix):
-                log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
-                _core.shm_unlink("/" + name)
+        for name in _segments_of(self.uid, old_pid, old_start):
+            log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
+            _core.shm_unlink("/" + name)
 
     def _adopt(self, entry: dict[str, Any]) -> None:
         old = str(entry["name"])
@@ -248,7 +257,7 @@ class Daemon:
         log.info("adopted %s (%s, %d bytes) from dead daemon", ", ".join(paths) or new, checksum, st.st_size)
 
     def _segment_name(self, checksum: str) -> str:
-        return f"smstore-{self.uid}-{self.pid}-{self.start_time}-{checksum}-{secrets.token_hex(4)}"
+        return f"{_segment_prefix(self.uid, self.pid, self.start_time)}{checksum}-{secrets.token_hex(4)}"
 
     def _save_state(self) -> None:
         state = {
@@ -285,11 +294,9 @@ class Daemon:
         self.state_path.unlink(missing_ok=True)
         # A load still running writes on into a segment that is unlinked here and freed at exit.
         self.loader.join(timeout=0.1)
-        prefix = f"smstore-{self.uid}-{self.pid}-{self.start_time}-"
-        for name in (p.name for p in SHM_DIR.iterdir()):
-            if name.startswith(prefix):
-                with contextlib.suppress(OSError):
-                    _core.shm_unlink("/" + name)
+        for name in _segments_of(self.uid, self.pid, self.start_time):
+            with contextlib.suppress(OSError):
+                _core.shm_unlink("/" + name)
         log.info("stopped")
 
     def _drop(self, seg: Segment) -> None:
