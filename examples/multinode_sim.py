@@ -38,13 +38,9 @@ from pathlib import Path
 from typing import Any
 
 import smstore
-from smstore import GlobalShuffleSampler, _core
-from smstore.client import daemon_request
-from smstore.daemon import collect_garbage
-from smstore.errors import DaemonError
+from smstore import DaemonError, GlobalShuffleSampler, collect_garbage, daemon_request, list_segments
 
 HERE = Path(__file__).resolve().parent
-SHM = Path(_core.SHM_DIR)
 
 
 def free_port() -> int:
@@ -52,12 +48,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def segments_of(pid: int) -> list[str]:
-    """The /dev/shm names created by the daemon with this pid."""
-    prefix = f"smstore-{os.getuid()}-{pid}-"
-    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(prefix))
 
 
 class Node:
@@ -110,7 +100,7 @@ class Node:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
-        left = segments_of(proc.pid)
+        left = list_segments(proc.pid)
         if left:
             collect_garbage(self.sock)  # the daemon is dead: gc removes its segments and socket
         return left

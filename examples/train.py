@@ -34,9 +34,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from smstore import GlobalShuffleSampler, SharedStoreDataset, TokenCollator
-from smstore.client import DaemonStore, daemon_request
-from smstore.errors import DaemonError
+from smstore import (
+    DaemonError,
+    DaemonStore,
+    GlobalShuffleSampler,
+    SharedStoreDataset,
+    TokenCollator,
+    daemon_request,
+)
 
 PAD = 0  # NUL never occurs in text lines; padding positions are masked out of the loss anyway
 
@@ -228,14 +233,11 @@ def main() -> None:
         if rank == 0:
             print(msg, flush=True)
 
-    if args.socket:
-        # The environment, not an argument: DataLoader workers that attach themselves (spawn,
-        # forkserver) inherit it, and so ask the same daemon as their rank.
-        os.environ["SMSTORE_SOCKET"] = os.path.abspath(args.socket)
-    sock = os.environ.get("SMSTORE_SOCKET")
-    # The one line that chooses where records come from.
+    sock = os.path.abspath(args.socket) if args.socket else None
+    # The one line that chooses where records come from. The dataset pickles with its socket, so
+    # DataLoader workers that attach themselves (spawn, forkserver) ask the same daemon as their rank.
     try:
-        dataset = SharedStoreDataset(args.data, mode=args.mode)
+        dataset = SharedStoreDataset(args.data, mode=args.mode, socket=sock)
     except DaemonError as e:
         raise SystemExit(f"rank {rank}: {e}") from None
     source = describe_source(dataset.store, sock)

@@ -34,6 +34,8 @@ from smstore.errors import (
 
 if TYPE_CHECKING:
     from smstore._arrays import pack_arrays, pack_npy_lines
+    from smstore._segments import collect_garbage, list_segments
+    from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
     from smstore.sampler import GlobalShuffleSampler
@@ -43,6 +45,7 @@ __version__: str = _core.__version__
 __all__ = [
     "ChecksumMismatchError",
     "DaemonError",
+    "DaemonStore",
     "GlobalShuffleSampler",
     "PackInputError",
     "PackStats",
@@ -59,7 +62,11 @@ __all__ = [
     "TokenCollator",
     "Writer",
     "__version__",
+    "collect_garbage",
+    "daemon_request",
+    "list_segments",
     "open",
+    "open_store",
     "pack",
     "pack_arrays",
     "pack_files",
@@ -67,13 +74,18 @@ __all__ = [
 ]
 
 # These load on first use: `import smstore` (the CLI, the daemon) never imports torch, and numpy
-# only when something needs it, so that commands start fast.
+# only when something needs it, so that commands start fast; nor does a reader import the daemon.
 _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
     "GlobalShuffleSampler": "smstore.sampler",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",
+    "open_store": "smstore.client",
+    "DaemonStore": "smstore.client",
+    "daemon_request": "smstore.client",
+    "collect_garbage": "smstore._segments",
+    "list_segments": "smstore._segments",
 }
 
 

@@ -1,11 +1,10 @@
-"""What the daemon and its clients share: socket location, message framing, segment names, liveness."""
+"""What the daemon and its clients share: socket location, message framing, process liveness."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
-import re
 import socket
 import stat
 import struct
@@ -16,7 +15,6 @@ from smstore.errors import DaemonError
 
 __all__ = [
     "MAX_MESSAGE",
-    "SEGMENT_RE",
     "decode_body",
     "default_socket_path",
     "encode",
@@ -30,10 +28,6 @@ __all__ = [
 # Requests and replies are tiny (a status of thousands of segments fits); anything larger is hostile.
 MAX_MESSAGE = 1 << 20
 _LEN = struct.Struct(">I")
-
-# /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-<checksum>-<random>: enough for `smstore gc`
-# to tell whose segment it is and whether the daemon that made it is still alive.
-SEGMENT_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})-([0-9a-f]{8})$")
 
 
 def default_socket_path() -> Path:

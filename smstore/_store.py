@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import os
 
+from smstore import _core
 from smstore._core import Store
 
-__all__ = ["Store", "open"]
+__all__ = ["Store", "open", "read_checksum"]
 
 
 def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
@@ -24,3 +25,12 @@ def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
     if verify:
         store.verify()
     return store
+
+
+def read_checksum(path: str | os.PathLike[str]) -> str | None:
+    """The checksum recorded in a blob's header (one small read, nothing validated), or None if it is no blob.
+
+    Raises:
+        OSError: The file cannot be read.
+    """
+    return _core.peek_checksum(os.fspath(path))

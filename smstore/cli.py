@@ -239,8 +239,8 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
+    from smstore._store import read_checksum
     from smstore.client import daemon_request
-    from smstore.daemon import read_checksum
 
     status = 0
     for target in args.targets:
@@ -277,7 +277,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from smstore.daemon import collect_garbage
+    from smstore._segments import collect_garbage
 
     removed = collect_garbage(args.socket)
     for path in removed:

@@ -10,9 +10,8 @@ from typing import Any, Literal
 
 from smstore import _core
 from smstore._ipc import request, socket_path
-from smstore._store import Store
-from smstore.daemon import read_checksum
-from smstore.errors import DaemonError
+from smstore._store import Store, read_checksum
+from smstore.errors import DaemonError, StoreChangedError
 
 __all__ = ["DaemonStore", "daemon_request", "open_store"]
 
@@ -94,13 +93,18 @@ def _log_once(path: str, choice: str, message: str, *args: object) -> None:
 
 
 def open_store(
-    path: str | os.PathLike[str], mode: Mode = "auto", socket: str | os.PathLike[str] | None = None
+    path: str | os.PathLike[str],
+    mode: Mode = "auto",
+    socket: str | os.PathLike[str] | None = None,
+    *,
+    checksum: str | None = None,
 ) -> Store:
     """Open a blob: the daemon's shared-memory copy, or a read-only mapping of the file.
 
     The daemon and the file are matched by content: the checksum in the file's header (a 4 KiB
     read) must be one the daemon serves. Each call makes its own connection, so this is safe in
-    forked DataLoader workers.
+    forked DataLoader workers. This is the one attach policy of every reader that pickles as a
+    path and attaches in each process (``SharedStoreDataset``, ``TokenCollator``).
 
     Args:
         path: The ``.smst`` file.
@@ -108,11 +112,27 @@ def open_store(
             logs once, on the ``smstore`` logger, which it chose); ``"daemon"`` requires the
             daemon; ``"mmap"`` never asks it.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default).
+        checksum: The contents this process must read (the checksum another process saw when it
+            opened the blob): a reader created in one process and attached in another never reads
+            other records than its creator did.
 
     Raises:
         DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
+        StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).
     """
+    store = _open(path, mode, socket)
+    if checksum is not None and (now := store.checksum) != checksum:
+        store.close()
+        msg = (
+            f"{os.fspath(path)}: the file changed since this reader was created (checksum {checksum}, "
+            f"now {now}); create it again to read the new file"
+        )
+        raise StoreChangedError(msg)
+    return store
+
+
+def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[str] | None) -> Store:
     if mode not in _MODES:
         msg = f"mode must be one of {', '.join(_MODES)}, not {mode!r}"
         raise ValueError(msg)

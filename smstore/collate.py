@@ -10,12 +10,11 @@ import numpy as np
 
 from smstore._decode import numpy_dtype, torch_dtype
 from smstore._store import Store
-from smstore.client import Mode as StoreMode
-from smstore.client import open_store
+from smstore.client import Mode, open_store
 
 __all__ = ["TokenCollator", "pinned_memory_available"]
 
-Mode = Literal["pad", "pack"]
+Layout = Literal["pad", "pack"]
 Side = Literal["left", "right"]
 
 
@@ -39,23 +38,24 @@ class TokenCollator:
 
     Use it with a dataset of indices so that each worker receives the indices of a whole batch::
 
-        collate = TokenCollator("tokens.smst", mode="pad", max_length=512, dtype=torch.long)
+        collate = TokenCollator("tokens.smst", layout="pad", max_length=512, dtype=torch.long)
         sampler = GlobalShuffleSampler(len(collate), seed=0)
         loader = DataLoader(range(len(collate)), batch_size=256, sampler=sampler,
                             num_workers=4, collate_fn=collate, pin_memory=True)
 
     ``range(n)`` maps each index to itself, so the worker hands the list of indices to the
-    collator, which gathers. The collator pickles as its path and options and opens the store in
-    each worker on first use (or goes through the ``SharedStoreDataset`` it was given, and so
-    through whatever that dataset attaches to).
+    collator, which gathers. The collator pickles as its path and options and attaches in each
+    worker on first use exactly as ``SharedStoreDataset`` does (same ``mode`` and ``socket``, and
+    the same check that every process reads the contents the collator was created on); or it goes
+    through the ``SharedStoreDataset`` it was given, and so through whatever that dataset attaches to.
 
     Output (a dict of tensors, which ``DataLoader(pin_memory=True)`` pins as a whole):
 
-    * ``mode="pad"``: ``tokens`` ``[B, L]`` padded with ``pad_value``, ``lengths`` ``[B]`` (int64,
+    * ``layout="pad"``: ``tokens`` ``[B, L]`` padded with ``pad_value``, ``lengths`` ``[B]`` (int64,
       after truncation). ``L`` is the longest record, capped at ``max_length``, rounded up to
       ``pad_to_multiple_of``; ``fixed_length=True`` makes it ``max_length`` always. The mask of
       real tokens is ``arange(L) < lengths[:, None]`` (right padding).
-    * ``mode="pack"``: ``tokens`` ``[T]``, all records concatenated, and ``cu_seqlens`` ``[B + 1]``
+    * ``layout="pack"``: ``tokens`` ``[T]``, all records concatenated, and ``cu_seqlens`` ``[B + 1]``
       (int32, the FlashAttention varlen convention; int64 past 2**31 tokens): record ``i`` is
       ``tokens[cu_seqlens[i]:cu_seqlens[i + 1]]``.
     * ``indices`` ``[B]`` (int64) when the batch was given as indices and ``return_indices``:
@@ -67,14 +67,16 @@ class TokenCollator:
             encoding; see ``smstore.pack_arrays``) are tokens of their dtype; any other record
             (text lines, bytes) is a sequence of byte tokens (``uint8``, a vocabulary of 256), which
             is what a byte-level language model reads.
-        mode: ``"pad"`` or ``"pack"``.
-        store_mode: With a path: ``"auto"`` (the daemon's shared-memory copy when it serves this
+        layout: ``"pad"`` or ``"pack"``.
+        mode: With a path: ``"auto"`` (the daemon's shared-memory copy when it serves this
             file, else a mapping of the file), ``"daemon"`` or ``"mmap"``, as in
             ``SharedStoreDataset``.
+        socket: With a path: the daemon's socket (default: ``$SMSTORE_SOCKET``, else the
+            per-user default). Every process the collator is pickled to uses the same one.
         pad_value: The padding token.
-        max_length: Truncate records longer than this (in both modes).
+        max_length: Truncate records longer than this (in both layouts).
         truncation: Keep the first (``"right"``: cut the end) or last (``"left"``) tokens.
-        padding_side: Where ``mode="pad"`` puts the padding.
+        padding_side: Where ``layout="pad"`` puts the padding.
         pad_to_multiple_of: Round the padded length up to a multiple of this.
         fixed_length: Always pad to ``max_length``.
         dtype: The output tensor dtype (a torch dtype); by default the records' own. Embedding
@@ -94,7 +96,7 @@ class TokenCollator:
         self,
         source: str | os.PathLike[str] | Any,
         *,
-        mode: Mode = "pad",
+        layout: Layout = "pad",
         pad_value: int = 0,
         max_length: int | None = None,
         truncation: Side = "right",
@@ -104,10 +106,11 @@ class TokenCollator:
         dtype: Any = None,
         pin_memory: bool = False,
         return_indices: bool = True,
-        store_mode: StoreMode = "auto",
+        mode: Mode = "auto",
+        socket: str | os.PathLike[str] | None = None,
     ) -> None:
-        if mode not in ("pad", "pack"):
-            msg = f"mode must be 'pad' or 'pack', not {mode!r}"
+        if layout not in ("pad", "pack"):
+            msg = f"layout must be 'pad' or 'pack', not {layout!r}"
             raise ValueError(msg)
         if truncation not in ("left", "right") or padding_side not in ("left", "right"):
             msg = (
@@ -129,8 +132,10 @@ class TokenCollator:
         else:
             self._path = None
             self._source = source
-        self.mode = mode
-        self.store_mode: StoreMode = store_mode
+        self.layout: Layout = layout
+        self.mode: Mode = mode
+        self.socket = os.fspath(socket) if socket is not None else None
+        self.checksum: str | None = None
         self.pad_value = int(pad_value)
         self.max_length = max_length
         self.truncation = truncation
@@ -142,6 +147,8 @@ class TokenCollator:
         self.return_indices = return_indices
         self._store: Store | None = None
         store = self.store
+        if self._path is not None:
+            self.checksum = store.checksum  # every process must read these very bytes
         # Array records carry their dtype; any other record is a byte string: uint8 tokens.
         enc = store.encoding
         self.record_dtype = numpy_dtype(enc, store.path) if enc.startswith("npy:") else np.dtype(np.uint8)
@@ -158,7 +165,7 @@ class TokenCollator:
             return self._source.store if hasattr(self._source, "store") else self._source  # type: ignore[no-any-return]
         if self._store is None:
             assert self._path is not None
-            self._store = open_store(self._path, self.store_mode)
+            self._store = open_store(self._path, self.mode, self.socket, checksum=self.checksum)
         return self._store
 
     def __len__(self) -> int:
@@ -199,7 +206,7 @@ class TokenCollator:
             arrays = [_as_array(r, self.record_dtype, torch) for r in batch]
             lengths = np.array([a.size for a in arrays], dtype=np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=self.record_dtype)
-        out = self._pad(flat, lengths, torch) if self.mode == "pad" else self._pack(flat, lengths, torch)
+        out = self._pad(flat, lengths, torch) if self.layout == "pad" else self._pack(flat, lengths, torch)
         if indices is not None and self.return_indices:
             out["indices"] = torch.from_numpy(np.asarray(indices, dtype=np.int64).copy())
         return out
@@ -265,7 +272,7 @@ class TokenCollator:
 
     def __repr__(self) -> str:
         where = self._path if self._path is not None else repr(self._source)
-        return f"TokenCollator({where!r}, mode={self.mode!r}, max_length={self.max_length})"
+        return f"TokenCollator({where!r}, layout={self.layout!r}, max_length={self.max_length})"
 
 
 def _as_indices(batch: Any, torch: Any) -> np.ndarray[Any, Any] | Sequence[int] | None:

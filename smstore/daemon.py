@@ -6,16 +6,13 @@ import contextlib
 import errno
 import grp
 import itertools
-import json
 import logging
 import os
 import queue
 import resource
-import secrets
 import selectors
 import signal
 import socket
-import stat
 import struct
 import threading
 import time
@@ -26,7 +23,6 @@ from typing import Any
 from smstore import _core
 from smstore._ipc import (
     MAX_MESSAGE,
-    SEGMENT_RE,
     decode_body,
     encode,
     ensure_private_dir,
@@ -35,50 +31,28 @@ from smstore._ipc import (
     process_start_time,
     socket_path,
 )
+from smstore._segments import (
+    SHM_DIR,
+    Segment,
+    adopt_segment,
+    list_segments,
+    new_segment_name,
+    read_state,
+    state_path,
+    unlink_quietly,
+    write_state,
+)
+from smstore._store import read_checksum
 from smstore.errors import DaemonError, StoreError
 
-__all__ = ["Daemon", "collect_garbage", "read_checksum", "serve"]
+__all__ = ["Daemon", "serve"]
 
 log = logging.getLogger("smstore.daemon")
 
-SHM_DIR = Path(_core.SHM_DIR)
 # A client has this long to finish a request it started sending, or to read our reply.
 IO_TIMEOUT = float(os.environ.get("SMSTORE_IO_TIMEOUT", "5"))
 MAX_CONNECTIONS = 4096
 _UCRED = struct.Struct("3i")
-
-
-def read_checksum(path: str | os.PathLike[str]) -> str | None:
-    """The checksum recorded in a blob's header (one small read), or None if it is no blob."""
-    return _core.peek_checksum(os.fspath(path))
-
-
-def _segment_prefix(uid: int, pid: int, start_time: int) -> str:
-    """How the names of one daemon's segments begin (SEGMENT_RE in _ipc.py parses them)."""
-    return f"smstore-{uid}-{pid}-{start_time}-"
-
-
-def _segments_of(uid: int, pid: int, start_time: int) -> list[str]:
-    """Names of the segments in /dev/shm that daemon (pid, start_time) of `uid` created."""
-    prefix = _segment_prefix(uid, pid, start_time)
-    return [p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix)]
-
-
-@dataclass
-class Segment:
-    """One generation of one blob in shared memory."""
-
-    name: str  # without the leading "/"
-    checksum: str
-    fd: int  # read-only
-    store: _core.Store  # the daemon's own read-only mapping: keeps the pages counted in its PSS
-    size: int
-    records: int
-    paths: list[str]
-    loaded_at: float
-    load_seconds: float
-    adopted: bool = False
-    clients: dict[int, int] = field(default_factory=dict)  # connection id -> peer pid
 
 
 @dataclass
@@ -118,7 +92,7 @@ class Daemon:
 
     def __init__(self, sock_path: Path, *, group: str | None = None, shm_limit: int = 0) -> None:
         self.sock_path = sock_path
-        self.state_path = sock_path.with_name(sock_path.name + ".state")
+        self.state_path = state_path(sock_path)
         self.uid = os.getuid()
         self.pid = os.getpid()
         start = process_start_time(self.pid)
@@ -192,94 +166,54 @@ class Daemon:
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
         try:
-            state = json.loads(self.state_path.read_text())
-            old_pid, old_start = int(state["pid"]), int(state["start_time"])
-            entries = list(state["segments"])
-        except FileNotFoundError:
+            state = read_state(self.state_path)
+        except ValueError as e:
+            log.warning("ignoring %s", e)
             return
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            log.warning("ignoring unreadable state file %s: %s", self.state_path, e)
+        if state is None:
             return
+        old_pid, old_start = int(state["pid"]), int(state["start_time"])
         if process_alive(old_pid, old_start):
             msg = f"the smstore daemon pid {old_pid} still owns {self.state_path}; stop it first"
             raise DaemonError(msg)
-        for entry in entries:
+        for entry in state["segments"]:
             try:
-                self._adopt(entry)
+                checksum = str(entry["checksum"])
+                if checksum in self.segments:
+                    msg = "a duplicate"
+                    raise ValueError(msg)
+                seg = adopt_segment(entry, self.uid, self._segment_name(checksum))
             except (OSError, StoreError, ValueError, KeyError, TypeError) as e:
-                log.warning("could not adopt segment %s: %s; removing it", entry.get("name"), e)
-                with contextlib.suppress(Exception):
-                    _core.shm_unlink("/" + str(entry["name"]))
+                name = entry.get("name") if isinstance(entry, dict) else entry
+                log.warning("could not adopt segment %s: %s; removing it", name, e)
+                if isinstance(name, str):
+                    unlink_quietly(name)
+                continue
+            self.segments[seg.checksum] = seg
+            log.info(
+                "adopted %s (%s, %d bytes) from dead daemon",
+                ", ".join(seg.paths) or seg.name,
+                seg.checksum,
+                seg.size,
+            )
         # Whatever else the dead daemon left (a load it did not finish) goes.
-        for name in _segments_of(self.uid, old_pid, old_start):
+        for name in list_segments(old_pid, old_start):
             log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
-            _core.shm_unlink("/" + name)
-
-    def _adopt(self, entry: dict[str, Any]) -> None:
-        old = str(entry["name"])
-        checksum = str(entry["checksum"])
-        if not SEGMENT_RE.match(old) or checksum in self.segments:
-            msg = "not one of ours, or a duplicate"
-            raise ValueError(msg)
-        new = self._segment_name(checksum)
-        # Renaming to our pid first: if we die now, gc knows whom the segment belongs to.
-        (SHM_DIR / old).rename(SHM_DIR / new)
-        fd = os.open(SHM_DIR / new, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            st = os.fstat(fd)
-            if st.st_uid != self.uid or not stat.S_ISREG(st.st_mode) or st.st_mode & 0o222:
-                msg = "wrong owner, type or mode"
-                raise ValueError(msg)
-            paths = [str(p) for p in entry["paths"]]
-            # A previous daemon's segment: its owner could have changed it since, so check it all.
-            store = _core.Store._from_fd(fd, paths[0] if paths else new, True)
-            store.verify()
-            if store.checksum != checksum or store.file_size != int(entry["size"]):
-                msg = "contents do not match the state file"
-                raise ValueError(msg)
-        except BaseException:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                (SHM_DIR / new).unlink()
-            raise
-        self.segments[checksum] = Segment(
-            new,
-            checksum,
-            fd,
-            store,
-            st.st_size,
-            len(store),
-            paths,
-            float(entry["loaded_at"]),
-            0.0,
-            adopted=True,
-        )
-        log.info("adopted %s (%s, %d bytes) from dead daemon", ", ".join(paths) or new, checksum, st.st_size)
+            unlink_quietly(name)
 
     def _segment_name(self, checksum: str) -> str:
-        return f"{_segment_prefix(self.uid, self.pid, self.start_time)}{checksum}-{secrets.token_hex(4)}"
+        return new_segment_name(self.uid, self.pid, self.start_time, checksum)
 
     def _save_state(self) -> None:
-        state = {
-            "pid": self.pid,
-            "start_time": self.start_time,
-            "socket": os.fspath(self.sock_path),
-            "segments": [
-                {
-                    "name": s.name,
-                    "checksum": s.checksum,
-                    "size": s.size,
-                    "paths": s.paths,
-                    "loaded_at": s.loaded_at,
-                }
-                for s in self.segments.values()
-            ],
-        }
-        tmp = self.state_path.with_name(self.state_path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            json.dump(state, f)
-        tmp.replace(self.state_path)
+        write_state(
+            self.state_path,
+            {
+                "pid": self.pid,
+                "start_time": self.start_time,
+                "socket": os.fspath(self.sock_path),
+                "segments": [s.state_entry() for s in self.segments.values()],
+            },
+        )
 
     def shutdown(self) -> None:
         """Unlink every segment, the socket and the state file. Clients keep their mappings."""
@@ -294,15 +228,12 @@ class Daemon:
         self.state_path.unlink(missing_ok=True)
         # A load still running writes on into a segment that is unlinked here and freed at exit.
         self.loader.join(timeout=0.1)
-        for name in _segments_of(self.uid, self.pid, self.start_time):
-            with contextlib.suppress(OSError):
-                _core.shm_unlink("/" + name)
+        for name in list_segments(self.pid, self.start_time):
+            unlink_quietly(name)
         log.info("stopped")
 
     def _drop(self, seg: Segment) -> None:
-        _core.shm_unlink("/" + seg.name)
-        seg.store.close()
-        os.close(seg.fd)
+        seg.close()
         self.segments.pop(seg.checksum, None)
 
     # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
@@ -684,43 +615,3 @@ def serve(
         daemon.stopping = True
         daemon.shutdown()
     return 0
-
-
-def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
-    """Unlink the segments (and stale socket and state files) of our daemons that died.
-
-    Segments whose daemon is alive are never touched: the pid and start time in a segment's name
-    must both match a running process for it to count as alive.
-
-    Returns:
-        The removed paths.
-    """
-    removed: list[str] = []
-    uid = os.getuid()
-    for name in sorted(p.name for p in SHM_DIR.iterdir()):
-        m = SEGMENT_RE.match(name)
-        if not m or int(m.group(1)) != uid:
-            continue
-        try:
-            st = os.lstat(SHM_DIR / name)
-        except FileNotFoundError:
-            continue
-        if st.st_uid != uid or process_alive(int(m.group(2)), int(m.group(3))):
-            continue
-        if _core.shm_unlink("/" + name):
-            removed.append(os.fspath(SHM_DIR / name))
-    path = socket_path(sock)
-    state = path.with_name(path.name + ".state")
-    try:
-        info = json.loads(state.read_text())
-        dead = not process_alive(int(info["pid"]), int(info["start_time"]))
-    except FileNotFoundError:
-        dead = False
-    except (OSError, ValueError, KeyError, TypeError):
-        dead = True
-    if dead:
-        for p in (path, state):
-            if p.exists() or p.is_socket():
-                p.unlink(missing_ok=True)
-                removed.append(os.fspath(p))
-    return removed

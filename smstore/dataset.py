@@ -12,7 +12,6 @@ from smstore._core import RecordReader
 from smstore._decode import Decoder, make_decoder
 from smstore._store import Store
 from smstore.client import Mode, open_store
-from smstore.errors import StoreChangedError
 
 __all__ = ["SharedStoreDataset"]
 
@@ -71,14 +70,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             StoreChangedError: The file was re-packed since the dataset was created, so this
                 process would read other records than the others (and than ``len`` says).
         """
-        store = open_store(self.path, self.mode, self.socket)
-        if (now := store.checksum) != self.checksum:
-            store.close()
-            msg = (
-                f"{self.path}: the file changed since this dataset was created (checksum {self.checksum}, "
-                f"now {now}); create the dataset again to read the new file"
-            )
-            raise StoreChangedError(msg)
+        store = open_store(self.path, self.mode, self.socket, checksum=self.checksum)
         self._bind(store, self._decoder, self.transform)
 
     @property

@@ -104,7 +104,7 @@ def test_pad_converts_dtype_and_checks_the_pad_value(tokens: Path) -> None:
 @pytest.mark.parametrize("trunc", ["left", "right"])
 def test_pack(tokens: Path, max_length: int | None, trunc: str) -> None:
     ids = [7, 1, 0, 2, 3]
-    out = TokenCollator(tokens, mode="pack", max_length=max_length, truncation=trunc)(ids)  # type: ignore[arg-type]
+    out = TokenCollator(tokens, layout="pack", max_length=max_length, truncation=trunc)(ids)  # type: ignore[arg-type]
     rows, lengths = reference_pad(
         ids, pad=0, max_length=max_length, trunc=trunc, side="right", multiple=None, fixed=False
     )
@@ -120,8 +120,8 @@ def test_pack(tokens: Path, max_length: int | None, trunc: str) -> None:
 def test_records_and_indices_give_the_same_batch(tokens: Path) -> None:
     ds = smstore.SharedStoreDataset(tokens)
     ids = [4, 0, 11, 9]
-    for mode in ("pad", "pack"):
-        collate = TokenCollator(ds, mode=mode, max_length=9)  # type: ignore[arg-type]
+    for layout in ("pad", "pack"):
+        collate = TokenCollator(ds, layout=layout, max_length=9)  # type: ignore[arg-type]
         by_index = collate(ids)
         by_record = collate(ds.__getitems__(ids))
         by_array = collate([np.frombuffer(ds[i], dtype=np.uint16) for i in ids])
@@ -144,13 +144,13 @@ def test_text_records_are_byte_tokens(tmp_path: Path) -> None:
 def test_empty_batch(tokens: Path) -> None:
     out = TokenCollator(tokens)([])
     assert out["tokens"].shape == (0, 0)
-    out = TokenCollator(tokens, mode="pack")([])
+    out = TokenCollator(tokens, layout="pack")([])
     assert out["cu_seqlens"].tolist() == [0]
 
 
 def test_bad_arguments(tokens: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="mode"):
-        TokenCollator(tokens, mode="ragged")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="layout"):
+        TokenCollator(tokens, layout="ragged")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="fixed_length=True needs max_length"):
         TokenCollator(tokens, fixed_length=True)
     with pytest.raises(IndexError):
@@ -160,11 +160,11 @@ def test_bad_arguments(tokens: Path, tmp_path: Path) -> None:
 
 
 def test_pin_memory(tokens: Path) -> None:
-    for mode in ("pad", "pack"):
-        out = TokenCollator(tokens, mode=mode, pin_memory=True)([0, 2])  # type: ignore[arg-type]
+    for layout in ("pad", "pack"):
+        out = TokenCollator(tokens, layout=layout, pin_memory=True)([0, 2])  # type: ignore[arg-type]
         # Pinned where torch has an accelerator; ordinary memory (and no error) where it has none.
         assert out["tokens"].is_pinned() == pinned_memory_available()
-        plain = TokenCollator(tokens, mode=mode)([0, 2])  # type: ignore[arg-type]
+        plain = TokenCollator(tokens, layout=layout)([0, 2])  # type: ignore[arg-type]
         assert torch.equal(out["tokens"], plain["tokens"])
 
 
@@ -229,7 +229,7 @@ def test_dataloader_with_workers_and_global_shuffle(tokens: Path, options: dict[
 
 
 def test_persistent_workers_follow_set_epoch(tokens: Path) -> None:
-    collate = TokenCollator(tokens, mode="pack")
+    collate = TokenCollator(tokens, layout="pack")
     n = len(collate)
     sampler = GlobalShuffleSampler(n, seed=1, rank=0, world_size=1)
     loader = DataLoader(

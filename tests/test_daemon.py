@@ -25,6 +25,7 @@ import pytest
 
 import smstore
 from smstore import _core
+from smstore._segments import list_segments
 from smstore.client import DaemonStore, daemon_request, open_store
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError
 
@@ -47,11 +48,6 @@ def blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
     path = tmp_path / "data.smst"
     smstore.pack(recs, path)
     return path, recs
-
-
-def our_segments(pid: int) -> list[str]:
-    """Names in /dev/shm made by the daemon with this pid."""
-    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(f"smstore-{os.getuid()}-{pid}-"))
 
 
 def cli(*args: str, sock: Path, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
@@ -145,7 +141,7 @@ def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
             except subprocess.TimeoutExpired:
                 d.proc.kill()
                 d.proc.wait()
-        for name in our_segments(d.pid):
+        for name in list_segments(d.pid):
             leftovers.append(name)
             _core.shm_unlink("/" + name)
     assert not leftovers, f"segments left in /dev/shm: {leftovers}"
@@ -171,7 +167,7 @@ def test_serve_attach_status_stop(
     check_all(store, recs)
     assert store.metadata["encoding"] == "bytes"
     assert store.path == os.fspath(path)
-    (name,) = our_segments(d.pid)
+    (name,) = list_segments(d.pid)
     st = (SHM / name).stat()
     assert st.st_mode & 0o777 == 0o400, "segments are read-only and private"
     assert st.st_size == path.stat().st_size
@@ -186,7 +182,7 @@ def test_serve_attach_status_stop(
     # Stopping unlinks the segment; this process's mapping stays valid.
     cli("stop", sock=d.sock)
     assert d.proc.wait(timeout=10) == 0
-    assert our_segments(d.pid) == []
+    assert list_segments(d.pid) == []
     assert not d.sock.exists()
     check_all(store, recs)
     store.close()
@@ -233,11 +229,11 @@ def test_collator_reads_through_the_daemon(
 
     path, recs = blob
     with pytest.raises(DaemonError, match="cannot reach an smstore daemon"):
-        TokenCollator(path, store_mode="daemon")
+        TokenCollator(path, mode="daemon")
     start_daemon(path)
-    collate = TokenCollator(path, mode="pack", store_mode="daemon")
+    collate = TokenCollator(path, layout="pack", mode="daemon")
     assert isinstance(collate.store, DaemonStore)
-    assert type(TokenCollator(path, store_mode="mmap").store) is smstore.Store
+    assert type(TokenCollator(path, mode="mmap").store) is smstore.Store
     batch = collate([3, 0, 7])
     expected = recs[3] + recs[0] + recs[7]
     assert bytes(batch["tokens"].numpy().astype("uint8")) == expected
@@ -260,6 +256,27 @@ def test_dataset_socket_argument_reaches_workers(
         SharedStoreDataset(path, mode="daemon", socket=d.sock.parent / "nobody.sock")
 
 
+def test_readers_do_not_import_the_daemon(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    """What a DataLoader worker imports and runs (attach through the daemon, read, collate) never
+    loads the daemon's event loop, segment bookkeeping or the CLI."""
+    path, recs = blob
+    d = start_daemon(path)
+    code = (
+        "import sys, pickle, smstore\n"
+        "from smstore import SharedStoreDataset, TokenCollator, GlobalShuffleSampler, open_store\n"
+        f"ds = pickle.loads(pickle.dumps(SharedStoreDataset({os.fspath(path)!r}, mode='daemon', socket={os.fspath(d.sock)!r})))\n"
+        "assert type(ds.store).__name__ == 'DaemonStore', ds.store\n"
+        "first = bytes(ds[0])\n"
+        f"c = pickle.loads(pickle.dumps(TokenCollator({os.fspath(path)!r}, mode='daemon', socket={os.fspath(d.sock)!r})))\n"
+        "c([0, 1]); list(GlobalShuffleSampler(len(ds), seed=0, rank=0, world_size=1))\n"
+        "print(first.hex(), sorted(m for m in sys.modules if m in ('smstore.daemon', 'smstore._segments', 'smstore.cli')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == [recs[0].hex(), "[]"]
+
+
 def test_daemon_does_not_import_torch() -> None:
     code = "import sys, smstore.cli, smstore.daemon, smstore.client; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
@@ -276,19 +293,19 @@ def test_matched_by_content_and_new_generation(
     shutil.copyfile(path, copy)
     old = open_store(copy, mode="daemon")
     assert isinstance(old, DaemonStore)
-    (first,) = our_segments(d.pid)
+    (first,) = list_segments(d.pid)
     # Rewrite the file: a new generation; `load` replaces the old one, whose readers keep their bytes.
     new_recs = make_records(500, seed=1)
     smstore.pack(new_recs, path)
     cli("load", os.fspath(path), sock=d.sock)
-    (second,) = our_segments(d.pid)
+    (second,) = list_segments(d.pid)
     assert second != first
     new = open_store(path, mode="daemon")
     check_all(new, new_recs)
     check_all(old, recs)
     # Loading the same contents again is a no-op.
     cli("load", os.fspath(path), sock=d.sock)
-    assert our_segments(d.pid) == [second]
+    assert list_segments(d.pid) == [second]
 
 
 def test_corrupt_blob_refused(
@@ -309,11 +326,11 @@ def test_corrupt_blob_refused(
     res = cli("load", os.fspath(foreign), sock=d.sock, check=False)
     assert res.returncode == 1
     assert "not an smstore blob" in res.stderr
-    assert our_segments(d.pid) == []
+    assert list_segments(d.pid) == []
     assert d.status()["segments"] == []
     # The daemon serves on.
     cli("load", os.fspath(path), sock=d.sock)
-    assert len(our_segments(d.pid)) == 1
+    assert len(list_segments(d.pid)) == 1
 
 
 def test_core_load_leaves_nothing_behind(blob: tuple[Path, list[bytes]], tmp_path: Path) -> None:
@@ -361,7 +378,7 @@ def test_shm_too_small_limit(blob: tuple[Path, list[bytes]], start_daemon: Calla
         "sizeLimit",
     ):
         assert text in res.stderr, text
-    assert our_segments(d.pid) == []
+    assert list_segments(d.pid) == []
     with pytest.raises(SharedMemoryError, match="--shm-size"):
         _core.shm_load(os.fspath(path), f"/smstore-test-{os.getpid()}-small", 0o400, -1, 4096)
     assert not (SHM / f"smstore-test-{os.getpid()}-small").exists()
@@ -499,7 +516,7 @@ def test_unload_while_mapped(blob: tuple[Path, list[bytes]], start_daemon: Calla
     res = cli("unload", os.fspath(path), sock=d.sock)
     assert "freed when its 1 client(s) detach" in res.stdout
     # The name is gone (nothing new can attach), the pages are not: we still read correct bytes.
-    assert our_segments(d.pid) == []
+    assert list_segments(d.pid) == []
     assert d.status()["segments"] == []
     with pytest.raises(DaemonError, match="does not serve"):
         open_store(path, mode="daemon")
@@ -542,7 +559,7 @@ def test_two_jobs_share_one_segment(
     try:
         segs = {j.stdout.readline().strip() for j in jobs}  # type: ignore[union-attr]
         assert len(segs) == 1
-        assert len(our_segments(d.pid)) == 1
+        assert len(list_segments(d.pid)) == 1
         checksum = smstore.open(path).checksum
         assert d.segment(checksum)["clients"] == sorted(j.pid for j in jobs)
         out = cli("status", sock=d.sock).stdout
@@ -561,7 +578,7 @@ def test_restart_adopts_and_cleans(
     path, recs = blob
     a = start_daemon(path)
     store = open_store(path, mode="daemon")
-    (old,) = our_segments(a.pid)
+    (old,) = list_segments(a.pid)
     inode = (SHM / old).stat().st_ino
     # A half-finished load of the dead daemon (not in its state file) must be cleaned up.
     junk = old.rsplit("-", 1)[0] + "-deadbeef"
@@ -573,8 +590,8 @@ def test_restart_adopts_and_cleans(
     (seg,) = st["segments"]
     assert seg["adopted"]
     assert seg["paths"] == [os.fspath(path)]
-    assert our_segments(a.pid) == []
-    (new,) = our_segments(b.pid)
+    assert list_segments(a.pid) == []
+    (new,) = list_segments(b.pid)
     assert (SHM / new).stat().st_ino == inode, "the same pages, not a second copy"
     again = open_store(path, mode="daemon")
     check_all(again, recs)
@@ -587,7 +604,7 @@ def test_restart_refuses_a_segment_changed_since(
     # The owner can chmod and write a dead daemon's segment: adoption must check it all.
     path, _ = blob
     a = start_daemon(path)
-    (old,) = our_segments(a.pid)
+    (old,) = list_segments(a.pid)
     a.proc.kill()
     a.proc.wait()
     seg = SHM / old
@@ -601,7 +618,7 @@ def test_restart_refuses_a_segment_changed_since(
     b = start_daemon()
     assert b.wait_loaded(0)["segments"] == []
     assert not seg.exists()
-    assert our_segments(b.pid) == []
+    assert list_segments(b.pid) == []
     assert "could not adopt" in b.log.read_text()
 
 
@@ -647,9 +664,9 @@ def test_kill9_mid_epoch_then_gc(blob: tuple[Path, list[bytes]], start_daemon: C
             d.proc.kill()
             d.proc.wait()
     assert out == recs, "readers finish the epoch with correct bytes"
-    assert len(our_segments(d.pid)) == 1, "kill -9 leaves the segment"
+    assert len(list_segments(d.pid)) == 1, "kill -9 leaves the segment"
     res = cli("gc", sock=d.sock)
-    assert our_segments(d.pid) == []
+    assert list_segments(d.pid) == []
     assert "removed" in res.stdout
     assert not d.sock.exists()
     assert not d.sock.with_name(d.sock.name + ".state").exists()
@@ -660,7 +677,7 @@ def test_gc_spares_live_daemons(blob: tuple[Path, list[bytes]], start_daemon: Ca
     path, _ = blob
     d = start_daemon(path)
     cli("gc", sock=d.sock)
-    assert len(our_segments(d.pid)) == 1
+    assert len(list_segments(d.pid)) == 1
     assert d.sock.exists()
     assert d.status()["segments"]
 
@@ -670,7 +687,7 @@ def test_sigint_stops_cleanly(blob: tuple[Path, list[bytes]], start_daemon: Call
     d = start_daemon(path)
     d.proc.send_signal(signal.SIGINT)
     assert d.proc.wait(timeout=10) == 0
-    assert our_segments(d.pid) == []
+    assert list_segments(d.pid) == []
     assert not d.sock.exists()
 
 
@@ -725,7 +742,7 @@ def test_other_users_refused(
     rundir.mkdir(mode=0o710)
     os.chown(rundir, -1, group.gr_gid)
     d = start_daemon(path, args=("--group", "users"), at=rundir / "smstore.sock")
-    (name,) = our_segments(d.pid)
+    (name,) = list_segments(d.pid)
     assert (SHM / name).stat().st_mode & 0o777 == 0o440
     assert (SHM / name).stat().st_gid == group.gr_gid
     sock = os.fspath(d.sock)

@@ -19,6 +19,7 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler, _core
+from smstore._segments import list_segments
 from smstore.client import daemon_request
 from smstore.errors import DaemonError
 
@@ -90,11 +91,6 @@ def test_torchrun_trains_and_resumes_with_another_world_size(tmp_path: Path) -> 
 # ---- the daemon and simulated nodes -----------------------------------------------------------
 
 MULTINODE = ROOT / "examples" / "multinode_sim.py"
-SHM = Path("/dev/shm")
-
-
-def our_segments(pid: int) -> list[str]:
-    return sorted(p.name for p in SHM.iterdir() if p.name.startswith(f"smstore-{os.getuid()}-{pid}-"))
 
 
 def is_our_daemon(pid: int, sock: str) -> bool:
@@ -116,7 +112,7 @@ def reap_daemons(daemons: list[tuple[int, str]]) -> list[str]:
                 if not is_our_daemon(pid, sock):
                     break
                 time.sleep(0.01)
-        for name in our_segments(pid):
+        for name in list_segments(pid):
             left.append(name)
             _core.shm_unlink("/" + name)
     return left
@@ -193,7 +189,7 @@ def test_two_simulated_nodes_cover_the_epoch_exactly(
         assert pad == 3
         assert seen == Counter(range(n)) + Counter(order[:pad])
     for d in daemons.values():
-        assert not our_segments(d["pid"])
+        assert not list_segments(d["pid"])
         assert not Path(d["socket"]).exists()
 
 

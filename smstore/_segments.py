@@ -1,0 +1,222 @@
+"""The daemon's shared-memory segments on disk: names, listing, state file, adoption, garbage collection."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import secrets
+import stat
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smstore import _core
+from smstore._ipc import process_alive, socket_path
+from smstore.errors import StoreError
+
+__all__ = [
+    "SEGMENT_RE",
+    "SHM_DIR",
+    "Segment",
+    "collect_garbage",
+    "list_segments",
+    "new_segment_name",
+    "read_state",
+    "segment_prefix",
+    "state_path",
+    "write_state",
+]
+
+SHM_DIR = Path(_core.SHM_DIR)
+
+# /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-<checksum>-<random>: enough for `smstore gc`
+# to tell whose segment it is and whether the daemon that made it is still alive.
+SEGMENT_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})-([0-9a-f]{8})$")
+
+
+def segment_prefix(uid: int, pid: int, start_time: int | None = None) -> str:
+    """How the names of one daemon's segments begin (all of pid's daemons when start_time is None)."""
+    head = f"smstore-{uid}-{pid}-"
+    return head if start_time is None else f"{head}{start_time}-"
+
+
+def new_segment_name(uid: int, pid: int, start_time: int, checksum: str) -> str:
+    """A fresh name for a segment holding `checksum` (a random suffix: loads never collide)."""
+    return f"{segment_prefix(uid, pid, start_time)}{checksum}-{secrets.token_hex(4)}"
+
+
+def list_segments(pid: int | None = None, start_time: int | None = None) -> list[str]:
+    """Names (in /dev/shm) of this user's smstore segments; only those of daemon `pid` if given."""
+    uid = os.getuid()
+    prefix = f"smstore-{uid}-" if pid is None else segment_prefix(uid, pid, start_time)
+    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix) and SEGMENT_RE.match(p.name))
+
+
+@dataclass
+class Segment:
+    """One generation of one blob in shared memory, as the daemon holds it."""
+
+    name: str  # without the leading "/"
+    checksum: str
+    fd: int  # read-only
+    store: _core.Store  # the daemon's own read-only mapping: keeps the pages counted in its PSS
+    size: int
+    records: int
+    paths: list[str]
+    loaded_at: float
+    load_seconds: float
+    adopted: bool = False
+    clients: dict[int, int] = field(default_factory=dict)  # connection id -> peer pid
+
+    def state_entry(self) -> dict[str, Any]:
+        """What the state file keeps of it, for a successor daemon to adopt."""
+        return {
+            "name": self.name,
+            "checksum": self.checksum,
+            "size": self.size,
+            "paths": self.paths,
+            "loaded_at": self.loaded_at,
+        }
+
+    def close(self) -> None:
+        """Unlink the name and drop the daemon's mapping and fd; clients keep theirs."""
+        _core.shm_unlink("/" + self.name)
+        self.store.close()
+        os.close(self.fd)
+
+
+# ---- the state file: which segments a daemon holds, so that a successor can adopt them ---------
+
+
+def state_path(sock: Path) -> Path:
+    """The state file beside a daemon's socket."""
+    return sock.with_name(sock.name + ".state")
+
+
+def write_state(path: Path, state: dict[str, Any]) -> None:
+    """Replace the state file atomically (a reader never sees half of it)."""
+    tmp = path.with_name(path.name + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(state, f)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_state(path: Path) -> dict[str, Any] | None:
+    """The state file's contents, or None if there is none.
+
+    Raises:
+        ValueError: It exists but is not a state file (unreadable, not JSON, fields missing).
+    """
+    try:
+        state: dict[str, Any] = json.loads(path.read_text())
+        # Indexing a list, string or number raises TypeError: only an object with these fields passes.
+        int(state["pid"]), int(state["start_time"]), list(state["segments"])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        msg = f"{path}: not a valid state file ({e})"
+        raise ValueError(msg) from None
+    return state
+
+
+def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
+    """Take over a dead daemon's segment under `new_name`, after checking every byte of it.
+
+    Raises:
+        ValueError, OSError, StoreError: It is not ours, not intact, or not what the state file says;
+            the segment is then removed.
+    """
+    old = str(entry["name"])
+    checksum = str(entry["checksum"])
+    if not SEGMENT_RE.match(old):
+        msg = "not one of ours"
+        raise ValueError(msg)
+    # Renaming to our pid first: if we die now, gc knows whom the segment belongs to.
+    (SHM_DIR / old).rename(SHM_DIR / new_name)
+    fd = os.open(SHM_DIR / new_name, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != uid or not stat.S_ISREG(st.st_mode) or st.st_mode & 0o222:
+            msg = "wrong owner, type or mode"
+            raise ValueError(msg)
+        paths = [str(p) for p in entry["paths"]]
+        # A previous daemon's segment: its owner could have changed it since, so check it all.
+        store = _core.Store._from_fd(fd, paths[0] if paths else new_name, True)
+        store.verify()
+        if store.checksum != checksum or store.file_size != int(entry["size"]):
+            msg = "contents do not match the state file"
+            raise ValueError(msg)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            (SHM_DIR / new_name).unlink()
+        raise
+    return Segment(
+        new_name,
+        checksum,
+        fd,
+        store,
+        st.st_size,
+        len(store),
+        paths,
+        float(entry["loaded_at"]),
+        0.0,
+        adopted=True,
+    )
+
+
+def unlink_quietly(name: str) -> None:
+    """Remove a segment by name if it is still there."""
+    with contextlib.suppress(OSError, StoreError):
+        _core.shm_unlink("/" + name)
+
+
+# ---- garbage collection --------------------------------------------------------------------------
+
+
+def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
+    """Unlink the segments (and stale socket and state files) of this user's daemons that died.
+
+    Segments whose daemon is alive are never touched: the pid and start time in a segment's name
+    must both match a running process for it to count as alive.
+
+    Args:
+        sock: The daemon socket whose stale socket and state file to remove (default: as
+            ``smstore serve`` picks it).
+
+    Returns:
+        The removed paths.
+    """
+    removed: list[str] = []
+    uid = os.getuid()
+    for name in list_segments():
+        m = SEGMENT_RE.match(name)
+        assert m is not None  # list_segments() matched it
+        try:
+            st = os.lstat(SHM_DIR / name)
+        except FileNotFoundError:
+            continue
+        if st.st_uid != uid or process_alive(int(m.group(2)), int(m.group(3))):
+            continue
+        if _core.shm_unlink("/" + name):
+            removed.append(os.fspath(SHM_DIR / name))
+    path = socket_path(sock)
+    state_file = state_path(path)
+    try:
+        info = read_state(state_file)
+        dead = info is not None and not process_alive(int(info["pid"]), int(info["start_time"]))
+    except ValueError:
+        dead = True
+    if dead:
+        for p in (path, state_file):
+            if p.exists() or p.is_socket():
+                p.unlink(missing_ok=True)
+                removed.append(os.fspath(p))
+    return removed
