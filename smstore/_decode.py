@@ -1,4 +1,4 @@
-"""Record decoders shared by the Dataset and the CLI; no torch here."""
+"""Record decoders of SharedStoreDataset (decode=) and the dtype rules TokenCollator shares; torch loads only in the torch decoder."""
 
 from __future__ import annotations
 
