@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import json
 import os
 import re
@@ -14,13 +16,15 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import process_alive, socket_path
-from smstore.errors import StoreError
+from smstore.errors import DaemonError, StoreError
 
 __all__ = [
     "SEGMENT_RE",
     "SHM_DIR",
+    "DaemonLock",
     "Segment",
     "collect_garbage",
+    "daemon_alive",
     "list_segments",
     "new_segment_name",
     "read_state",
@@ -34,6 +38,8 @@ SHM_DIR = Path(_core.SHM_DIR)
 # /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-<checksum>-<random>: enough for `smstore gc`
 # to tell whose segment it is and whether the daemon that made it is still alive.
 SEGMENT_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})-([0-9a-f]{8})$")
+# /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-lock: see DaemonLock.
+LOCK_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-lock$")
 
 
 def segment_prefix(uid: int, pid: int, start_time: int | None = None) -> str:
@@ -47,11 +53,110 @@ def new_segment_name(uid: int, pid: int, start_time: int, checksum: str) -> str:
     return f"{segment_prefix(uid, pid, start_time)}{checksum}-{secrets.token_hex(4)}"
 
 
-def list_segments(pid: int | None = None, start_time: int | None = None) -> list[str]:
-    """Names (in /dev/shm) of this user's smstore segments; only those of daemon `pid` if given."""
+def list_segments(pid: int | None = None, start_time: int | None = None, *, locks: bool = False) -> list[str]:
+    """Names (in /dev/shm) of this user's smstore segments; only those of daemon `pid` if given.
+
+    With ``locks=True`` the daemons' lock files (see `DaemonLock`) are listed too.
+    """
     uid = os.getuid()
     prefix = f"smstore-{uid}-" if pid is None else segment_prefix(uid, pid, start_time)
-    return sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix) and SEGMENT_RE.match(p.name))
+    return sorted(
+        p.name
+        for p in SHM_DIR.iterdir()
+        if p.name.startswith(prefix) and (SEGMENT_RE.match(p.name) or (locks and LOCK_RE.match(p.name)))
+    )
+
+
+# ---- liveness: a pid means nothing in another PID namespace, a lock on a file in /dev/shm does ----
+
+
+class DaemonLock:
+    """An exclusive flock on ``/dev/shm/smstore-<uid>-<pid>-<start time>-lock``, held for a daemon's life.
+
+    ``smstore gc`` in another PID namespace (containers sharing /dev/shm with ``--ipc=host``) cannot
+    judge a daemon by its pid, which names another process there or none; the lock is on a file in
+    the shared /dev/shm, so it is seen from everywhere, and the kernel drops it when the daemon dies
+    however it dies.
+    """
+
+    def __init__(self, path: Path, fd: int) -> None:
+        self.path = path
+        self.fd = fd
+
+    @staticmethod
+    def path_for(uid: int, pid: int, start_time: int) -> Path:
+        return SHM_DIR / f"{segment_prefix(uid, pid, start_time)}lock"
+
+    @classmethod
+    def acquire(cls, uid: int, pid: int, start_time: int) -> DaemonLock:
+        """Create and lock this daemon's lock file.
+
+        Raises:
+            DaemonError: It exists and belongs to someone else, or another process holds it.
+        """
+        path = cls.path_for(uid, pid, start_time)
+        flags = os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            fd = os.open(path, flags)
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                msg = f"{path}: belongs to uid {st.st_uid}, not to us; remove it"
+                raise DaemonError(msg)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            msg = f"{path}: locked by another process"
+            raise DaemonError(msg) from None
+        except BaseException:
+            os.close(fd)
+            raise
+        return cls(path, fd)
+
+    def release(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        os.close(self.fd)
+
+    @classmethod
+    def held(cls, uid: int, pid: int, start_time: int) -> bool:
+        """Whether a live daemon holds that lock (a file of another owner counts for nothing)."""
+        try:
+            fd = os.open(
+                cls.path_for(uid, pid, start_time), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+            )
+        except OSError:
+            return False
+        try:
+            st = os.fstat(fd)
+            if st.st_uid != uid or not stat.S_ISREG(st.st_mode):
+                return False
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+            except OSError as e:
+                return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+            return False
+        finally:
+            os.close(fd)  # also drops the shared lock we may have taken
+
+    @classmethod
+    def remove_stale(cls, uid: int, pid: int, start_time: int) -> bool:
+        """Unlink a dead daemon's lock file; True if there was one."""
+        path = cls.path_for(uid, pid, start_time)
+        try:
+            if os.lstat(path).st_uid != uid:
+                return False
+            path.unlink()
+        except OSError:
+            return False
+        return True
+
+
+def daemon_alive(uid: int, pid: int, start_time: int) -> bool:
+    """Whether daemon (pid, start_time) of `uid` still runs, in this PID namespace or another."""
+    return process_alive(pid, start_time) or DaemonLock.held(uid, pid, start_time)
 
 
 @dataclass
@@ -203,15 +308,24 @@ def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
             st = os.lstat(SHM_DIR / name)
         except FileNotFoundError:
             continue
-        if st.st_uid != uid or process_alive(int(m.group(2)), int(m.group(3))):
+        if st.st_uid != uid or daemon_alive(uid, int(m.group(2)), int(m.group(3))):
             continue
         if _core.shm_unlink("/" + name):
+            removed.append(os.fspath(SHM_DIR / name))
+    prefix = f"smstore-{uid}-"
+    for name in sorted(p.name for p in SHM_DIR.iterdir() if p.name.startswith(prefix)):
+        m = LOCK_RE.match(name)
+        if (
+            m
+            and not daemon_alive(uid, int(m.group(2)), int(m.group(3)))
+            and DaemonLock.remove_stale(uid, int(m.group(2)), int(m.group(3)))
+        ):
             removed.append(os.fspath(SHM_DIR / name))
     path = socket_path(sock)
     state_file = state_path(path)
     try:
         info = read_state(state_file)
-        dead = info is not None and not process_alive(int(info["pid"]), int(info["start_time"]))
+        dead = info is not None and not daemon_alive(uid, int(info["pid"]), int(info["start_time"]))
     except ValueError:
         dead = True
     if dead:

@@ -172,23 +172,68 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _size(text: str) -> int:
+    """A byte count such as 4096, 64M, 1.5GiB; ArgumentTypeError (a usage error) otherwise."""
     units = {"k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-    text = text.strip().lower().removesuffix("ib").removesuffix("b")
-    if text and text[-1] in units:
-        return int(float(text[:-1]) * units[text[-1]])
-    return int(text)
+    value = text.strip().lower().removesuffix("ib").removesuffix("b")
+    scale = 1
+    if value and value[-1] in units:
+        value, scale = value[:-1], units[value[-1]]
+    try:
+        number = float(value)
+    except ValueError:
+        number = float("nan")
+    if not (0 <= number * scale < 2**63):  # also refuses nan and inf
+        msg = f"{text!r} is not a size (bytes, or with a unit: 64M, 2G)"
+        raise argparse.ArgumentTypeError(msg)
+    return int(number * scale)
+
+
+def _seconds(text: str) -> float:
+    """A timeout in seconds, in (0, 3600]; ArgumentTypeError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value <= 3600:  # also refuses nan
+        msg = f"{text!r} is not a number of seconds between 0 and 3600"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def _from_env(name: str, parse: Callable[[str], Any]) -> Any:
+    """An environment variable parsed like the option it stands for; None if unset."""
+    text = os.environ.get(name)
+    if not text:
+        return None
+    try:
+        return parse(text)
+    except argparse.ArgumentTypeError as e:
+        msg = f"${name}: {e}"
+        raise StoreError(msg) from None
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from smstore.daemon import serve
+    from smstore.daemon import Limits, serve
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="smstore serve[%(process)d] %(asctime)s %(levelname)s %(message)s",
         stream=sys.stderr,
     )
-    limit = args.shm_limit if args.shm_limit is not None else os.environ.get("SMSTORE_SHM_LIMIT")
-    return serve(args.files, sock=args.socket, group=args.group, shm_limit=_size(limit) if limit else 0)
+    shm_limit = args.shm_limit if args.shm_limit is not None else _from_env("SMSTORE_SHM_LIMIT", _size)
+    timeout = args.io_timeout if args.io_timeout is not None else _from_env("SMSTORE_IO_TIMEOUT", _seconds)
+    defaults = Limits()
+    try:
+        limits = Limits(
+            max_connections=args.max_connections or defaults.max_connections,
+            max_per_uid=args.max_per_uid or defaults.max_per_uid,
+            owner_reserve=min(defaults.owner_reserve, max(1, (args.max_connections or 4096) // 8)),
+            io_timeout=timeout or defaults.io_timeout,
+        )
+    except ValueError as e:
+        print(f"smstore serve: {e}", file=sys.stderr)
+        return 2
+    return serve(args.files, sock=args.socket, group=args.group, shm_limit=shm_limit or 0, limits=limits)
 
 
 def _client_pids(pids: list[int]) -> str:
@@ -298,7 +343,21 @@ def _add_daemon_commands(sub: Any) -> None:
     p.add_argument(
         "--shm-limit",
         metavar="SIZE",
+        type=_size,
         help="use at most SIZE bytes of /dev/shm (e.g. 64M; default $SMSTORE_SHM_LIMIT or no limit)",
+    )
+    p.add_argument(
+        "--io-timeout",
+        metavar="SECONDS",
+        type=_seconds,
+        help="drop a client that takes longer to send a request or read a reply (default $SMSTORE_IO_TIMEOUT or 5)",
+    )
+    p.add_argument("--max-connections", type=int, metavar="N", help="connections in all (default 4096)")
+    p.add_argument(
+        "--max-per-uid",
+        type=int,
+        metavar="N",
+        help="connections per uid other than the owner's (default 256)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-import errno
 import grp
-import itertools
 import logging
 import os
 import queue
@@ -13,28 +11,20 @@ import resource
 import selectors
 import signal
 import socket
-import struct
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import (
-    MAX_MESSAGE,
-    decode_body,
-    encode,
-    ensure_private_dir,
-    frame_length,
-    process_alive,
-    process_start_time,
-    socket_path,
-)
+from smstore._connections import Conn, Limits, ProtocolError, Server
+from smstore._ipc import ensure_private_dir, process_start_time, socket_path
 from smstore._segments import (
     SHM_DIR,
+    DaemonLock,
     Segment,
     adopt_segment,
+    daemon_alive,
     list_segments,
     new_segment_name,
     read_state,
@@ -45,30 +35,13 @@ from smstore._segments import (
 from smstore._store import read_checksum
 from smstore.errors import DaemonError, StoreError
 
-__all__ = ["Daemon", "serve"]
+__all__ = ["Daemon", "Limits", "serve"]
 
 log = logging.getLogger("smstore.daemon")
 
-# A client has this long to finish a request it started sending, or to read our reply.
-IO_TIMEOUT = float(os.environ.get("SMSTORE_IO_TIMEOUT", "5"))
-MAX_CONNECTIONS = 4096
-_UCRED = struct.Struct("3i")
-
-
-@dataclass
-class Conn:
-    """One client connection and its buffers."""
-
-    sock: socket.socket
-    pid: int
-    uid: int
-    gid: int
-    inbuf: bytearray = field(default_factory=bytearray)
-    out: list[tuple[bytes, list[int]]] = field(default_factory=list)
-    pending_since: float | None = None  # a request partly received, or a reply not yet fully sent
-    close_after_send: bool = False
-    busy: bool = False  # waiting for a load to finish: no further request is read meanwhile
-    attached: set[str] = field(default_factory=set)
+# What the loader thread hands back: a new segment (name, fd, checksum, seconds), the checksum of
+# one already loaded, or the error.
+LoadResult = tuple[str, int, int, float] | str | Exception
 
 
 def _peer_groups(pid: int) -> set[int]:
@@ -76,43 +49,75 @@ def _peer_groups(pid: int) -> set[int]:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("Groups:"):
                 return {int(g) for g in line.split()[1:]}
-    except OSError:
+    except (OSError, ValueError):
         pass
     return set()
 
 
-class Daemon:
-    """The daemon's state and event loop. See docs/daemon.md.
+def _checksum_arg(req: dict[str, Any]) -> str | None:
+    value = req.get("checksum")
+    if value is None:
+        return None
+    if not (isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)):
+        raise ProtocolError("bad_request", "'checksum' must be 16 lowercase hex digits")
+    return value
+
+
+def _path_arg(req: dict[str, Any], *, required: bool) -> str | None:
+    value = req.get("path")
+    if value is None and not required:
+        return None
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 4096:
+        raise ProtocolError(
+            "bad_request", "'path' must be an absolute path (at most 4096 characters, no NUL)"
+        )
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        # A file name that is not UTF-8 reaches us as lone surrogates: refuse it here, in the request,
+        # rather than in the loader thread.
+        raise ProtocolError("bad_request", f"'path' is not valid UTF-8: {value!r}") from None
+    return value
+
+
+class Daemon(Server):
+    """The daemon's state, its requests and its event loop. See docs/daemon.md.
 
     Args:
         sock_path: Where to listen.
         group: Share segments and the socket with this group (read-only), or None for this user only.
         shm_limit: Pretend /dev/shm holds at most this many bytes for our segments (0: no limit).
+        limits: What clients are allowed (connections, request size, timeouts).
     """
 
-    def __init__(self, sock_path: Path, *, group: str | None = None, shm_limit: int = 0) -> None:
+    def __init__(
+        self, sock_path: Path, *, group: str | None = None, shm_limit: int = 0, limits: Limits | None = None
+    ) -> None:
+        super().__init__(os.getuid(), limits or Limits())
         self.sock_path = sock_path
         self.state_path = state_path(sock_path)
-        self.uid = os.getuid()
         self.pid = os.getpid()
         start = process_start_time(self.pid)
-        assert start is not None
+        if start is None:
+            msg = "cannot read this process's start time from /proc"
+            raise DaemonError(msg)
         self.start_time = start
         self.gid: int | None = grp.getgrnam(group).gr_gid if group else None
         self.shm_limit = shm_limit
         self.segments: dict[str, Segment] = {}
-        self.conns: dict[int, Conn] = {}
-        self.ids = itertools.count(1)
-        self.loading: dict[str, list[tuple[int, str]]] = {}  # path -> waiting (conn id, op)
-        self.sel = selectors.DefaultSelector()
-        self.listener: socket.socket | None = None
+        self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
         self.stopping = False
-        self.done: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
         self.jobs: queue.Queue[str | None] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
         self.loader = threading.Thread(target=self._loader, name="smstore-loader", daemon=True)
+        self.lock: DaemonLock | None = None
+        # shutdown() removes only what start() made: a second daemon refused on a live socket
+        # must leave the socket and state file of the first alone.
+        self._owns_socket = False
+        self._owns_state = False
 
     # ---- setup and teardown -------------------------------------------------------------------
 
@@ -124,20 +129,29 @@ class Daemon:
         parent = self.sock_path.parent
         ensure_private_dir(parent, create=not parent.exists(), group_gid=self.gid)
         self._claim_socket()
-        self._adopt_previous()
+        # Held for our whole life: `smstore gc` in another PID namespace, where our pid means
+        # nothing, sees that our segments are alive.
+        self.lock = DaemonLock.acquire(self.uid, self.pid, self.start_time)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old_umask = os.umask(0o177 if self.gid is None else 0o117)
         try:
             listener.bind(os.fspath(self.sock_path))
+        except OSError as e:
+            listener.close()
+            msg = f"{self.sock_path}: cannot listen there ({e.strerror}); is another daemon starting?"
+            raise DaemonError(msg) from None
         finally:
             os.umask(old_umask)
+        self._owns_socket = True
+        self.listener = listener
         if self.gid is not None:
             os.chown(self.sock_path, -1, self.gid)
+        self._adopt_previous()
         listener.listen(128)
         listener.setblocking(False)
-        self.listener = listener
         self.sel.register(listener, selectors.EVENT_READ, "listen")
         self.sel.register(self.wake_r, selectors.EVENT_READ, "wake")
+        self._owns_state = True
         self._save_state()
         self.loader.start()
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
@@ -173,7 +187,7 @@ class Daemon:
         if state is None:
             return
         old_pid, old_start = int(state["pid"]), int(state["start_time"])
-        if process_alive(old_pid, old_start):
+        if daemon_alive(self.uid, old_pid, old_start):
             msg = f"the smstore daemon pid {old_pid} still owns {self.state_path}; stop it first"
             raise DaemonError(msg)
         for entry in state["segments"]:
@@ -196,40 +210,53 @@ class Daemon:
                 seg.checksum,
                 seg.size,
             )
-        # Whatever else the dead daemon left (a load it did not finish) goes.
+        # Whatever else the dead daemon left (a load it did not finish, its lock) goes.
         for name in list_segments(old_pid, old_start):
             log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
             unlink_quietly(name)
+        DaemonLock.remove_stale(self.uid, old_pid, old_start)
 
     def _segment_name(self, checksum: str) -> str:
         return new_segment_name(self.uid, self.pid, self.start_time, checksum)
 
     def _save_state(self) -> None:
-        write_state(
-            self.state_path,
-            {
-                "pid": self.pid,
-                "start_time": self.start_time,
-                "socket": os.fspath(self.sock_path),
-                "segments": [s.state_entry() for s in self.segments.values()],
-            },
-        )
+        """Record our segments for a successor; a failure (a full disk) costs only that, never the daemon."""
+        state = {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "socket": os.fspath(self.sock_path),
+            "segments": [s.state_entry() for s in self.segments.values()],
+        }
+        try:
+            write_state(self.state_path, state)
+        except OSError as e:
+            log.error(
+                "cannot write the state file %s (%s): a restarted daemon will not adopt the segments",
+                self.state_path,
+                e,
+            )
 
     def shutdown(self) -> None:
-        """Unlink every segment, the socket and the state file. Clients keep their mappings."""
+        """Unlink every segment, and the socket and state file if we made them. Clients keep their mappings."""
+        self.stopping = True
         self.jobs.put(None)
         for seg in list(self.segments.values()):
             self._drop(seg)
-        for cid in list(self.conns):
-            self._close(cid)
+        self.close_all()
         if self.listener is not None:
             self.listener.close()
+        if self._owns_socket:
             self.sock_path.unlink(missing_ok=True)
-        self.state_path.unlink(missing_ok=True)
-        # A load still running writes on into a segment that is unlinked here and freed at exit.
-        self.loader.join(timeout=0.1)
-        for name in list_segments(self.pid, self.start_time):
-            unlink_quietly(name)
+        if self._owns_state:
+            self.state_path.unlink(missing_ok=True)
+        if self.loader.is_alive():
+            # A load still running writes on into a segment that is unlinked here and freed at exit.
+            self.loader.join(timeout=0.1)
+        if self.lock is not None:
+            for name in list_segments(self.pid, self.start_time):
+                unlink_quietly(name)
+            self.lock.release()
+            self.lock = None
         log.info("stopped")
 
     def _drop(self, seg: Segment) -> None:
@@ -244,11 +271,11 @@ class Daemon:
             if path is None:
                 return
             try:
-                result: Any = self._load_one(path)
-            except (StoreError, OSError) as e:
+                result: LoadResult = self._load_one(path)
+            except Exception as e:  # noqa: BLE001 - every load gets an answer (the error); none ends the thread
                 result = e
             if self.stopping and isinstance(result, tuple):
-                _core.shm_unlink("/" + result[0])
+                unlink_quietly(result[0])
                 os.close(result[1])
                 return
             self.done.put((path, result))
@@ -278,7 +305,8 @@ class Daemon:
         first = path not in self.loading
         waiters = self.loading.setdefault(path, [])
         if cid is not None:
-            waiters.append((cid, "load"))
+            waiters.append(cid)
+            self.set_busy(cid, True)
         if first:
             self.jobs.put(path)
             log.info("loading %s", path)
@@ -293,16 +321,14 @@ class Daemon:
             reply: dict[str, Any]
             if isinstance(result, Exception):
                 log.error("failed to load %s: %s", path, result)
-                reply = {"ok": False, "error": type(result).__name__, "message": str(result)}
+                reply = {"ok": False, "error": type(result).__name__, "message": str(result)[:1000]}
             else:
                 seg = self._register(path, result)
                 reply = {"ok": True, **self._describe(seg)}
-            for cid, _op in waiters:
-                conn = self.conns.get(cid)
-                if conn is not None:
-                    conn.busy = False
-                    self._reply(cid, reply)
-                    self._parse(cid)
+            for cid in waiters:
+                self.set_busy(cid, False)
+                self.reply(cid, reply)
+                self.parse(cid)
 
     def _register(self, path: str, result: tuple[str, int, int, float] | str) -> Segment:
         if isinstance(result, str):
@@ -312,7 +338,7 @@ class Daemon:
         elif f"{result[2]:016x}" in self.segments:
             # Another path with the same contents finished loading first: keep one copy.
             name, fd, ck, _seconds = result
-            _core.shm_unlink("/" + name)
+            unlink_quietly(name)
             os.close(fd)
             seg = self.segments[f"{ck:016x}"]
             if path not in seg.paths:
@@ -343,136 +369,52 @@ class Daemon:
         self._save_state()
         return seg
 
-    # ---- connections ------------------------------------------------------------------------
+    # ---- requests -----------------------------------------------------------------------------
 
-    def _accept(self) -> None:
-        assert self.listener is not None
-        while True:
-            try:
-                sock, _ = self.listener.accept()
-            except BlockingIOError:
-                return
-            except OSError as e:
-                if e.errno in (errno.EMFILE, errno.ENFILE):
-                    log.warning("out of file descriptors; refusing connections for now")
-                    return
-                raise
-            sock.setblocking(False)
-            pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
-            cid = next(self.ids)  # never reused, unlike fd numbers
-            conn = Conn(sock, pid, uid, gid)
-            self.conns[cid] = conn
-            self.sel.register(sock, selectors.EVENT_READ, cid)
-            if len(self.conns) > MAX_CONNECTIONS:
-                self._reply(
-                    cid, {"ok": False, "error": "busy", "message": "too many connections"}, close=True
-                )
-            elif not self._allowed(conn):
-                log.warning("refused connection from pid %d uid %d", pid, uid)
-                msg = f"uid {uid} may not use this smstore daemon (it serves uid {self.uid} only)"
-                if self.gid is not None:
-                    msg = f"uid {uid} may not use this smstore daemon (it serves uid {self.uid} and group {self.gid})"
-                self._reply(cid, {"ok": False, "error": "permission_denied", "message": msg}, close=True)
+    def allowed(self, conn: Conn) -> str | None:
+        if conn.owner:
+            return None
+        if self.gid is not None and (conn.gid == self.gid or self.gid in _peer_groups(conn.pid)):
+            return None
+        served = f"uid {self.uid}" if self.gid is None else f"uid {self.uid} and group {self.gid}"
+        return f"uid {conn.uid} may not use this smstore daemon (it serves {served} only)"
 
-    def _allowed(self, conn: Conn) -> bool:
-        if conn.uid in (self.uid, 0):
-            return True
-        if self.gid is None:
-            return False
-        return conn.gid == self.gid or self.gid in _peer_groups(conn.pid)
-
-    def _privileged(self, conn: Conn) -> bool:
-        # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
-        return conn.uid in (self.uid, 0)
-
-    def _readable(self, cid: int) -> None:
-        conn = self.conns[cid]
-        try:
-            data = conn.sock.recv(65536)
-        except (BlockingIOError, InterruptedError):
-            return
-        except OSError:
-            self._close(cid)
-            return
-        if not data:
-            self._close(cid)
-            return
-        if conn.close_after_send:
-            return  # a refused peer: discard whatever it sends
-        conn.inbuf += data
-        if conn.pending_since is None:
-            conn.pending_since = time.monotonic()
-        self._parse(cid)
-
-    def _parse(self, cid: int) -> None:
-        conn = self.conns.get(cid)
-        while conn is not None and not conn.busy and not conn.close_after_send and len(conn.inbuf) >= 4:
-            n = frame_length(conn.inbuf)
-            if n > MAX_MESSAGE:
-                msg = f"message of {n} bytes exceeds the {MAX_MESSAGE}-byte limit"
-                self._reply(cid, {"ok": False, "error": "too_large", "message": msg}, close=True)
-                return
-            if len(conn.inbuf) < 4 + n:
-                return
-            body = bytes(conn.inbuf[4 : 4 + n])
-            del conn.inbuf[: 4 + n]
-            conn.pending_since = time.monotonic() if conn.inbuf else None
-            try:
-                req = decode_body(body)
-            except (UnicodeDecodeError, ValueError) as e:
-                self._reply(cid, {"ok": False, "error": "bad_request", "message": f"malformed message: {e}"})
-                continue
-            try:
-                self._handle(cid, conn, req)
-            except (StoreError, OSError, ValueError, TypeError, KeyError) as e:
-                self._reply(cid, {"ok": False, "error": type(e).__name__, "message": str(e)})
-            conn = self.conns.get(cid)
-
-    def _handle(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
+    def handle(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
         op = req.get("op")
         if op == "attach":
-            checksum = req.get("checksum")
-            seg = self.segments.get(checksum) if isinstance(checksum, str) else None
+            checksum = _checksum_arg(req)
+            seg = self.segments.get(checksum) if checksum is not None else None
             if seg is None:
-                self._reply(
+                self.reply(
                     cid, {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"}
                 )
                 return
             seg.clients[cid] = conn.pid
             conn.attached.add(seg.checksum)
-            self._reply(cid, {"ok": True, **self._describe(seg)}, fd=seg.fd)
+            self.reply(cid, {"ok": True, **self._describe(seg)}, fd=seg.fd)
         elif op == "status":
-            self._reply(cid, self._status())
-        elif op in ("load", "unload", "stop") and not self._privileged(conn):
-            self._reply(
-                cid, {"ok": False, "error": "permission_denied", "message": f"only uid {self.uid} may {op}"}
-            )
+            self.reply(cid, self._status())
+        elif op in ("load", "unload", "stop") and not conn.owner:
+            # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
+            raise ProtocolError("permission_denied", f"only uid {self.uid} may {op}")
         elif op == "load":
-            path = req.get("path")
-            if not isinstance(path, str) or not Path(path).is_absolute():
-                self._reply(
-                    cid, {"ok": False, "error": "bad_request", "message": "load needs an absolute 'path'"}
-                )
-                return
-            conn.busy = True
+            path = _path_arg(req, required=True)
+            assert path is not None
             self._queue_load(path, cid)
         elif op == "unload":
-            self._unload(cid, req)
+            self._unload(cid, _checksum_arg(req), _path_arg(req, required=False))
         elif op == "stop":
-            self._reply(cid, {"ok": True, "pid": self.pid})
+            self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
         else:
-            self._reply(cid, {"ok": False, "error": "bad_request", "message": f"unknown op {op!r}"})
+            raise ProtocolError("bad_request", f"unknown op {str(op)[:100]!r}")
 
-    def _unload(self, cid: int, req: dict[str, Any]) -> None:
-        checksum, path = req.get("checksum"), req.get("path")
-        seg = self.segments.get(checksum) if isinstance(checksum, str) else None
-        if seg is None and isinstance(path, str):
+    def _unload(self, cid: int, checksum: str | None, path: str | None) -> None:
+        seg = self.segments.get(checksum) if checksum is not None else None
+        if seg is None and path is not None:
             seg = next((s for s in self.segments.values() if path in s.paths), None)
         if seg is None:
-            what = path or checksum
-            self._reply(cid, {"ok": False, "error": "not_served", "message": f"{what} is not loaded"})
-            return
+            raise ProtocolError("not_served", f"{path or checksum} is not loaded")
         info = self._describe(seg)
         self._drop(seg)
         self._save_state()
@@ -482,7 +424,7 @@ class Daemon:
             seg.checksum,
             len(info["clients"]),
         )
-        self._reply(cid, {"ok": True, **info})
+        self.reply(cid, {"ok": True, **info})
 
     def _describe(self, seg: Segment) -> dict[str, Any]:
         pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
@@ -509,85 +451,40 @@ class Daemon:
             "shm": {"available": available, "total": total, "limit": self.shm_limit},
             "segments": [self._describe(s) for s in self.segments.values()],
             "loading": sorted(self.loading),
+            "connections": len(self.conns),
         }
 
-    def _reply(self, cid: int, msg: dict[str, Any], *, fd: int | None = None, close: bool = False) -> None:
-        conn = self.conns.get(cid)
-        if conn is None:
-            return
-        conn.out.append((encode(msg), [fd] if fd is not None else []))
-        conn.close_after_send = conn.close_after_send or close
-        self._flush(cid)
-
-    def _flush(self, cid: int) -> None:
-        conn = self.conns.get(cid)
-        if conn is None:
-            return
-        while conn.out:
-            data, fds = conn.out[0]
-            try:
-                sent = socket.send_fds(conn.sock, [data], fds) if fds else conn.sock.send(data)
-            except (BlockingIOError, InterruptedError):
-                break
-            except OSError:
-                self._close(cid)
-                return
-            if sent < len(data):
-                conn.out[0] = (data[sent:], [])
-                break
-            conn.out.pop(0)
-        if conn.out:
-            if conn.pending_since is None:
-                conn.pending_since = time.monotonic()
-            self.sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, cid)
-        else:
-            if not conn.inbuf:
-                conn.pending_since = None
-            if conn.close_after_send:
-                self._close(cid)
-                return
-            self.sel.modify(conn.sock, selectors.EVENT_READ, cid)
-
-    def _close(self, cid: int) -> None:
-        conn = self.conns.pop(cid, None)
-        if conn is None:
-            return
+    def on_close(self, cid: int, conn: Conn) -> None:
         for checksum in conn.attached:
             seg = self.segments.get(checksum)
             if seg is not None:
                 seg.clients.pop(cid, None)
         for waiters in self.loading.values():
-            waiters[:] = [w for w in waiters if w[0] != cid]
-        with contextlib.suppress(KeyError, ValueError):
-            self.sel.unregister(conn.sock)
-        conn.sock.close()
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for cid, conn in list(self.conns.items()):
-            if conn.pending_since is not None and not conn.busy and now - conn.pending_since > IO_TIMEOUT:
-                log.warning("closing connection from pid %d: stalled mid-message", conn.pid)
-                self._close(cid)
+            if cid in waiters:
+                waiters.remove(cid)
 
     # ---- the loop ---------------------------------------------------------------------------
+
+    def run_once(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds and serve what is ready."""
+        for key, events in self.sel.select(timeout=timeout):
+            if key.data == "listen":
+                try:
+                    self.accept_all()
+                except OSError as e:
+                    log.error("accept failed: %s", e)
+            elif key.data == "wake":
+                with contextlib.suppress(BlockingIOError):
+                    self.wake_r.recv(4096)
+                self._finish_loads()
+            else:
+                self.dispatch(key, events)
+        self.expire()
 
     def run(self) -> None:
         """Serve until `stop`, SIGTERM or SIGINT."""
         while not self.stopping:
-            for key, events in self.sel.select(timeout=1.0):
-                if key.data == "listen":
-                    self._accept()
-                elif key.data == "wake":
-                    with contextlib.suppress(BlockingIOError):
-                        self.wake_r.recv(4096)
-                    self._finish_loads()
-                else:
-                    cid = int(key.data)
-                    if events & selectors.EVENT_WRITE:
-                        self._flush(cid)
-                    if events & selectors.EVENT_READ and cid in self.conns:
-                        self._readable(cid)
-            self._expire()
+            self.run_once(min(1.0, self.limits.io_timeout / 2))
 
 
 def serve(
@@ -596,9 +493,10 @@ def serve(
     sock: str | os.PathLike[str] | None = None,
     group: str | None = None,
     shm_limit: int = 0,
+    limits: Limits | None = None,
 ) -> int:
     """Run the daemon in the foreground until stopped. Returns the exit status."""
-    daemon = Daemon(socket_path(sock), group=group, shm_limit=shm_limit)
+    daemon = Daemon(socket_path(sock), group=group, shm_limit=shm_limit, limits=limits)
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("%s received: stopping", signal.Signals(signum).name)
@@ -606,12 +504,11 @@ def serve(
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
-    # Wakes select() when a signal arrives, so stopping never waits for the 1 s timeout.
+    # Wakes select() when a signal arrives, so stopping never waits for the timeout.
     signal.set_wakeup_fd(daemon.wake_w.fileno(), warn_on_full_buffer=False)
     try:
         daemon.start(files)
         daemon.run()
     finally:
-        daemon.stopping = True
         daemon.shutdown()
     return 0

@@ -141,7 +141,7 @@ def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
             except subprocess.TimeoutExpired:
                 d.proc.kill()
                 d.proc.wait()
-        for name in list_segments(d.pid):
+        for name in list_segments(d.pid, locks=True):
             leftovers.append(name)
             _core.shm_unlink("/" + name)
     assert not leftovers, f"segments left in /dev/shm: {leftovers}"

@@ -1,0 +1,391 @@
+"""The daemon's connection layer: accepting within limits, framed requests with backpressure, timeouts.
+
+Every byte that arrives here may come from a hostile process. The rules (docs/daemon.md, "Limits"):
+a connection holds at most one request and one reply at a time (it is not read while a reply is
+pending), a request is at most ``max_request`` bytes and must arrive within ``io_timeout`` of its
+first byte, a reply must be read within ``io_timeout``, a new connection must complete a request
+within ``io_timeout``, each uid other than the owner's has at most ``max_per_uid`` connections,
+and ``owner_reserve`` of ``max_connections`` are kept for the owner. A file descriptor sent in a
+reply is a duplicate made when the reply was queued, so it is the one requested however long the
+reply waits, and whatever happens to the original meanwhile.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import itertools
+import json
+import logging
+import math
+import os
+import selectors
+import socket
+import struct
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+from smstore._ipc import encode, frame_length
+from smstore.errors import DaemonError
+
+__all__ = ["Conn", "Limits", "ProtocolError", "Server", "parse_request"]
+
+log = logging.getLogger("smstore.daemon")
+
+_UCRED = struct.Struct("3i")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one daemon grants its clients (see the module docstring)."""
+
+    max_connections: int = 4096
+    max_per_uid: int = 256
+    owner_reserve: int = 64
+    max_request: int = 64 << 10
+    io_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.owner_reserve < self.max_connections or self.max_per_uid < 1:
+            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections and max_per_uid >= 1"
+            raise ValueError(msg)
+        if not 16 <= self.max_request <= 1 << 20:
+            msg = f"max_request must be between 16 bytes and 1 MiB, not {self.max_request}"
+            raise ValueError(msg)
+        if not (math.isfinite(self.io_timeout) and 0 < self.io_timeout <= 3600):
+            msg = f"the I/O timeout must be a number of seconds in (0, 3600], not {self.io_timeout}"
+            raise ValueError(msg)
+
+
+class ProtocolError(Exception):
+    """A request that cannot be served as sent; `error` is the reply's machine-readable code."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def parse_request(body: bytes) -> dict[str, Any]:
+    """A request body as a flat JSON object of scalars (strings, numbers, booleans, null).
+
+    Raises:
+        ProtocolError: Anything else: not UTF-8, not JSON, nested too deep for the parser, not an
+            object, or holding a list or object as a value.
+    """
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # RecursionError: deep nesting ([[[[...) exhausts the parser's stack; refused like any junk.
+        raise ProtocolError("bad_request", f"malformed message: {type(e).__name__}: {e}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_request", "a request must be a JSON object")
+    if not all(isinstance(v, (str, int, float, bool)) or v is None for v in obj.values()):
+        raise ProtocolError("bad_request", "a request's values must be strings, numbers, booleans or null")
+    return obj
+
+
+@dataclass
+class Conn:
+    """One client connection: who it is, what it sent, what it is owed."""
+
+    sock: socket.socket
+    pid: int
+    uid: int
+    gid: int
+    owner: bool  # the daemon's own uid, or root
+    accepted_at: float
+    inbuf: bytearray = field(default_factory=bytearray)
+    in_since: float = 0.0  # when the request now in inbuf began
+    # Replies not yet sent: the bytes left and the fds (duplicates owned by this queue) to send with them.
+    out: deque[tuple[bytes, list[int]]] = field(default_factory=deque)
+    out_since: float = 0.0  # when the oldest unsent reply was queued
+    served: bool = False  # completed at least one request
+    close_after_send: bool = False
+    busy: bool = False  # waiting for a load to finish: not read meanwhile, no timeout
+    attached: set[str] = field(default_factory=set)
+    events: int = 0  # what the selector watches now
+
+    def deadline(self, timeout: float) -> float | None:
+        """When this connection is dropped unless it makes progress (None: it may idle)."""
+        if self.busy:
+            return None
+        if self.out:
+            return self.out_since + timeout
+        if self.inbuf:
+            return self.in_since + timeout
+        if not self.served:
+            return self.accepted_at + timeout
+        return None
+
+
+class Server:
+    """Accepts, reads and writes connections; subclasses answer requests in `handle`.
+
+    Args:
+        uid: The owner's uid (root is an owner too).
+        limits: The limits it holds clients to.
+    """
+
+    def __init__(self, uid: int, limits: Limits) -> None:
+        self.uid = uid
+        self.limits = limits
+        self.conns: dict[int, Conn] = {}
+        self.per_uid: dict[int, int] = {}
+        self.ids = itertools.count(1)  # connection ids are never reused, unlike fd numbers
+        self.sel = selectors.DefaultSelector()
+        self.listener: socket.socket | None = None
+        # One spare descriptor: when the process runs out, it is released to accept and close the
+        # newcomer, so the listener does not stay readable (a busy loop) while nothing can be done.
+        self._spare_fd: int | None = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    # ---- what subclasses provide ----------------------------------------------------------------
+
+    def allowed(self, conn: Conn) -> str | None:
+        """None if `conn` may use the daemon, else why not."""
+        return None if conn.owner else f"uid {conn.uid} may not use this smstore daemon"
+
+    def handle(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
+        """Answer one request (with `reply`, now or later)."""
+        raise NotImplementedError
+
+    def on_close(self, cid: int, conn: Conn) -> None:
+        """Forget what `conn` held."""
+
+    # ---- accepting ------------------------------------------------------------------------------
+
+    def accept_all(self) -> None:
+        """Accept every pending connection, refusing those over the limits."""
+        assert self.listener is not None
+        while True:
+            try:
+                sock, _ = self.listener.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:
+                if e.errno in (errno.EMFILE, errno.ENFILE):
+                    self._shed_one()
+                    return
+                if e.errno in (errno.ECONNABORTED, errno.EPROTO, errno.ENOBUFS, errno.ENOMEM):
+                    continue
+                raise
+            self.add_connection(sock)
+
+    def _shed_one(self) -> None:
+        log.warning("out of file descriptors: refusing a connection")
+        assert self.listener is not None
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
+        with contextlib.suppress(OSError):
+            sock, _ = self.listener.accept()
+            sock.close()
+        with contextlib.suppress(OSError):
+            self._spare_fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+
+    def add_connection(self, sock: socket.socket) -> int:
+        """Take a connected socket; returns its connection id (it may be refused at once)."""
+        sock.setblocking(False)
+        pid, uid, gid = _UCRED.unpack(sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _UCRED.size))
+        cid = next(self.ids)
+        conn = Conn(sock, pid, uid, gid, uid in (self.uid, 0), time.monotonic())
+        self.conns[cid] = conn
+        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
+        self._watch(cid, conn)
+        why = self._over_limits(conn)
+        if why is not None:
+            log.warning("refused connection from pid %d uid %d: %s", pid, uid, why)
+            self.reply(cid, {"ok": False, "error": "busy", "message": why}, close=True)
+            return cid
+        why = self.allowed(conn)
+        if why is not None:
+            log.warning("refused connection from pid %d uid %d", pid, uid)
+            self.reply(cid, {"ok": False, "error": "permission_denied", "message": why}, close=True)
+        return cid
+
+    def _over_limits(self, conn: Conn) -> str | None:
+        lim = self.limits
+        total = len(self.conns)
+        if total > lim.max_connections:
+            return f"too many connections ({lim.max_connections})"
+        if conn.owner:
+            return None
+        if total > lim.max_connections - lim.owner_reserve:
+            return f"too many connections ({lim.max_connections - lim.owner_reserve} for other users)"
+        if self.per_uid[conn.uid] > lim.max_per_uid:
+            return f"too many connections from uid {conn.uid} ({lim.max_per_uid})"
+        return None
+
+    # ---- reading --------------------------------------------------------------------------------
+
+    def readable(self, cid: int) -> None:
+        conn = self.conns[cid]
+        room = 4 + self.limits.max_request - len(conn.inbuf)
+        try:
+            data = conn.sock.recv(max(room, 1))
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError:
+            self.close(cid)
+            return
+        if not data:
+            self.close(cid)
+            return
+        if not conn.inbuf:
+            conn.in_since = time.monotonic()
+        conn.inbuf += data
+        self.parse(cid)
+
+    def parse(self, cid: int) -> None:
+        """Serve the complete requests in the input buffer, one at a time: never while a reply is pending."""
+        conn = self.conns.get(cid)
+        while (
+            conn is not None and not (conn.busy or conn.out or conn.close_after_send) and len(conn.inbuf) >= 4
+        ):
+            n = frame_length(conn.inbuf)
+            if n > self.limits.max_request:
+                msg = f"message of {n} bytes exceeds the {self.limits.max_request}-byte limit"
+                self.reply(cid, {"ok": False, "error": "too_large", "message": msg}, close=True)
+                return
+            if len(conn.inbuf) < 4 + n:
+                break
+            body = bytes(conn.inbuf[4 : 4 + n])
+            del conn.inbuf[: 4 + n]
+            conn.in_since = time.monotonic()
+            conn.served = True
+            try:
+                self.handle(cid, conn, parse_request(body))
+            except ProtocolError as e:
+                self.reply(cid, {"ok": False, "error": e.error, "message": str(e)})
+            except Exception as e:  # one request, however malformed, never ends the loop
+                log.exception("request from pid %d failed", conn.pid)
+                self.reply(cid, {"ok": False, "error": type(e).__name__, "message": str(e)[:1000]})
+            conn = self.conns.get(cid)
+        if conn is not None:
+            self._watch(cid, conn)
+
+    # ---- writing --------------------------------------------------------------------------------
+
+    def reply(self, cid: int, msg: dict[str, Any], *, fd: int | None = None, close: bool = False) -> None:
+        """Queue a reply (with a duplicate of `fd`, sent along) and send what the socket takes now."""
+        conn = self.conns.get(cid)
+        if conn is None:
+            return
+        try:
+            data = encode(msg)
+        except (DaemonError, TypeError, ValueError) as e:
+            data = encode({"ok": False, "error": "reply_failed", "message": str(e)[:1000]})
+            fd = None
+        fds = [os.dup(fd)] if fd is not None else []
+        if not conn.out:
+            conn.out_since = time.monotonic()
+        conn.out.append((data, fds))
+        conn.close_after_send = conn.close_after_send or close
+        if self._send(cid, conn):
+            if not conn.out and conn.close_after_send:
+                self.close(cid)
+            else:
+                self._watch(cid, conn)
+
+    def flush(self, cid: int) -> None:
+        """The socket takes more: send, then serve the requests that waited for the reply."""
+        conn = self.conns.get(cid)
+        if conn is None or not self._send(cid, conn):
+            return
+        if not conn.out and conn.close_after_send:
+            self.close(cid)
+        elif not conn.out:
+            self.parse(cid)
+        else:
+            self._watch(cid, conn)
+
+    def _send(self, cid: int, conn: Conn) -> bool:
+        """Send what the socket takes; False if that closed the connection."""
+        while conn.out:
+            data, fds = conn.out[0]
+            try:
+                sent = socket.send_fds(conn.sock, [data], fds) if fds else conn.sock.send(data)
+            except (BlockingIOError, InterruptedError):
+                break
+            except OSError:
+                self.close(cid)
+                return False
+            for fd in fds:  # on their way: the kernel holds them now
+                os.close(fd)
+            if sent < len(data):
+                conn.out[0] = (data[sent:], [])  # a reply must be read whole within the timeout
+                break
+            conn.out.popleft()
+            conn.out_since = time.monotonic()
+        return True
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+
+    def _watch(self, cid: int, conn: Conn) -> None:
+        """Select what to wait for: replies to send, and more input only when it may be served."""
+        events = selectors.EVENT_WRITE if conn.out else 0
+        wants_input = not (conn.busy or conn.out or conn.close_after_send)
+        if wants_input and len(conn.inbuf) < 4 + self.limits.max_request:
+            events |= selectors.EVENT_READ
+        if events == conn.events:
+            return
+        if conn.events == 0:
+            self.sel.register(conn.sock, events, cid)
+        elif events == 0:
+            self.sel.unregister(conn.sock)
+        else:
+            self.sel.modify(conn.sock, events, cid)
+        conn.events = events
+
+    def set_busy(self, cid: int, busy: bool) -> None:
+        conn = self.conns.get(cid)
+        if conn is not None:
+            conn.busy = busy
+            self._watch(cid, conn)
+
+    def close(self, cid: int) -> None:
+        conn = self.conns.pop(cid, None)
+        if conn is None:
+            return
+        self.per_uid[conn.uid] -= 1
+        if not self.per_uid[conn.uid]:
+            del self.per_uid[conn.uid]
+        for _data, fds in conn.out:
+            for fd in fds:
+                os.close(fd)
+        conn.out.clear()
+        self.on_close(cid, conn)
+        if conn.events:
+            with contextlib.suppress(KeyError, ValueError):
+                self.sel.unregister(conn.sock)
+        conn.sock.close()
+
+    def expire(self) -> None:
+        """Drop connections that stalled past the I/O timeout."""
+        now = time.monotonic()
+        timeout = self.limits.io_timeout
+        for cid, conn in list(self.conns.items()):
+            deadline = conn.deadline(timeout)
+            if deadline is not None and now > deadline:
+                log.warning("closing connection from pid %d: no progress in %.1f s", conn.pid, timeout)
+                self.close(cid)
+
+    def dispatch(self, key: selectors.SelectorKey, events: int) -> None:
+        """Serve one ready connection; an error closes that connection, never the loop."""
+        cid = int(key.data)
+        try:
+            if events & selectors.EVENT_WRITE:
+                self.flush(cid)
+            if events & selectors.EVENT_READ and cid in self.conns:
+                self.readable(cid)
+        except Exception:
+            log.exception("connection %d failed; closing it", cid)
+            self.close(cid)
+
+    def close_all(self) -> None:
+        for cid in list(self.conns):
+            self.close(cid)
+        if self._spare_fd is not None:
+            os.close(self._spare_fd)
+            self._spare_fd = None
