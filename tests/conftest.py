@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -13,9 +15,12 @@ from hypothesis import settings
 # Make the helper module importable by name, here and in spawn/forkserver children (they inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
 
+from daemon_testlib import Daemon, make_records
 from smstore_testlib import AWKWARD
 
 import smstore
+from smstore import _core
+from smstore._segments import list_segments
 
 # No example database: the suite leaves nothing behind in the source tree.
 settings.register_profile("smstore", database=None)
@@ -59,3 +64,68 @@ def make_blob(tmp_path: Path) -> Callable[..., Path]:
 @pytest.fixture
 def awkward_blob(make_blob: Callable[..., Path]) -> Path:
     return make_blob(AWKWARD, name="awkward.smst")
+
+
+# ---- the node daemon -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    recs = make_records(2000)
+    path = tmp_path / "data.smst"
+    smstore.pack(recs, path)
+    return path, recs
+
+
+@pytest.fixture
+def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Daemon]]:
+    """Starts `smstore serve` on a socket unique to the test; stops it and checks /dev/shm after."""
+    sockdir = tmp_path / "run"
+    sockdir.mkdir(mode=0o700)
+    sock = sockdir / "smstore.sock"
+    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(sock))
+    started: list[Daemon] = []
+
+    def start(
+        *files: Path,
+        args: tuple[str, ...] = (),
+        env: dict[str, str] | None = None,
+        loaded: int = -1,
+        at: Path | None = None,
+    ) -> Daemon:
+        log = tmp_path / f"daemon{len(started)}.log"
+        with open(log, "wb") as err:
+            proc = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "smstore",
+                    "serve",
+                    "--socket",
+                    os.fspath(at or sock),
+                    *map(str, files),
+                    *args,
+                ],
+                stderr=err,
+                env={**os.environ, **(env or {})},
+            )
+        d = Daemon(proc, at or sock, log)
+        started.append(d)
+        d.wait_loaded(len(files) if loaded < 0 else loaded)
+        return d
+
+    yield start
+    leftovers: list[str] = []
+    for d in started:
+        if d.proc.poll() is None:
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                d.proc.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                d.proc.kill()
+                d.proc.wait()
+        for name in list_segments(d.pid, locks=True):
+            leftovers.append(name)
+            _core.shm_unlink("/" + name)
+    assert not leftovers, f"segments left in /dev/shm: {leftovers}"
+    assert not any(d.sock.exists() for d in started), "socket left behind"

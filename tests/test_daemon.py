@@ -2,157 +2,27 @@
 
 from __future__ import annotations
 
-import contextlib
 import grp
-import json
 import logging
 import os
 import pickle
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
 import tempfile
-import time
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
+from daemon_testlib import IS_ROOT, SHM, Daemon, as_user, check_all, cli, frame, make_records, raw, read_reply
 
 import smstore
 from smstore import _core
 from smstore._segments import list_segments
 from smstore.client import DaemonStore, daemon_request, open_store
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError
-
-SHM = Path("/dev/shm")
-IS_ROOT = os.geteuid() == 0
-
-
-def make_records(n: int, seed: int = 0) -> list[bytes]:
-    # Awkward bytes on purpose: NULs, CRs, invalid UTF-8, empty records, one large record.
-    recs = [f"{seed}:{i}:".encode() + bytes((i * 7 + j) % 256 for j in range(i % 50)) for i in range(n)]
-    recs[1] = b""
-    recs[2] = b"\x00\r\n\xff"
-    recs[n // 2] = os.urandom(300_000)
-    return recs
-
-
-@pytest.fixture
-def blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
-    recs = make_records(2000)
-    path = tmp_path / "data.smst"
-    smstore.pack(recs, path)
-    return path, recs
-
-
-def cli(*args: str, sock: Path, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    res = subprocess.run(
-        [sys.executable, "-m", "smstore", *args, "--socket", os.fspath(sock)],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-    )
-    if check and res.returncode != 0:
-        raise AssertionError(f"smstore {' '.join(args)} failed ({res.returncode}): {res.stderr}")
-    return res
-
-
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[bytes]
-    sock: Path
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def status(self) -> dict[str, Any]:
-        return daemon_request({"op": "status"}, self.sock)
-
-    def segment(self, checksum: str) -> dict[str, Any]:
-        (seg,) = [s for s in self.status()["segments"] if s["checksum"] == checksum]
-        return seg
-
-    def wait_loaded(self, count: int, timeout: float = 60) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"daemon exited ({self.proc.returncode}): {self.log.read_text()}")
-            with contextlib.suppress(DaemonError):
-                st = self.status()
-                if len(st["segments"]) >= count and not st["loading"]:
-                    return st
-            if time.monotonic() > deadline:
-                raise AssertionError(f"daemon not ready: {self.log.read_text()}")
-            time.sleep(0.02)
-
-
-@pytest.fixture
-def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Daemon]]:
-    """Starts `smstore serve` on a socket unique to the test; stops it and checks /dev/shm after."""
-    sockdir = tmp_path / "run"
-    sockdir.mkdir(mode=0o700)
-    sock = sockdir / "smstore.sock"
-    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(sock))
-    started: list[Daemon] = []
-
-    def start(
-        *files: Path,
-        args: tuple[str, ...] = (),
-        env: dict[str, str] | None = None,
-        loaded: int = -1,
-        at: Path | None = None,
-    ) -> Daemon:
-        log = tmp_path / f"daemon{len(started)}.log"
-        with open(log, "wb") as err:
-            proc = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "smstore",
-                    "serve",
-                    "--socket",
-                    os.fspath(at or sock),
-                    *map(str, files),
-                    *args,
-                ],
-                stderr=err,
-                env={**os.environ, **(env or {})},
-            )
-        d = Daemon(proc, at or sock, log)
-        started.append(d)
-        d.wait_loaded(len(files) if loaded < 0 else loaded)
-        return d
-
-    yield start
-    leftovers: list[str] = []
-    for d in started:
-        if d.proc.poll() is None:
-            d.proc.send_signal(signal.SIGTERM)
-            try:
-                d.proc.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                d.proc.kill()
-                d.proc.wait()
-        for name in list_segments(d.pid, locks=True):
-            leftovers.append(name)
-            _core.shm_unlink("/" + name)
-    assert not leftovers, f"segments left in /dev/shm: {leftovers}"
-    assert not any(d.sock.exists() for d in started), "socket left behind"
-
-
-def check_all(store: smstore.Store, recs: list[bytes]) -> None:
-    assert len(store) == len(recs)
-    for i, r in enumerate(recs):
-        assert bytes(store[i]) == r, i
-
 
 # ---- basics -----------------------------------------------------------------------------------
 
@@ -413,37 +283,6 @@ def test_shm_too_small_real_tmpfs(blob: tuple[Path, list[bytes]]) -> None:
 # ---- hostile clients ---------------------------------------------------------------------------
 
 
-def raw(sock: Path) -> socket.socket:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(os.fspath(sock))
-    return s
-
-
-def read_reply(s: socket.socket) -> dict[str, Any] | None:
-    """One reply frame (a 4-byte big-endian length, then JSON); None if the daemon closed first."""
-
-    def exactly(n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            chunk = s.recv(n - len(buf))  # never past this frame: replies may arrive back to back
-            if not chunk:
-                return None
-            buf += chunk
-        return buf
-
-    head = exactly(4)
-    body = exactly(struct.unpack(">I", head)[0]) if head is not None else None
-    if body is None:
-        return None
-    reply: dict[str, Any] = json.loads(body)
-    return reply
-
-
-def frame(body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + body
-
-
 def test_hostile_messages(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
     path, recs = blob
     d = start_daemon(path, env={"SMSTORE_IO_TIMEOUT": "1"})
@@ -700,28 +539,6 @@ def test_second_daemon_on_same_socket_refused(start_daemon: Callable[..., Daemon
 
 
 # ---- other users -------------------------------------------------------------------------------
-
-
-def as_user(fn: Callable[[], str], groups: list[int]) -> str:
-    """Run fn in a forked child as uid/gid 65534 (nobody) with the given supplementary groups."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        try:
-            os.close(r)
-            os.setgroups(groups)
-            os.setgid(65534)
-            os.setuid(65534)
-            result = fn()
-        except BaseException as e:  # noqa: BLE001 - reported to the parent, which asserts on it
-            result = f"{type(e).__name__}: {e}"
-        os.write(w, result.encode())
-        os._exit(0)
-    os.close(w)
-    with os.fdopen(r, "rb") as f:
-        data = f.read().decode()
-    os.waitpid(pid, 0)
-    return data
 
 
 @pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")

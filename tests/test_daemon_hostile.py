@@ -1,0 +1,541 @@
+"""The daemon against hostile and broken clients: each test is a defect reproduced on the old daemon.
+
+Every loop here is bounded in count and time; every daemon is a real `smstore serve` on a private
+socket, stopped (and /dev/shm checked) by the start_daemon fixture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import os
+import shutil
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from daemon_testlib import IS_ROOT, Daemon, as_user, check_all, cli, frame, make_records, raw, read_reply
+
+import smstore
+from smstore import _core
+from smstore._segments import list_segments, state_path
+from smstore.client import open_store
+
+STATUS = frame(b'{"op":"status"}')
+
+
+def read_reply_fds(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One reply frame and the fds that came with it; (None, fds) if the daemon closed first."""
+    import json
+
+    fds: list[int] = []
+
+    def exactly(n: int) -> bytes | None:
+        buf = b""
+        while len(buf) < n:
+            data, got, _flags, _addr = socket.recv_fds(s, n - len(buf), 4)
+            fds.extend(got)
+            if not data:
+                return None
+            buf += data
+        return buf
+
+    head = exactly(4)
+    body = exactly(struct.unpack(">I", head)[0]) if head is not None else None
+    return (json.loads(body) if body is not None else None), fds
+
+
+def pss_anon_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+        if line.startswith("Pss_Anon:"):
+            return int(line.split()[1])
+    raise AssertionError("no Pss_Anon line")
+
+
+def assert_alive_and_clean(d: Daemon) -> None:
+    assert d.proc.poll() is None, d.log.read_text()
+    assert d.status()["ok"]
+    assert "Traceback" not in d.log.read_text(), d.log.read_text()
+
+
+@pytest.fixture
+def second_blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    recs = make_records(500, seed=7)
+    path = tmp_path / "other.smst"
+    smstore.pack(recs, path)
+    return path, recs
+
+
+# ---- 1. a queued reply carries the fd it was queued with -------------------------------------------
+
+
+def test_queued_attach_reply_carries_the_requested_fd(
+    blob: tuple[Path, list[bytes]],
+    second_blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    """Unloading a segment while an attach reply to it waits, then loading another blob (which may
+    get the same fd number), must never hand the waiting client the other blob."""
+    path, _recs = blob
+    other, _ = second_blob
+    d = start_daemon(path)
+    checksum = smstore.open(path).checksum
+    s = raw(d.sock)
+    n = 3000  # status replies (~600 bytes each) fill both socket buffers; the attach reply waits behind them
+    s.sendall(STATUS * n + frame(f'{{"op":"attach","checksum":"{checksum}"}}'.encode()))
+    time.sleep(0.5)
+    cli("unload", os.fspath(path), sock=d.sock)
+    cli("load", os.fspath(other), sock=d.sock)
+    attach: dict[str, Any] | None = None
+    for replies in range(n + 1):
+        reply, fds = read_reply_fds(s)
+        assert reply is not None, f"connection closed after {replies} replies"
+        try:
+            if "segments" not in reply:  # the attach reply (every status reply lists segments)
+                attach = reply
+                if reply["ok"]:
+                    assert len(fds) == 1
+                    held = _core.Store._from_fd(fds[0], "received", False)
+                    assert held.checksum == reply["checksum"] == checksum
+                    held.close()
+            else:
+                assert fds == []
+        finally:
+            for fd in fds:
+                os.close(fd)
+    s.close()
+    assert attach is not None
+    assert_alive_and_clean(d)
+
+
+# ---- 2. no request, however malformed, ends the daemon ----------------------------------------------
+
+
+def test_deep_nesting_and_non_scalar_values_refused(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    s = raw(d.sock)
+    for body in (
+        b"[" * 60_000,
+        b'{"op":"status","x":' + b"[" * 30_000 + b"]" * 30_000 + b"}",
+        b'{"op":"status","x":{"a":1}}',
+        b'{"op":"attach","checksum":"' + b"0" * 40_000 + b'"}',
+        b'{"op":"attach","checksum":"ABCDEF0123456789"}',
+        b'{"op":"load","path":"/x\\u0000y"}',
+        b'{"op":"unload","checksum":[1]}',
+        b'{"op":' + b"9" * 5000 + b"}",  # an int past Python's digit limit
+    ):
+        s.sendall(frame(body))
+        reply = read_reply(s)
+        assert reply is not None, body[:40]
+        assert reply["ok"] is False, body[:40]
+        assert reply["error"] == "bad_request", (body[:40], reply)
+    s.sendall(STATUS)
+    assert read_reply(s)["ok"]  # type: ignore[index]
+    s.close()
+    check_all(open_store(path, mode="daemon"), recs)
+    assert d.proc.poll() is None, d.log.read_text()
+
+
+def test_request_size_limit(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+    path, _ = blob
+    d = start_daemon(path)
+    s = raw(d.sock)
+    s.sendall(struct.pack(">I", 64 * 1024 + 1))
+    reply = read_reply(s)
+    assert reply is not None
+    assert reply["error"] == "too_large"
+    assert "65536-byte limit" in reply["message"]
+    assert s.recv(10) == b""
+    s.close()
+    assert_alive_and_clean(d)
+
+
+# ---- 3. a client that sends and never reads is throttled, then dropped -----------------------------------
+
+
+def test_flood_without_reading_is_bounded(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, _ = blob
+    d = start_daemon(path, env={"SMSTORE_IO_TIMEOUT": "1"})
+    before = pss_anon_kib(d.pid)
+    s = raw(d.sock)
+    s.setblocking(False)
+    sent = 0
+    dropped = False
+    chunk = STATUS * 256
+    deadline = time.monotonic() + 4.0
+    while time.monotonic() < deadline:
+        try:
+            sent += s.send(chunk)
+        except BlockingIOError:
+            time.sleep(0.01)
+        except (BrokenPipeError, ConnectionResetError):
+            dropped = True
+            break
+    grown = pss_anon_kib(d.pid) - before
+    s.close()
+    # Backpressure: only the socket buffers' worth gets in (the old daemon took everything: MiBs a second).
+    assert sent < 4 << 20, sent
+    assert dropped, "a client that never reads its replies is dropped after the I/O timeout"
+    assert grown < 16 << 10, f"daemon grew by {grown} KiB"
+    assert_alive_and_clean(d)
+
+
+def test_slow_request_dropped_after_timeout(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, _ = blob
+    d = start_daemon(path, env={"SMSTORE_IO_TIMEOUT": "1"})
+    s = raw(d.sock)
+    t0 = time.monotonic()
+    closed = False
+    for b in STATUS * 20:  # one byte every 0.2 s: progress, but never a request within the timeout
+        try:
+            s.send(bytes([b]))
+        except (BrokenPipeError, ConnectionResetError):
+            closed = True
+            break
+        time.sleep(0.2)
+        if time.monotonic() - t0 > 3.5:
+            break
+    if not closed:
+        s.settimeout(3)
+        closed = s.recv(100) == b""
+    s.close()
+    assert closed
+    assert time.monotonic() - t0 < 4.5
+    assert_alive_and_clean(d)
+
+
+# ---- 4. connection exhaustion -------------------------------------------------------------------------
+
+
+def test_silent_connections_are_dropped_so_the_owner_gets_through(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, _ = blob
+    d = start_daemon(path, args=("--io-timeout", "1", "--max-connections", "32"))
+    idle = [raw(d.sock) for _ in range(40)]  # more than the daemon takes; none ever sends
+    try:
+        t0 = time.monotonic()
+        # Within the timeout (plus a loop tick) the silent ones are gone and the owner stops the daemon.
+        while True:
+            res = cli("status", sock=d.sock, check=False, timeout=10)
+            if res.returncode == 0:
+                break
+            assert time.monotonic() - t0 < 5, res.stderr
+            time.sleep(0.1)
+        for s in idle:  # each was refused ("busy") or dropped: either way the daemon closed it
+            s.settimeout(5)
+            for _ in range(100):
+                if s.recv(4096) == b"":
+                    break
+            else:
+                raise AssertionError("a silent connection was kept")
+    finally:
+        for s in idle:
+            s.close()
+    assert_alive_and_clean(d)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_other_uid_limited_while_the_owner_gets_through(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    path, _ = blob
+    try:
+        group = grp.getgrnam("users")
+    except KeyError:
+        pytest.skip("no 'users' group")
+    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))
+    request.addfinalizer(lambda: shutil.rmtree(public))
+    public.chmod(0o755)
+    rundir = public / "run"
+    rundir.mkdir(mode=0o710)
+    os.chown(rundir, -1, group.gr_gid)
+    sock = rundir / "smstore.sock"
+    d = start_daemon(
+        path, args=("--group", "users", "--max-per-uid", "8", "--io-timeout", "30"), at=sock, loaded=1
+    )
+
+    held: list[socket.socket] = []  # the child's connections, kept open until it exits
+
+    def member() -> str:
+        outcome = []
+        for _ in range(20):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            s.connect(os.fspath(sock))
+            with contextlib.suppress(BrokenPipeError):  # refused at once: the refusal is still readable
+                s.sendall(STATUS)
+            reply = read_reply(s)
+            outcome.append("ok" if reply and reply["ok"] else str((reply or {}).get("message", "closed")))
+            held.append(s)
+        return ",".join(outcome)
+
+    # Run the member in a child that holds its connections until we have checked the owner's access.
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            os.setgroups([group.gr_gid])
+            os.setgid(65534)
+            os.setuid(65534)
+            result = member()
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            result = f"{type(e).__name__}: {e}"
+        os.write(w, result.encode() + b"\n")
+        time.sleep(3)  # keep the connections while the parent asks for status
+        os._exit(0)
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        line = f.readline().decode().strip()
+        outcome = line.split(",")
+        assert outcome[:8] == ["ok"] * 8, line
+        assert all("too many connections from uid 65534" in o for o in outcome[8:]), line
+        status = d.status()  # the owner gets through while the member holds its 8
+        assert status["ok"]
+    os.waitpid(pid, 0)
+    assert_alive_and_clean(d)
+
+
+def test_out_of_file_descriptors_does_not_spin(blob: tuple[Path, list[bytes]], tmp_path: Path) -> None:
+    """With its descriptors exhausted, the daemon sheds new connections instead of busy-looping."""
+    path, _ = blob
+    sockdir = tmp_path / "fdrun"
+    sockdir.mkdir(mode=0o700)
+    sock = sockdir / "smstore.sock"
+
+    # 40 descriptors, soft and hard: the daemon cannot raise it, and runs out after ~25 clients.
+    low_limit = (
+        "import resource, runpy, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (40, 40)); "
+        "sys.argv = ['smstore', *sys.argv[1:]]; runpy.run_module('smstore', run_name='__main__')"
+    )
+    log = tmp_path / "fd.log"
+    serve = ["serve", "--socket", os.fspath(sock), "--io-timeout", "30", os.fspath(path)]
+    with open(log, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-c", low_limit, *serve], stderr=err)
+    held: list[socket.socket] = []
+    try:
+        d = Daemon(proc, sock, log)
+        d.wait_loaded(1)
+        for _ in range(60):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(5)
+            try:
+                s.connect(os.fspath(sock))
+            except OSError:
+                s.close()
+                break
+            held.append(s)
+        time.sleep(0.3)
+        ticks = os.sysconf("SC_CLK_TCK")
+
+        def cpu() -> float:
+            fields = Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+            return (int(fields[11]) + int(fields[12])) / ticks
+
+        c0 = cpu()
+        time.sleep(2.0)
+        used = cpu() - c0
+        assert used < 0.5, f"the daemon used {used:.2f} s of CPU in 2 s while out of descriptors"
+        assert proc.poll() is None, log.read_text()
+    finally:
+        for s in held:
+            s.close()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=15)
+    assert "Traceback" not in log.read_text(), log.read_text()
+    assert list_segments(proc.pid, locks=True) == []
+
+
+# ---- 5. a path that is not UTF-8 -----------------------------------------------------------------------
+
+
+def test_non_utf8_path_refused_and_later_loads_work(
+    blob: tuple[Path, list[bytes]],
+    second_blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+    tmp_path: Path,
+) -> None:
+    path, _ = blob
+    other, other_recs = second_blob
+    d = start_daemon(path)
+    s = raw(d.sock)
+    s.sendall(frame(b'{"op":"load","path":"/tmp/\\udcff.smst"}'))
+    reply = read_reply(s)
+    assert reply is not None
+    assert reply["error"] == "bad_request"
+    assert "UTF-8" in reply["message"]
+    s.close()
+    # A real file with such a name, through the CLI: a clear error, no hang.
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/\xff.smst"))
+    shutil.copyfile(other, odd)
+    res = cli("load", os.fspath(odd), sock=d.sock, check=False, timeout=30)
+    assert res.returncode == 1
+    assert "UTF-8" in res.stderr
+    # Later loads are served, and nothing stays "loading".
+    cli("load", os.fspath(other), sock=d.sock, timeout=30)
+    st = d.status()
+    assert st["loading"] == []
+    check_all(open_store(other, mode="daemon"), other_recs)
+    assert_alive_and_clean(d)
+
+
+# ---- 6. the state file cannot be written -------------------------------------------------------------
+
+
+def test_state_file_write_failure_is_not_fatal(
+    blob: tuple[Path, list[bytes]],
+    second_blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+) -> None:
+    path, _ = blob
+    other, other_recs = second_blob
+    d = start_daemon(path)
+    state = state_path(d.sock)
+    blocker = state.with_name(state.name + ".tmp")
+    blocker.mkdir()  # the next state write fails (as on a full file system)
+    try:
+        cli("load", os.fspath(other), sock=d.sock, timeout=30)
+        check_all(open_store(other, mode="daemon"), other_recs)
+        assert d.proc.poll() is None, d.log.read_text()
+        assert "cannot write the state file" in d.log.read_text()
+    finally:
+        blocker.rmdir()
+    assert_alive_and_clean(d)
+
+
+# ---- 7. a second serve on a live socket -------------------------------------------------------------
+
+
+def test_second_serve_leaves_the_live_daemon_alone(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    state = state_path(d.sock)
+    before = state.read_bytes()
+    res = cli("serve", os.fspath(path), sock=d.sock, check=False, timeout=30)
+    assert res.returncode == 1
+    assert "already listening" in res.stderr
+    assert "cannot join thread" not in res.stderr
+    assert "Traceback" not in res.stderr
+    assert state.read_bytes() == before
+    assert d.sock.is_socket()
+    check_all(open_store(path, mode="daemon"), recs)
+    assert_alive_and_clean(d)
+
+
+# ---- 8. gc from another PID namespace ------------------------------------------------------------------
+
+
+def test_gc_from_another_pid_namespace_spares_a_live_daemon(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, recs = blob
+    d = start_daemon(path)
+    segments = list_segments(d.pid)
+    assert len(segments) == 1
+    user_ns = [] if IS_ROOT else ["-r"]
+    res = subprocess.run(
+        [
+            "unshare",
+            *user_ns,
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            sys.executable,
+            "-m",
+            "smstore",
+            "gc",
+            "--socket",
+            os.fspath(d.sock),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    if res.returncode != 0 and "unshare" in res.stderr:
+        pytest.skip(f"cannot make a PID namespace here: {res.stderr.strip()}")
+    assert res.returncode == 0, res.stderr
+    assert not any(name in res.stdout for name in segments), res.stdout
+    assert list_segments(d.pid) == segments
+    assert state_path(d.sock).exists()
+    assert d.sock.is_socket()
+    check_all(open_store(path, mode="daemon"), recs)
+    assert_alive_and_clean(d)
+
+
+# ---- 10. the daemon's own settings are checked, not trusted -------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (("--shm-limit", "abc"), {}, "'abc' is not a size"),
+        (("--io-timeout", "nan"), {}, "'nan' is not a number of seconds"),
+        ((), {"SMSTORE_IO_TIMEOUT": "5s"}, "$SMSTORE_IO_TIMEOUT: '5s' is not a number of seconds"),
+        ((), {"SMSTORE_SHM_LIMIT": "-1"}, "$SMSTORE_SHM_LIMIT: '-1' is not a size"),
+        (("--max-connections", "1"), {}, "invalid connection limits"),
+    ],
+)
+def test_bad_settings_are_clear_errors(
+    tmp_path: Path, args: tuple[str, ...], env: dict[str, str], message: str
+) -> None:
+    sockdir = tmp_path / "run"
+    sockdir.mkdir(mode=0o700)
+    res = subprocess.run(
+        [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(sockdir / "s.sock"), *args],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env={**os.environ, **env},
+        check=False,
+    )
+    assert res.returncode in (1, 2), res.stderr
+    assert message in res.stderr, res.stderr
+    assert "Traceback" not in res.stderr
+    assert not (sockdir / "s.sock").exists()
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_refused_other_user_cannot_hold_a_slot(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """A refused peer that never reads its refusal is closed anyway (the refusal fits the buffer)."""
+    path, _ = blob
+    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))  # not under pytest's private tmp_path
+    request.addfinalizer(lambda: shutil.rmtree(public))
+    public.chmod(0o755)
+    rundir = public / "run"
+    rundir.mkdir(mode=0o700)
+    d = start_daemon(path, at=rundir / "smstore.sock")
+    rundir.chmod(0o711)
+    d.sock.chmod(0o666)
+
+    def outsider() -> str:
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(5)
+        s.connect(os.fspath(d.sock))
+        time.sleep(0.3)
+        reply = read_reply(s)
+        return f"{(reply or {}).get('error')} {s.recv(10) == b''}"
+
+    assert as_user(outsider, []) == "permission_denied True"
+    assert d.status()["connections"] == 1  # only this status request's own
+    assert_alive_and_clean(d)
