@@ -22,7 +22,7 @@ def run(*cmd: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
 def tool(name: str) -> str:
     path = shutil.which(name) or str(Path(sys.executable).parent / name)
     if not Path(path).exists():
-        pytest.fail(f"{name} is not installed: pip install '.[test]'")
+        pytest.fail(f"{name} is not installed: pip install --group dev (see the README's test command)")
     return path
 
 
