@@ -7,9 +7,14 @@
 #include <vector>
 
 #include "input_file.hpp"
-#include "writer.hpp"
 
 namespace smstore {
+
+struct PackProgress {
+    // Called every few MiB of input with the bytes read so far; may throw to cancel.
+    virtual void update(uint64_t bytes_read) = 0;
+    virtual ~PackProgress() = default;
+};
 
 // Reads `inputs` in order (files, or "-" for stdin) and hands every line to `on_piece` as it is
 // read, never holding a line whole: on_piece(file, line_no, data, size, starts, ends) receives

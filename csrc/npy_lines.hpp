@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "line_scanner.hpp"
 #include "writer.hpp"
 
 namespace smstore {

@@ -1,4 +1,4 @@
-// Writer and pack_lines: the streaming hot loop of `smstore pack`.
+// Writer: buffered, hashed, atomically published output of every packer.
 #include "writer.hpp"
 
 #include <fcntl.h>
@@ -10,9 +10,6 @@
 #include <random>
 
 #include "error.hpp"
-#include "format.hpp"
-#include "json_check.hpp"
-#include "line_scanner.hpp"
 
 namespace smstore {
 namespace {
@@ -88,7 +85,7 @@ Writer::~Writer() {
 }
 
 void Writer::check_open() const {
-    if (fd_ < 0) throw Error(Error::Kind::Io, path_ + ": writer is closed");
+    if (fd_ < 0) throw Error(Error::Kind::Closed, path_ + ": writer is closed");
 }
 
 void Writer::write_all(const void* data, size_t size) {
@@ -159,8 +156,7 @@ void Writer::finish(std::string_view metadata_json) {
 
     unsigned char header[kHeaderSize] = {};
     std::memcpy(header, &h, sizeof h);
-    hash_.update(header, kHeaderSize);  // checksum field is still zero here
-    h.checksum = hash_.digest();
+    h.checksum = hash_.finish(header);
     std::memcpy(header, &h, sizeof h);
     if (::pwrite(fd_, header, kHeaderSize, 0) != static_cast<ssize_t>(kHeaderSize)) {
         int err = errno;
@@ -208,38 +204,6 @@ void Writer::abort() noexcept {
         ::unlink(tmp_path_.c_str());
         tmp_path_.clear();
     }
-}
-
-namespace {
-
-void check_json_line(const std::string& file, uint64_t line_no, const char* p, size_t n) {
-    std::string why;
-    size_t column = 0;
-    if (!json_valid(p, n, &why, &column)) {
-        throw Error(Error::Kind::Input, file + ":" + std::to_string(line_no) + ": invalid JSON: " + why + " (column " +
-                                            std::to_string(column) + ")");
-    }
-}
-
-}  // namespace
-
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress) {
-    if (format == LineFormat::Lines) {
-        return scan_lines(inputs, progress,
-                          [&](const std::string&, uint64_t, const char* p, size_t n, bool, bool ends) {
-                              writer.write_data(p, n);
-                              if (ends) writer.end_record();
-                          });
-    }
-    LineJoiner joiner;
-    return scan_lines(inputs, progress,
-                      [&](const std::string& file, uint64_t line_no, const char* p, size_t n, bool starts, bool ends) {
-                          writer.write_data(p, n);
-                          if (joiner.add(p, n, starts, ends)) {
-                              check_json_line(file, line_no, p, n);
-                              writer.end_record();
-                          }
-                      });
 }
 
 }  // namespace smstore

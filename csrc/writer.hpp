@@ -7,7 +7,7 @@
 #include <string_view>
 #include <vector>
 
-#include "xxhash64.hpp"
+#include "format.hpp"
 
 namespace smstore {
 
@@ -77,20 +77,7 @@ private:
     uint64_t file_pos_ = 0;  // bytes after the header handed to put()
     uint64_t written_ = 0;   // bytes after the header handed to write(2)
     uint64_t synced_ = 0;    // bytes after the header whose writeback has been started
-    Xxh64 hash_;
+    BlobHasher hash_;
 };
-
-enum class LineFormat { Lines, Jsonl };
-
-struct PackProgress {
-    // Called every few MiB of input with the bytes read so far; may throw to cancel.
-    virtual void update(uint64_t bytes_read) = 0;
-    virtual ~PackProgress() = default;
-};
-
-// Streams text files (or "-" for stdin) into `writer`: record i is line i without its '\n'; a final
-// line without '\n' is a record; every other byte is kept. Jsonl validates each line as JSON and
-// throws Error(Input) naming the file and line. Returns the bytes read.
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress);
 
 }  // namespace smstore

@@ -146,7 +146,7 @@ def pack_files(
     """
 
     def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
-        return writer.pack_lines(names, format, bar)
+        return _core.pack_lines(writer, names, format, bar)
 
     return pack_text_inputs(
         inputs, output, format, run, metadata=metadata, progress=progress, durable=durable

@@ -358,7 +358,7 @@ def test_writer_close_is_idempotent_and_abort_after_close_keeps_file(tmp_path: P
     w.close()
     w.abort()
     assert read_all(out) == [b"x"]
-    with pytest.raises(StoreIOError):
+    with pytest.raises(smstore.StoreClosedError, match="closed"):
         w.append(b"y")
 
 
@@ -684,7 +684,7 @@ def test_writer_refuses_a_second_thread_while_packing(tmp_path: Path) -> None:
     out = tmp_path / "out.smst"
     w = smstore._core.Writer(str(out), False)
     result: list[object] = []
-    packer = threading.Thread(target=lambda: result.append(w.pack_lines([str(fifo)])))
+    packer = threading.Thread(target=lambda: result.append(smstore._core.pack_lines(w, [str(fifo)])))
     packer.start()
     # Opening a FIFO for writing returns once the reader has opened it: the packer is then inside
     # pack_lines (marked busy before it released the GIL), blocked on its input.

@@ -86,10 +86,7 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyStore* s = py_store_from(args[0]);
     if (!s) return nullptr;
-    if (s->closed()) {
-        PyErr_SetString(PyExc_ValueError, "I/O operation on a closed smstore.Store");
-        return nullptr;
-    }
+    if (!s->check_open()) return nullptr;
     for (Py_ssize_t k = 1; k < 3; ++k) {
         if (args[k] != Py_None && !PyCallable_Check(args[k])) {
             PyErr_SetString(PyExc_TypeError, "decode and transform must be callables or None");
