@@ -18,7 +18,8 @@ void check_json_line(const std::string& file, uint64_t line_no, const char* p, s
 
 }  // namespace
 
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress) {
+uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress,
+                    uint64_t max_line) {
     if (format == LineFormat::Lines) {
         return scan_lines(inputs, progress,
                           [&](const std::string&, uint64_t, const char* p, size_t n, bool, bool ends) {
@@ -26,11 +27,11 @@ uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, Line
                               if (ends) writer.end_record();
                           });
     }
-    LineJoiner joiner;
+    LineJoiner joiner(max_line);
     return scan_lines(inputs, progress,
                       [&](const std::string& file, uint64_t line_no, const char* p, size_t n, bool starts, bool ends) {
                           writer.write_data(p, n);
-                          if (joiner.add(p, n, starts, ends)) {
+                          if (joiner.add(file, line_no, p, n, starts, ends)) {
                               check_json_line(file, line_no, p, n);
                               writer.end_record();
                           }

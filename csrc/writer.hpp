@@ -13,18 +13,21 @@ namespace smstore {
 
 // Streams records into an unnamed temporary file next to `path` and publishes it with one rename
 // in finish(). Until then nothing at `path` changes, and a process killed at any moment leaves no
-// file that opens (the header, with its magic, is written last).
+// file that opens (the header, with its magic, is written last). Only a regular file is ever
+// replaced, and the new file keeps its permission bits.
 class Writer {
 public:
-    explicit Writer(std::string path, bool durable = true);
+    // Every record must be a whole number of `item_size` bytes (the itemsize of an array encoding).
+    explicit Writer(std::string path, bool durable = true, uint64_t item_size = 1);
     ~Writer();
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
 
-    // One whole record.
+    // One whole record; one that is not whole items is refused before a byte of it is written.
     void append(const void* data, size_t size) {
+        check_record_size(size);
         write_data(data, size);
-        end_record();
+        close_record();
     }
     // Part of the current record; end_record() closes it. Lets records of any size stream through.
     // Inline: `smstore pack` calls it once per line, and most lines fit the buffer.
@@ -34,8 +37,8 @@ public:
         data_size_ += size;
     }
     void end_record() {
-        offsets_.push_back(data_size_);
-        ++records_;
+        check_record_size(data_size_ - offsets_.back());
+        close_record();
     }
 
     uint64_t record_count() const noexcept { return records_; }
@@ -50,6 +53,14 @@ public:
 
 private:
     void check_open() const;
+    void check_record_size(uint64_t size) const {
+        if (__builtin_expect(item_size_ > 1, 0) && size % item_size_ != 0) reject_record_size(size);
+    }
+    [[noreturn]] void reject_record_size(uint64_t size) const;
+    void close_record() {
+        offsets_.push_back(data_size_);
+        ++records_;
+    }
     // Through the buffer, hashed in file order.
     void put(const void* data, size_t size) {
         file_pos_ += size;
@@ -68,6 +79,7 @@ private:
     std::string path_;
     std::string tmp_path_;  // named temporary, only where O_TMPFILE is unavailable
     bool durable_;
+    uint64_t item_size_;
     int fd_ = -1;
     std::vector<unsigned char> buf_;
     size_t buf_used_ = 0;

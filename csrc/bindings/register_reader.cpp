@@ -1,5 +1,6 @@
 // smstore._core.RecordReader: the C base of SharedStoreDataset, so ds[i] never enters a Python frame.
 
+#include "error.hpp"
 #include "py_store.hpp"
 #include "register.hpp"
 
@@ -102,6 +103,14 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     Py_RETURN_NONE;
 }
 
+// The base class binds nothing itself: say so (SharedStoreDataset overrides this).
+PyObject* reader_attach(PyObject*, PyObject*) {
+    set_python_error(
+        Error(Error::Kind::Closed,
+              "this RecordReader is bound to no Store: _bind() one first, or use smstore.SharedStoreDataset"));
+    return nullptr;
+}
+
 PyObject* reader_unbind(PyObject* self, PyObject*) {
     reader_clear(self);
     Py_RETURN_NONE;
@@ -116,6 +125,7 @@ PyMethodDef reader_methods[] = {
     {"_bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reader_bind)), METH_FASTCALL,
      "_bind(store, decode, transform): serve records of `store` through the given callables."},
     {"_unbind", reader_unbind, METH_NOARGS, "Forget the bound Store (the next access calls _attach())."},
+    {"_attach", reader_attach, METH_NOARGS, "Bind a Store on first access; subclasses implement it."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -44,7 +44,8 @@ void append_object(Writer& w, const py::handle& obj) {
 
 void register_writer(py::module_& m) {
     py::class_<PyWriter>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
-        .def(py::init<std::string, bool>(), py::arg("path"), py::arg("durable") = true)
+        .def(py::init<std::string, bool, uint64_t>(), py::arg("path"), py::arg("durable") = true,
+             py::arg("item_size") = 1)
         .def("append", checked(+[](PyWriter& w, const py::handle& record) {
                  w.check_idle();
                  append_object(w, record);
