@@ -17,6 +17,7 @@ public:
         Io,         // an operating-system call failed
         Input,      // bad input to pack (e.g. an invalid JSON line)
         Shm,        // shared-memory segment problem (room, permissions, missing)
+        Closed,     // the object was closed, finished or never initialized: it cannot be used
     };
 
     Error(Kind kind, const std::string& message, int sys_errno = 0)

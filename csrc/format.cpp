@@ -1,10 +1,10 @@
 // Structural validation and the checksum rule of the blob format.
 #include "format.hpp"
 
+#include <cstdio>
 #include <cstring>
 
 #include "error.hpp"
-#include "xxhash64.hpp"
 
 namespace smstore {
 namespace {
@@ -98,14 +98,31 @@ void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t dat
     }
 }
 
+uint64_t BlobHasher::finish(const unsigned char* header) noexcept {
+    unsigned char copy[kHeaderSize];
+    std::memcpy(copy, header, kHeaderSize);
+    std::memset(copy + kChecksumFieldOffset, 0, sizeof(uint64_t));
+    xxh_.update(copy, kHeaderSize);
+    return xxh_.digest();
+}
+
 uint64_t blob_checksum(const unsigned char* file, uint64_t file_size) {
-    Xxh64 state;
-    state.update(file + kHeaderSize, file_size - kHeaderSize);
-    unsigned char header[kHeaderSize];
-    std::memcpy(header, file, kHeaderSize);
-    std::memset(header + kChecksumFieldOffset, 0, sizeof(uint64_t));
-    state.update(header, kHeaderSize);
-    return state.digest();
+    BlobHasher hasher;
+    hasher.update(file + kHeaderSize, file_size - kHeaderSize);
+    return hasher.finish(file);
+}
+
+std::string checksum_hex(uint64_t checksum) {
+    char buf[17];
+    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(checksum));
+    return buf;
+}
+
+void check_checksum(uint64_t stored, uint64_t actual, const std::string& label, const char* note) {
+    if (stored == actual) return;
+    throw Error(Error::Kind::Checksum, label + ": checksum mismatch: stored " + checksum_hex(stored) +
+                                           ", contents hash to " + checksum_hex(actual) +
+                                           "; the file is corrupt, re-pack or re-copy it" + note);
 }
 
 }  // namespace smstore

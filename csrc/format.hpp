@@ -5,6 +5,8 @@
 #include <cstdint>
 #include <string>
 
+#include "xxhash64.hpp"
+
 namespace smstore {
 
 // PNG-style magic: the high byte and CR/LF catch 7-bit and newline-translating copies.
@@ -41,7 +43,27 @@ void validate_header(const Header& h, uint64_t actual_file_size, const std::stri
 // Validates the offsets index: starts at 0, never decreases, ends at data_size. O(records).
 void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t data_size, const std::string& label);
 
-// Checksum of a complete blob held in memory (the header's checksum field is treated as zero).
+// The checksum rule, for every place that computes one (writer, loader, verify): XXH64 of the bytes
+// after the header in file order, then of the header with its checksum field as zero. Hashing the
+// header last lets the writer and the loader hash the data as it streams by.
+class BlobHasher {
+public:
+    // The next bytes after the header, in file order.
+    void update(const void* data, size_t size) noexcept { xxh_.update(data, size); }
+    // Hashes the kHeaderSize bytes at `header` (its checksum field counts as zero) and returns the checksum.
+    uint64_t finish(const unsigned char* header) noexcept;
+
+private:
+    Xxh64 xxh_;
+};
+
+// Checksum of a complete blob held in memory.
 uint64_t blob_checksum(const unsigned char* file, uint64_t file_size);
+
+// A checksum as every message and the Python API show it: 16 lowercase hex digits.
+std::string checksum_hex(uint64_t checksum);
+
+// Throws Error(Checksum) naming `label` and both values unless stored == actual; `note` ends the message.
+void check_checksum(uint64_t stored, uint64_t actual, const std::string& label, const char* note = "");
 
 }  // namespace smstore

@@ -47,11 +47,21 @@ public:
             while (p < end && !is_space(*p))
                 ++p;
             values_.push_back(parse(file, line_no, static_cast<size_t>(tok - start) + 1, tok, p));
+            if (values_.size() == kFlushEvery) flush();
         }
-        writer_.append(values_.data(), values_.size() * sizeof(T));
+        flush();
+        writer_.end_record();
     }
 
 private:
+    // Values go to the writer in batches: a long line of int64 would otherwise take 4x its length.
+    static constexpr size_t kFlushEvery = (64 << 10) / sizeof(T);
+
+    void flush() {
+        writer_.write_data(values_.data(), values_.size() * sizeof(T));
+        values_.clear();
+    }
+
     [[noreturn]] void fail(const std::string& file, uint64_t line_no, size_t column, const std::string& why) {
         throw Error(Error::Kind::Input,
                     file + ":" + std::to_string(line_no) + ": column " + std::to_string(column) + ": " + why);
@@ -91,42 +101,43 @@ private:
 };
 
 template <typename T>
-uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress) {
+uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress,
+                    uint64_t max_line) {
     LineParser<T> parser(writer, dtype);
-    LineJoiner joiner;
+    LineJoiner joiner(max_line);
     return scan_lines(inputs, progress,
                       [&](const std::string& file, uint64_t line_no, const char* p, size_t n, bool starts, bool ends) {
-                          if (joiner.add(p, n, starts, ends)) parser.line(file, line_no, p, n);
+                          if (joiner.add(file, line_no, p, n, starts, ends)) parser.line(file, line_no, p, n);
                       });
 }
 
 }  // namespace
 
-uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype,
-                        PackProgress* progress) {
+uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress,
+                        uint64_t max_line) {
     if (dtype.kind == 'u') {
         switch (dtype.itemsize) {
             case 1:
-                return pack_typed<uint8_t>(writer, inputs, dtype, progress);
+                return pack_typed<uint8_t>(writer, inputs, dtype, progress, max_line);
             case 2:
-                return pack_typed<uint16_t>(writer, inputs, dtype, progress);
+                return pack_typed<uint16_t>(writer, inputs, dtype, progress, max_line);
             case 4:
-                return pack_typed<uint32_t>(writer, inputs, dtype, progress);
+                return pack_typed<uint32_t>(writer, inputs, dtype, progress, max_line);
             case 8:
-                return pack_typed<uint64_t>(writer, inputs, dtype, progress);
+                return pack_typed<uint64_t>(writer, inputs, dtype, progress, max_line);
             default:
                 break;
         }
     } else if (dtype.kind == 'i') {
         switch (dtype.itemsize) {
             case 1:
-                return pack_typed<int8_t>(writer, inputs, dtype, progress);
+                return pack_typed<int8_t>(writer, inputs, dtype, progress, max_line);
             case 2:
-                return pack_typed<int16_t>(writer, inputs, dtype, progress);
+                return pack_typed<int16_t>(writer, inputs, dtype, progress, max_line);
             case 4:
-                return pack_typed<int32_t>(writer, inputs, dtype, progress);
+                return pack_typed<int32_t>(writer, inputs, dtype, progress, max_line);
             case 8:
-                return pack_typed<int64_t>(writer, inputs, dtype, progress);
+                return pack_typed<int64_t>(writer, inputs, dtype, progress, max_line);
             default:
                 break;
         }

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "line_scanner.hpp"
 #include "writer.hpp"
 
 namespace smstore {
@@ -20,7 +21,8 @@ struct IntDtype {
 // whitespace-separated decimal integers and becomes record i, those integers as a little-endian
 // array of `dtype` (an empty line is an empty array; a final line without '\n' is a record). A
 // token that is not an integer, or a value outside the dtype's range, throws Error(Input) naming
-// the file, line and column. Returns the bytes read.
-uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress);
+// the file, line and column; so does a line longer than max_line bytes. Returns the bytes read.
+uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress,
+                        uint64_t max_line = kDefaultMaxLine);
 
 }  // namespace smstore

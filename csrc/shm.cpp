@@ -17,7 +17,6 @@
 
 #include "error.hpp"
 #include "format.hpp"
-#include "xxhash64.hpp"
 
 namespace smstore {
 namespace {
@@ -92,12 +91,6 @@ void write_full(int fd, const unsigned char* buf, size_t n, const std::string& n
     }
 }
 
-std::string hex64(uint64_t v) {
-    char buf[17];
-    std::snprintf(buf, sizeof buf, "%016llx", static_cast<unsigned long long>(v));
-    return buf;
-}
-
 }  // namespace
 
 ShmSpace shm_space(const std::string& dir) {
@@ -163,7 +156,7 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     // (posix_fallocate would also reserve the pages, but zeroes each one before we overwrite it.)
     std::unique_ptr<unsigned char[]> buf(new unsigned char[kChunk]);
     write_full(seg.fd, header, kHeaderSize, name, path, needed);
-    Xxh64 hash;
+    BlobHasher hash;
     uint64_t pos = kHeaderSize;
     while (pos < size) {
         size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, size - pos));
@@ -181,14 +174,7 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     if (read_full(src.fd, &extra, 1, path) != 0) {
         throw Error(Error::Kind::Format, path + ": file grew while it was being loaded; was it rewritten in place?");
     }
-    std::memset(header + kChecksumFieldOffset, 0, sizeof(uint64_t));
-    hash.update(header, kHeaderSize);
-    uint64_t actual = hash.digest();
-    if (actual != h.checksum) {
-        throw Error(Error::Kind::Checksum, path + ": checksum mismatch: stored " + hex64(h.checksum) +
-                                               ", contents hash to " + hex64(actual) +
-                                               "; the file is corrupt, re-pack or re-copy it (not loaded)");
-    }
+    check_checksum(h.checksum, hash.finish(header), path, " (not loaded)");
     guard.map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, seg.fd, 0);
     if (guard.map == MAP_FAILED) throw_errno("mmap " + name, errno);
     guard.map_size = size;

@@ -101,23 +101,22 @@ uint64_t Store::compute_checksum() const noexcept {
 }
 
 void Store::verify() const {
-    uint64_t actual = compute_checksum();
-    if (actual != header_.checksum) {
-        char buf[96];
-        std::snprintf(buf, sizeof buf, "checksum mismatch: stored %016llx, contents hash to %016llx",
-                      static_cast<unsigned long long>(header_.checksum), static_cast<unsigned long long>(actual));
-        throw Error(Error::Kind::Checksum, label_ + ": " + buf + "; the file is corrupt, re-pack or re-copy it");
-    }
+    check_checksum(header_.checksum, compute_checksum(), label_);
+}
+
+Error Store::span_error(uint64_t i, uint64_t begin, uint64_t end) const {
+    return Error(Error::Kind::Format, label_ + ": corrupt index: record " + std::to_string(i) + " spans [" +
+                                          std::to_string(begin) + ", " + std::to_string(end) + ") outside the " +
+                                          std::to_string(header_.data_size) + "-byte data section");
 }
 
 uint64_t Store::gather_size(const uint64_t* indices, size_t n) const {
     uint64_t total = 0;
     for (size_t k = 0; k < n; ++k) {
         uint64_t i = indices[k], b = offsets_[i], e = offsets_[i + 1];
-        if (b > e || e > header_.data_size || __builtin_add_overflow(total, e - b, &total)) {
-            throw Error(Error::Kind::Format, label_ + ": corrupt index: record " + std::to_string(i) + " spans [" +
-                                                 std::to_string(b) + ", " + std::to_string(e) +
-                                                 ") outside the data section");
+        if (!span_inside(b, e, header_.data_size)) throw span_error(i, b, e);
+        if (__builtin_add_overflow(total, e - b, &total)) {  // the same huge record, many times over
+            throw Error(Error::Kind::Format, label_ + ": the records asked for total more than 2^64 bytes");
         }
     }
     return total;

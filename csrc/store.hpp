@@ -7,6 +7,7 @@
 #include <string>
 #include <string_view>
 
+#include "error.hpp"
 #include "format.hpp"
 
 namespace smstore {
@@ -56,9 +57,13 @@ public:
     const uint64_t* offsets() const noexcept { return offsets_; }
     std::string_view metadata() const noexcept;
 
-    // Record i as [begin, end) into data(); i < size() is the caller's to check.
-    uint64_t record_begin(uint64_t i) const noexcept { return offsets_[i]; }
-    uint64_t record_end(uint64_t i) const noexcept { return offsets_[i + 1]; }
+    // Whether a record's offsets [begin, end) lie inside a data section of data_size bytes: the
+    // check every read makes, since an index validated only at its ends may hold anything between.
+    static bool span_inside(uint64_t begin, uint64_t end, uint64_t data_size) noexcept {
+        return begin <= end && end <= data_size;
+    }
+    // The error for record i, whose offsets failed span_inside().
+    Error span_error(uint64_t i, uint64_t begin, uint64_t end) const;
 
     uint64_t stored_checksum() const noexcept { return header_.checksum; }
     uint64_t compute_checksum() const noexcept;

@@ -1,4 +1,4 @@
-// Writer and pack_lines: the streaming hot loop of `smstore pack`.
+// Writer: buffered, hashed, atomically published output of every packer.
 #include "writer.hpp"
 
 #include <fcntl.h>
@@ -10,9 +10,6 @@
 #include <random>
 
 #include "error.hpp"
-#include "format.hpp"
-#include "json_check.hpp"
-#include "line_scanner.hpp"
 
 namespace smstore {
 namespace {
@@ -48,6 +45,20 @@ std::string temp_name_for(const std::string& path) {
     return dir + "." + base + ".smstore-tmp-" + std::to_string(::getpid()) + "-" + random_suffix();
 }
 
+// The permission bits of the file at `path` that publishing would replace, or -1 if there is none.
+// rename() would swap a FIFO, device or socket for a regular file: refuse anything but a regular file.
+int replaced_mode(const std::string& path) {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return -1;
+    if (S_ISDIR(st.st_mode)) throw Error(Error::Kind::Io, path + ": is a directory; give a file name for the output");
+    if (!S_ISREG(st.st_mode)) {
+        throw Error(Error::Kind::Io, path +
+                                         ": is not a regular file (a FIFO, device or socket); smstore only "
+                                         "replaces regular files: give another output path");
+    }
+    return static_cast<int>(st.st_mode & 0777);
+}
+
 void fsync_dir(const std::string& dir) {
     int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd < 0) return;  // best effort: the rename itself already happened
@@ -57,13 +68,12 @@ void fsync_dir(const std::string& dir) {
 
 }  // namespace
 
-Writer::Writer(std::string path, bool durable) : path_(std::move(path)), durable_(durable), buf_(kBufferSize) {
+Writer::Writer(std::string path, bool durable, uint64_t item_size)
+    : path_(std::move(path)), durable_(durable), item_size_(item_size), buf_(kBufferSize) {
     if (path_.empty()) throw Error(Error::Kind::Io, "output path is empty");
+    if (item_size_ == 0) throw Error(Error::Kind::Input, path_ + ": the item size of records must be at least 1");
     std::string dir = dir_of(path_);
-    struct stat st;
-    if (::stat(path_.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
-        throw Error(Error::Kind::Io, path_ + ": is a directory; give a file name for the output");
-    }
+    replaced_mode(path_);  // refuse a directory or special file before any work
     // Unnamed until finish(): a killed pack leaves nothing behind at all.
     fd_ = ::open(dir.c_str(), O_TMPFILE | O_WRONLY | O_CLOEXEC, 0666);
     if (fd_ < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
@@ -88,7 +98,13 @@ Writer::~Writer() {
 }
 
 void Writer::check_open() const {
-    if (fd_ < 0) throw Error(Error::Kind::Io, path_ + ": writer is closed");
+    if (fd_ < 0) throw Error(Error::Kind::Closed, path_ + ": writer is closed");
+}
+
+void Writer::reject_record_size(uint64_t size) const {
+    throw Error(Error::Kind::Input, path_ + ": record " + std::to_string(records_) + " is " + std::to_string(size) +
+                                        " bytes, not a whole number of " + std::to_string(item_size_) +
+                                        "-byte items of its dtype");
 }
 
 void Writer::write_all(const void* data, size_t size) {
@@ -159,8 +175,7 @@ void Writer::finish(std::string_view metadata_json) {
 
     unsigned char header[kHeaderSize] = {};
     std::memcpy(header, &h, sizeof h);
-    hash_.update(header, kHeaderSize);  // checksum field is still zero here
-    h.checksum = hash_.digest();
+    h.checksum = hash_.finish(header);
     std::memcpy(header, &h, sizeof h);
     if (::pwrite(fd_, header, kHeaderSize, 0) != static_cast<ssize_t>(kHeaderSize)) {
         int err = errno;
@@ -171,6 +186,19 @@ void Writer::finish(std::string_view metadata_json) {
 }
 
 void Writer::publish() {
+    int mode;
+    try {
+        mode = replaced_mode(path_);  // again: the path may have changed since the constructor looked
+    } catch (...) {
+        abort();
+        throw;
+    }
+    // A new file keeps the umask's mode from its creation; a replaced one keeps its own.
+    if (mode >= 0 && ::fchmod(fd_, static_cast<mode_t>(mode)) != 0) {
+        int err = errno;
+        abort();
+        throw_errno(path_ + ": fchmod failed", err);
+    }
     if (durable_ && ::fsync(fd_) != 0) {
         int err = errno;
         abort();
@@ -208,38 +236,6 @@ void Writer::abort() noexcept {
         ::unlink(tmp_path_.c_str());
         tmp_path_.clear();
     }
-}
-
-namespace {
-
-void check_json_line(const std::string& file, uint64_t line_no, const char* p, size_t n) {
-    std::string why;
-    size_t column = 0;
-    if (!json_valid(p, n, &why, &column)) {
-        throw Error(Error::Kind::Input, file + ":" + std::to_string(line_no) + ": invalid JSON: " + why + " (column " +
-                                            std::to_string(column) + ")");
-    }
-}
-
-}  // namespace
-
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress) {
-    if (format == LineFormat::Lines) {
-        return scan_lines(inputs, progress,
-                          [&](const std::string&, uint64_t, const char* p, size_t n, bool, bool ends) {
-                              writer.write_data(p, n);
-                              if (ends) writer.end_record();
-                          });
-    }
-    LineJoiner joiner;
-    return scan_lines(inputs, progress,
-                      [&](const std::string& file, uint64_t line_no, const char* p, size_t n, bool starts, bool ends) {
-                          writer.write_data(p, n);
-                          if (joiner.add(p, n, starts, ends)) {
-                              check_json_line(file, line_no, p, n);
-                              writer.end_record();
-                          }
-                      });
 }
 
 }  // namespace smstore

@@ -7,24 +7,27 @@
 #include <string_view>
 #include <vector>
 
-#include "xxhash64.hpp"
+#include "format.hpp"
 
 namespace smstore {
 
 // Streams records into an unnamed temporary file next to `path` and publishes it with one rename
 // in finish(). Until then nothing at `path` changes, and a process killed at any moment leaves no
-// file that opens (the header, with its magic, is written last).
+// file that opens (the header, with its magic, is written last). Only a regular file is ever
+// replaced, and the new file keeps its permission bits.
 class Writer {
 public:
-    explicit Writer(std::string path, bool durable = true);
+    // Every record must be a whole number of `item_size` bytes (the itemsize of an array encoding).
+    explicit Writer(std::string path, bool durable = true, uint64_t item_size = 1);
     ~Writer();
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
 
-    // One whole record.
+    // One whole record; one that is not whole items is refused before a byte of it is written.
     void append(const void* data, size_t size) {
+        check_record_size(size);
         write_data(data, size);
-        end_record();
+        close_record();
     }
     // Part of the current record; end_record() closes it. Lets records of any size stream through.
     // Inline: `smstore pack` calls it once per line, and most lines fit the buffer.
@@ -34,8 +37,8 @@ public:
         data_size_ += size;
     }
     void end_record() {
-        offsets_.push_back(data_size_);
-        ++records_;
+        check_record_size(data_size_ - offsets_.back());
+        close_record();
     }
 
     uint64_t record_count() const noexcept { return records_; }
@@ -50,6 +53,14 @@ public:
 
 private:
     void check_open() const;
+    void check_record_size(uint64_t size) const {
+        if (__builtin_expect(item_size_ > 1, 0) && size % item_size_ != 0) reject_record_size(size);
+    }
+    [[noreturn]] void reject_record_size(uint64_t size) const;
+    void close_record() {
+        offsets_.push_back(data_size_);
+        ++records_;
+    }
     // Through the buffer, hashed in file order.
     void put(const void* data, size_t size) {
         file_pos_ += size;
@@ -68,6 +79,7 @@ private:
     std::string path_;
     std::string tmp_path_;  // named temporary, only where O_TMPFILE is unavailable
     bool durable_;
+    uint64_t item_size_;
     int fd_ = -1;
     std::vector<unsigned char> buf_;
     size_t buf_used_ = 0;
@@ -77,20 +89,7 @@ private:
     uint64_t file_pos_ = 0;  // bytes after the header handed to put()
     uint64_t written_ = 0;   // bytes after the header handed to write(2)
     uint64_t synced_ = 0;    // bytes after the header whose writeback has been started
-    Xxh64 hash_;
+    BlobHasher hash_;
 };
-
-enum class LineFormat { Lines, Jsonl };
-
-struct PackProgress {
-    // Called every few MiB of input with the bytes read so far; may throw to cancel.
-    virtual void update(uint64_t bytes_read) = 0;
-    virtual ~PackProgress() = default;
-};
-
-// Streams text files (or "-" for stdin) into `writer`: record i is line i without its '\n'; a final
-// line without '\n' is a record; every other byte is kept. Jsonl validates each line as JSON and
-// throws Error(Input) naming the file and line. Returns the bytes read.
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress);
 
 }  // namespace smstore

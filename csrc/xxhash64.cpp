@@ -119,10 +119,4 @@ uint64_t Xxh64::digest() const noexcept {
     return h;
 }
 
-uint64_t Xxh64::hash(const void* data, size_t len, uint64_t seed) noexcept {
-    Xxh64 state(seed);
-    state.update(data, len);
-    return state.digest();
-}
-
 }  // namespace smstore

@@ -12,8 +12,6 @@ public:
     void update(const void* data, size_t len) noexcept;
     uint64_t digest() const noexcept;
 
-    static uint64_t hash(const void* data, size_t len, uint64_t seed = 0) noexcept;
-
 private:
     uint64_t v_[4];
     uint64_t total_len_ = 0;

@@ -118,6 +118,7 @@ def pack_npy_lines(
     metadata: dict[str, Any] | None = None,
     progress: bool | None = None,
     durable: bool = True,
+    max_line_bytes: int = _core.DEFAULT_MAX_LINE_BYTES,
 ) -> PackStats:
     """Pack text files of integers (``-`` for stdin), one array record per line, in C++.
 
@@ -130,10 +131,12 @@ def pack_npy_lines(
         dtype: An integer dtype: ``int8`` .. ``int64`` or ``uint8`` .. ``uint64``.
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         progress: Show a progress bar; by default only when stderr is a terminal.
+        max_line_bytes: A longer line raises PackInputError (a line is parsed whole, in memory).
+            Default 1 GiB.
 
     Raises:
-        PackInputError: A token that is not an integer, or a value out of the dtype's range, with
-            its file, line and column.
+        PackInputError: A token that is not an integer, a value out of the dtype's range, or a
+            line longer than ``max_line_bytes``, with its file and line.
     """
     dt = _record_dtype(dtype, os.fspath(output))
     if dt.kind not in "iu":
@@ -141,7 +144,7 @@ def pack_npy_lines(
         raise PackInputError(msg)
 
     def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
-        return _core.pack_npy_lines(writer, names, dt.kind, dt.itemsize, bar)
+        return _core.pack_npy_lines(writer, names, dt.kind, dt.itemsize, bar, max_line_bytes)
 
     return pack_text_inputs(
         inputs, output, array_encoding(dt), run, metadata=metadata, progress=progress, durable=durable

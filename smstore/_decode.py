@@ -11,7 +11,7 @@ import numpy as np
 
 from smstore.errors import StoreFormatError
 
-__all__ = ["Decoder", "make_decoder", "numpy_dtype", "torch_dtype"]
+__all__ = ["Decoder", "make_decoder", "numpy_dtype", "partial_items_error", "torch_dtype"]
 
 Decoder = Callable[[memoryview], Any]
 
@@ -26,6 +26,18 @@ def numpy_dtype(encoding: str, path: str) -> np.dtype[Any]:
     except TypeError:
         msg = f"{path}: unknown dtype in encoding {encoding!r}"
         raise StoreFormatError(msg) from None
+
+
+def partial_items_error(
+    path: str, dtype: np.dtype[Any], nbytes: int, record: int | None = None
+) -> StoreFormatError:
+    """The error for an array record that is not a whole number of ``dtype`` items."""
+    which = "a record" if record is None else f"record {record}"
+    msg = (
+        f"{path}: {which} of {nbytes} bytes is not a whole number of {dtype.str} items "
+        f"({dtype.itemsize} bytes each); the blob was written wrongly, re-pack it"
+    )
+    return StoreFormatError(msg)
 
 
 def _utf8(view: memoryview) -> str:
@@ -63,6 +75,8 @@ def _torch_decoder(dtype: np.dtype[Any], path: str) -> Decoder:
         nonlocal silenced
         if not view.nbytes:
             return torch.empty(0, dtype=tdtype)  # frombuffer refuses empty buffers
+        if view.nbytes % dtype.itemsize:
+            raise partial_items_error(path, dtype, view.nbytes)
         if silenced:
             return frombuffer(view, dtype=tdtype)
         # torch warns (once per process) that the buffer is not writable. It is read-only by
@@ -93,6 +107,8 @@ def make_decoder(decode: str | Decoder | None, encoding: str, path: str) -> Deco
         dtype = numpy_dtype(encoding, path)
 
         def _numpy(view: memoryview) -> np.ndarray[Any, Any]:
+            if view.nbytes % dtype.itemsize:
+                raise partial_items_error(path, dtype, view.nbytes)
             return np.frombuffer(view, dtype=dtype)
 
         return _numpy

@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from smstore import _core
+from smstore.errors import PackInputError, StoreFormatError
 
 __all__ = ["PackStats", "Writer", "build_metadata", "pack", "pack_files"]
 
@@ -38,6 +39,18 @@ def build_metadata(
         raise TypeError(msg) from None
 
 
+def _item_size(encoding: str, path: str) -> int:
+    """The byte size of one item of an ``npy:<dtype>`` encoding; 1 for every other encoding."""
+    if not encoding.startswith("npy:"):
+        return 1
+    from smstore._decode import numpy_dtype  # numpy only for array encodings
+
+    try:
+        return max(1, numpy_dtype(encoding, path).itemsize)
+    except StoreFormatError as e:
+        raise PackInputError(str(e)) from None
+
+
 class Writer:
     """Streams records into a new blob, published atomically when the ``with`` block ends.
 
@@ -47,7 +60,8 @@ class Writer:
     Args:
         path: The output ``.smst`` file.
         encoding: Recorded in the metadata; tells readers how to decode (``bytes``, ``lines``,
-            ``jsonl``, ``npy:<dtype>``).
+            ``jsonl``, ``npy:<dtype>``). With ``npy:<dtype>`` a record that is not a whole number
+            of the dtype's items raises PackInputError.
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         durable: fsync the file and its directory before publishing it.
 
@@ -67,7 +81,7 @@ class Writer:
         durable: bool = True,
     ) -> None:
         self._meta = build_metadata(encoding, source=source, user=metadata)
-        self._writer = _core.Writer(os.fspath(path), durable)
+        self._writer = _core.Writer(os.fspath(path), durable, _item_size(encoding, os.fspath(path)))
         self.append: Callable[[Record], None] = self._writer.append
         self.extend: Callable[[Iterable[Record]], int] = self._writer.extend
 
@@ -134,6 +148,7 @@ def pack_files(
     metadata: dict[str, Any] | None = None,
     progress: bool | None = None,
     durable: bool = True,
+    max_line_bytes: int = _core.DEFAULT_MAX_LINE_BYTES,
 ) -> PackStats:
     """Pack text files (``-`` for stdin), one record per line, with the C++ streaming packer.
 
@@ -143,10 +158,12 @@ def pack_files(
         format: ``lines`` (any bytes) or ``jsonl`` (each line must be one JSON value).
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         progress: Show a progress bar; by default only when stderr is a terminal.
+        max_line_bytes: ``jsonl`` only: a longer line raises PackInputError (a JSON line is held
+            in memory whole to be checked). Default 1 GiB. Plain lines stream at any length.
     """
 
     def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
-        return writer.pack_lines(names, format, bar)
+        return _core.pack_lines(writer, names, format, bar, max_line_bytes)
 
     return pack_text_inputs(
         inputs, output, format, run, metadata=metadata, progress=progress, durable=durable

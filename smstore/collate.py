@@ -8,7 +8,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from smstore._decode import numpy_dtype, torch_dtype
+from smstore._decode import numpy_dtype, partial_items_error, torch_dtype
 from smstore._store import Store
 from smstore.client import Mode, open_store
 
@@ -200,10 +200,15 @@ class TokenCollator:
         indices = _as_indices(batch, torch)
         if indices is not None:
             data, offsets = self.store.gather(indices)
+            lengths, partial = np.divmod(np.diff(offsets), self.record_dtype.itemsize)
+            if partial.any():
+                k = int(np.flatnonzero(partial)[0])
+                raise partial_items_error(
+                    self.store.path, self.record_dtype, int(offsets[k + 1] - offsets[k]), int(indices[k])
+                )
             flat = data.view(self.record_dtype)
-            lengths = np.diff(offsets) // self.record_dtype.itemsize
         else:
-            arrays = [_as_array(r, self.record_dtype, torch) for r in batch]
+            arrays = [_as_array(r, self.record_dtype, torch, self.store.path) for r in batch]
             lengths = np.array([a.size for a in arrays], dtype=np.int64)
             flat = np.concatenate(arrays) if arrays else np.empty(0, dtype=self.record_dtype)
         out = self._pad(flat, lengths, torch) if self.layout == "pad" else self._pack(flat, lengths, torch)
@@ -290,7 +295,7 @@ def _as_indices(batch: Any, torch: Any) -> np.ndarray[Any, Any] | Sequence[int] 
     return None
 
 
-def _as_array(record: Any, dtype: np.dtype[Any], torch: Any) -> np.ndarray[Any, Any]:
+def _as_array(record: Any, dtype: np.dtype[Any], torch: Any, path: str) -> np.ndarray[Any, Any]:
     if isinstance(record, torch.Tensor):
         record = record.numpy()
     if isinstance(record, np.ndarray):
@@ -298,4 +303,7 @@ def _as_array(record: Any, dtype: np.dtype[Any], torch: Any) -> np.ndarray[Any, 
             msg = f"record of dtype {record.dtype}, expected {dtype}"
             raise TypeError(msg)
         return record.reshape(-1)
+    nbytes = memoryview(record).nbytes
+    if nbytes % dtype.itemsize:
+        raise partial_items_error(path, dtype, nbytes)
     return np.frombuffer(record, dtype=dtype)

@@ -282,7 +282,7 @@ class Daemon(Server):
             with contextlib.suppress(OSError):
                 self.wake_w.send(b"x")
 
-    def _load_one(self, path: str) -> tuple[str, int, int, float] | str:
+    def _load_one(self, path: str) -> tuple[str, int, str, float] | str:
         checksum = read_checksum(path)
         if checksum is not None and checksum in self.segments:
             return checksum  # same contents already loaded (under this or another path)
@@ -294,7 +294,7 @@ class Daemon(Server):
         mode = 0o400 if self.gid is None else 0o440
         t0 = time.monotonic()
         fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, -1 if self.gid is None else self.gid, room)
-        if f"{ck:016x}" != checksum:  # the file was replaced between the two reads
+        if ck != checksum:  # the file was replaced between the two reads
             os.close(fd)
             _core.shm_unlink("/" + name)
             msg = f"{path}: the file changed while it was being loaded; try again"
@@ -330,25 +330,23 @@ class Daemon(Server):
                 self.reply(cid, reply)
                 self.parse(cid)
 
-    def _register(self, path: str, result: tuple[str, int, int, float] | str) -> Segment:
+    def _register(self, path: str, result: tuple[str, int, str, float] | str) -> Segment:
         if isinstance(result, str):
             seg = self.segments[result]
             if path not in seg.paths:
                 seg.paths.append(path)
-        elif f"{result[2]:016x}" in self.segments:
+        elif result[2] in self.segments:
             # Another path with the same contents finished loading first: keep one copy.
             name, fd, ck, _seconds = result
             unlink_quietly(name)
             os.close(fd)
-            seg = self.segments[f"{ck:016x}"]
+            seg = self.segments[ck]
             if path not in seg.paths:
                 seg.paths.append(path)
         else:
             name, fd, ck, seconds = result
             store = _core.Store._from_fd(fd, path, False)
-            seg = Segment(
-                name, f"{ck:016x}", fd, store, store.file_size, len(store), [path], time.time(), seconds
-            )
+            seg = Segment(name, ck, fd, store, store.file_size, len(store), [path], time.time(), seconds)
             self.segments[seg.checksum] = seg
             log.info(
                 "loaded %s: %d records, %d bytes in %.2f s (%.0f MiB/s) as /dev/shm/%s",

@@ -8,6 +8,7 @@ __all__ = [
     "PackInputError",
     "SharedMemoryError",
     "StoreChangedError",
+    "StoreClosedError",
     "StoreError",
     "StoreFormatError",
     "StoreIOError",
@@ -35,6 +36,10 @@ class StoreVersionError(StoreFormatError):
 
 class ChecksumMismatchError(StoreFormatError):
     """The stored checksum does not match the file's contents."""
+
+
+class StoreClosedError(StoreError, ValueError):
+    """The object was closed (a Store after close(), a Writer after finish or abort) or never initialized."""
 
 
 class StoreChangedError(StoreError):

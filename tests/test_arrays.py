@@ -15,6 +15,7 @@ import pytest
 
 import smstore
 from smstore import PackInputError, StoreFormatError
+from smstore._pack import build_metadata
 
 SMSTORE = [sys.executable, "-m", "smstore"]
 
@@ -289,3 +290,24 @@ def test_writing_through_a_torch_record_is_a_segfault(tokens: Path) -> None:
     assert r.returncode == -signal.SIGSEGV
     with smstore.open(tokens) as store:
         assert np.frombuffer(store[0], dtype=np.uint16).tolist() == [3, 4, 5]
+
+
+@pytest.fixture
+def ragged_u2(tmp_path: Path) -> Path:
+    """An npy:<u2 blob whose records are 3 bytes: what the writer refuses today, written the old way."""
+    path = tmp_path / "ragged.smst"
+    w = smstore._core.Writer(str(path), False)
+    w.extend([b"\x01\x00\x02", b"\x03\x00\x04"])
+    w.finish(build_metadata("npy:<u2"))
+    return path
+
+
+@pytest.mark.parametrize("decode", ["numpy", "torch"])
+def test_decoding_a_record_of_partial_items_is_a_format_error(ragged_u2: Path, decode: str) -> None:
+    if decode == "torch":
+        pytest.importorskip("torch")
+    ds = smstore.SharedStoreDataset(ragged_u2, decode=decode)
+    with pytest.raises(
+        StoreFormatError, match=r"ragged\.smst: a record of 3 bytes is not a whole number of <u2"
+    ):
+        ds[0]

@@ -10,6 +10,7 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler
+from smstore._pack import build_metadata
 from smstore.collate import TokenCollator, pinned_memory_available
 
 torch = pytest.importorskip("torch")
@@ -260,3 +261,21 @@ def test_spawned_worker_attaches_by_path(tokens: Path) -> None:
 def test_return_indices_off(tokens: Path) -> None:
     out = TokenCollator(tokens, return_indices=False)([1, 2])
     assert set(out) == {"tokens", "lengths"}
+
+
+def test_records_of_partial_items_are_a_format_error(tmp_path: Path) -> None:
+    # Two 3-byte records make 6 bytes: a whole number of uint16 tokens in all, so the gathered
+    # buffer alone would split them silently into 1 + 1 tokens.
+    path = tmp_path / "ragged.smst"
+    w = smstore._core.Writer(str(path), False)
+    w.extend([b"\x01\x00\x02", b"\x03\x00\x04"])
+    w.finish(build_metadata("npy:<u2"))
+    collate = TokenCollator(path, mode="pack")
+    with pytest.raises(
+        smstore.StoreFormatError, match=r"ragged\.smst: record 0 of 3 bytes is not a whole number"
+    ):
+        collate([0, 1])
+    with pytest.raises(
+        smstore.StoreFormatError, match=r"ragged\.smst: a record of 3 bytes is not a whole number"
+    ):
+        collate([collate.store[0], collate.store[1]])

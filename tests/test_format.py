@@ -104,7 +104,7 @@ def test_checksum_rule(awkward_blob: Path, make_blob) -> None:
 
 
 def test_user_metadata_and_encoding_stored(make_blob) -> None:
-    path = make_blob([b"a"], encoding="npy:<i4", metadata={"k": "v", "n": [1, 2]})
+    path = make_blob([b"abcd"], encoding="npy:<i4", metadata={"k": "v", "n": [1, 2]})
     with smstore.open(path) as s:
         assert s.encoding == "npy:<i4"
         assert s.metadata["user"] == {"k": "v", "n": [1, 2]}

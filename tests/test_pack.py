@@ -6,6 +6,7 @@ import json
 import os
 import random
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -358,7 +359,7 @@ def test_writer_close_is_idempotent_and_abort_after_close_keeps_file(tmp_path: P
     w.close()
     w.abort()
     assert read_all(out) == [b"x"]
-    with pytest.raises(StoreIOError):
+    with pytest.raises(smstore.StoreClosedError, match="closed"):
         w.append(b"y")
 
 
@@ -684,7 +685,7 @@ def test_writer_refuses_a_second_thread_while_packing(tmp_path: Path) -> None:
     out = tmp_path / "out.smst"
     w = smstore._core.Writer(str(out), False)
     result: list[object] = []
-    packer = threading.Thread(target=lambda: result.append(w.pack_lines([str(fifo)])))
+    packer = threading.Thread(target=lambda: result.append(smstore._core.pack_lines(w, [str(fifo)])))
     packer.start()
     # Opening a FIFO for writing returns once the reader has opened it: the packer is then inside
     # pack_lines (marked busy before it released the GIL), blocked on its input.
@@ -699,3 +700,151 @@ def test_writer_refuses_a_second_thread_while_packing(tmp_path: Path) -> None:
     assert result == [7]
     w.finish("{}")
     assert [bytes(r) for r in smstore.open(out)] == [b"one", b"two"]
+
+
+# -- issue 12: outputs that are not regular files, and the mode of a replaced file ------------------
+
+
+@pytest.mark.parametrize("how", ["pack", "pack_files", "cli"])
+def test_output_that_is_not_a_regular_file_is_refused(tmp_path: Path, how: str) -> None:
+    # rename() would swap the FIFO (or a device, or a socket) for a regular file.
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"a\nb\n")
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    if how == "cli":
+        from smstore import cli
+
+        assert cli.main(["pack", str(src), "-o", str(fifo), "-q", "--no-fsync"]) == 1
+    else:
+        calls = {
+            "pack": lambda: smstore.pack([b"a"], fifo, durable=False),
+            "pack_files": lambda: smstore.pack_files([src], fifo, progress=False, durable=False),
+        }
+        with pytest.raises(StoreIOError, match=f"{fifo}: is not a regular file"):
+            calls[how]()
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+    assert tl.stray_temps(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", [0o600, 0o640, 0o444])
+@pytest.mark.parametrize("how", ["pack", "pack_files"])
+def test_repack_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path, mode: int, how: str) -> None:
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"new\n")
+    out = tmp_path / "out.smst"
+    smstore.pack([b"old"], out, durable=False)
+    os.chmod(out, mode)
+    if how == "pack":
+        smstore.pack([b"new"], out, durable=False)
+    else:
+        smstore.pack_files([src], out, progress=False, durable=False)
+    assert read_all(out) == [b"new"]
+    assert stat.S_IMODE(os.stat(out).st_mode) == mode
+
+
+def test_new_output_follows_the_umask(tmp_path: Path) -> None:
+    old = os.umask(0o027)
+    try:
+        smstore.pack([b"x"], tmp_path / "new.smst", durable=False)
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE(os.stat(tmp_path / "new.smst").st_mode) == 0o640
+
+
+# -- issue 12: a line that must be parsed whole is bounded ---------------------------------------
+
+
+@pytest.mark.parametrize("limit", [1, 10, 300_000])
+def test_jsonl_line_longer_than_the_limit(tmp_path: Path, limit: int) -> None:
+    # 300_000 > the 256 KiB read: the line is joined from several reads before the limit hits.
+    long_value = b'"' + b"x" * limit + b'"'
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b"1\n" + long_value + b"\n2\n")
+    out = tmp_path / "out.smst"
+    with pytest.raises(PackInputError, match=f"{src}:2: line is longer than the {limit}-byte limit"):
+        smstore.pack_files([src], out, format="jsonl", progress=False, max_line_bytes=limit)
+    assert not out.exists()
+    smstore.pack_files([src], out, format="jsonl", progress=False, max_line_bytes=limit + 2)
+    assert read_all(out) == [b"1", long_value, b"2"]
+
+
+def test_lines_format_has_no_line_limit(tmp_path: Path) -> None:
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"x" * 1000 + b"\n")
+    smstore.pack_files([src], tmp_path / "o.smst", progress=False, max_line_bytes=10)
+    assert read_all(tmp_path / "o.smst") == [b"x" * 1000]
+
+
+_ENDLESS_LINE_SCRIPT = """
+import resource, sys, threading, smstore
+
+def vm_size():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+
+fifo, out, fmt = sys.argv[1:4]
+
+def feed():
+    chunk = (b"1 " if fmt == "npy-lines" else b"1") * (1 << 19)
+    try:
+        with open(fifo, "wb") as f:
+            while True:
+                f.write(chunk)
+    except BrokenPipeError:
+        pass
+
+threading.Thread(target=feed, daemon=True).start()
+# Room for the default 1 GiB line and little more: enough to hold the line, not to double it.
+limit = vm_size() + (2 << 30) + (512 << 20)
+resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+try:
+    if fmt == "npy-lines":
+        smstore.pack_npy_lines([fifo], out, progress=False, durable=False)
+    else:
+        smstore.pack_files([fifo], out, format="jsonl", progress=False, durable=False)
+except BaseException as e:
+    print(type(e).__name__, e, sep="|")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["npy-lines", "jsonl"])
+def test_endless_line_is_a_pack_error_not_exhausted_memory(tmp_path: Path, fmt: str) -> None:
+    # A line without end (packing /dev/zero, say) once grew one buffer until std::bad_alloc.
+    fifo = tmp_path / "in.fifo"
+    os.mkfifo(fifo)
+    r = subprocess.run(
+        [sys.executable, "-c", _ENDLESS_LINE_SCRIPT, str(fifo), str(tmp_path / "o.smst"), fmt],
+        cwd=tl.SAFE_CWD,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    kind, message = r.stdout.strip().split("|", 1)
+    assert kind == "PackInputError", r.stdout
+    assert f"{fifo}:1: line is longer than the {1 << 30}-byte limit" in message
+    assert smstore._core.DEFAULT_MAX_LINE_BYTES == 1 << 30
+
+
+# -- issue 12: array records must hold whole items ---------------------------------------------
+
+
+def test_writer_refuses_a_record_that_is_not_whole_items(tmp_path: Path) -> None:
+    out = tmp_path / "u2.smst"
+    with smstore.Writer(out, encoding="npy:<u2", durable=False) as w:
+        w.append(b"\x01\x00\x02\x00")
+        with pytest.raises(
+            PackInputError, match=r"u2\.smst: record 1 is 3 bytes, not a whole number of 2-byte"
+        ):
+            w.append(b"abc")
+        w.append(b"\x03\x00")  # the refused record left nothing behind
+    assert read_all(out) == [b"\x01\x00\x02\x00", b"\x03\x00"]
+    with pytest.raises(PackInputError, match="record 0 is 6 bytes"):
+        smstore.pack([b"abcdef"], tmp_path / "f8.smst", encoding="npy:<f8", durable=False)
+    assert not (tmp_path / "f8.smst").exists()
+    with pytest.raises(PackInputError, match="npy:nonsense"):
+        smstore.Writer(tmp_path / "bad.smst", encoding="npy:nonsense")

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import gc
 import os
+import resource
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
-from smstore_testlib import random_records
+from smstore_testlib import SAFE_CWD, random_records
 
 import smstore
 
@@ -469,3 +472,69 @@ def test_unscanned_index_is_checked_on_every_access(tmp_path: Path) -> None:
         with pytest.raises(smstore.StoreFormatError, match=r"c\.smst: corrupt index: record [01]"):
             call()
     assert bytes(s[2]) == b"c"
+
+
+# -- issue 12: objects made with __new__ alone must raise, never crash ---------------------------
+
+_UNINITIALIZED_SCRIPT = """
+import sys
+from smstore import _core
+s = _core.Store.__new__(_core.Store)
+w = _core.Writer.__new__(_core.Writer)
+r = _core.RecordReader.__new__(_core.RecordReader)
+try:
+    print(repr(eval(sys.argv[1])))
+except Exception as e:
+    print(type(e).__name__, e, sep="|")
+"""
+
+_STORE_CALLS = [
+    "len(s)", "s[0]", "s[-1]", "list(s)", "s.get_batch([0])", "s.gather([0])", "s.verify()",
+    "s.compute_checksum()", "s.close()", "repr(s)", "s.__enter__()", "s.__exit__(None, None, None)",
+    "s.closed", "s.path", "s.checksum", "s.nbytes", "s.file_size", "s.format_version",
+    "s.metadata_bytes", "s.metadata", "s.encoding", "s.offsets", "r._bind(s, None, None)",
+]  # fmt: skip
+_WRITER_CALLS = [
+    "w.append(b'x')", "w.extend([b'x'])", "w.finish('{}')", "w.abort()", "w.record_count",
+    "w.data_size", "w.path", "w.is_open", "_core.pack_lines(w, ['in.txt'])",
+    "_core.pack_npy_lines(w, ['in.txt'], 'u', 2)",
+]  # fmt: skip
+
+
+def _call_uninitialized(call: str) -> str:
+    """What `call` printed in a fresh process; a crash fails the test with its exit status."""
+    r = subprocess.run(
+        [sys.executable, "-c", _UNINITIALIZED_SCRIPT, call],
+        cwd=SAFE_CWD,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)),  # no core file
+    )
+    assert r.returncode == 0, f"{call}: exit status {r.returncode}\n{r.stderr}"
+    return r.stdout.strip()
+
+
+@pytest.mark.parametrize("call", _STORE_CALLS + _WRITER_CALLS)
+def test_uninitialized_objects_raise_instead_of_crashing(call: str) -> None:
+    kind, message = _call_uninitialized(call).split("|")
+    assert kind == "StoreClosedError"
+    assert "was never initialized" in message
+    assert issubclass(smstore.StoreClosedError, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("call", "expected"),
+    [("r[0]", "StoreClosedError|this RecordReader is bound to no Store"), ("r._bound_store", "None"),
+     ("r._unbind()", "None")],
+)  # fmt: skip
+def test_uninitialized_record_reader(call: str, expected: str) -> None:
+    assert _call_uninitialized(call).startswith(expected)
+
+
+def test_data_export_cannot_be_made_from_python(awkward_blob: Path) -> None:
+    with smstore.open(awkward_blob) as s:
+        export_type = type(s[0].obj)
+    with pytest.raises(TypeError):
+        export_type.__new__(export_type)

@@ -8,6 +8,6 @@ PYBIND11_MODULE(_core, m) {  // needs the GIL: stores and writers are not safe w
     smstore::bindings::register_store(m);
     smstore::bindings::register_record_reader(m);
     smstore::bindings::register_writer(m);
+    smstore::bindings::register_packers(m);
     smstore::bindings::register_shm(m);
-    smstore::bindings::register_arrays(m);
 }

@@ -53,28 +53,45 @@ inline Py_ssize_t normalize_value(Py_ssize_t i, uint64_t count) {
     return j;
 }
 
+// Exports a store's data section through the buffer protocol (see record_view).
+struct DataExport {
+    std::shared_ptr<Store> store;
+};
+pybind11::buffer_info data_buffer(const DataExport& d);
+
 class PyStore {
 public:
     explicit PyStore(std::shared_ptr<Store> store);
+    // smstore.Store(path): maps and validates the file without the GIL.
+    static PyStore open_path(const pybind11::object& path);
+    // A Store over an open descriptor (a daemon's segment); the caller keeps the fd.
+    static PyStore open_fd(int fd, const std::string& label, bool full_index);
 
-    const Store& core() const;
+    const Store& core() const;  // StoreClosedError when closed
     std::shared_ptr<Store> shared() const;
     uint64_t size() const noexcept { return count_; }
     bool closed() const noexcept { return !store_; }
+    // False with StoreClosedError set when closed (for raw CPython code, which cannot throw).
+    bool check_open() const;
     const pybind11::object& owner() const noexcept { return owner_; }
     // The parsed metadata block, parsed once (a dict; callers must not mutate it).
     pybind11::object metadata() const;
     void close();
+    std::string repr() const;
 
-    // Record i (i < size()) as a new reference, or nullptr with a Python error set: ValueError when
-    // closed, StoreFormatError when its offsets leave the data section. The check costs two compares
-    // and makes every read safe even where the index was not scanned in full (daemon segments).
+    // Record i (i < size()) as a new reference, or nullptr with a Python error set:
+    // StoreClosedError when closed, StoreFormatError when its offsets leave the data section. The
+    // check costs two compares and makes every read safe even where the index was not scanned in
+    // full (daemon segments).
     PyObject* record(uint64_t i) const;
     // store[key]: new reference, or nullptr with a Python error set.
     PyObject* getitem(PyObject* key) const;
     std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
     pybind11::list get_batch(pybind11::handle indices) const;
     pybind11::tuple gather(pybind11::handle indices) const;
+    void verify() const;                   // without the GIL
+    std::string compute_checksum() const;  // without the GIL
+    pybind11::object offsets() const;      // a read-only uint64 array over the mapped index
 
 private:
     std::shared_ptr<Store> store_;
@@ -86,7 +103,10 @@ private:
     const uint64_t* offsets_ = nullptr;
 };
 
-// The PyStore inside a Python Store object, or nullptr with TypeError set.
+// The PyStore inside a Python Store object, or nullptr with a Python error set (see instance_of).
 PyStore* py_store_from(PyObject* obj);
+
+// Installs raw CPython slots for store[i] and len(store) on the Store class (see py_store.cpp).
+void install_store_slots(pybind11::handle cls);
 
 }  // namespace smstore::bindings

@@ -3,6 +3,7 @@
 
 #include <pybind11/pybind11.h>
 
+#include "line_scanner.hpp"
 #include "writer.hpp"
 
 namespace smstore::bindings {

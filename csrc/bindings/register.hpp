@@ -3,20 +3,67 @@
 
 #include <pybind11/pybind11.h>
 
-namespace smstore {
-class Error;
-}
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+#include "error.hpp"
 
 namespace smstore::bindings {
 
 // Sets the Python exception for a core error (for raw CPython slots, which cannot throw).
 void set_python_error(const Error& e);
 
+// The T inside `self`, a pybind11 instance of `type`; nullptr with a Python error set when it is
+// not one (TypeError), or when Python made it with T.__new__ alone (StoreClosedError): pybind11
+// would hand a method uninitialised memory for such an object.
+template <typename T>
+T* instance_of(PyObject* self, PyTypeObject* type) {
+    if (!PyObject_TypeCheck(self, type)) {
+        PyErr_Format(PyExc_TypeError, "expected an %s, not %s", type->tp_name, Py_TYPE(self)->tp_name);
+        return nullptr;
+    }
+    auto vh = reinterpret_cast<pybind11::detail::instance*>(self)->get_value_and_holder();
+    if (!vh.holder_constructed()) {
+        set_python_error(Error(Error::Kind::Closed, std::string("this ") + Py_TYPE(self)->tp_name +
+                                                        " was never initialized; create it by calling the class"));
+        return nullptr;
+    }
+    return vh.template holder<std::unique_ptr<T>>().get();
+}
+
+// instance_of() for pybind11 code: throws instead.
+template <typename T>
+T& self_of(pybind11::handle self) {
+    static PyTypeObject* const type = pybind11::detail::get_type_info(typeid(T))->type;
+    T* p = instance_of<T>(self.ptr(), type);
+    if (!p) throw pybind11::error_already_set();
+    return *p;
+}
+
+// A method binding whose `self` goes through self_of() before `f` sees it. Every method of a
+// class that Python can build with __new__ alone is bound through this.
+template <typename T, typename R, bool NE, typename... A>
+auto checked(R (T::*f)(A...) const noexcept(NE)) {
+    return [f](pybind11::handle self, A... a) -> R { return (self_of<T>(self).*f)(std::forward<A>(a)...); };
+}
+template <typename T, typename R, bool NE, typename... A>
+auto checked(R (T::*f)(A...) noexcept(NE)) {
+    return [f](pybind11::handle self, A... a) -> R { return (self_of<T>(self).*f)(std::forward<A>(a)...); };
+}
+template <typename T, typename R, typename... A>
+auto checked(R (*f)(T&, A...)) {
+    return [f](pybind11::handle self, A... a) -> R {
+        return f(self_of<std::remove_const_t<T>>(self), std::forward<A>(a)...);
+    };
+}
+
 void register_errors(pybind11::module_& m);
 void register_store(pybind11::module_& m);
 void register_record_reader(pybind11::module_& m);
 void register_writer(pybind11::module_& m);
+void register_packers(pybind11::module_& m);
 void register_shm(pybind11::module_& m);
-void register_arrays(pybind11::module_& m);
 
 }  // namespace smstore::bindings

@@ -1,5 +1,6 @@
 // smstore._core.RecordReader: the C base of SharedStoreDataset, so ds[i] never enters a Python frame.
 
+#include "error.hpp"
 #include "py_store.hpp"
 #include "register.hpp"
 
@@ -86,10 +87,7 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     }
     PyStore* s = py_store_from(args[0]);
     if (!s) return nullptr;
-    if (s->closed()) {
-        PyErr_SetString(PyExc_ValueError, "I/O operation on a closed smstore.Store");
-        return nullptr;
-    }
+    if (!s->check_open()) return nullptr;
     for (Py_ssize_t k = 1; k < 3; ++k) {
         if (args[k] != Py_None && !PyCallable_Check(args[k])) {
             PyErr_SetString(PyExc_TypeError, "decode and transform must be callables or None");
@@ -103,6 +101,14 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     r->decode = args[1] == Py_None ? nullptr : Py_NewRef(args[1]);
     r->transform = args[2] == Py_None ? nullptr : Py_NewRef(args[2]);
     Py_RETURN_NONE;
+}
+
+// The base class binds nothing itself: say so (SharedStoreDataset overrides this).
+PyObject* reader_attach(PyObject*, PyObject*) {
+    set_python_error(
+        Error(Error::Kind::Closed,
+              "this RecordReader is bound to no Store: _bind() one first, or use smstore.SharedStoreDataset"));
+    return nullptr;
 }
 
 PyObject* reader_unbind(PyObject* self, PyObject*) {
@@ -119,6 +125,7 @@ PyMethodDef reader_methods[] = {
     {"_bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reader_bind)), METH_FASTCALL,
      "_bind(store, decode, transform): serve records of `store` through the given callables."},
     {"_unbind", reader_unbind, METH_NOARGS, "Forget the bound Store (the next access calls _attach())."},
+    {"_attach", reader_attach, METH_NOARGS, "Bind a Store on first access; subclasses implement it."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,4 +1,5 @@
-// smstore._core shared-memory functions: what the daemon needs to load, size-check and unlink segments.
+// smstore._core shared-memory functions: what the daemon needs to load, size and unlink segments.
+#include "format.hpp"
 #include "register.hpp"
 #include "shm.hpp"
 
@@ -15,8 +16,6 @@ void register_shm(py::module_& m) {
             return py::make_tuple(s.available, s.total);
         },
         py::arg("dir") = kShmDir, "(available, total) bytes of the filesystem holding shared memory.");
-    m.def("check_shm_room", &check_shm_room, py::arg("needed"), py::arg("available"), py::arg("label"),
-          "Raise SharedMemoryError (saying how to make room) if needed > available.");
     m.def(
         "shm_load",
         [](const std::string& path, const std::string& name, unsigned mode, int64_t gid, uint64_t room_limit) {
@@ -29,10 +28,10 @@ void register_shm(py::module_& m) {
                 py::gil_scoped_release release;
                 seg = load_segment(path, name, opt);
             }
-            return py::make_tuple(seg.fd, seg.size, seg.checksum, seg.record_count);
+            return py::make_tuple(seg.fd, seg.size, checksum_hex(seg.checksum), seg.record_count);
         },
         py::arg("path"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1, py::arg("room_limit") = 0,
-        "Load a blob into a new segment; returns (read-only fd, size, checksum, record_count).");
+        "Load a blob into a new segment; returns (read-only fd, size, checksum as hex, record_count).");
     m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");
 }
 

@@ -1,4 +1,4 @@
-// smstore._core.Writer: the streaming writer, and the C++ line packer behind `smstore pack`.
+// smstore._core.Writer: the streaming writer behind smstore.Writer and every packer.
 #include <pybind11/stl.h>
 
 #include "error.hpp"
@@ -44,60 +44,36 @@ void append_object(Writer& w, const py::handle& obj) {
 
 void register_writer(py::module_& m) {
     py::class_<PyWriter>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
-        .def(py::init<std::string, bool>(), py::arg("path"), py::arg("durable") = true)
-        .def(
-            "append",
-            [](PyWriter& w, const py::handle& record) {
-                w.check_idle();
-                append_object(w, record);
-            },
-            py::arg("record"))
-        .def(
-            "extend",
-            [](PyWriter& w, const py::iterable& records) {
-                uint64_t before = w.record_count();
-                for (auto item : records) {
-                    w.check_idle();  // the iterable is Python code: it may have handed w to a thread
-                    append_object(w, item);
-                }
-                return w.record_count() - before;
-            },
-            py::arg("records"))
-        .def(
-            "pack_lines",
-            [](PyWriter& w, const std::vector<std::string>& inputs, const std::string& format,
-               const py::object& progress) {
-                LineFormat fmt;
-                if (format == "lines") {
-                    fmt = LineFormat::Lines;
-                } else if (format == "jsonl") {
-                    fmt = LineFormat::Jsonl;
-                } else {
-                    throw py::value_error("format must be 'lines' or 'jsonl', not '" + format + "'");
-                }
-                CallbackProgress cb(progress);
-                PyWriter::Busy busy(w);
-                py::gil_scoped_release release;
-                return pack_lines(w, inputs, fmt, &cb);
-            },
-            py::arg("inputs"), py::arg("format") = "lines", py::arg("progress") = py::none())
-        .def(
-            "finish",
-            [](PyWriter& w, const std::string& metadata_json) {
-                PyWriter::Busy busy(w);
-                py::gil_scoped_release release;
-                w.finish(metadata_json);
-            },
-            py::arg("metadata_json"))
-        .def("abort",
-             [](PyWriter& w) {
+        .def(py::init<std::string, bool, uint64_t>(), py::arg("path"), py::arg("durable") = true,
+             py::arg("item_size") = 1)
+        .def("append", checked(+[](PyWriter& w, const py::handle& record) {
+                 w.check_idle();
+                 append_object(w, record);
+             }),
+             py::arg("record"))
+        .def("extend", checked(+[](PyWriter& w, const py::iterable& records) {
+                 uint64_t before = w.record_count();
+                 for (auto item : records) {
+                     w.check_idle();  // the iterable is Python code: it may have handed w to a thread
+                     append_object(w, item);
+                 }
+                 return w.record_count() - before;
+             }),
+             py::arg("records"))
+        .def("finish", checked(+[](PyWriter& w, const std::string& metadata_json) {
+                 PyWriter::Busy busy(w);
+                 py::gil_scoped_release release;
+                 w.finish(metadata_json);
+             }),
+             py::arg("metadata_json"))
+        .def("abort", checked(+[](PyWriter& w) {
                  w.check_idle();
                  w.abort();
-             })
-        .def_property_readonly("record_count", &PyWriter::record_count)
-        .def_property_readonly("data_size", &PyWriter::data_size)
-        .def_property_readonly("path", &PyWriter::path)
-        .def_property_readonly("is_open", &PyWriter::is_open);
+             }))
+        .def_property_readonly("record_count", checked(+[](const PyWriter& w) { return w.record_count(); }))
+        .def_property_readonly("data_size", checked(+[](const PyWriter& w) { return w.data_size(); }))
+        .def_property_readonly("path", checked(+[](const PyWriter& w) { return w.path(); }))
+        .def_property_readonly("is_open", checked(+[](const PyWriter& w) { return w.is_open(); }));
 }
 
 }  // namespace smstore::bindings
