@@ -41,7 +41,7 @@ log = logging.getLogger("smstore.daemon")
 
 # What the loader thread hands back: a new segment (name, fd, checksum, seconds), the checksum of
 # one already loaded, or the error.
-LoadResult = tuple[str, int, int, float] | str | Exception
+LoadResult = tuple[str, int, str, float] | str | Exception
 
 
 def _peer_groups(pid: int) -> set[int]:

@@ -270,7 +270,7 @@ def test_records_of_partial_items_are_a_format_error(tmp_path: Path) -> None:
     w = smstore._core.Writer(str(path), False)
     w.extend([b"\x01\x00\x02", b"\x03\x00\x04"])
     w.finish(build_metadata("npy:<u2"))
-    collate = TokenCollator(path, mode="pack")
+    collate = TokenCollator(path, layout="pack")
     with pytest.raises(
         smstore.StoreFormatError, match=r"ragged\.smst: record 0 of 3 bytes is not a whole number"
     ):
