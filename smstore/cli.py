@@ -43,6 +43,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
             args.output,
             dtype=args.dtype or "uint16",
             metadata=user,
+            max_line_bytes=args.max_line_bytes,
             progress=progress,
             durable=not args.no_fsync,
         )
@@ -55,6 +56,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
             args.output,
             format=args.format,
             metadata=user,
+            max_line_bytes=args.max_line_bytes,
             progress=progress,
             durable=not args.no_fsync,
         )
@@ -145,6 +147,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="jsonl validates every line; npy-lines packs each line of integers as one array of --dtype",
     )
     p.add_argument("--dtype", help="npy-lines: the integer dtype of the records (default uint16)")
+    p.add_argument(
+        "--max-line-bytes",
+        type=_size,
+        default=smstore._core.DEFAULT_MAX_LINE_BYTES,
+        metavar="SIZE",
+        help="jsonl and npy-lines parse each line whole: refuse a longer one (default 1G)",
+    )
     p.add_argument("--meta", action="append", metavar="KEY=VALUE", help="user metadata (repeatable)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar, no summary")
     p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing the file")

@@ -310,3 +310,17 @@ def test_import_and_cli_never_import_torch(packed: Path) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert r.stdout == b"clean\n"
+
+
+def test_pack_max_line_bytes(tmp_path: Path) -> None:
+    src = tmp_path / "in.jsonl"
+    src.write_bytes(b'1\n"' + b"x" * 100 + b'"\n')
+    out = tmp_path / "o.smst"
+    r = run("pack", "--format", "jsonl", "--max-line-bytes", "64", src, "-o", out, "-q")
+    assert r.returncode == 1
+    assert f"{src}:2: line is longer than the 64-byte limit".encode() in r.stderr
+    assert not out.exists()
+    assert run("pack", "--format", "jsonl", "--max-line-bytes", "1k", src, "-o", out, "-q").returncode == 0
+    r = run("pack", "--max-line-bytes", "lots", src, "-o", out)
+    assert r.returncode == 2
+    assert b"'lots' is not a size" in r.stderr
