@@ -17,6 +17,9 @@ namespace smstore {
 class Writer {
 public:
     explicit Writer(std::string path, bool durable = true);
+    // Writes into `fd`, an empty, writable, seekable file (e.g. a memfd) that the Writer now owns;
+    // `label` names it in errors. finish_fd() hands the complete blob back instead of publishing it.
+    Writer(int fd, std::string label);
     ~Writer();
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
@@ -45,6 +48,8 @@ public:
 
     // Writes index, metadata and header, then atomically renames the file into place.
     void finish(std::string_view metadata_json);
+    // For a Writer(fd, label): writes index, metadata and header, and returns the fd (now the caller's).
+    int finish_fd(std::string_view metadata_json);
     // Drops everything written; `path` is left as it was. Safe to call twice.
     void abort() noexcept;
 
@@ -63,11 +68,13 @@ private:
     void put_slow(const void* data, size_t size);
     void flush_buffer();
     void write_all(const void* data, size_t size);
+    void write_tail(std::string_view metadata_json);
     void publish();
 
     std::string path_;
     std::string tmp_path_;  // named temporary, only where O_TMPFILE is unavailable
     bool durable_;
+    bool to_fd_ = false;  // Writer(fd, label): no path, no rename
     int fd_ = -1;
     std::vector<unsigned char> buf_;
     size_t buf_used_ = 0;
