@@ -5,12 +5,16 @@ from __future__ import annotations
 import os
 
 from smstore._core import Store
+from smstore._objects import OBJECT_ENCODINGS, ObjectStore
 
 __all__ = ["Store", "open"]
 
 
 def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
     """Map a blob read-only and validate its structure (header and offsets index).
+
+    A blob of objects (see :func:`smstore.pack_objects`) opens as an :class:`ObjectStore`, whose
+    items are decoded objects; ``smstore.Store(path)`` gives its raw records.
 
     Args:
         path: The ``.smst`` file.
@@ -21,6 +25,9 @@ def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
         StoreFormatError: The file is foreign, malformed, truncated, or fails ``verify``.
     """
     store = Store(path)
+    if store.encoding in OBJECT_ENCODINGS:
+        store.close()
+        store = ObjectStore(path)  # validated again: cheap next to decoding, and no race with a swap
     if verify:
         store.verify()
     return store
