@@ -163,18 +163,19 @@ class Server:
             self.close()  # a failed build serves nobody later
 
     def _deliver(self, conn: socket.socket) -> None:
-        assert self._result is not None
-        message, fd = self._result
-        try:
-            if fd is None:
-                conn.sendall(_encode(message))
-            else:
-                socket.send_fds(conn, [_encode(message)], [fd])
-        except OSError:
-            pass  # that waiter is gone; it counts as served (it will not come back)
-        finally:
-            conn.close()
-        with self._lock:
+        with self._lock:  # close() must not close the descriptor while it is being sent
+            assert self._result is not None
+            message, fd = self._result
+            try:
+                if fd is not None:
+                    socket.send_fds(conn, [_encode(message)], [fd])
+                elif not message["ok"]:
+                    conn.sendall(_encode(message))
+                # else: closed meanwhile; the waiter sees EOF, as if this process had exited
+            except OSError:
+                pass  # that waiter is gone; it counts as served (it will not come back)
+            finally:
+                conn.close()
             self._served += 1
             done = self._expected is not None and self._served >= self._expected
         if done:
@@ -192,21 +193,27 @@ class Server:
         self._sock.close()
         for conn in pending:
             conn.close()
-        if self._result is not None and self._result[1] is not None:
-            os.close(self._result[1])
+        with self._lock:
+            self._close_fd()
 
     def _close_in_forked_child(self) -> None:
         # The child shares the listening socket and the waiters' connections with its parent:
         # close its copies without shutdown(), which would end the parent's too. Without this a
         # forked DataLoader worker would keep them open after the builder died, and a waiter
         # would wait for a message that never comes instead of seeing EOF.
+        if self._closed:
+            return  # its descriptors were closed before the fork; their numbers may be reused
         self._closed = True
         self._sock.close()
         for conn in self._pending:
             conn.close()
         self._pending = []
+        self._close_fd()
+
+    def _close_fd(self) -> None:
         if self._result is not None and self._result[1] is not None:
             os.close(self._result[1])
+            self._result = (self._result[0], None)
 
 
 _servers: weakref.WeakSet[Server] = weakref.WeakSet()
@@ -274,7 +281,9 @@ class Peer:
         while True:
             message = self._message()
             if message is not None:
-                fd = self._fds.pop(0) if self._fds else None
+                # Only the final message ({"ok": ...}) carries a descriptor; the hello may have
+                # been read together with it.
+                fd = self._fds.pop(0) if "ok" in message and self._fds else None
                 return message, fd
             if self._eof:
                 msg = (

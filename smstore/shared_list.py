@@ -28,6 +28,8 @@ _ROOM_FIRST_CHECK = 1024
 _ROOM_CHECK_EVERY = 8 << 20
 # How long a waiter waits for the builder's first word once connected: it answers from a thread.
 _HELLO_TIMEOUT = 60.0
+# How often a waiter hashing its own list looks whether the builder died meanwhile.
+_ALIVE_EVERY = 0.2
 
 _sequence = itertools.count()
 
@@ -269,10 +271,12 @@ class SharedList(Sequence[Any]):
             if check:
                 # Hash our own encoding while local rank 0 builds, and look for its death now and then.
                 own = ContentHash()
+                next_look = time.monotonic() + _ALIVE_EVERY
                 for record in encode_objects(objects, encoding):
                     own.update(record)
-                    if own.count % 4096 == 0:
+                    if time.monotonic() >= next_look:
                         peer.check_alive()
+                        next_look = time.monotonic() + _ALIVE_EVERY
             message, fd = peer.receive(deadline, "finishing the list")
         finally:
             peer.close()
