@@ -73,14 +73,7 @@ Writer::Writer(std::string path, bool durable) : path_(std::move(path)), durable
     } else if (fd_ < 0) {
         throw_errno(path_ + ": cannot create the output in " + dir, errno);
     }
-    // The header is written last; until then the first 4096 bytes are a hole that reads as zeros.
-    if (::lseek(fd_, static_cast<off_t>(kHeaderSize), SEEK_SET) < 0) {
-        int err = errno;
-        abort();
-        throw_errno(path_, err);
-    }
-    offsets_.reserve(1024);
-    offsets_.push_back(0);
+    begin();
 }
 
 Writer::Writer(int fd, std::string label)
@@ -96,6 +89,11 @@ Writer::Writer(int fd, std::string label)
         abort();
         throw Error(Error::Kind::Io, path_ + ": a writer needs an empty regular file");
     }
+    begin();
+}
+
+void Writer::begin() {
+    // The header is written last; until then the first 4096 bytes are a hole that reads as zeros.
     if (::lseek(fd_, static_cast<off_t>(kHeaderSize), SEEK_SET) < 0) {
         int err = errno;
         abort();

@@ -54,6 +54,7 @@ public:
     void abort() noexcept;
 
 private:
+    void begin();  // after the fd is open: skip the header, start the index
     void check_open() const;
     // Through the buffer, hashed in file order.
     void put(const void* data, size_t size) {
