@@ -6,6 +6,7 @@ import os
 
 from smstore._core import Store
 from smstore._objects import OBJECT_ENCODINGS, ObjectStore
+from smstore.errors import StoreFormatError
 
 __all__ = ["Store", "open"]
 
@@ -25,7 +26,11 @@ def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
         StoreFormatError: The file is foreign, malformed, truncated, or fails ``verify``.
     """
     store = Store(path)
-    if store.encoding in OBJECT_ENCODINGS:
+    try:
+        objects = store.encoding in OBJECT_ENCODINGS
+    except StoreFormatError:
+        objects = False  # a corrupt metadata block is reported where the metadata is read
+    if objects:
         store.close()
         store = ObjectStore(path)  # validated again: cheap next to decoding, and no race with a swap
     if verify:
