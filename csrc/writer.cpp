@@ -83,6 +83,26 @@ Writer::Writer(std::string path, bool durable, uint64_t item_size)
     } else if (fd_ < 0) {
         throw_errno(path_ + ": cannot create the output in " + dir, errno);
     }
+    begin();
+}
+
+Writer::Writer(int fd, std::string label)
+    : path_(std::move(label)), durable_(false), to_fd_(true), fd_(fd), buf_(kBufferSize) {
+    if (fd_ < 0) throw Error(Error::Kind::Io, path_ + ": invalid file descriptor");
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) {
+        int err = errno;
+        abort();
+        throw_errno(path_, err);
+    }
+    if (!S_ISREG(st.st_mode) || st.st_size != 0) {
+        abort();
+        throw Error(Error::Kind::Io, path_ + ": a writer needs an empty regular file");
+    }
+    begin();
+}
+
+void Writer::begin() {
     // The header is written last; until then the first 4096 bytes are a hole that reads as zeros.
     if (::lseek(fd_, static_cast<off_t>(kHeaderSize), SEEK_SET) < 0) {
         int err = errno;
@@ -148,6 +168,21 @@ void Writer::put_slow(const void* data, size_t size) {
 }
 
 void Writer::finish(std::string_view metadata_json) {
+    if (to_fd_) throw Error(Error::Kind::Io, path_ + ": this writer writes into a descriptor; use finish_fd()");
+    write_tail(metadata_json);
+    publish();
+}
+
+int Writer::finish_fd(std::string_view metadata_json) {
+    if (!to_fd_) throw Error(Error::Kind::Io, path_ + ": this writer publishes a file; use finish()");
+    write_tail(metadata_json);
+    int fd = fd_;
+    fd_ = -1;
+    std::vector<uint64_t>().swap(offsets_);
+    return fd;
+}
+
+void Writer::write_tail(std::string_view metadata_json) {
     check_open();
     if (offsets_.back() != data_size_) {  // write_data() without its end_record()
         throw Error(Error::Kind::Input, path_ + ": the last record was left unfinished; nothing was written");
@@ -182,7 +217,6 @@ void Writer::finish(std::string_view metadata_json) {
         abort();
         throw_errno(path_ + ": writing the header failed", err ? err : EIO);
     }
-    publish();
 }
 
 void Writer::publish() {

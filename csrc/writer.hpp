@@ -19,6 +19,9 @@ class Writer {
 public:
     // Every record must be a whole number of `item_size` bytes (the itemsize of an array encoding).
     explicit Writer(std::string path, bool durable = true, uint64_t item_size = 1);
+    // Writes into `fd`, an empty, writable, seekable file (e.g. a memfd) that the Writer now owns;
+    // `label` names it in errors. finish_fd() hands the complete blob back instead of publishing it.
+    Writer(int fd, std::string label);
     ~Writer();
     Writer(const Writer&) = delete;
     Writer& operator=(const Writer&) = delete;
@@ -48,10 +51,13 @@ public:
 
     // Writes index, metadata and header, then atomically renames the file into place.
     void finish(std::string_view metadata_json);
+    // For a Writer(fd, label): writes index, metadata and header, and returns the fd (now the caller's).
+    int finish_fd(std::string_view metadata_json);
     // Drops everything written; `path` is left as it was. Safe to call twice.
     void abort() noexcept;
 
 private:
+    void begin();  // after the fd is open: skip the header, start the index
     void check_open() const;
     void check_record_size(uint64_t size) const {
         if (__builtin_expect(item_size_ > 1, 0) && size % item_size_ != 0) reject_record_size(size);
@@ -74,12 +80,14 @@ private:
     void put_slow(const void* data, size_t size);
     void flush_buffer();
     void write_all(const void* data, size_t size);
+    void write_tail(std::string_view metadata_json);
     void publish();
 
     std::string path_;
     std::string tmp_path_;  // named temporary, only where O_TMPFILE is unavailable
     bool durable_;
-    uint64_t item_size_;
+    uint64_t item_size_ = 1;
+    bool to_fd_ = false;  // Writer(fd, label): no path, no rename
     int fd_ = -1;
     std::vector<unsigned char> buf_;
     size_t buf_used_ = 0;

@@ -16,12 +16,15 @@ except ImportError as err:  # pragma: no cover - only without a built extension
         "source checkout, install the package first (pip install .) and run outside the source tree."
     ) from err
 
+from smstore._objects import ObjectStore, pack_objects
 from smstore._pack import PackStats, Writer, pack, pack_files
 from smstore._store import Store, open
 from smstore.errors import (
     ChecksumMismatchError,
     DaemonError,
     PackInputError,
+    SharedListError,
+    SharedListMismatchError,
     SharedMemoryError,
     StoreChangedError,
     StoreClosedError,
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
     from smstore.sampler import GlobalShuffleSampler
+    from smstore.shared_list import SharedList
 
 __version__: str = _core.__version__
 
@@ -48,8 +52,12 @@ __all__ = [
     "DaemonError",
     "DaemonStore",
     "GlobalShuffleSampler",
+    "ObjectStore",
     "PackInputError",
     "PackStats",
+    "SharedList",
+    "SharedListError",
+    "SharedListMismatchError",
     "SharedMemoryError",
     "SharedStoreDataset",
     "Store",
@@ -73,6 +81,7 @@ __all__ = [
     "pack_arrays",
     "pack_files",
     "pack_npy_lines",
+    "pack_objects",
 ]
 
 # These load on first use: `import smstore` (the CLI, the daemon) never imports torch, and numpy
@@ -88,6 +97,7 @@ _LAZY = {
     "daemon_request": "smstore.client",
     "collect_garbage": "smstore._segments",
     "list_segments": "smstore._segments",
+    "SharedList": "smstore.shared_list",
 }
 
 

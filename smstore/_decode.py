@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from smstore._objects import object_decoder
 from smstore.errors import StoreFormatError
 
 __all__ = ["Decoder", "make_decoder", "numpy_dtype", "partial_items_error", "torch_dtype"]
@@ -94,9 +95,15 @@ def _torch_decoder(dtype: np.dtype[Any], path: str) -> Decoder:
 
 
 def make_decoder(decode: str | Decoder | None, encoding: str, path: str) -> Decoder | None:
-    """Turn a ``decode=`` argument into a function of one memoryview (None: no decoding)."""
+    """Turn a ``decode=`` argument into a function of one memoryview (None: no decoding).
+
+    ``"auto"`` decodes object records (encodings ``pickle`` and ``json``, see pack_objects) to
+    objects and leaves every other record a memoryview.
+    """
     if decode is None or callable(decode):
         return decode
+    if decode == "auto":
+        return object_decoder(encoding)
     if decode == "bytes":
         return _bytes
     if decode == "utf8":
@@ -114,5 +121,8 @@ def make_decoder(decode: str | Decoder | None, encoding: str, path: str) -> Deco
         return _numpy
     if decode == "torch":
         return _torch_decoder(numpy_dtype(encoding, path), path)
-    msg = f"decode must be None, 'bytes', 'utf8', 'json', 'numpy', 'torch' or a callable, not {decode!r}"
+    msg = (
+        "decode must be 'auto', None, 'bytes', 'utf8', 'json', 'numpy', 'torch' or a callable, "
+        f"not {decode!r}"
+    )
     raise ValueError(msg)

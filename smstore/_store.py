@@ -6,12 +6,17 @@ import os
 
 from smstore import _core
 from smstore._core import Store
+from smstore._objects import OBJECT_ENCODINGS, ObjectStore
+from smstore.errors import StoreFormatError
 
 __all__ = ["Store", "open", "read_checksum"]
 
 
 def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
     """Map a blob read-only and validate its structure (header and offsets index).
+
+    A blob of objects (see :func:`smstore.pack_objects`) opens as an :class:`ObjectStore`, whose
+    items are decoded objects; ``smstore.Store(path)`` gives its raw records.
 
     Args:
         path: The ``.smst`` file.
@@ -22,6 +27,13 @@ def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
         StoreFormatError: The file is foreign, malformed, truncated, or fails ``verify``.
     """
     store = Store(path)
+    try:
+        objects = store.encoding in OBJECT_ENCODINGS
+    except StoreFormatError:
+        objects = False  # a corrupt metadata block is reported where the metadata is read
+    if objects:
+        store.close()
+        store = ObjectStore(path)  # validated again: cheap next to decoding, and no race with a swap
     if verify:
         store.verify()
     return store

@@ -27,9 +27,11 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
 
     Args:
         path: The ``.smst`` blob.
-        decode: ``None`` for a zero-copy read-only ``memoryview``; ``"bytes"``, ``"utf8"``,
-            ``"json"``, ``"numpy"`` (dtype from the blob's ``npy:<dtype>`` encoding, zero-copy and
-            read-only), or a callable taking the memoryview.
+        decode: ``"auto"`` (the default): objects for blobs of objects (see
+            :func:`smstore.pack_objects`), else as ``None``; ``None`` for a zero-copy read-only
+            ``memoryview``; ``"bytes"``, ``"utf8"``, ``"json"``, ``"numpy"`` (dtype
+            from the blob's ``npy:<dtype>`` encoding, zero-copy and read-only), or a callable
+            taking the memoryview.
         transform: Called on each decoded record.
         mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
             file, else a mapping of the file; ``"daemon"``: require the daemon; ``"mmap"``: never
@@ -46,7 +48,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         self,
         path: str | os.PathLike[str],
         *,
-        decode: str | Decoder | None = None,
+        decode: str | Decoder | None = "auto",
         transform: Callable[[Any], Any] | None = None,
         mode: Mode = "auto",
         socket: str | os.PathLike[str] | None = None,

@@ -6,6 +6,8 @@ __all__ = [
     "ChecksumMismatchError",
     "DaemonError",
     "PackInputError",
+    "SharedListError",
+    "SharedListMismatchError",
     "SharedMemoryError",
     "StoreChangedError",
     "StoreClosedError",
@@ -60,6 +62,14 @@ class PackInputError(StoreError, ValueError):
 
 class SharedMemoryError(StoreError):
     """A shared-memory segment could not be created, sized or mapped."""
+
+
+class SharedListError(SharedMemoryError):
+    """A SharedList could not be built, handed over or attached (e.g. its builder died)."""
+
+
+class SharedListMismatchError(SharedListError, ValueError):
+    """Local ranks passed different lists to the same SharedList."""
 
 
 class DaemonError(StoreError):

@@ -157,3 +157,43 @@ def to_bytes(view: memoryview) -> bytes:
 
 def upper(record: bytes) -> bytes:
     return record.upper()
+
+
+# ---- object records and SharedList ----
+
+
+def annotation(i: int) -> dict[str, Any]:
+    """A COCO-like record of varied size: file name, a few boxes, labels, a caption."""
+    rng = random.Random(i)
+    boxes = [
+        [rng.uniform(0, 600), rng.uniform(0, 400), rng.uniform(1, 200), rng.uniform(1, 200)]
+        for _ in range(i % 7)
+    ]
+    return {
+        "img_id": i,
+        "file_name": f"{i:012d}.jpg",
+        "boxes": boxes,
+        "labels": [rng.randrange(80) for _ in boxes],
+        "caption": "a photo of " + " and ".join(["a cat", "two dogs", "a red bus"][: 1 + i % 3]),
+        "crowd": i % 11 == 0,
+        "extra": None if i % 2 else (i, f"t{i}"),
+    }
+
+
+class ItemsDataset:
+    """A map-style dataset over any sequence; each item comes back with the reading process's view of it."""
+
+    def __init__(self, items: Sequence[Any]) -> None:
+        self.items = items
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple[int, int, str, Any]:
+        role = getattr(self.items, "role", "")
+        return (i, os.getpid(), role, self.items[i])
+
+
+def report_shared_list(lst: Any, q: Any) -> None:
+    """A multiprocessing child: what it sees of a SharedList it was handed."""
+    q.put((lst.role, lst[7], len(lst), os.fstat(lst._fd).st_ino))

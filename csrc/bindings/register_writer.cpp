@@ -46,6 +46,10 @@ void register_writer(py::module_& m) {
     py::class_<PyWriter>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
         .def(py::init<std::string, bool, uint64_t>(), py::arg("path"), py::arg("durable") = true,
              py::arg("item_size") = 1)
+        .def_static(
+            "to_fd", [](int fd, std::string label) { return std::make_unique<PyWriter>(fd, std::move(label)); },
+            py::arg("fd"), py::arg("label"),
+            "A writer into an empty file descriptor (e.g. a memfd), which it owns until finish_fd() returns it.")
         .def("append", checked(+[](PyWriter& w, const py::handle& record) {
                  w.check_idle();
                  append_object(w, record);
@@ -66,6 +70,12 @@ void register_writer(py::module_& m) {
                  w.finish(metadata_json);
              }),
              py::arg("metadata_json"))
+        .def("finish_fd", checked(+[](PyWriter& w, const std::string& metadata_json) {
+                 PyWriter::Busy busy(w);
+                 py::gil_scoped_release release;
+                 return w.finish_fd(metadata_json);
+             }),
+             py::arg("metadata_json"), "Complete the blob and return its file descriptor (now the caller's).")
         .def("abort", checked(+[](PyWriter& w) {
                  w.check_idle();
                  w.abort();

@@ -1,0 +1,427 @@
+"""SharedList: a list of Python objects serialized once per node into sealed shared memory that every local process reads."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import itertools
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from pathlib import Path
+from typing import Any, overload
+
+from smstore import _core
+from smstore._localjob import Peer, Server, address_for, connect, topology
+from smstore._objects import ContentHash, ObjectStore, encode_objects
+from smstore._pack import build_metadata
+from smstore.errors import SharedListError, SharedListMismatchError, SharedMemoryError
+
+__all__ = ["SharedList"]
+
+# A sealed memfd can never change again: readers trust its bytes after an O(1) header check.
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
+_MEMFD_PREFIX = "smstore-list:"  # how the segment shows in /proc/PID/fd and /proc/PID/maps
+# Room is checked after the first objects and then every this many bytes (reading /proc/meminfo
+# and the cgroup's files costs tens of microseconds).
+_ROOM_FIRST_CHECK = 1024
+_ROOM_CHECK_EVERY = 8 << 20
+# How long a waiter waits for the builder's first word once connected: it answers from a thread.
+_HELLO_TIMEOUT = 60.0
+# How often a waiter hashing its own list looks whether the builder died meanwhile.
+_ALIVE_EVERY = 0.2
+
+_sequence = itertools.count()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _read_int(path: Path) -> int | None:
+    try:
+        text = path.read_text().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def available_memory() -> tuple[int, str]:
+    """Bytes this process may still fill with shared memory, and where that figure comes from.
+
+    The least of the kernel's MemAvailable and the room under each memory limit of this process's
+    cgroups (v2 ``memory.max``, v1 ``memory.limit_in_bytes``): a memfd's pages are charged there.
+    """
+    candidates: list[tuple[int, str]] = []
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                candidates.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+    except OSError:
+        pass
+    try:
+        cgroups = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        cgroups = []
+    for line in cgroups:
+        _id, controllers, rel = line.split(":", 2)
+        if controllers == "":  # cgroup v2: every ancestor's limit applies
+            node = Path("/sys/fs/cgroup") / rel.lstrip("/")
+            while True:
+                limit, used = _read_int(node / "memory.max"), _read_int(node / "memory.current")
+                if limit is not None and used is not None:
+                    candidates.append((max(0, limit - used), f"the memory limit of cgroup {node}"))
+                if node == Path("/sys/fs/cgroup"):
+                    break
+                node = node.parent
+        elif "memory" in controllers.split(","):
+            node = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+            limit = _read_int(node / "memory.limit_in_bytes")
+            used = _read_int(node / "memory.usage_in_bytes")
+            if limit is not None and used is not None and limit < 1 << 60:
+                candidates.append((max(0, limit - used), f"the memory limit of cgroup {node}"))
+    if not candidates:
+        return 1 << 62, "no limit found"
+    return min(candidates)
+
+
+class _RoomCheck:
+    """Stops a build whose projected size will not fit, with the size and the fixes (never an OOM kill)."""
+
+    def __init__(self, label: str, total: int | None, limit: int) -> None:
+        self._label = label
+        self._total = total
+        self._limit = limit
+        self._next_check = 0
+
+    def __call__(self, records: int, data_size: int) -> None:
+        if records < _ROOM_FIRST_CHECK and records != self._total:
+            return
+        if data_size < self._next_check:
+            return
+        self._next_check = data_size + _ROOM_CHECK_EVERY
+        if self._total:
+            # Project from what is done: the rest of the objects are like the first ones.
+            needed = int(data_size / records * self._total) + 8 * (self._total + 1) + 8192
+            basis = f"estimated from the first {records} of {self._total} objects"
+        else:
+            needed = data_size + 8192
+            basis = f"after {records} objects, and more to come"
+        available, source = (self._limit, "room_limit") if self._limit > 0 else available_memory()
+        # What is already written is already counted as used.
+        if needed - data_size <= available:
+            return
+        gib = -(-needed // (1 << 30))
+        msg = (
+            f"{self._label}: not enough memory: the list needs about {_human(needed)} ({needed} bytes, "
+            f"{basis}) of shared memory, but only {_human(data_size + available)} is available "
+            f"({source}). A SharedList keeps one copy per node in anonymous shared memory (a memfd): it "
+            "counts against the node's memory and the job's memory limit, not against /dev/shm. Make "
+            f"room: raise the limit (docker run --memory={gib + gib // 4 + 1}g, Kubernetes "
+            "resources.limits.memory, Slurm --mem), free memory on the node, or share a smaller list "
+            "(drop fields you do not read)."
+        )
+        raise SharedMemoryError(msg)
+
+
+def _build(objects: Iterable[Any], name: str, encoding: str, room_limit: int) -> tuple[int, dict[str, Any]]:
+    """Encode ``objects`` into a new sealed memfd blob; returns a read-only fd and what waiters need."""
+    label = f"SharedList {name!r}"
+    try:
+        fd = os.memfd_create(_MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    except OSError as e:
+        msg = f"{label}: memfd_create failed: {e}"
+        raise SharedMemoryError(msg) from None
+    writer = _core.Writer.to_fd(fd, label)  # owns fd from here on
+    content = ContentHash()
+    room = _RoomCheck(label, len(objects) if isinstance(objects, Sequence) else None, room_limit)
+    try:
+        for record in encode_objects(objects, encoding):
+            content.update(record)
+            writer.append(record)
+            room(content.count, writer.data_size)
+        info = {"content": content.hexdigest(), "encoding": encoding, "records": content.count}
+        fd = writer.finish_fd(build_metadata(encoding, shared_list=name, content_hash=info["content"]))
+    except BaseException:
+        writer.abort()
+        raise
+    try:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        # Readers get a read-only open of it: no descriptor that could write exists past this point.
+        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+    finally:
+        os.close(fd)
+    return ro, info
+
+
+def _store_over(fd: int, name: str) -> ObjectStore:
+    """Map a received descriptor: O(1) if it is sealed (nobody can change it), else fully validated."""
+    try:
+        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
+    except OSError:
+        sealed = False
+    return ObjectStore(fd, f"SharedList {name!r}", not sealed)
+
+
+class SharedList(Sequence[Any]):
+    """A read-only list of Python objects held once per node in shared memory.
+
+    In a job of several local processes (torchrun ranks: ``LOCAL_RANK``/``LOCAL_WORLD_SIZE``, or
+    torch.distributed), local rank 0 serializes ``objects`` once into sealed anonymous shared
+    memory and every other local rank attaches to that copy instead of keeping its own. Reading
+    an item decodes a fresh object; nothing shared is ever written, so fork's copy-on-write never
+    copies it. It pickles as a small handle, so DataLoader workers (``fork``, ``spawn``,
+    ``forkserver``) and ``multiprocessing`` children attach too. The memory is freed when the last
+    process using it exits, however it exits: nothing is ever left in /dev/shm.
+
+    Every local rank must create the same SharedLists in the same order (or pass the same
+    ``name``) and pass equal lists: each rank hashes its own encoding of ``objects`` while local
+    rank 0 builds, and a difference raises :class:`SharedListMismatchError`.
+
+    Args:
+        objects: The items: any iterable (read once) of picklable objects, such as a list of dicts.
+        name: Tells lists of one job apart (default: the order of creation in this process).
+        encoding: ``"pickle"`` (protocol 5, any picklable object) or ``"json"`` (JSON values only).
+        timeout: Seconds a waiting rank waits for local rank 0 to start serving and to finish.
+        check: Have every waiting rank compare its own list with local rank 0's.
+        room_limit: Pretend at most this many bytes of memory are free (0: ask the kernel).
+
+    Raises:
+        PackInputError: An object cannot be encoded (its index and type are named).
+        SharedMemoryError: The list will not fit in memory (the message gives the size and the fixes).
+        SharedListError: Local rank 0 died, failed or did not serve it within ``timeout``.
+        SharedListMismatchError: This rank's list differs from local rank 0's.
+
+    Example:
+        >>> annotations = SharedList(load_annotations())  # in every rank; one copy per node
+        >>> annotations[17]["bbox"]
+    """
+
+    def __init__(
+        self,
+        objects: Iterable[Any],
+        *,
+        name: str | None = None,
+        encoding: str = "pickle",
+        timeout: float = 1800.0,
+        check: bool = True,
+        room_limit: int = 0,
+    ) -> None:
+        start = time.perf_counter()
+        self.name = name if name is not None else f"list{next(_sequence)}"
+        self._server: Server | None = None
+        topo = topology()
+        role = topo.role
+        if role in ("builder", "elect"):
+            try:
+                expected = topo.local_world_size - 1 if topo.local_world_size else None
+                self._server = Server(address_for(self.name), self.name, expected)
+                role = "builder"
+            except OSError as e:
+                if e.errno != errno.EADDRINUSE:
+                    raise
+                if role == "builder":
+                    msg = (
+                        f"SharedList {self.name!r}: another process of this job already serves a list of "
+                        "this name on this node; give each list its own name= (or set SMSTORE_JOB_ID per job)"
+                    )
+                    raise SharedListError(msg) from None
+                role = "waiter"  # another rank won the election
+        fd: int
+        if role == "waiter":
+            deadline = time.monotonic() + timeout
+            fd, info, own = self._receive(objects, encoding, deadline, check)
+        else:
+            try:
+                fd, info = _build(objects, self.name, encoding, room_limit)
+            except BaseException as e:
+                if self._server is not None:
+                    self._server.fail(f"{type(e).__name__}: {e}")
+                raise
+            if self._server is not None:
+                self._server.publish(info, fd)
+            own = None
+        try:
+            self._bind(fd, _store_over(fd, self.name))
+        except BaseException:
+            os.close(fd)
+            raise
+        if own is not None and own.hexdigest() != info["content"]:
+            self._explain_mismatch(objects, own, info, topo.local_rank)
+        self.role = role
+        self.seconds = time.perf_counter() - start
+
+    def _bind(self, fd: int, store: ObjectStore) -> None:
+        self._fd = fd
+        self._store = store
+        self._closed = False
+
+    def _receive(
+        self, objects: Iterable[Any], encoding: str, deadline: float, check: bool
+    ) -> tuple[int, dict[str, Any], ContentHash | None]:
+        peer: Peer = connect(address_for(self.name), self.name, deadline)
+        try:
+            self.builder_pid = peer.pid
+            peer.receive(min(deadline, time.monotonic() + _HELLO_TIMEOUT), "answering")
+            own = None
+            if check:
+                # Hash our own encoding while local rank 0 builds, and look for its death now and then.
+                own = ContentHash()
+                next_look = time.monotonic() + _ALIVE_EVERY
+                for record in encode_objects(objects, encoding):
+                    own.update(record)
+                    if time.monotonic() >= next_look:
+                        peer.check_alive()
+                        next_look = time.monotonic() + _ALIVE_EVERY
+            message, fd = peer.receive(deadline, "finishing the list")
+        finally:
+            peer.close()
+        if not message.get("ok"):
+            if fd is not None:
+                os.close(fd)
+            msg = f"SharedList {self.name!r}: local rank 0 (pid {peer.pid}) failed to build it: {message.get('message')}"
+            raise SharedListError(msg)
+        if fd is None:
+            msg = f"SharedList {self.name!r}: local rank 0 (pid {peer.pid}) sent no descriptor"
+            raise SharedListError(msg)
+        if check and message.get("encoding") != encoding:
+            os.close(fd)
+            msg = (
+                f"SharedList {self.name!r}: local rank 0 (pid {peer.pid}) encoded it as "
+                f"{message.get('encoding')!r}, this process as {encoding!r}"
+            )
+            raise SharedListMismatchError(msg)
+        return fd, message, own
+
+    def _explain_mismatch(
+        self, objects: Iterable[Any], own: ContentHash, info: dict[str, Any], local_rank: int | None
+    ) -> None:
+        """Raise naming the first difference; return if the objects are equal all the same.
+
+        Equal objects can encode differently (a set of strings iterates in a per-process order),
+        so bytes that differ are compared again as objects before calling the lists different.
+        """
+        me = f"local rank {local_rank} (pid {os.getpid()})"
+        them = f"local rank 0 (pid {getattr(self, 'builder_pid', '?')})"
+        try:
+            if own.count != len(self):
+                msg = (
+                    f"SharedList {self.name!r}: the local ranks passed different lists: {me} has "
+                    f"{own.count} objects, {them} has {len(self)}"
+                )
+                raise SharedListMismatchError(msg)
+            if isinstance(objects, Sequence):
+                for i, (mine, theirs) in enumerate(zip(objects, self, strict=True)):
+                    if mine != theirs:
+                        msg = (
+                            f"SharedList {self.name!r}: the local ranks passed different lists: object {i} "
+                            f"is {_short(mine)} in {me} but {_short(theirs)} in {them}"
+                        )
+                        raise SharedListMismatchError(msg)
+                return
+            msg = (
+                f"SharedList {self.name!r}: the local ranks passed different lists: {me} has content "
+                f"{own.hexdigest()}, {them} has {info['content']}"
+            )
+            raise SharedListMismatchError(msg)
+        except BaseException:
+            self.close()
+            raise
+
+    # ---- the Sequence ----
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+    @overload
+    def __getitem__(self, index: int) -> Any: ...
+    @overload
+    def __getitem__(self, index: slice) -> list[Any]: ...
+    def __getitem__(self, index: int | slice) -> Any:
+        """Item ``index`` as a fresh object; a slice gives a list of fresh objects."""
+        if isinstance(index, slice):
+            return self._store.get_batch(list(range(*index.indices(len(self._store)))))
+        return self._store[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._store)
+
+    def raw(self, index: int) -> memoryview:
+        """Item ``index`` undecoded: a zero-copy, read-only memoryview of its encoding."""
+        return self._store.raw(index)
+
+    @property
+    def store(self) -> ObjectStore:
+        """The :class:`smstore.ObjectStore` over the shared copy."""
+        return self._store
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared copy (one per node)."""
+        return self._store.file_size
+
+    # ---- handles ----
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # A handle, never the data: the receiver opens this process's descriptor through /proc.
+        st = os.fstat(self._fd)
+        return (_attach, (os.getpid(), self._fd, st.st_dev, st.st_ino, self._store.checksum, self.name))
+
+    def close(self) -> None:
+        """Drop this process's mapping and descriptor (objects already read stay valid)."""
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
+        self._store.close()
+        os.close(self._fd)
+
+    def __del__(self) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        if self._closed:
+            return f"<SharedList {self.name!r} (closed)>"
+        return f"<SharedList {self.name!r}: {len(self)} objects, {self.nbytes} bytes shared>"
+
+
+def _short(obj: Any, limit: int = 120) -> str:
+    text = repr(obj)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _attach(pid: int, fd_number: int, dev: int, ino: int, checksum: str, name: str) -> SharedList:
+    """Unpickle a SharedList: open the sending process's descriptor of the same shared copy."""
+    source = f"/proc/self/fd/{fd_number}" if pid == os.getpid() else f"/proc/{pid}/fd/{fd_number}"
+    try:
+        fd = os.open(source, os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        msg = (
+            f"SharedList {name!r}: cannot open the shared copy held by process {pid} ({source}: "
+            f"{e.strerror}); the process that pickled it must still be running (for DataLoader "
+            "workers: the rank that owns the dataset), and /proc must allow it (same user, dumpable)"
+        )
+        raise SharedListError(msg) from None
+    try:
+        st = os.fstat(fd)
+        if (st.st_dev, st.st_ino) != (dev, ino):
+            msg = f"SharedList {name!r}: process {pid} no longer holds the shared copy (descriptor reused)"
+            raise SharedListError(msg)
+        store = _store_over(fd, name)
+        if store.checksum != checksum:
+            store.close()
+            msg = f"SharedList {name!r}: the copy held by process {pid} is {store.checksum}, not {checksum}"
+            raise SharedListError(msg)
+    except BaseException:
+        os.close(fd)
+        raise
+    lst = SharedList.__new__(SharedList)
+    lst.name = name
+    lst._server = None
+    lst._bind(fd, store)
+    lst.role = "attached"
+    lst.seconds = 0.0
+    return lst

@@ -1,0 +1,316 @@
+"""SharedList: one copy per node, handed to local ranks and workers, never left behind."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing as mp
+import os
+import pickle
+import select
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.utils.data
+from smstore_testlib import SAFE_CWD, ItemsDataset, annotation, identity_collate, report_shared_list
+
+import smstore
+import smstore._localjob
+from smstore import SharedList
+
+RANK_SCRIPT = str(Path(__file__).with_name("shared_list_rank.py"))
+N = 2000
+
+
+@pytest.fixture(autouse=True)
+def _no_job_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The tests choose the topology; a LOCAL_RANK from an outer launcher must not leak in.
+    for var in ("LOCAL_RANK", "LOCAL_WORLD_SIZE", "SMSTORE_JOB_ID"):
+        monkeypatch.delenv(var, raising=False)
+
+
+def memfds_named(name: str) -> list[str]:
+    """Processes (of anyone we can see) holding a descriptor of our memfd: 'pid:fd'."""
+    held = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        try:
+            for fd in (pid_dir / "fd").iterdir():
+                if f"smstore-list:{name}" in os.readlink(fd):
+                    held.append(f"{pid_dir.name}:{fd.name}")
+        except OSError:
+            continue
+    return held
+
+
+def shm_entries(name: str) -> set[str]:
+    """What a SharedList could have left in /dev/shm (it never names anything there; this checks it)."""
+    return {p.name for p in Path("/dev/shm").iterdir() if name in p.name or "smstore-list" in p.name}
+
+
+class Job:
+    """Local ranks of a simulated job: subprocesses with LOCAL_RANK set, each in its own process group."""
+
+    def __init__(self, world: int = 2, **env: str) -> None:
+        self.env = {
+            **os.environ,
+            "LOCAL_WORLD_SIZE": str(world),
+            "SMSTORE_JOB_ID": f"test-{uuid.uuid4().hex}",
+            **env,
+        }
+        self.procs: list[subprocess.Popen[str]] = []
+
+    def start(self, rank: int, mode: str, n: int = N, **env: str) -> subprocess.Popen[str]:
+        p = subprocess.Popen(
+            [sys.executable, RANK_SCRIPT, mode, str(n)],
+            env={**self.env, "LOCAL_RANK": str(rank), **env},
+            cwd=SAFE_CWD,
+            stdout=subprocess.PIPE,
+            text=True,
+            start_new_session=True,  # its DataLoader workers share its process group: one kill ends all
+        )
+        self.procs.append(p)
+        return p
+
+    @staticmethod
+    def read(p: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
+        """The next JSON line of a rank (bounded)."""
+        assert p.stdout is not None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            ready, _, _ = select.select([p.stdout], [], [], 0.5)
+            if ready:
+                line = p.stdout.readline()
+                if not line:
+                    raise AssertionError(f"rank exited with {p.wait(timeout=10)} and no output")
+                return dict(json.loads(line))
+        raise AssertionError("no output from a rank in time")
+
+    def finish(self, p: subprocess.Popen[str]) -> dict[str, Any]:
+        out = self.read(p)
+        while out.get("event") == "start":
+            out = self.read(p)
+        p.wait(timeout=60)
+        return out
+
+    def kill_all(self) -> None:
+        for p in self.procs:
+            # The group we created: this rank and its workers (which may outlive the rank).
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=30)
+            if p.stdout is not None:
+                p.stdout.close()
+
+
+@pytest.fixture
+def job() -> Iterator[type[Job]]:
+    made: list[Job] = []
+
+    class TrackedJob(Job):
+        def __init__(self, *a: Any, **kw: str) -> None:
+            super().__init__(*a, **kw)
+            made.append(self)
+
+    yield TrackedJob
+    for j in made:
+        j.kill_all()
+
+
+# ---- one process ----
+
+
+def test_sequence_behaviour() -> None:
+    objs = [annotation(i) for i in range(100)]
+    lst = SharedList(objs)
+    assert isinstance(lst, Sequence)
+    assert len(lst) == 100
+    assert lst[0] == objs[0]
+    assert lst[-1] == objs[-1]
+    assert lst[10:20] == objs[10:20]
+    assert lst[::-7] == objs[::-7]
+    assert lst[95:200] == objs[95:200]
+    assert list(lst) == objs
+    assert objs[42] in lst
+    assert lst.index(objs[42]) == 42
+    with pytest.raises(IndexError):
+        lst[100]
+    lst[3]["boxes"].append("changed")  # a fresh object each time
+    assert lst[3] == objs[3]
+    assert lst.role == "single"
+    lst.close()
+
+
+def test_pickles_as_a_small_handle() -> None:
+    lst = SharedList([annotation(i) for i in range(5000)])
+    data = pickle.dumps(lst)
+    assert len(data) < 400 < lst.nbytes
+    again = pickle.loads(data)
+    assert again.role == "attached"
+    assert list(again) == list(lst)
+    assert os.fstat(again._fd).st_ino == os.fstat(lst._fd).st_ino  # the same shared copy
+
+
+def test_unpicklable_names_index_and_type_and_leaks_nothing() -> None:
+    fds_before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(smstore.PackInputError, match=r"object 2 \(function\)"):
+        SharedList([1, 2, lambda: 3], name="bad-input")
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+    assert memfds_named("bad-input") == []
+
+
+def test_too_little_memory_gives_size_and_fixes() -> None:
+    objs = [annotation(i) for i in range(20_000)]
+    with pytest.raises(smstore.SharedMemoryError, match=r"needs about .*MiB") as info:
+        SharedList(objs, name="no-room", room_limit=1 << 20)
+    message = str(info.value)
+    assert "docker run --memory=" in message
+    assert "not against /dev/shm" in message
+    assert memfds_named("no-room") == []
+    SharedList(objs, room_limit=1 << 30).close()  # enough room
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_multiprocessing_children_attach(method: str) -> None:
+    objs = [annotation(i) for i in range(500)]
+    lst = SharedList(objs)
+    ctx = mp.get_context(method)
+    q = ctx.Queue()
+    p = ctx.Process(target=report_shared_list, args=(lst, q))
+    p.start()
+    role, item, n, ino = q.get(timeout=60)
+    p.join(timeout=60)
+    assert p.exitcode == 0
+    assert (item, n, ino) == (objs[7], 500, os.fstat(lst._fd).st_ino)
+    assert role == ("single" if method == "fork" else "attached")
+
+
+@pytest.mark.parametrize("method", ["fork", "spawn", "forkserver"])
+def test_dataloader_workers_read_the_shared_copy(method: str) -> None:
+    objs = [annotation(i) for i in range(300)]
+    lst = SharedList(objs)
+    loader = torch.utils.data.DataLoader(
+        ItemsDataset(lst),
+        batch_size=16,
+        num_workers=2,
+        collate_fn=identity_collate,
+        multiprocessing_context=method,
+        shuffle=True,
+    )
+    got = [row for batch in loader for row in batch]
+    assert sorted(i for i, *_ in got) == list(range(300))
+    assert all(item == objs[i] for i, _pid, _role, item in got)
+    assert {pid for _i, pid, _r, _x in got} - {os.getpid()}  # read in workers
+    assert {role for _i, _p, role, _x in got} == {"single" if method == "fork" else "attached"}
+
+
+# ---- a job of local ranks ----
+
+
+def test_two_ranks_share_one_copy(job: type[Job]) -> None:
+    j = job()
+    r1 = j.start(1, "ok")
+    r0 = j.start(0, "ok")
+    out0, out1 = j.finish(r0), j.finish(r1)
+    assert out0["role"] == "builder"
+    assert out1["role"] == "waiter"
+    assert out0["equal"]
+    assert out1["equal"]
+    assert out0["len"] == out1["len"] == N
+    assert out0["ino"] == out1["ino"]  # the same memfd
+
+
+def test_different_lists_are_an_error(job: type[Job]) -> None:
+    j = job()
+    r0, r1 = j.start(0, "diff"), j.start(1, "diff")
+    assert j.finish(r0)["role"] == "builder"
+    out = j.finish(r1)
+    assert out["error"] == "SharedListMismatchError"
+    assert "object 7" in out["message"]
+    assert "something else" in out["message"]
+    assert r1.returncode == 3
+
+
+def test_different_lengths_are_an_error(job: type[Job]) -> None:
+    j = job()
+    r0, r1 = j.start(0, "shorter"), j.start(1, "shorter")
+    j.finish(r0)
+    out = j.finish(r1)
+    assert out["error"] == "SharedListMismatchError"
+    assert f"has {N - 1} objects" in out["message"]
+
+
+def test_equal_objects_that_pickle_differently_are_not_an_error(job: type[Job]) -> None:
+    # A set of strings iterates in a per-process order: the pickles differ, the lists do not.
+    j = job()
+    r0 = j.start(0, "sets", PYTHONHASHSEED="1")
+    r1 = j.start(1, "sets", PYTHONHASHSEED="2")
+    assert j.finish(r0)["equal"]
+    out = j.finish(r1)
+    assert out["role"] == "waiter"
+    assert out["equal"]
+
+
+def connected_waiters(address: bytes) -> int:
+    """Accepted connections on the builder's abstract socket (/proc/net/unix shows them with its name)."""
+    want = "@" + address[1:].decode()
+    lines = Path("/proc/net/unix").read_text().splitlines()[1:]
+    return sum(1 for line in lines if line.split()[-1] == want and line.split()[5] == "03")
+
+
+def test_builder_killed_mid_build_makes_waiters_raise(
+    job: type[Job], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    name = f"killed-{uuid.uuid4().hex[:8]}"
+    j = job(SL_NAME=name)
+    monkeypatch.setenv("SMSTORE_JOB_ID", j.env["SMSTORE_JOB_ID"])
+    address = smstore._localjob.address_for(name)
+    r0 = j.start(0, "slow", n=100_000)  # about 1000 s at 10 ms per object
+    r1 = j.start(1, "slow", n=100_000)
+    deadline = time.monotonic() + 60
+    while not (memfds_named(name) and connected_waiters(address)):  # building, and rank 1 waits on it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(r0.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    out = j.finish(r1)
+    assert time.monotonic() - killed < 20
+    assert out["error"] == "SharedListError"
+    assert "exited" in out["message"]
+    assert memfds_named(name) == []
+
+
+def test_no_builder_times_out(job: type[Job]) -> None:
+    j = job(SL_TIMEOUT="1")
+    start = time.monotonic()
+    out = j.finish(j.start(1, "ok", n=10))
+    assert time.monotonic() - start < 30
+    assert out["error"] == "SharedListError"
+    assert "no local rank 0" in out["message"]
+
+
+def test_sigkill_of_the_whole_job_leaves_nothing(job: type[Job]) -> None:
+    name = f"job-{uuid.uuid4().hex[:8]}"
+    shm_before = shm_entries(name)
+    j = job(SL_NAME=name)
+    r0, r1 = j.start(0, "workers"), j.start(1, "workers")
+    for r in (r0, r1):
+        out = j.read(r)
+        while out.get("event") == "start":
+            out = j.read(r)
+        assert out["event"] == "reading", out
+    assert len(memfds_named(name)) >= 2  # the ranks and their workers hold it
+    j.kill_all()
+    deadline = time.monotonic() + 30
+    while memfds_named(name):  # orphaned workers may take a moment to die
+        assert time.monotonic() < deadline, memfds_named(name)
+        time.sleep(0.1)
+    assert shm_entries(name) <= shm_before
