@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from smstore._ipc import encode, frame_length
-from smstore.errors import DaemonError
+from smstore.errors import DaemonError, StoreError
 
 __all__ = ["Conn", "Limits", "ProtocolError", "Server", "parse_request"]
 
@@ -106,6 +106,19 @@ class Conn:
     busy: bool = False  # waiting for a load to finish: not read meanwhile, no timeout
     attached: set[str] = field(default_factory=set)
     events: int = 0  # what the selector watches now
+    # A descriptor the client sent (at most one, for its next request; closed if that request does
+    # not take it). The kernel closes any further ones sent with the same bytes.
+    received_fd: int | None = None
+
+    def take_fd(self) -> int | None:
+        """The descriptor sent with the current request, now the caller's."""
+        fd, self.received_fd = self.received_fd, None
+        return fd
+
+    def drop_fd(self) -> None:
+        if self.received_fd is not None:
+            os.close(self.received_fd)
+            self.received_fd = None
 
     def deadline(self, timeout: float) -> float | None:
         """When this connection is dropped unless it makes progress (None: it may idle)."""
@@ -223,12 +236,15 @@ class Server:
         conn = self.conns[cid]
         room = 4 + self.limits.max_request - len(conn.inbuf)
         try:
-            data = conn.sock.recv(max(room, 1))
+            data, fds, _flags, _addr = socket.recv_fds(conn.sock, max(room, 1), 1, socket.MSG_CMSG_CLOEXEC)
         except (BlockingIOError, InterruptedError):
             return
         except OSError:
             self.close(cid)
             return
+        for fd in fds:
+            conn.drop_fd()
+            conn.received_fd = fd
         if not data:
             self.close(cid)
             return
@@ -258,9 +274,14 @@ class Server:
                 self.handle(cid, conn, parse_request(body))
             except ProtocolError as e:
                 self.reply(cid, {"ok": False, "error": e.error, "message": str(e)})
+            except (StoreError, OSError) as e:  # what the client sent or named is bad: no traceback
+                log.warning("request from pid %d refused: %s", conn.pid, e)
+                self.reply(cid, {"ok": False, "error": type(e).__name__, "message": str(e)[:1000]})
             except Exception as e:  # one request, however malformed, never ends the loop
                 log.exception("request from pid %d failed", conn.pid)
                 self.reply(cid, {"ok": False, "error": type(e).__name__, "message": str(e)[:1000]})
+            finally:
+                conn.drop_fd()  # a descriptor the request did not take is not kept
             conn = self.conns.get(cid)
         if conn is not None:
             self._watch(cid, conn)
@@ -355,6 +376,7 @@ class Server:
             for fd in fds:
                 os.close(fd)
         conn.out.clear()
+        conn.drop_fd()
         self.on_close(cid, conn)
         if conn.events:
             with contextlib.suppress(KeyError, ValueError):

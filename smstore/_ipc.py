@@ -106,9 +106,11 @@ def _close_all(fds: list[int]) -> None:
 
 
 def request(
-    message: dict[str, Any], path: Path, *, timeout: float | None = 10.0
+    message: dict[str, Any], path: Path, *, timeout: float | None = 10.0, fd: int | None = None
 ) -> tuple[dict[str, Any], int | None, socket.socket]:
     """Send one request on a new connection; return (reply, received fd or None, the open socket).
+
+    ``fd``, if given, travels with the request (``SCM_RIGHTS``); the caller keeps its own copy.
 
     A new connection per request: nothing is shared across fork. The caller closes the socket, or
     keeps it open to stay listed as a client of a segment it attached.
@@ -127,7 +129,9 @@ def request(
             raise DaemonError(msg) from None
         # A daemon that refuses us replies at once and closes: read that reply even if sending failed.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
-            sock.sendall(encode(message))
+            data = encode(message)
+            sent = socket.send_fds(sock, [data], [fd]) if fd is not None else 0
+            sock.sendall(data[sent:])
         buf = bytearray()
         need = 4
         while len(buf) < need:

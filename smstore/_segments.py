@@ -174,6 +174,13 @@ class Segment:
     load_seconds: float
     adopted: bool = False
     clients: dict[int, int] = field(default_factory=dict)  # connection id -> peer pid
+    # A blob a client shared (a sealed memfd, no name in /dev/shm): found by its content key, and
+    # dropped when no client is attached any more.
+    key: str | None = None
+
+    @property
+    def shared(self) -> bool:
+        return self.key is not None
 
     def state_entry(self) -> dict[str, Any]:
         """What the state file keeps of it, for a successor daemon to adopt."""
@@ -187,7 +194,8 @@ class Segment:
 
     def close(self) -> None:
         """Unlink the name and drop the daemon's mapping and fd; clients keep theirs."""
-        _core.shm_unlink("/" + self.name)
+        if not self.shared:
+            _core.shm_unlink("/" + self.name)
         self.store.close()
         os.close(self.fd)
 

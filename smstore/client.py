@@ -13,7 +13,7 @@ from smstore._ipc import request, socket_path
 from smstore._store import Store, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
 
-__all__ = ["DaemonStore", "daemon_request", "open_store"]
+__all__ = ["DaemonStore", "attach_shared", "daemon_request", "open_store", "share_with_daemon"]
 
 log = logging.getLogger("smstore")
 
@@ -34,7 +34,7 @@ class DaemonStore(Store):
         _core.Store.__init__(self, fd, path, False)
         self.segment: str = str(info.get("segment", ""))
         self._conn = conn
-        _attachments.add(self)
+        keep_attached(self)
 
     def close(self) -> None:
         """Unmap (once no record view is alive) and leave the daemon's client list."""
@@ -59,9 +59,15 @@ class DaemonStore(Store):
         )
 
 
-# Connections that keep this process listed as a client of a segment; a forked child must not
-# keep its parent's (the daemon would otherwise see the parent as attached after it exited).
-_attachments: weakref.WeakSet[DaemonStore] = weakref.WeakSet()
+# Holders of connections that keep this process listed as a client of a segment (anything with a
+# _drop_connection method); a forked child must not keep its parent's (the daemon would otherwise
+# see the parent as attached after it exited).
+_attachments: weakref.WeakSet[Any] = weakref.WeakSet()
+
+
+def keep_attached(holder: Any) -> None:
+    """Have `holder._drop_connection()` called in every forked child of this process."""
+    _attachments.add(holder)
 
 
 def _after_fork_in_child() -> None:
@@ -84,6 +90,49 @@ def daemon_request(
         msg = f"smstore daemon: {reply.get('message', reply.get('error', 'request failed'))}"
         raise DaemonError(msg)
     return reply
+
+
+def share_with_daemon(
+    fd: int, key: str, sock: str | os.PathLike[str] | None = None
+) -> tuple[dict[str, Any], socket.socket]:
+    """Hand a sealed memfd blob to the daemon, which serves it under `key` to later `attach_shared` calls.
+
+    Returns the reply and the connection: keep it open for as long as the daemon should hold the blob
+    (it drops a shared blob when no client is attached any more).
+
+    Raises:
+        DaemonError: No daemon answers, or it refused.
+    """
+    reply, got, conn = request({"op": "share", "key": key}, socket_path(sock), timeout=60.0, fd=fd)
+    if got is not None:
+        os.close(got)  # our own blob (or an identical one already served) handed back: we hold ours
+    if not reply.get("ok"):
+        conn.close()
+        msg = f"smstore daemon: {reply.get('message', reply.get('error', 'share refused'))}"
+        raise DaemonError(msg)
+    conn.settimeout(None)
+    return reply, conn
+
+
+def attach_shared(
+    key: str, sock: str | os.PathLike[str] | None = None
+) -> tuple[int, dict[str, Any], socket.socket] | None:
+    """The descriptor of a blob the daemon serves under content `key`, or None if it serves none.
+
+    Raises:
+        DaemonError: No daemon answers, or the exchange failed.
+    """
+    reply, fd, conn = request({"op": "attach", "key": key}, socket_path(sock), timeout=10.0)
+    if not reply.get("ok") or fd is None:
+        conn.close()
+        if fd is not None:
+            os.close(fd)
+        if reply.get("error") == "not_served":
+            return None
+        msg = f"smstore daemon: {reply.get('message', reply.get('error', 'attach refused'))}"
+        raise DaemonError(msg)
+    conn.settimeout(None)
+    return fd, reply, conn
 
 
 def _log_once(path: str, choice: str, message: str, *args: object) -> None:

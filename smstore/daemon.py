@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import logging
 import os
 import queue
+import re
 import resource
 import selectors
 import signal
 import socket
+import stat
 import threading
 import time
 from pathlib import Path
@@ -60,6 +63,20 @@ def _checksum_arg(req: dict[str, Any]) -> str | None:
         return None
     if not (isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)):
         raise ProtocolError("bad_request", "'checksum' must be 16 lowercase hex digits")
+    return value
+
+
+# A content key of a shared blob, e.g. "blake2b-128:<32 hex>" (SharedList's hash of its records).
+_KEY_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,128}$")
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+
+
+def _key_arg(req: dict[str, Any], *, required: bool) -> str | None:
+    value = req.get("key")
+    if value is None and not required:
+        return None
+    if not (isinstance(value, str) and _KEY_RE.match(value)):
+        raise ProtocolError("bad_request", "'key' must be '<algorithm>:<16 to 128 hex digits>'")
     return value
 
 
@@ -225,7 +242,9 @@ class Daemon(Server):
             "pid": self.pid,
             "start_time": self.start_time,
             "socket": os.fspath(self.sock_path),
-            "segments": [s.state_entry() for s in self.segments.values()],
+            "segments": [
+                s.state_entry() for s in self.segments.values() if not s.shared
+            ],  # a memfd cannot be adopted
         }
         try:
             write_state(self.state_path, state)
@@ -380,19 +399,19 @@ class Daemon(Server):
     def handle(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
         op = req.get("op")
         if op == "attach":
-            checksum = _checksum_arg(req)
-            seg = self.segments.get(checksum) if checksum is not None else None
+            checksum, key = _checksum_arg(req), _key_arg(req, required=False)
+            if key is not None:
+                seg = next((s for s in self.segments.values() if s.key == key), None)
+            else:
+                seg = self.segments.get(checksum) if checksum is not None else None
             if seg is None:
-                self.reply(
-                    cid, {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"}
-                )
+                what = key or checksum
+                self.reply(cid, {"ok": False, "error": "not_served", "message": f"no segment holds {what}"})
                 return
-            seg.clients[cid] = conn.pid
-            conn.attached.add(seg.checksum)
-            self.reply(cid, {"ok": True, **self._describe(seg)}, fd=seg.fd)
+            self._attach(cid, conn, seg)
         elif op == "status":
             self.reply(cid, self._status())
-        elif op in ("load", "unload", "stop") and not conn.owner:
+        elif op in ("load", "unload", "stop", "share") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError("permission_denied", f"only uid {self.uid} may {op}")
         elif op == "load":
@@ -401,11 +420,59 @@ class Daemon(Server):
             self._queue_load(path, cid)
         elif op == "unload":
             self._unload(cid, _checksum_arg(req), _path_arg(req, required=False))
+        elif op == "share":
+            self._share(cid, conn, req)
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
         else:
             raise ProtocolError("bad_request", f"unknown op {str(op)[:100]!r}")
+
+    def _attach(self, cid: int, conn: Conn, seg: Segment) -> None:
+        seg.clients[cid] = conn.pid
+        conn.attached.add(seg.checksum)
+        self.reply(cid, {"ok": True, **self._describe(seg)}, fd=seg.fd)
+
+    def _share(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
+        """Serve a blob a client built in a sealed memfd (sent with the request) under its content key.
+
+        The daemon holds it while any client is attached (the sharer included) and drops it after.
+        """
+        key = _key_arg(req, required=True)
+        fd = conn.take_fd()
+        if fd is None:
+            raise ProtocolError("bad_request", "'share' needs the blob's descriptor sent with the request")
+        try:
+            st = os.fstat(fd)
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:  # EINVAL: a file that cannot be sealed at all
+                seals = 0
+            if not stat.S_ISREG(st.st_mode) or seals & _SEALS != _SEALS:
+                raise ProtocolError(
+                    "bad_request", "'share' takes a sealed memfd (write, grow and shrink seals)"
+                )
+            if self.shm_limit and st.st_size + sum(s.size for s in self.segments.values()) > self.shm_limit:
+                msg = f"a shared blob of {st.st_size} bytes does not fit the daemon's --shm-limit"
+                raise ProtocolError("no_room", msg)
+            # Sealed: its bytes can no longer change, so validating the index once makes every read safe.
+            store = _core.Store._from_fd(fd, f"shared {key}", True)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg = self.segments.get(store.checksum)
+        if seg is None:
+            seg = Segment(
+                "", store.checksum, fd, store, store.file_size, len(store), [], time.time(), 0.0, key=key
+            )
+            self.segments[seg.checksum] = seg
+            log.info(
+                "serving shared blob %s (%s, %d bytes) from pid %d", key, seg.checksum, seg.size, conn.pid
+            )
+        else:
+            store.close()
+            os.close(fd)
+        self._attach(cid, conn, seg)
 
     def _unload(self, cid: int, checksum: str | None, path: str | None) -> None:
         seg = self.segments.get(checksum) if checksum is not None else None
@@ -428,7 +495,8 @@ class Daemon(Server):
         pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
         return {
             "checksum": seg.checksum,
-            "segment": "/" + seg.name,
+            "segment": f"memfd:{seg.key}" if seg.shared else "/" + seg.name,
+            "key": seg.key,
             "paths": seg.paths,
             "size": seg.size,
             "records": seg.records,
@@ -457,6 +525,9 @@ class Daemon(Server):
             seg = self.segments.get(checksum)
             if seg is not None:
                 seg.clients.pop(cid, None)
+                if seg.shared and not seg.clients:
+                    log.info("dropping shared blob %s: no client left", seg.key)
+                    self._drop(seg)
         for waiters in self.loading.values():
             if cid in waiters:
                 waiters.remove(cid)

@@ -9,13 +9,13 @@ import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, overload
+from typing import Any, Literal, overload
 
 from smstore import _core
 from smstore._localjob import Peer, Server, address_for, connect, topology
 from smstore._objects import ContentHash, ObjectStore, encode_objects
 from smstore._pack import build_metadata
-from smstore.errors import SharedListError, SharedListMismatchError, SharedMemoryError
+from smstore.errors import DaemonError, SharedListError, SharedListMismatchError, SharedMemoryError
 
 __all__ = ["SharedList"]
 
@@ -189,6 +189,14 @@ class SharedList(Sequence[Any]):
         timeout: Seconds a waiting rank waits for local rank 0 to start serving and to finish.
         check: Have every waiting rank compare its own list with local rank 0's.
         room_limit: Pretend at most this many bytes of memory are free (0: ask the kernel).
+        mode: ``"auto"``: when an ``smstore serve`` daemon answers, local rank 0 hands it the copy
+            it built, and first asks it for a copy of the same contents that another job already
+            shared (then nothing is built; this costs one hashing pass over a sequence first);
+            without a daemon, as ``"local"``. ``"daemon"``: the same, but a missing daemon is an
+            error. ``"local"``: never ask a daemon. The other local ranks and the workers receive
+            the copy from local rank 0 either way; the daemon holds a shared copy while any process
+            is attached to it through the daemon, and lists it in ``smstore status``.
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
 
     Raises:
         PackInputError: An object cannot be encoded (its index and type are named).
@@ -210,10 +218,19 @@ class SharedList(Sequence[Any]):
         timeout: float = 1800.0,
         check: bool = True,
         room_limit: int = 0,
+        mode: Literal["auto", "daemon", "local"] = "auto",
+        socket: str | os.PathLike[str] | None = None,
     ) -> None:
+        if mode not in ("auto", "daemon", "local"):
+            msg = f"mode must be 'auto', 'daemon' or 'local', not {mode!r}"
+            raise ValueError(msg)
         start = time.perf_counter()
         self.name = name if name is not None else f"list{next(_sequence)}"
         self._server: Server | None = None
+        self._conn: Any = None  # our connection to the daemon, while it holds the copy for us
+        # How the daemon took part: "attached" (it served this list already: nothing was built),
+        # "shared" (built here and handed to it), or None.
+        self.via_daemon: str | None = None
         topo = topology()
         role = topo.role
         if role in ("builder", "elect"):
@@ -237,7 +254,7 @@ class SharedList(Sequence[Any]):
             fd, info, own = self._receive(objects, encoding, deadline, check)
         else:
             try:
-                fd, info = _build(objects, self.name, encoding, room_limit)
+                fd, info = self._from_daemon_or_build(objects, encoding, room_limit, mode, socket)
             except BaseException as e:
                 if self._server is not None:
                     self._server.fail(f"{type(e).__name__}: {e}")
@@ -254,6 +271,52 @@ class SharedList(Sequence[Any]):
             self._explain_mismatch(objects, own, info, topo.local_rank)
         self.role = role
         self.seconds = time.perf_counter() - start
+
+    def _from_daemon_or_build(
+        self,
+        objects: Iterable[Any],
+        encoding: str,
+        room_limit: int,
+        mode: str,
+        sock: str | os.PathLike[str] | None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Local rank 0: a copy the daemon already serves, else a new one (handed to the daemon if any)."""
+        from smstore.client import attach_shared, daemon_request, keep_attached, share_with_daemon
+
+        if mode == "local":
+            return _build(objects, self.name, encoding, room_limit)
+        try:
+            daemon_request({"op": "status"}, sock, timeout=5.0)  # one round trip: is there a daemon?
+        except DaemonError:
+            if mode == "daemon":
+                raise
+            return _build(objects, self.name, encoding, room_limit)
+        if isinstance(objects, Sequence):  # an iterator could be read only once: build it directly
+            content = ContentHash()
+            for record in encode_objects(objects, encoding):
+                content.update(record)
+            found = attach_shared(content.hexdigest(), sock)
+            if found is not None:
+                fd, _reply, self._conn = found
+                keep_attached(self)
+                self.via_daemon = "attached"
+                return fd, {"content": content.hexdigest(), "encoding": encoding, "records": content.count}
+        fd, info = _build(objects, self.name, encoding, room_limit)
+        try:
+            _reply, self._conn = share_with_daemon(fd, info["content"], sock)
+            keep_attached(self)
+            self.via_daemon = "shared"
+        except DaemonError:
+            if mode == "daemon":
+                os.close(fd)
+                raise
+        return fd, info
+
+    def _drop_connection(self) -> None:
+        """Leave the daemon's client list (close, and in forked children: the parent's stays)."""
+        conn, self._conn = getattr(self, "_conn", None), None
+        if conn is not None:
+            conn.close()
 
     def _bind(self, fd: int, store: ObjectStore) -> None:
         self._fd = fd
@@ -378,6 +441,7 @@ class SharedList(Sequence[Any]):
         self._closed = True
         self._store.close()
         os.close(self._fd)
+        self._drop_connection()
 
     def __del__(self) -> None:
         self.close()
@@ -421,6 +485,8 @@ def _attach(pid: int, fd_number: int, dev: int, ino: int, checksum: str, name: s
     lst = SharedList.__new__(SharedList)
     lst.name = name
     lst._server = None
+    lst._conn = None
+    lst.via_daemon = None
     lst._bind(fd, store)
     lst.role = "attached"
     lst.seconds = 0.0

@@ -472,8 +472,9 @@ def test_dataloader_workers_through_daemon(
     from torch.utils.data import DataLoader
 
     path, recs = blob
-    start_daemon(path)
-    ds = smstore.SharedStoreDataset(path, decode="bytes", mode="daemon")
+    d = start_daemon(path)
+    # socket= travels with the pickle: a forkserver started by an earlier test has another environment.
+    ds = smstore.SharedStoreDataset(path, decode="bytes", mode="daemon", socket=d.sock)
     assert isinstance(ds.store, DaemonStore)
     loader = DataLoader(
         ds,

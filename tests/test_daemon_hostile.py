@@ -539,3 +539,55 @@ def test_refused_other_user_cannot_hold_a_slot(
     assert as_user(outsider, []) == "permission_denied True"
     assert d.status()["connections"] == 1  # only this status request's own
     assert_alive_and_clean(d)
+
+
+# ---- descriptors sent to the daemon -----------------------------------------------------------------
+
+
+def open_fds(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def test_stray_descriptors_are_closed_and_share_checks_its_input(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    path, _ = blob
+    d = start_daemon(path)
+    before = open_fds(d.pid)
+    key = "blake2b-128:" + "ab" * 16
+    s = raw(d.sock)
+    with open(path, "rb") as f:
+        for body in (b'{"op":"status"}', b'{"op":"nope"}', b"junk"):
+            for _ in range(20):  # descriptors riding on requests that take none
+                socket.send_fds(s, [frame(body)], [f.fileno(), f.fileno()])
+                assert read_reply(s) is not None
+        # share: without a descriptor, with an unsealed one, with a bad key
+        for body, fd, error in (
+            (f'{{"op":"share","key":"{key}"}}'.encode(), None, "bad_request"),
+            (f'{{"op":"share","key":"{key}"}}'.encode(), f.fileno(), "bad_request"),
+            (b'{"op":"share","key":"../../etc"}', f.fileno(), "bad_request"),
+        ):
+            if fd is None:
+                s.sendall(frame(body))
+            else:
+                socket.send_fds(s, [frame(body)], [fd])
+            reply = read_reply(s)
+            assert reply is not None
+            assert reply["error"] == error, reply
+    # A memfd that is not a blob, sealed: refused as a format error, nothing kept.
+    mfd = os.memfd_create("junk", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    os.write(mfd, b"x" * 5000)
+    import fcntl
+
+    fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+    socket.send_fds(s, [frame(f'{{"op":"share","key":"{key}"}}'.encode())], [mfd])
+    reply = read_reply(s)
+    os.close(mfd)
+    assert reply is not None
+    assert reply["ok"] is False
+    assert reply["error"] in ("StoreFormatError", "StoreTruncatedError"), reply
+    s.close()
+    time.sleep(0.2)
+    assert open_fds(d.pid) <= before  # none of the 120 descriptors sent was kept
+    assert len(d.status()["segments"]) == 1
+    assert_alive_and_clean(d)

@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -314,3 +314,43 @@ def test_sigkill_of_the_whole_job_leaves_nothing(job: type[Job]) -> None:
         assert time.monotonic() < deadline, memfds_named(name)
         time.sleep(0.1)
     assert shm_entries(name) <= shm_before
+
+
+# ---- through the daemon ----
+
+
+def test_daemon_holds_the_copy_and_a_second_job_attaches(start_daemon: Callable[..., Any]) -> None:
+    d = start_daemon()
+    objects = [annotation(i) for i in range(500)]
+    first = smstore.SharedList(objects, name="a", socket=d.sock)
+    assert first.via_daemon == "shared"
+    (seg,) = d.status()["segments"]
+    assert seg["key"].startswith("blake2b-128:")
+    assert seg["segment"] == f"memfd:{seg['key']}"
+    assert seg["clients"] == [os.getpid()]
+    assert seg["records"] == 500
+    # Another job (here: another name) with the same contents builds nothing: it maps the same memfd.
+    second = smstore.SharedList(objects, name="b", socket=d.sock)
+    assert second.via_daemon == "attached"
+    assert os.fstat(second._fd).st_ino == os.fstat(first._fd).st_ino
+    assert list(second) == objects
+    first.close()
+    assert len(d.status()["segments"]) == 1  # second is still attached through the daemon
+    assert list(second) == objects
+    second.close()
+    assert d.status()["segments"] == []  # the daemon let go when no client was left
+    # Other contents are built anew; an iterator (read once) is built directly and then shared.
+    third = smstore.SharedList(iter(objects[:10]), name="c", socket=d.sock)
+    assert third.via_daemon == "shared"
+    assert list(third) == objects[:10]
+    third.close()
+    assert d.status()["segments"] == []
+
+
+def test_daemon_mode_without_a_daemon_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(smstore.DaemonError, match="cannot reach an smstore daemon"):
+        smstore.SharedList([1, 2, 3], mode="daemon", socket=tmp_path / "none.sock")
+    lst = smstore.SharedList([1, 2, 3], socket=tmp_path / "none.sock")  # auto: local
+    assert lst.via_daemon is None
+    assert list(lst) == [1, 2, 3]
+    lst.close()
