@@ -58,6 +58,7 @@ private:
     static constexpr size_t kFlushEvery = (64 << 10) / sizeof(T);
 
     void flush() {
+        if (values_.empty()) return;  // data() may be null: memcpy from it is undefined even for 0 bytes
         writer_.write_data(values_.data(), values_.size() * sizeof(T));
         values_.clear();
     }

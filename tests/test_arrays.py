@@ -311,3 +311,13 @@ def test_decoding_a_record_of_partial_items_is_a_format_error(ragged_u2: Path, d
         StoreFormatError, match=r"ragged\.smst: a record of 3 bytes is not a whole number of <u2"
     ):
         ds[0]
+
+
+def test_npy_lines_empty_first_line(tmp_path: Path) -> None:
+    # Found by fuzz/fuzz_npy_lines.py under UBSan: an empty line flushed a null vector into memcpy.
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"\n1 2\n\n3\n")
+    out = tmp_path / "o.smst"
+    smstore.pack_npy_lines([src], out, dtype="int32")
+    with smstore.open(out) as s:
+        assert [np.frombuffer(s[i], dtype="<i4").tolist() for i in range(len(s))] == [[], [1, 2], [], [3]]

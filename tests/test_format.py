@@ -472,3 +472,13 @@ def test_mutated_header_opens_in_bounds_or_raises_format_error(
             assert not reseal
         with contextlib.suppress(StoreFormatError):  # a moved metadata section may not be JSON
             assert isinstance(store.metadata, dict)
+
+
+def test_deeply_nested_metadata_is_a_format_error(tmp_path: Path) -> None:
+    # Found by fuzz/fuzz_blob.py: json.loads raised RecursionError through Store.metadata.
+    path = tmp_path / "nested.smst"
+    w = smstore._core.Writer(str(path), False)
+    w.append(b"x")
+    w.finish("[" * 200_000 + "]" * 200_000)
+    with smstore.Store(path) as s, pytest.raises(StoreFormatError, match="corrupt metadata block"):
+        _ = s.metadata

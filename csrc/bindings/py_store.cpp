@@ -91,7 +91,9 @@ py::object PyStore::metadata() const {
         py::object parsed = py::module_::import("json").attr("loads")(py::bytes(meta.data(), meta.size()));
         if (py::isinstance<py::dict>(parsed)) return metadata_ = parsed;
     } catch (py::error_already_set& e) {
-        if (!e.matches(PyExc_ValueError)) throw;  // JSONDecodeError and UnicodeDecodeError are ValueErrors
+        // JSONDecodeError and UnicodeDecodeError are ValueErrors; a block nested deeper than the
+        // parser's stack raises RecursionError: all of them mean a corrupt block.
+        if (!e.matches(PyExc_ValueError) && !e.matches(PyExc_RecursionError)) throw;
     }
     throw Error(Error::Kind::Format,
                 core().label() + ": corrupt metadata block (not a JSON object); run 'smstore verify' on it");
