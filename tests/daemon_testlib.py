@@ -5,10 +5,12 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -89,24 +91,48 @@ def raw(sock: Path) -> socket.socket:
     return s
 
 
-def read_reply(s: socket.socket) -> dict[str, Any] | None:
-    """One reply frame (a 4-byte big-endian length, then JSON); None if the daemon closed first."""
+def read_reply_fds(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
+    """One reply frame and the fds that came with it; (None, fds) if the daemon closed first."""
+    fds: list[int] = []
 
     def exactly(n: int) -> bytes | None:
         buf = b""
         while len(buf) < n:
-            chunk = s.recv(n - len(buf))  # never past this frame: replies may arrive back to back
-            if not chunk:
+            # Never past this frame: replies may arrive back to back.
+            data, got, _flags, _addr = socket.recv_fds(s, n - len(buf), 4)
+            fds.extend(got)
+            if not data:
                 return None
-            buf += chunk
+            buf += data
         return buf
 
     head = exactly(4)
     body = exactly(struct.unpack(">I", head)[0]) if head is not None else None
-    if body is None:
-        return None
-    reply: dict[str, Any] = json.loads(body)
+    return (json.loads(body) if body is not None else None), fds
+
+
+def read_reply(s: socket.socket) -> dict[str, Any] | None:
+    """One reply frame (a 4-byte big-endian length, then JSON); None if the daemon closed first."""
+    reply, fds = read_reply_fds(s)
+    for fd in fds:
+        os.close(fd)
     return reply
+
+
+def public_rundir(request: Any, group_gid: int | None = None) -> Path:
+    """A socket directory another user can reach (pytest's tmp_path is private to us), removed after.
+
+    With `group_gid`, the directory is 0710 and belongs to that group (as `smstore serve --group`
+    wants it); else 0700, for the test to open up after the daemon started.
+    """
+    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))
+    request.addfinalizer(lambda: shutil.rmtree(public))
+    public.chmod(0o755)
+    rundir = public / "run"
+    rundir.mkdir(mode=0o700 if group_gid is None else 0o710)
+    if group_gid is not None:
+        os.chown(rundir, -1, group_gid)
+    return rundir
 
 
 def frame(body: bytes) -> bytes:

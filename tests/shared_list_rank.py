@@ -54,9 +54,10 @@ def main() -> None:
         )
         next(iter(loader))
         print(json.dumps({**out, "event": "reading"}), flush=True)
-        while True:  # until killed
-            for _ in loader:
-                pass
+        # Until killed: the rank and its persistent workers hold the copy, idle. (Reading on in a
+        # loop starved the other rank of CPU on a 2-core machine, so it missed the test's deadline.)
+        while True:
+            time.sleep(60)
     print(json.dumps(out), flush=True)
 
 

@@ -11,12 +11,23 @@ import signal
 import struct
 import subprocess
 import sys
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from daemon_testlib import IS_ROOT, SHM, Daemon, as_user, check_all, cli, frame, make_records, raw, read_reply
+from daemon_testlib import (
+    IS_ROOT,
+    SHM,
+    Daemon,
+    as_user,
+    check_all,
+    cli,
+    frame,
+    make_records,
+    public_rundir,
+    raw,
+    read_reply,
+)
 
 import smstore
 from smstore import _core
@@ -553,12 +564,8 @@ def test_other_users_refused(
         pytest.skip("no 'users' group")
     # Shared with the group: the socket directory must let the group in (and the path to it: not
     # under pytest's private tmp_path).
-    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))
-    request.addfinalizer(lambda: shutil.rmtree(public))
-    public.chmod(0o755)
-    rundir = public / "run"
-    rundir.mkdir(mode=0o710)
-    os.chown(rundir, -1, group.gr_gid)
+    rundir = public_rundir(request, group.gr_gid)
+    public = rundir.parent
     d = start_daemon(path, args=("--group", "users"), at=rundir / "smstore.sock")
     (name,) = list_segments(d.pid)
     assert (SHM / name).stat().st_mode & 0o777 == 0o440

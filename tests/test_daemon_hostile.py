@@ -15,14 +15,25 @@ import socket
 import struct
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from daemon_testlib import IS_ROOT, Daemon, as_user, check_all, cli, frame, make_records, raw, read_reply
+from daemon_testlib import (
+    IS_ROOT,
+    Daemon,
+    as_user,
+    check_all,
+    cli,
+    frame,
+    make_records,
+    public_rundir,
+    raw,
+    read_reply,
+    read_reply_fds,
+)
 
 import smstore
 from smstore import _core
@@ -30,27 +41,6 @@ from smstore._segments import list_segments, state_path
 from smstore.client import open_store
 
 STATUS = frame(b'{"op":"status"}')
-
-
-def read_reply_fds(s: socket.socket) -> tuple[dict[str, Any] | None, list[int]]:
-    """One reply frame and the fds that came with it; (None, fds) if the daemon closed first."""
-    import json
-
-    fds: list[int] = []
-
-    def exactly(n: int) -> bytes | None:
-        buf = b""
-        while len(buf) < n:
-            data, got, _flags, _addr = socket.recv_fds(s, n - len(buf), 4)
-            fds.extend(got)
-            if not data:
-                return None
-            buf += data
-        return buf
-
-    head = exactly(4)
-    body = exactly(struct.unpack(">I", head)[0]) if head is not None else None
-    return (json.loads(body) if body is not None else None), fds
 
 
 def pss_anon_kib(pid: int) -> int:
@@ -259,13 +249,7 @@ def test_other_uid_limited_while_the_owner_gets_through(
         group = grp.getgrnam("users")
     except KeyError:
         pytest.skip("no 'users' group")
-    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))
-    request.addfinalizer(lambda: shutil.rmtree(public))
-    public.chmod(0o755)
-    rundir = public / "run"
-    rundir.mkdir(mode=0o710)
-    os.chown(rundir, -1, group.gr_gid)
-    sock = rundir / "smstore.sock"
+    sock = public_rundir(request, group.gr_gid) / "smstore.sock"
     d = start_daemon(
         path, args=("--group", "users", "--max-per-uid", "8", "--io-timeout", "30"), at=sock, loaded=1
     )
@@ -519,11 +503,7 @@ def test_refused_other_user_cannot_hold_a_slot(
 ) -> None:
     """A refused peer that never reads its refusal is closed anyway (the refusal fits the buffer)."""
     path, _ = blob
-    public = Path(tempfile.mkdtemp(prefix="smstore-test-"))  # not under pytest's private tmp_path
-    request.addfinalizer(lambda: shutil.rmtree(public))
-    public.chmod(0o755)
-    rundir = public / "run"
-    rundir.mkdir(mode=0o700)
+    rundir = public_rundir(request)
     d = start_daemon(path, at=rundir / "smstore.sock")
     rundir.chmod(0o711)
     d.sock.chmod(0o666)

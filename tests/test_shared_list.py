@@ -7,10 +7,11 @@ import json
 import multiprocessing as mp
 import os
 import pickle
-import select
+import queue
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator, Sequence
@@ -56,6 +57,13 @@ def shm_entries(name: str) -> set[str]:
     return {p.name for p in Path("/dev/shm").iterdir() if name in p.name or "smstore-list" in p.name}
 
 
+def _pump(stream: Any, lines: queue.Queue[str | None]) -> None:
+    with contextlib.suppress(ValueError, OSError):  # the job's teardown closes the pipe under us
+        for line in stream:
+            lines.put(line)
+    lines.put(None)
+
+
 class Job:
     """Local ranks of a simulated job: subprocesses with LOCAL_RANK set, each in its own process group."""
 
@@ -67,6 +75,7 @@ class Job:
             **env,
         }
         self.procs: list[subprocess.Popen[str]] = []
+        self._lines: dict[int, queue.Queue[str | None]] = {}
 
     def start(self, rank: int, mode: str, n: int = N, **env: str) -> subprocess.Popen[str]:
         p = subprocess.Popen(
@@ -80,19 +89,24 @@ class Job:
         self.procs.append(p)
         return p
 
-    @staticmethod
-    def read(p: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
-        """The next JSON line of a rank (bounded)."""
-        assert p.stdout is not None
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            ready, _, _ = select.select([p.stdout], [], [], 0.5)
-            if ready:
-                line = p.stdout.readline()
-                if not line:
-                    raise AssertionError(f"rank exited with {p.wait(timeout=10)} and no output")
-                return dict(json.loads(line))
-        raise AssertionError("no output from a rank in time")
+    def read(self, p: subprocess.Popen[str], timeout: float = 60) -> dict[str, Any]:
+        """The next JSON line of a rank (bounded).
+
+        A thread reads each rank's stdout into a queue: select() on a buffered pipe misses a line that
+        arrived in the same read as the one before it (and then waits for output that never comes).
+        """
+        lines = self._lines.get(p.pid)
+        if lines is None:
+            assert p.stdout is not None
+            lines = self._lines[p.pid] = queue.Queue()
+            threading.Thread(target=_pump, args=(p.stdout, lines), daemon=True).start()
+        try:
+            line = lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError("no output from a rank in time") from None
+        if line is None:
+            raise AssertionError(f"rank exited with {p.wait(timeout=10)} and no output")
+        return dict(json.loads(line))
 
     def finish(self, p: subprocess.Popen[str]) -> dict[str, Any]:
         out = self.read(p)
