@@ -64,14 +64,18 @@ def encode_objects(objects: Iterable[Any], encoding: str) -> Iterator[bytes]:
     """Encode objects one at a time (only one object's bytes exist at once).
 
     Raises:
-        PackInputError: An object cannot be encoded; the message names its index and type.
-        ValueError: ``encoding`` is not an object encoding.
+        ValueError: ``encoding`` is not an object encoding (at the call, before any object is read).
+        PackInputError: An object cannot be encoded (while iterating); the message names its index
+            and type.
     """
     codec = _CODECS.get(encoding)
     if codec is None:
         msg = f"encoding must be one of {', '.join(map(repr, OBJECT_ENCODINGS))}, not {encoding!r}"
         raise ValueError(msg)
-    dump = codec[0]
+    return _encoded(objects, encoding, codec[0])
+
+
+def _encoded(objects: Iterable[Any], encoding: str, dump: Callable[[Any], bytes]) -> Iterator[bytes]:
     for i, obj in enumerate(objects):
         try:
             data = dump(obj)

@@ -78,6 +78,11 @@ def _after_fork_in_child() -> None:
 os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
+def _refused(reply: dict[str, Any], what: str) -> DaemonError:
+    """The error for a reply that says no, in the daemon's words."""
+    return DaemonError(f"smstore daemon: {reply.get('message', reply.get('error', what))}")
+
+
 def daemon_request(
     message: dict[str, Any], sock: str | os.PathLike[str] | None = None, *, timeout: float | None = 10.0
 ) -> dict[str, Any]:
@@ -87,8 +92,7 @@ def daemon_request(
     if fd is not None:
         os.close(fd)
     if not reply.get("ok"):
-        msg = f"smstore daemon: {reply.get('message', reply.get('error', 'request failed'))}"
-        raise DaemonError(msg)
+        raise _refused(reply, "request failed")
     return reply
 
 
@@ -108,8 +112,7 @@ def share_with_daemon(
         os.close(got)  # our own blob (or an identical one already served) handed back: we hold ours
     if not reply.get("ok"):
         conn.close()
-        msg = f"smstore daemon: {reply.get('message', reply.get('error', 'share refused'))}"
-        raise DaemonError(msg)
+        raise _refused(reply, "share refused")
     conn.settimeout(None)
     return reply, conn
 
@@ -129,8 +132,7 @@ def attach_shared(
             os.close(fd)
         if reply.get("error") == "not_served":
             return None
-        msg = f"smstore daemon: {reply.get('message', reply.get('error', 'attach refused'))}"
-        raise DaemonError(msg)
+        raise _refused(reply, "attach refused")
     conn.settimeout(None)
     return fd, reply, conn
 

@@ -305,7 +305,7 @@ class Daemon(Server):
         checksum = read_checksum(path)
         if checksum is not None and checksum in self.segments:
             return checksum  # same contents already loaded (under this or another path)
-        used = sum(s.size for s in list(self.segments.values()))
+        used = self._shm_used()
         room = 0
         if self.shm_limit:
             room = max(1, self.shm_limit - used)
@@ -319,6 +319,10 @@ class Daemon(Server):
             msg = f"{path}: the file changed while it was being loaded; try again"
             raise DaemonError(msg)
         return name, fd, ck, time.monotonic() - t0
+
+    def _shm_used(self) -> int:
+        """Bytes of our segments, for --shm-limit (the loader thread calls it too: copy the values)."""
+        return sum(s.size for s in list(self.segments.values()))
 
     def _queue_load(self, path: str, cid: int | None) -> None:
         first = path not in self.loading
@@ -452,7 +456,7 @@ class Daemon(Server):
                 raise ProtocolError(
                     "bad_request", "'share' takes a sealed memfd (write, grow and shrink seals)"
                 )
-            if self.shm_limit and st.st_size + sum(s.size for s in self.segments.values()) > self.shm_limit:
+            if self.shm_limit and st.st_size + self._shm_used() > self.shm_limit:
                 msg = f"a shared blob of {st.st_size} bytes does not fit the daemon's --shm-limit"
                 raise ProtocolError("no_room", msg)
             # Sealed: its bytes can no longer change, so validating the index once makes every read safe.

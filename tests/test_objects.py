@@ -132,3 +132,17 @@ def test_other_blobs_keep_memoryviews_by_default(awkward_blob: Path) -> None:
     assert type(smstore.open(awkward_blob)) is smstore.Store
     with pytest.raises(smstore.StoreFormatError, match="not as objects"):
         smstore.ObjectStore(awkward_blob)
+
+
+def test_unknown_encoding_is_refused_at_the_call(tmp_path: Path) -> None:
+    from smstore._objects import encode_objects
+
+    def never_read() -> Iterator[Any]:
+        raise AssertionError("the objects were read before the encoding was checked")
+        yield
+
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        encode_objects(never_read(), "yaml")
+    with pytest.raises(ValueError, match="encoding must be one of"):
+        smstore.pack_objects(never_read(), tmp_path / "o.smst", encoding="yaml")
+    assert list(tmp_path.iterdir()) == []
