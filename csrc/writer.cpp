@@ -2,9 +2,11 @@
 #include "writer.hpp"
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <random>
@@ -113,6 +115,58 @@ void Writer::begin() {
     offsets_.push_back(0);
 }
 
+void Writer::spill_offsets() {
+    if (spill_fd_ < 0) {
+        if (to_fd_) {
+            spill_fd_ = ::memfd_create("smstore-index", MFD_CLOEXEC);
+        } else {
+            spill_fd_ = ::open(dir_of(path_).c_str(), O_TMPFILE | O_RDWR | O_CLOEXEC, 0600);
+            if (spill_fd_ < 0 && (errno == EOPNOTSUPP || errno == EISDIR || errno == EINVAL)) {
+                std::string name = temp_name_for(path_) + "-index";
+                spill_fd_ = ::open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+                if (spill_fd_ >= 0) ::unlink(name.c_str());
+            }
+        }
+        if (spill_fd_ < 0) {
+            int err = errno;
+            abort();
+            throw_errno(path_ + ": cannot create a temporary file for the offsets index", err);
+        }
+    }
+    size_t bytes = offsets_.size() * sizeof(uint64_t);
+    auto p = reinterpret_cast<const char*>(offsets_.data());
+    for (size_t done = 0; done < bytes;) {
+        ssize_t n = ::pwrite(spill_fd_, p + done, bytes - done, static_cast<off_t>(spilled_ * sizeof(uint64_t) + done));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            int err = n < 0 ? errno : EIO;
+            abort();
+            throw_errno(path_ + ": writing the offsets index to a temporary file failed", err);
+        }
+        done += static_cast<size_t>(n);
+    }
+    spilled_ += offsets_.size();
+    offsets_.clear();
+}
+
+void Writer::copy_spilled_offsets() {
+    if (spill_fd_ < 0) return;
+    std::vector<uint64_t> chunk(kIndexChunk);
+    auto p = reinterpret_cast<char*>(chunk.data());
+    for (uint64_t pos = 0, total = spilled_ * sizeof(uint64_t); pos < total;) {
+        size_t want = static_cast<size_t>(std::min<uint64_t>(total - pos, kIndexChunk * sizeof(uint64_t)));
+        ssize_t n = ::pread(spill_fd_, p, want, static_cast<off_t>(pos));
+        if (n < 0 && errno == EINTR) continue;
+        if (n <= 0) {
+            int err = n < 0 ? errno : EIO;
+            abort();
+            throw_errno(path_ + ": reading back the offsets index failed", err);
+        }
+        put(p, static_cast<size_t>(n));
+        pos += static_cast<uint64_t>(n);
+    }
+}
+
 Writer::~Writer() {
     abort();
 }
@@ -178,13 +232,14 @@ int Writer::finish_fd(std::string_view metadata_json) {
     write_tail(metadata_json);
     int fd = fd_;
     fd_ = -1;
+    abort();  // only the spill file is left to close
     std::vector<uint64_t>().swap(offsets_);
     return fd;
 }
 
 void Writer::write_tail(std::string_view metadata_json) {
     check_open();
-    if (offsets_.back() != data_size_) {  // write_data() without its end_record()
+    if (record_start_ != data_size_) {  // write_data() without its end_record()
         throw Error(Error::Kind::Input, path_ + ": the last record was left unfinished; nothing was written");
     }
     Header h{};
@@ -199,8 +254,9 @@ void Writer::write_tail(std::string_view metadata_json) {
     size_t pad = (kIndexAlign - file_pos_ % kIndexAlign) % kIndexAlign;
     put(zeros, pad);
     h.index_offset = kHeaderSize + file_pos_;
-    h.index_size = offsets_.size() * sizeof(uint64_t);
-    put(offsets_.data(), h.index_size);
+    h.index_size = (spilled_ + offsets_.size()) * sizeof(uint64_t);
+    copy_spilled_offsets();
+    put(offsets_.data(), offsets_.size() * sizeof(uint64_t));
     h.meta_offset = kHeaderSize + file_pos_;
     h.meta_size = metadata_json.size();
     put(metadata_json.data(), metadata_json.size());
@@ -257,11 +313,16 @@ void Writer::publish() {
     tmp_path_.clear();
     ::close(fd_);
     fd_ = -1;
+    abort();  // only the spill file is left to close
     if (durable_) fsync_dir(dir_of(path_));
     std::vector<uint64_t>().swap(offsets_);
 }
 
 void Writer::abort() noexcept {
+    if (spill_fd_ >= 0) {
+        ::close(spill_fd_);
+        spill_fd_ = -1;
+    }
     if (fd_ >= 0) {
         ::close(fd_);
         fd_ = -1;

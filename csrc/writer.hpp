@@ -40,7 +40,7 @@ public:
         data_size_ += size;
     }
     void end_record() {
-        check_record_size(data_size_ - offsets_.back());
+        check_record_size(data_size_ - record_start_);
         close_record();
     }
 
@@ -65,8 +65,16 @@ private:
     [[noreturn]] void reject_record_size(uint64_t size) const;
     void close_record() {
         offsets_.push_back(data_size_);
+        record_start_ = data_size_;
         ++records_;
+        if (__builtin_expect(offsets_.size() == kIndexChunk, 0)) spill_offsets();
     }
+    // The offsets index is held in RAM a chunk at a time; full chunks go to an unnamed temporary file
+    // (next to the output, or a memfd for Writer(fd, label)), so memory does not grow with the number
+    // of records. write_tail() copies them back after the data.
+    static constexpr size_t kIndexChunk = size_t{1} << 17;  // 1 MiB of offsets
+    void spill_offsets();
+    void copy_spilled_offsets();
     // Through the buffer, hashed in file order.
     void put(const void* data, size_t size) {
         file_pos_ += size;
@@ -91,7 +99,10 @@ private:
     int fd_ = -1;
     std::vector<unsigned char> buf_;
     size_t buf_used_ = 0;
-    std::vector<uint64_t> offsets_;
+    std::vector<uint64_t> offsets_;  // the index entries not yet spilled
+    int spill_fd_ = -1;              // the spilled index entries, in order
+    uint64_t spilled_ = 0;           // how many
+    uint64_t record_start_ = 0;      // data_size_ when the current record began
     uint64_t records_ = 0;
     uint64_t data_size_ = 0;
     uint64_t file_pos_ = 0;  // bytes after the header handed to put()
