@@ -25,13 +25,13 @@ struct PackProgress {
 // an unterminated last line ends with an empty piece. Reports progress every 32 MiB and returns
 // the bytes read.
 template <typename OnPiece>
-uint64_t scan_lines(const std::vector<std::string>& inputs, PackProgress* progress, OnPiece&& on_piece) {
+uint64_t scan_lines(const std::vector<InputSpan>& inputs, PackProgress* progress, OnPiece&& on_piece) {
     constexpr size_t kReadSize = 256 << 10;  // stays in L2 on its way into the writer's buffer
     constexpr uint64_t kProgressEvery = 32 << 20;
     std::vector<char> buf(kReadSize);
     uint64_t total = 0, next_report = kProgressEvery;
-    for (const auto& name : inputs) {
-        InputFile in(name);
+    for (const auto& span : inputs) {
+        InputFile in(span);
         uint64_t line_no = 1;
         bool open_line = false;  // a piece of the current line has been handed on
         for (size_t n; (n = in.read(buf.data(), buf.size())) != 0;) {

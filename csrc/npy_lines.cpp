@@ -102,7 +102,7 @@ private:
 };
 
 template <typename T>
-uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress,
+uint64_t pack_typed(Writer& writer, const std::vector<InputSpan>& inputs, IntDtype dtype, PackProgress* progress,
                     uint64_t max_line) {
     LineParser<T> parser(writer, dtype);
     LineJoiner joiner(max_line);
@@ -114,7 +114,7 @@ uint64_t pack_typed(Writer& writer, const std::vector<std::string>& inputs, IntD
 
 }  // namespace
 
-uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress,
+uint64_t pack_npy_lines(Writer& writer, const std::vector<InputSpan>& inputs, IntDtype dtype, PackProgress* progress,
                         uint64_t max_line) {
     if (dtype.kind == 'u') {
         switch (dtype.itemsize) {

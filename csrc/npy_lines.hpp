@@ -22,7 +22,7 @@ struct IntDtype {
 // array of `dtype` (an empty line is an empty array; a final line without '\n' is a record). A
 // token that is not an integer, or a value outside the dtype's range, throws Error(Input) naming
 // the file, line and column; so does a line longer than max_line bytes. Returns the bytes read.
-uint64_t pack_npy_lines(Writer& writer, const std::vector<std::string>& inputs, IntDtype dtype, PackProgress* progress,
+uint64_t pack_npy_lines(Writer& writer, const std::vector<InputSpan>& inputs, IntDtype dtype, PackProgress* progress,
                         uint64_t max_line = kDefaultMaxLine);
 
 }  // namespace smstore

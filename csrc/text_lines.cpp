@@ -18,7 +18,7 @@ void check_json_line(const std::string& file, uint64_t line_no, const char* p, s
 
 }  // namespace
 
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress,
+uint64_t pack_lines(Writer& writer, const std::vector<InputSpan>& inputs, LineFormat format, PackProgress* progress,
                     uint64_t max_line) {
     if (format == LineFormat::Lines) {
         return scan_lines(inputs, progress,

@@ -16,7 +16,7 @@ enum class LineFormat { Lines, Jsonl };
 // line without '\n' is a record; every other byte is kept. Jsonl validates each line as JSON and
 // throws Error(Input) naming the file and line, or a line longer than max_line (which it must hold
 // whole); lines of any length stream through. Returns the bytes read.
-uint64_t pack_lines(Writer& writer, const std::vector<std::string>& inputs, LineFormat format, PackProgress* progress,
+uint64_t pack_lines(Writer& writer, const std::vector<InputSpan>& inputs, LineFormat format, PackProgress* progress,
                     uint64_t max_line = kDefaultMaxLine);
 
 }  // namespace smstore

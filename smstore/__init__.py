@@ -18,6 +18,7 @@ except ImportError as err:  # pragma: no cover - only without a built extension
 
 from smstore._objects import ObjectStore, pack_objects
 from smstore._pack import PackStats, Writer, pack, pack_files
+from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
 from smstore._store import Store, open
 from smstore.errors import (
     ChecksumMismatchError,
@@ -55,6 +56,9 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "ShardedObjectStore",
+    "ShardedStore",
+    "ShardedWriter",
     "SharedList",
     "SharedListError",
     "SharedListMismatchError",
@@ -74,6 +78,7 @@ __all__ = [
     "__version__",
     "collect_garbage",
     "daemon_request",
+    "join",
     "list_segments",
     "open",
     "open_store",

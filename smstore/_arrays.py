@@ -119,6 +119,8 @@ def pack_npy_lines(
     progress: bool | None = None,
     durable: bool = True,
     max_line_bytes: int = _core.DEFAULT_MAX_LINE_BYTES,
+    jobs: int = 1,
+    shard_size: int | None = None,
 ) -> PackStats:
     """Pack text files of integers (``-`` for stdin), one array record per line, in C++.
 
@@ -133,6 +135,8 @@ def pack_npy_lines(
         progress: Show a progress bar; by default only when stderr is a terminal.
         max_line_bytes: A longer line raises PackInputError (a line is parsed whole, in memory).
             Default 1 GiB.
+        jobs, shard_size: Write a sharded dataset, packing shards in parallel (as for
+            :func:`smstore.pack_files`).
 
     Raises:
         PackInputError: A token that is not an integer, a value out of the dtype's range, or a
@@ -143,9 +147,18 @@ def pack_npy_lines(
         msg = f"npy-lines packs integers: dtype must be int8..int64 or uint8..uint64, not {dt}"
         raise PackInputError(msg)
 
-    def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
+    def run(writer: _core.Writer, names: list[Any], bar: Callable[[int], None] | None) -> int:
         return _core.pack_npy_lines(writer, names, dt.kind, dt.itemsize, bar, max_line_bytes)
 
     return pack_text_inputs(
-        inputs, output, array_encoding(dt), run, metadata=metadata, progress=progress, durable=durable
+        inputs,
+        output,
+        array_encoding(dt),
+        run,
+        metadata=metadata,
+        progress=progress,
+        durable=durable,
+        jobs=jobs,
+        shard_size=shard_size,
+        item_size=dt.itemsize,
     )

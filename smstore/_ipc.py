@@ -15,10 +15,12 @@ from smstore.errors import DaemonError
 
 __all__ = [
     "MAX_MESSAGE",
+    "connect",
     "decode_body",
     "default_socket_path",
     "encode",
     "ensure_private_dir",
+    "exchange",
     "process_alive",
     "process_start_time",
     "request",
@@ -105,28 +107,38 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
-def request(
-    message: dict[str, Any], path: Path, *, timeout: float | None = 10.0, fd: int | None = None
-) -> tuple[dict[str, Any], int | None, socket.socket]:
-    """Send one request on a new connection; return (reply, received fd or None, the open socket).
-
-    ``fd``, if given, travels with the request (``SCM_RIGHTS``); the caller keeps its own copy.
-
-    A new connection per request: nothing is shared across fork. The caller closes the socket, or
-    keeps it open to stay listed as a client of a segment it attached.
+def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
+    """A new connection to the daemon at `path`.
 
     Raises:
-        DaemonError: No daemon listens at ``path``, it broke the connection, or it timed out.
+        DaemonError: No daemon listens there.
     """
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    fds: list[int] = []
     try:
         sock.settimeout(timeout)
-        try:
-            sock.connect(os.fspath(path))
-        except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
-            msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
-            raise DaemonError(msg) from None
+        sock.connect(os.fspath(path))
+    except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+        sock.close()
+        msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
+        raise DaemonError(msg) from None
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def exchange(
+    sock: socket.socket, message: dict[str, Any], path: Path, *, fd: int | None = None
+) -> tuple[dict[str, Any], int | None]:
+    """Send one request on an open connection and read its reply: (reply, received fd or None).
+
+    On any failure the connection is of no further use: the caller closes it.
+
+    Raises:
+        DaemonError: The daemon broke the connection, sent garbage, or timed out.
+    """
+    fds: list[int] = []
+    try:
         # A daemon that refuses us replies at once and closes: read that reply even if sending failed.
         with contextlib.suppress(BrokenPipeError, ConnectionResetError):
             data = encode(message)
@@ -148,17 +160,38 @@ def request(
                     raise DaemonError(msg)
         reply = decode_body(buf[4:need])
         _close_all(fds[1:])
-        return reply, (fds[0] if fds else None), sock
+        return reply, (fds[0] if fds else None)
     except BaseException as e:
         _close_all(fds)
-        sock.close()
         if isinstance(e, TimeoutError):
-            msg = f"the smstore daemon on {path} did not answer within {timeout} s"
+            msg = f"the smstore daemon on {path} did not answer within {sock.gettimeout()} s"
             raise DaemonError(msg) from None
         if isinstance(e, (ConnectionError, ValueError)) and not isinstance(e, DaemonError):
             msg = f"bad exchange with the smstore daemon on {path}: {e}"
             raise DaemonError(msg) from None
         raise
+
+
+def request(
+    message: dict[str, Any], path: Path, *, timeout: float | None = 10.0, fd: int | None = None
+) -> tuple[dict[str, Any], int | None, socket.socket]:
+    """Send one request on a new connection; return (reply, received fd or None, the open socket).
+
+    ``fd``, if given, travels with the request (``SCM_RIGHTS``); the caller keeps its own copy.
+
+    A new connection per request: nothing is shared across fork. The caller closes the socket, or
+    keeps it open to stay listed as a client of a segment it attached.
+
+    Raises:
+        DaemonError: No daemon listens at ``path``, it broke the connection, or it timed out.
+    """
+    sock = connect(path, timeout)
+    try:
+        reply, got = exchange(sock, message, path, fd=fd)
+    except BaseException:
+        sock.close()
+        raise
+    return reply, got, sock
 
 
 def process_start_time(pid: int) -> int | None:

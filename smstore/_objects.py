@@ -143,7 +143,32 @@ def pack_objects(
         return w.record_count
 
 
-class ObjectStore(_core.Store):
+class DecodedItems:
+    """Items decoded on access: a mixin before a store class, which names its raw base in ``_raw``."""
+
+    _raw: Any
+    _decode: Callable[[memoryview], Any]
+
+    def __getitem__(self, index: Any) -> Any:
+        return self._decode(self._raw.__getitem__(self, index))
+
+    def raw(self, index: int) -> memoryview:
+        """Record ``index`` undecoded: a zero-copy, read-only memoryview."""
+        view: memoryview = self._raw.__getitem__(self, index)
+        return view
+
+    def get_batch(self, indices: Any) -> list[Any]:
+        decode = self._decode
+        return [decode(r) for r in self._raw.get_batch(self, indices)]
+
+    def __iter__(self) -> Iterator[Any]:
+        n = len(self)  # type: ignore[arg-type]
+        step = 1024  # a batch of views at a time: fewer calls, bounded memory
+        for start in range(0, n, step):
+            yield from self.get_batch(list(range(start, min(start + step, n))))
+
+
+class ObjectStore(DecodedItems, _core.Store):
     """A Store of object records whose items are decoded objects, a fresh one per access.
 
     ``smstore.open()`` returns one for blobs written by :func:`pack_objects`. ``store[i]``,
@@ -153,6 +178,8 @@ class ObjectStore(_core.Store):
     Args:
         path: The ``.smst`` file (or ``fd, label, full_index`` as for ``Store``).
     """
+
+    _raw = _core.Store
 
     def __init__(self, *args: Any) -> None:
         _core.Store.__init__(self, *args)
@@ -167,23 +194,6 @@ class ObjectStore(_core.Store):
             )
             raise StoreFormatError(msg)
         self._decode = decoder
-
-    def __getitem__(self, index: Any) -> Any:
-        return self._decode(_core.Store.__getitem__(self, index))
-
-    def raw(self, index: int) -> memoryview:
-        """Record ``index`` undecoded: a zero-copy, read-only memoryview."""
-        return _core.Store.__getitem__(self, index)
-
-    def get_batch(self, indices: Any) -> list[Any]:
-        decode = self._decode
-        return [decode(r) for r in _core.Store.get_batch(self, indices)]
-
-    def __iter__(self) -> Iterator[Any]:
-        n = len(self)
-        step = 1024  # a batch of views at a time: fewer calls, bounded memory
-        for start in range(0, n, step):
-            yield from self.get_batch(list(range(start, min(start + step, n))))
 
     def __repr__(self) -> str:
         if self.closed:

@@ -9,10 +9,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from smstore import _core
 from smstore.errors import PackInputError, StoreFormatError
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
 
 __all__ = ["PackStats", "Writer", "build_metadata", "pack", "pack_files"]
 
@@ -51,7 +54,26 @@ def _item_size(encoding: str, path: str) -> int:
         raise PackInputError(str(e)) from None
 
 
-class Writer:
+class Transaction:
+    """A writer used as a ``with`` block: ``close()`` (publish) on success, ``abort()`` on an exception."""
+
+    def close(self) -> Any:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, exc_type: object, *_: object) -> None:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+
+
+class Writer(Transaction):
     """Streams records into a new blob, published atomically when the ``with`` block ends.
 
     Records are appended in order; record ``i`` is the ``i``-th ``append``. On an exception inside
@@ -102,15 +124,6 @@ class Writer:
         """Discard everything written; ``path`` is left as it was."""
         self._writer.abort()
 
-    def __enter__(self) -> Writer:
-        return self
-
-    def __exit__(self, exc_type: object, *_: object) -> None:
-        if exc_type is None:
-            self.close()
-        else:
-            self.abort()
-
 
 def pack(
     records: Iterable[Record],
@@ -138,6 +151,7 @@ class PackStats:
     input_bytes: int
     data_bytes: int
     seconds: float
+    shards: int = 1  # more than one: the output is a sharded dataset (a directory)
 
 
 def pack_files(
@@ -149,28 +163,43 @@ def pack_files(
     progress: bool | None = None,
     durable: bool = True,
     max_line_bytes: int = _core.DEFAULT_MAX_LINE_BYTES,
+    jobs: int = 1,
+    shard_size: int | None = None,
 ) -> PackStats:
     """Pack text files (``-`` for stdin), one record per line, with the C++ streaming packer.
 
     Args:
         inputs: Files read in order; their records are concatenated.
-        output: The ``.smst`` file to write (atomically).
+        output: The ``.smst`` file to write (atomically); with ``jobs`` or ``shard_size``, the
+            directory of a sharded dataset (``manifest.json`` and its shards, written last).
         format: ``lines`` (any bytes) or ``jsonl`` (each line must be one JSON value).
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         progress: Show a progress bar; by default only when stderr is a terminal.
         max_line_bytes: ``jsonl`` only: a longer line raises PackInputError (a JSON line is held
             in memory whole to be checked). Default 1 GiB. Plain lines stream at any length.
+        jobs: Shards packed at once (threads: the packer runs without the GIL). More than 1
+            writes a sharded dataset; without ``shard_size``, one shard per job.
+        shard_size: Input bytes per shard (cut at line ends): writes a sharded dataset whose
+            records are, in order, those a one-file pack would hold.
     """
 
-    def run(writer: _core.Writer, names: list[str], bar: Callable[[int], None] | None) -> int:
+    def run(writer: _core.Writer, names: list[Any], bar: Callable[[int], None] | None) -> int:
         return _core.pack_lines(writer, names, format, bar, max_line_bytes)
 
     return pack_text_inputs(
-        inputs, output, format, run, metadata=metadata, progress=progress, durable=durable
+        inputs,
+        output,
+        format,
+        run,
+        metadata=metadata,
+        progress=progress,
+        durable=durable,
+        jobs=jobs,
+        shard_size=shard_size,
     )
 
 
-PackLoop = Callable[[_core.Writer, list[str], Callable[[int], None] | None], int]
+PackLoop = Callable[[_core.Writer, list[Any], Callable[[int], None] | None], int]
 
 
 def pack_text_inputs(
@@ -182,16 +211,37 @@ def pack_text_inputs(
     metadata: dict[str, Any] | None,
     progress: bool | None,
     durable: bool,
+    jobs: int = 1,
+    shard_size: int | None = None,
+    item_size: int = 1,
 ) -> PackStats:
     """Run a C++ pack loop over text inputs into a new blob: metadata, progress bar, atomic publish.
 
-    ``run(writer, input_names, progress_callback)`` streams the inputs into the writer and returns
-    the bytes it read; on any exception nothing is published.
+    ``run(writer, inputs, progress_callback)`` streams the inputs (paths, or ``(path, start, end)``
+    parts) into the writer and returns the bytes it read; on any exception nothing is published.
+    With ``jobs > 1`` or a ``shard_size``, writes a sharded dataset (see :mod:`smstore._shards`).
     """
     names = [os.fspath(p) for p in inputs]
     if not names:
         msg = "packing needs at least one input file"
         raise ValueError(msg)
+    if jobs != 1 or shard_size is not None:
+        from smstore._shards import pack_parts
+
+        with _progress_bar(names, progress) as bar:
+            manifest, total, seconds = pack_parts(
+                names,
+                os.fspath(output),
+                encoding,
+                run,
+                jobs=jobs,
+                shard_size=shard_size,
+                item_size=item_size,
+                metadata=metadata,
+                progress=bar,
+                durable=durable,
+            )
+        return PackStats(manifest.records, total, manifest.data_bytes, seconds, len(manifest.shards))
     sources = [os.path.abspath(n) if n != "-" else "-" for n in names]
     meta = build_metadata(encoding, source=sources, user=metadata)
     start = time.perf_counter()

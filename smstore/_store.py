@@ -7,25 +7,33 @@ import os
 from smstore import _core
 from smstore._core import Store
 from smstore._objects import OBJECT_ENCODINGS, ObjectStore
+from smstore._shards import ShardedStore, is_manifest, open_sharded
 from smstore.errors import StoreFormatError
 
-__all__ = ["Store", "open", "read_checksum"]
+__all__ = ["ShardedStore", "Store", "open", "read_checksum"]
 
 
-def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store:
+def open(path: str | os.PathLike[str], *, verify: bool = False) -> Store | ShardedStore:
     """Map a blob read-only and validate its structure (header and offsets index).
 
     A blob of objects (see :func:`smstore.pack_objects`) opens as an :class:`ObjectStore`, whose
-    items are decoded objects; ``smstore.Store(path)`` gives its raw records.
+    items are decoded objects; ``smstore.Store(path)`` gives its raw records. A sharded dataset (a
+    manifest, or a directory holding ``manifest.json``) opens as a :class:`ShardedStore` (a
+    ``ShardedObjectStore`` for objects), one global index over its shards.
 
     Args:
-        path: The ``.smst`` file.
-        verify: Also check the checksum over the whole file (reads every byte).
+        path: The ``.smst`` file, or a sharded dataset.
+        verify: Also check the checksum over the whole file (reads every byte; every shard).
 
     Raises:
         StoreNotFoundError: The file does not exist.
         StoreFormatError: The file is foreign, malformed, truncated, or fails ``verify``.
     """
+    if is_manifest(path):
+        sharded = open_sharded(path)
+        if verify:
+            sharded.verify()
+        return sharded
     store = Store(path)
     try:
         objects = store.encoding in OBJECT_ENCODINGS

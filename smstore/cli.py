@@ -26,16 +26,28 @@ def _human(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def _user_meta(items: list[str] | None, command: str) -> dict[str, Any] | None:
+    """--meta KEY=VALUE items as a dict (None if none); exits with a usage error on a bad one."""
+    if not items:
+        return None
+    user: dict[str, Any] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep:
+            print(f"smstore {command}: --meta expects KEY=VALUE, got {item!r}", file=sys.stderr)
+            raise SystemExit(2)
+        user[key] = value
+    return user
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
-    user = None
-    if args.meta:
-        user = {}
-        for item in args.meta:
-            key, sep, value = item.partition("=")
-            if not sep:
-                print(f"smstore pack: --meta expects KEY=VALUE, got {item!r}", file=sys.stderr)
-                return 2
-            user[key] = value
+    user = _user_meta(args.meta, "pack")
+    if args.jobs < 1:
+        print(f"smstore pack: --jobs must be at least 1, not {args.jobs}", file=sys.stderr)
+        return 2
+    if args.shard_size == 0:
+        print("smstore pack: --shard-size must be positive", file=sys.stderr)
+        return 2
     progress = None if not args.quiet else False
     if args.format == "npy-lines":
         stats = smstore.pack_npy_lines(
@@ -46,6 +58,8 @@ def cmd_pack(args: argparse.Namespace) -> int:
             max_line_bytes=args.max_line_bytes,
             progress=progress,
             durable=not args.no_fsync,
+            jobs=args.jobs,
+            shard_size=args.shard_size,
         )
     elif args.dtype is not None:
         print("smstore pack: --dtype applies to --format npy-lines only", file=sys.stderr)
@@ -59,19 +73,36 @@ def cmd_pack(args: argparse.Namespace) -> int:
             max_line_bytes=args.max_line_bytes,
             progress=progress,
             durable=not args.no_fsync,
+            jobs=args.jobs,
+            shard_size=args.shard_size,
         )
     if not args.quiet:
         rate = stats.input_bytes / stats.seconds / 2**20 if stats.seconds > 0 else float("inf")
+        into = f"{args.output} ({stats.shards} shards)" if stats.shards > 1 else args.output
         print(
-            f"packed {stats.records} records ({_human(stats.data_bytes)}) into {args.output} "
+            f"packed {stats.records} records ({_human(stats.data_bytes)}) into {into} "
             f"in {stats.seconds:.2f} s ({rate:.0f} MiB/s)",
             file=sys.stderr,
         )
     return 0
 
 
-def _info(store: smstore.Store) -> dict[str, Any]:
+def _info(store: Any) -> dict[str, Any]:
     meta = store.metadata
+    if isinstance(store, smstore.ShardedStore):
+        m = store.manifest
+        return {
+            "path": store.path,
+            "records": len(store),
+            "shards": store.shard_count,
+            "data_bytes": store.nbytes,
+            "file_bytes": sum(s.file_size for s in m.shards),
+            "checksum": f"manifest:{store.checksum}",
+            "encoding": meta.get("encoding"),
+            "created": meta.get("created"),
+            "source": meta.get("source"),
+            "user": meta.get("user", {}),
+        }
     return {
         "path": store.path,
         "format_version": store.format_version,
@@ -112,11 +143,27 @@ def cmd_verify(args: argparse.Namespace) -> int:
         try:
             with smstore.open(path) as store:
                 store.verify()
-                print(f"{path}: OK ({len(store)} records, xxh64:{store.checksum})")
+                if isinstance(store, smstore.ShardedStore):
+                    print(
+                        f"{path}: OK ({len(store)} records in {store.shard_count} shards, all checksums match)"
+                    )
+                else:
+                    print(f"{path}: OK ({len(store)} records, xxh64:{store.checksum})")
         except StoreError as e:
             print(f"{path}: FAILED: {e}", file=sys.stderr)
             status = 1
     return status
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    user = _user_meta(args.meta, "join")
+    manifest = smstore.join(args.inputs, args.output, metadata=user, verify=args.verify)
+    print(
+        f"joined {len(manifest.shards)} shards ({manifest.records} records, {_human(manifest.data_bytes)}) "
+        f"into {manifest.path}",
+        file=sys.stderr,
+    )
+    return 0
 
 
 def cmd_get(args: argparse.Namespace) -> int:
@@ -139,7 +186,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="pack text files into a blob, one record per line")
     p.add_argument("inputs", nargs="+", help="input files, read in order ('-' for stdin)")
-    p.add_argument("-o", "--output", required=True, help="the .smst file to write (atomically)")
+    p.add_argument(
+        "-o",
+        "--output",
+        required=True,
+        help="the .smst file to write (atomically); with -j or --shard-size, a dataset directory",
+    )
+    p.add_argument(
+        "-j",
+        "--jobs",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pack N shards at once (writes a sharded dataset)",
+    )
+    p.add_argument(
+        "--shard-size",
+        type=_size,
+        metavar="SIZE",
+        help="split the input into shards of about SIZE bytes, cut at line ends (e.g. 256M, 1G)",
+    )
     p.add_argument(
         "--format",
         choices=["lines", "jsonl", "npy-lines"],
@@ -159,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing the file")
     p.set_defaults(func=cmd_pack)
 
-    p = sub.add_parser("info", help="show a blob's header and metadata")
+    p = sub.add_parser("info", help="show a blob's (or a sharded dataset's) header and metadata")
     p.add_argument("store")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
@@ -167,6 +233,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("verify", help="check the checksum over every byte; exit 1 if any store is corrupt")
     p.add_argument("stores", nargs="+")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("join", help="write a manifest over existing shards (copies no record)")
+    p.add_argument(
+        "inputs", nargs="+", help="shards (.smst blobs), manifests or dataset directories, in order"
+    )
+    p.add_argument(
+        "-o", "--output", required=True, help="the manifest to write (a file, or a dataset directory)"
+    )
+    p.add_argument("--verify", action="store_true", help="check every shard's checksum over every byte first")
+    p.add_argument("--meta", action="append", metavar="KEY=VALUE", help="user metadata (repeatable)")
+    p.set_defaults(func=cmd_join)
 
     p = sub.add_parser("get", help="write the raw bytes of records to stdout")
     p.add_argument("store")
@@ -242,7 +319,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"smstore serve: {e}", file=sys.stderr)
         return 2
-    return serve(args.files, sock=args.socket, group=args.group, shm_limit=shm_limit or 0, limits=limits)
+    files = [blob for f in args.files for blob in _blob_files(f)]
+    return serve(files, sock=args.socket, group=args.group, shm_limit=shm_limit or 0, limits=limits)
 
 
 def _client_pids(pids: list[int]) -> str:
@@ -275,20 +353,39 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _blob_files(path: str) -> list[str]:
+    """The blobs behind `path`: itself, or the shards of a sharded dataset, in order."""
+    from smstore._shards import is_manifest, read_manifest
+
+    if not is_manifest(path):
+        return [path]
+    m = read_manifest(path)
+    return [m.shard_path(k) for k in range(len(m.shards))]
+
+
 def cmd_load(args: argparse.Namespace) -> int:
     from smstore.client import daemon_request
 
     status = 0
     for path in args.files:
         try:
-            reply = daemon_request(
-                {"op": "load", "path": os.fspath(Path(path).absolute())}, args.socket, timeout=None
-            )
+            shards = _blob_files(path)
+            total = 0
+            for blob in shards:
+                reply = daemon_request(
+                    {"op": "load", "path": os.fspath(Path(blob).absolute())}, args.socket, timeout=None
+                )
+                total += reply["size"]
+                if len(shards) == 1:
+                    print(
+                        f"{path}: loaded as {reply['segment']} ({_human(reply['size'])}, xxh64:{reply['checksum']})"
+                    )
         except StoreError as e:
             print(f"smstore load: {path}: {e}", file=sys.stderr)
             status = 1
             continue
-        print(f"{path}: loaded as {reply['segment']} ({_human(reply['size'])}, xxh64:{reply['checksum']})")
+        if len(shards) > 1:
+            print(f"{path}: loaded {len(shards)} shards ({_human(total)})")
     return status
 
 
@@ -297,7 +394,14 @@ def cmd_unload(args: argparse.Namespace) -> int:
     from smstore.client import daemon_request
 
     status = 0
+    targets: list[str] = []
     for target in args.targets:
+        try:
+            targets += _blob_files(target)
+        except StoreError as e:
+            print(f"smstore unload: {target}: {e}", file=sys.stderr)
+            status = 1
+    for target in targets:
         msg: dict[str, Any] = {"op": "unload", "path": os.fspath(Path(target).absolute())}
         try:
             checksum = read_checksum(target)

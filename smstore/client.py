@@ -6,14 +6,23 @@ import logging
 import os
 import socket
 import weakref
+from pathlib import Path
 from typing import Any, Literal
 
 from smstore import _core
-from smstore._ipc import request, socket_path
+from smstore._ipc import connect, exchange, request, socket_path
+from smstore._shards import ShardedStore, ShardInfo, is_manifest, open_sharded
 from smstore._store import Store, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
 
-__all__ = ["DaemonStore", "attach_shared", "daemon_request", "open_store", "share_with_daemon"]
+__all__ = [
+    "DaemonSession",
+    "DaemonStore",
+    "attach_shared",
+    "daemon_request",
+    "open_store",
+    "share_with_daemon",
+]
 
 log = logging.getLogger("smstore")
 
@@ -68,6 +77,45 @@ _attachments: weakref.WeakSet[Any] = weakref.WeakSet()
 def keep_attached(holder: Any) -> None:
     """Have `holder._drop_connection()` called in every forked child of this process."""
     _attachments.add(holder)
+
+
+class DaemonSession:
+    """One connection to the daemon for many attaches: the shards of one dataset in one process.
+
+    The daemon lists this process as a client of every segment attached through the connection
+    while it stays open. A forked child drops its parent's connection and opens its own on its
+    first attach.
+    """
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._conn: socket.socket | None = None
+        keep_attached(self)
+
+    def attach(self, checksum: str) -> tuple[dict[str, Any], int | None]:
+        """The daemon's reply to attaching the segment holding `checksum`, and its fd if it sent one.
+
+        Raises:
+            DaemonError: No daemon answers, or the exchange failed (the connection is dropped).
+        """
+        if self._conn is None:
+            self._conn = connect(self.path)
+        try:
+            return exchange(self._conn, {"op": "attach", "checksum": checksum}, self.path)
+        except BaseException:
+            self._drop_connection()
+            raise
+
+    def close(self) -> None:
+        self._drop_connection()
+
+    def _drop_connection(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __del__(self) -> None:
+        self._drop_connection()
 
 
 def _after_fork_in_child() -> None:
@@ -149,8 +197,12 @@ def open_store(
     socket: str | os.PathLike[str] | None = None,
     *,
     checksum: str | None = None,
-) -> Store:
+) -> Store | ShardedStore:
     """Open a blob: the daemon's shared-memory copy, or a read-only mapping of the file.
+
+    A sharded dataset (a manifest, or a directory holding one) opens as a ``ShardedStore`` whose
+    shards are each attached the same way on first use, through one daemon connection per
+    process, and matched by the checksum the manifest records.
 
     The daemon and the file are matched by content: the checksum in the file's header (a 4 KiB
     read) must be one the daemon serves. Each call makes its own connection, so this is safe in
@@ -158,7 +210,7 @@ def open_store(
     path and attaches in each process (``SharedStoreDataset``, ``TokenCollator``).
 
     Args:
-        path: The ``.smst`` file.
+        path: The ``.smst`` file, or a sharded dataset.
         mode: ``"auto"`` uses the daemon's copy if it serves this file, else maps the file (and
             logs once, on the ``smstore`` logger, which it chose); ``"daemon"`` requires the
             daemon; ``"mmap"`` never asks it.
@@ -172,7 +224,7 @@ def open_store(
         StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).
     """
-    store = _open(path, mode, socket)
+    store: Store | ShardedStore = _open(path, mode, socket)
     if checksum is not None and (now := store.checksum) != checksum:
         store.close()
         msg = (
@@ -183,11 +235,13 @@ def open_store(
     return store
 
 
-def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[str] | None) -> Store:
+def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[str] | None) -> Any:
     if mode not in _MODES:
         msg = f"mode must be one of {', '.join(_MODES)}, not {mode!r}"
         raise ValueError(msg)
     spath = os.fspath(path)
+    if is_manifest(spath):
+        return _open_sharded(spath, mode, socket)
     if mode == "mmap":
         return Store(spath)
     try:
@@ -197,16 +251,40 @@ def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[st
     if checksum is None:
         # Missing, unreadable or not a blob: let the reader raise its precise error.
         return Store(spath)
-    sock_at = socket_path(socket)
+    return _attach(spath, checksum, mode, socket_path(socket), None)
+
+
+def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None) -> ShardedStore:
+    """A sharded dataset whose shards attach, on first use, through one connection per process."""
+    if mode == "mmap":
+        return open_sharded(spath)
+    session = DaemonSession(socket_path(socket))
+
+    def opener(path: str, info: ShardInfo) -> Store:
+        # By the checksum the manifest records: a served shard's file is never read.
+        return _attach(path, info.checksum, mode, session.path, session)
+
+    store = open_sharded(spath, opener=opener, check_files=mode != "daemon")
+    store._session = session  # closed with the store's last reference
+    return store
+
+
+def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: DaemonSession | None) -> Store:
+    """The daemon's copy of the blob at `spath` holding `checksum`, or (mode "auto") a mapping of the file."""
+    conn: socket.socket | None = None
     try:
-        reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
+        if session is not None:
+            reply, fd = session.attach(checksum)
+        else:
+            reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:
         if mode == "daemon":
             raise
         _log_once(spath, "mmap", "%s: mapping the file (%s)", spath, e)
         return Store(spath)
     if not reply.get("ok") or fd is None:
-        conn.close()
+        if conn is not None:
+            conn.close()
         if fd is not None:
             os.close(fd)
         if mode == "daemon":
@@ -223,14 +301,16 @@ def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[st
         )
         return Store(spath)
     try:
-        conn.settimeout(None)
+        if conn is not None:
+            conn.settimeout(None)
         store = DaemonStore(fd, spath, reply, conn)
         if (held := store.checksum) != checksum:
             store.close()
             msg = f"{spath}: the daemon on {sock_at} sent a segment holding {held}, not {checksum}"
             raise DaemonError(msg)
     except BaseException:
-        conn.close()
+        if conn is not None:
+            conn.close()
         raise
     finally:
         os.close(fd)  # the mapping holds the segment now

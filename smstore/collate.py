@@ -9,7 +9,7 @@ from typing import Any, Literal
 import numpy as np
 
 from smstore._decode import numpy_dtype, partial_items_error, torch_dtype
-from smstore._store import Store
+from smstore._store import ShardedStore, Store
 from smstore.client import Mode, open_store
 
 __all__ = ["TokenCollator", "pinned_memory_available"]
@@ -145,7 +145,7 @@ class TokenCollator:
         self.dtype = dtype
         self.pin_memory = pin_memory
         self.return_indices = return_indices
-        self._store: Store | None = None
+        self._store: Store | ShardedStore | None = None
         store = self.store
         if self._path is not None:
             self.checksum = store.checksum  # every process must read these very bytes
@@ -159,7 +159,7 @@ class TokenCollator:
     # -- the store, attached lazily in each process -----------------------------------------
 
     @property
-    def store(self) -> Store:
+    def store(self) -> Store | ShardedStore:
         """The Store records come from (opened in this process on first use)."""
         if self._source is not None:
             return self._source.store if hasattr(self._source, "store") else self._source  # type: ignore[no-any-return]

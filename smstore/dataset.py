@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 from torch.utils.data import Dataset
 
 from smstore._core import RecordReader
 from smstore._decode import Decoder, make_decoder
-from smstore._store import Store
+from smstore._store import ShardedStore, Store
 from smstore.client import Mode, open_store
 
 __all__ = ["SharedStoreDataset"]
@@ -26,7 +26,8 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
     ``smstore._core.RecordReader``).
 
     Args:
-        path: The ``.smst`` blob.
+        path: The ``.smst`` blob, or a sharded dataset (a manifest, or a directory holding
+            ``manifest.json``: see ``smstore pack --shard-size`` and ``smstore join``).
         decode: ``"auto"`` (the default): objects for blobs of objects (see
             :func:`smstore.pack_objects`), else as ``None``; ``None`` for a zero-copy read-only
             ``memoryview``; ``"bytes"``, ``"utf8"``, ``"json"``, ``"numpy"`` (dtype
@@ -62,6 +63,8 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         self.checksum = store.checksum  # every process must read these very bytes
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
+        # Record counts of the shards, in order (one for a single blob): what windowed samplers need.
+        self.shard_sizes: list[int] = store.shard_sizes if isinstance(store, ShardedStore) else [len(store)]
         self._decoder = make_decoder(decode, store.encoding, self.path)
         self._bind(store, self._decoder, transform)
 
@@ -76,14 +79,14 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         self._bind(store, self._decoder, self.transform)
 
     @property
-    def store(self) -> Store:
+    def store(self) -> Store | ShardedStore:
         """The Store this process reads from (attached on first use)."""
         store = self._bound_store
         if store is None:
             self._attach()
             store = self._bound_store
             assert store is not None  # _attach() binds one
-        return store
+        return cast("Store | ShardedStore", store)  # what _attach() bound: open_store()'s result
 
     def __len__(self) -> int:
         return self._len

@@ -6,6 +6,7 @@ PYBIND11_MODULE(_core, m) {  // needs the GIL: stores and writers are not safe w
     m.attr("__version__") = SMSTORE_VERSION;
     smstore::bindings::register_errors(m);
     smstore::bindings::register_store(m);
+    smstore::bindings::register_sharded(m);
     smstore::bindings::register_record_reader(m);
     smstore::bindings::register_writer(m);
     smstore::bindings::register_packers(m);

@@ -136,6 +136,10 @@ PyObject* PyStore::getitem(PyObject* key) const {
 }
 
 std::vector<uint64_t> PyStore::normalize_all(py::handle indices) const {
+    return normalize_indices(indices, count_);
+}
+
+std::vector<uint64_t> normalize_indices(py::handle indices, uint64_t count_) {
     std::vector<uint64_t> out;
     PyObject* seq = indices.ptr();
     if (PyList_Check(seq) || PyTuple_Check(seq)) {

@@ -53,6 +53,10 @@ inline Py_ssize_t normalize_value(Py_ssize_t i, uint64_t count) {
     return j;
 }
 
+// Python indices (a list, tuple or integer array; negative counts from the end) as record numbers
+// below `count`. Throws IndexError, TypeError or ValueError.
+std::vector<uint64_t> normalize_indices(pybind11::handle indices, uint64_t count);
+
 // Exports a store's data section through the buffer protocol (see record_view).
 struct DataExport {
     std::shared_ptr<Store> store;

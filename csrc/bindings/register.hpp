@@ -62,6 +62,7 @@ auto checked(R (*f)(T&, A...)) {
 void register_errors(pybind11::module_& m);
 void register_store(pybind11::module_& m);
 void register_record_reader(pybind11::module_& m);
+void register_sharded(pybind11::module_& m);
 void register_writer(pybind11::module_& m);
 void register_packers(pybind11::module_& m);
 void register_shm(pybind11::module_& m);

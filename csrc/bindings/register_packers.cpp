@@ -22,14 +22,34 @@ uint64_t run_packer(py::handle writer, const py::object& progress, Pack&& pack) 
     return pack(w, &cb);
 }
 
+// Pack inputs from Python: each a file name, or a (name, start, end) part of a file.
+std::vector<InputSpan> input_spans(const py::sequence& inputs) {
+    if (py::isinstance<py::str>(inputs) || py::isinstance<py::bytes>(inputs)) {
+        throw py::type_error("inputs must be a list of paths, not one string");
+    }
+    std::vector<InputSpan> spans;
+    spans.reserve(inputs.size());
+    for (py::handle item : inputs) {
+        if (py::isinstance<py::tuple>(item)) {
+            auto t = item.cast<py::tuple>();
+            if (t.size() != 3) throw py::value_error("an input part is (path, start, end)");
+            spans.emplace_back(t[0].cast<std::string>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>());
+        } else {
+            spans.emplace_back(item.cast<std::string>());
+        }
+    }
+    return spans;
+}
+
 }  // namespace
 
 void register_packers(py::module_& m) {
     m.attr("DEFAULT_MAX_LINE_BYTES") = kDefaultMaxLine;
     m.def(
         "pack_lines",
-        [](py::handle writer, const std::vector<std::string>& inputs, const std::string& format,
-           const py::object& progress, uint64_t max_line_bytes) {
+        [](py::handle writer, const py::sequence& names, const std::string& format, const py::object& progress,
+           uint64_t max_line_bytes) {
+            std::vector<InputSpan> inputs = input_spans(names);
             LineFormat fmt;
             if (format == "lines") {
                 fmt = LineFormat::Lines;
@@ -44,12 +64,14 @@ void register_packers(py::module_& m) {
         },
         py::arg("writer"), py::arg("inputs"), py::arg("format") = "lines", py::arg("progress") = py::none(),
         py::arg("max_line_bytes") = kDefaultMaxLine,
-        "Pack text lines into `writer`, one record per line; returns the bytes read. A jsonl line longer than "
-        "max_line_bytes is refused (plain lines stream, at any length).");
+        "Pack text lines into `writer`, one record per line; returns the bytes read. Each input is a path or a "
+        "(path, start, end) part of a file. A jsonl line longer than max_line_bytes is refused (plain lines "
+        "stream, at any length).");
     m.def(
         "pack_npy_lines",
-        [](py::handle writer, const std::vector<std::string>& inputs, const std::string& kind, int itemsize,
+        [](py::handle writer, const py::sequence& names, const std::string& kind, int itemsize,
            const py::object& progress, uint64_t max_line_bytes) {
+            std::vector<InputSpan> inputs = input_spans(names);
             if (kind.size() != 1) throw py::value_error("kind must be 'i' or 'u'");
             IntDtype dtype{kind[0], itemsize};
             return run_packer(writer, progress, [&](Writer& w, PackProgress* cb) {

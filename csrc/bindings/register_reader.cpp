@@ -1,6 +1,7 @@
 // smstore._core.RecordReader: the C base of SharedStoreDataset, so ds[i] never enters a Python frame.
 
 #include "error.hpp"
+#include "py_sharded.hpp"
 #include "py_store.hpp"
 #include "register.hpp"
 
@@ -12,8 +13,9 @@ namespace {
 // Holds what ds[i] needs, borrowed from a bound Store. Python subclasses add __dict__ and
 // implement _attach() (called on first access in a process that has not bound a Store yet).
 struct RecordReader {
-    PyObject_HEAD PyObject* store;  // the bound smstore.Store, or nullptr
-    PyStore* core;                  // its C++ object (alive while we hold `store`)
+    PyObject_HEAD PyObject* store;  // the bound smstore.Store or ShardedStore, or nullptr
+    PyStore* core;                  // its C++ object (alive while we hold `store`), for a Store
+    PyShardedStore* sharded;        // or this, for a ShardedStore
     PyObject* decode;               // callable or nullptr
     PyObject* transform;            // callable or nullptr
 };
@@ -21,6 +23,7 @@ struct RecordReader {
 int reader_clear(PyObject* self) {
     auto* r = reinterpret_cast<RecordReader*>(self);
     r->core = nullptr;
+    r->sharded = nullptr;
     Py_CLEAR(r->store);
     Py_CLEAR(r->decode);
     Py_CLEAR(r->transform);
@@ -59,18 +62,36 @@ PyObject* reader_subscript(PyObject* self, PyObject* key) {
     // references.
     Py_ssize_t value;
     if (!index_value(key, &value)) return nullptr;
-    if (!r->core) {
+    if (!r->core && !r->sharded) {
         PyObject* done = PyObject_CallMethod(self, "_attach", nullptr);
         if (!done) return nullptr;
         Py_DECREF(done);
-        if (!r->core) {
+        if (!r->core && !r->sharded) {
             PyErr_SetString(PyExc_RuntimeError, "_attach() did not bind a Store");
             return nullptr;
         }
     }
-    Py_ssize_t i = normalize_value(value, r->core->size());
-    if (i < 0) return nullptr;
-    PyObject* record = r->core->record(static_cast<uint64_t>(i));
+    PyObject* record;
+    if (r->core) {
+        Py_ssize_t i = normalize_value(value, r->core->size());
+        if (i < 0) return nullptr;
+        record = r->core->record(static_cast<uint64_t>(i));
+    } else {
+        PyShardedStore* sharded = r->sharded;
+        if (!sharded->check_open()) return nullptr;
+        Py_ssize_t i = normalize_value(value, sharded->size());
+        if (i < 0) return nullptr;
+        auto [k, j] = sharded->locate(static_cast<uint64_t>(i));
+        if (PyStore* core = sharded->open_core(k)) {
+            record = core->record(j);
+        } else {
+            // Opening the shard runs Python code (the opener) that may rebind this reader: hold the store.
+            PyObject* store = Py_NewRef(r->store);
+            record = sharded->record(static_cast<uint64_t>(i));
+            Py_DECREF(store);
+        }
+        if (!record) return nullptr;
+    }
     PyObject* decode = Py_XNewRef(r->decode);
     PyObject* transform = Py_XNewRef(r->transform);
     record = apply(transform, apply(decode, record));
@@ -85,9 +106,15 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
         PyErr_SetString(PyExc_TypeError, "_bind(store, decode, transform) takes 3 arguments");
         return nullptr;
     }
-    PyStore* s = py_store_from(args[0]);
-    if (!s) return nullptr;
-    if (!s->check_open()) return nullptr;
+    PyStore* s = nullptr;
+    PyShardedStore* sharded = nullptr;
+    if (is_sharded(args[0])) {
+        sharded = py_sharded_from(args[0]);
+        if (!sharded || !sharded->check_open()) return nullptr;
+    } else {
+        s = py_store_from(args[0]);
+        if (!s || !s->check_open()) return nullptr;
+    }
     for (Py_ssize_t k = 1; k < 3; ++k) {
         if (args[k] != Py_None && !PyCallable_Check(args[k])) {
             PyErr_SetString(PyExc_TypeError, "decode and transform must be callables or None");
@@ -98,6 +125,7 @@ PyObject* reader_bind(PyObject* self, PyObject* const* args, Py_ssize_t nargs) {
     reader_clear(self);
     r->store = Py_NewRef(args[0]);
     r->core = s;
+    r->sharded = sharded;
     r->decode = args[1] == Py_None ? nullptr : Py_NewRef(args[1]);
     r->transform = args[2] == Py_None ? nullptr : Py_NewRef(args[2]);
     Py_RETURN_NONE;
@@ -123,7 +151,8 @@ PyObject* reader_bound_store(PyObject* self, void*) {
 
 PyMethodDef reader_methods[] = {
     {"_bind", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(reader_bind)), METH_FASTCALL,
-     "_bind(store, decode, transform): serve records of `store` through the given callables."},
+     "_bind(store, decode, transform): serve records of `store` (a Store or ShardedStore) through the given "
+     "callables."},
     {"_unbind", reader_unbind, METH_NOARGS, "Forget the bound Store (the next access calls _attach())."},
     {"_attach", reader_attach, METH_NOARGS, "Bind a Store on first access; subclasses implement it."},
     {nullptr, nullptr, 0, nullptr},

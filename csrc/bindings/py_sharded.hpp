@@ -1,0 +1,76 @@
+// The Python-facing ShardedStore: one global index over several blobs (the shards of a manifest).
+#pragma once
+
+#include <pybind11/pybind11.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "py_store.hpp"
+
+namespace smstore::bindings {
+
+// Records 0..N-1 of a dataset split into shards: shard k holds records [starts[k], starts[k+1]).
+// Shards are Store objects made on first use by a Python `opener(k)` (which decides between the
+// daemon's copy and a file mapping and checks the shard is the one the manifest names), so
+// opening a dataset of thousands of shards maps none of them.
+class PyShardedStore {
+public:
+    PyShardedStore(std::vector<uint64_t> starts, pybind11::object opener, std::string label);
+
+    uint64_t size() const noexcept { return starts_.back(); }
+    size_t shard_count() const noexcept { return cores_.size(); }
+    const std::string& label() const noexcept { return label_; }
+    bool closed() const noexcept { return closed_; }
+    bool check_open() const;  // false with StoreClosedError set
+
+    // (shard, index within it) of global record i < size(). A table maps each run of 2^shift_
+    // records to the shard holding its first record; with shards of similar sizes, that shard or
+    // the next holds i. Lopsided shards fall back to a binary search.
+    std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept {
+        size_t k = bucket_shard_[i >> shift_];
+        for (int step = 0; starts_[k + 1] <= i; ++k) {
+            if (++step == 4) {
+                auto it = std::upper_bound(starts_.begin() + static_cast<std::ptrdiff_t>(k) + 1, starts_.end(), i);
+                k = static_cast<size_t>(it - starts_.begin() - 1);
+                break;
+            }
+        }
+        return {k, i - starts_[k]};
+    }
+    // The open shard k (opening it through the opener on first use), or nullptr with an error set.
+    PyStore* shard_core(size_t k);
+    pybind11::object shard(size_t k);  // the Store object of shard k (opened on first use)
+    bool is_open(size_t k) const noexcept { return cores_[k] != nullptr; }
+    PyStore* open_core(size_t k) const noexcept { return cores_[k]; }  // nullptr until opened
+
+    // Record i (i < size()) as a new reference, or nullptr with a Python error set.
+    PyObject* record(uint64_t i);
+    PyObject* getitem(PyObject* key);
+    pybind11::list get_batch(pybind11::handle indices);
+    pybind11::tuple gather(pybind11::handle indices);
+    pybind11::list starts() const;
+    void close();
+    std::string repr() const;
+
+private:
+    std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
+
+    std::vector<uint64_t> starts_;          // shard_count() + 1 cumulative record counts
+    std::vector<pybind11::object> shards_;  // the Store objects opened so far (None until then)
+    std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
+    pybind11::object opener_;
+    std::string label_;
+    bool closed_ = false;
+    unsigned shift_ = 63;
+    std::vector<uint32_t> bucket_shard_;  // see locate()
+};
+
+// The PyShardedStore inside a Python ShardedStore object, or nullptr with a Python error set.
+PyShardedStore* py_sharded_from(PyObject* obj);
+// Whether obj is a ShardedStore (no error set either way).
+bool is_sharded(PyObject* obj);
+
+}  // namespace smstore::bindings

@@ -1,0 +1,909 @@
+"""Sharded datasets: several blobs under one global index, listed in a small JSON manifest.
+
+A sharded dataset is a directory holding ``manifest.json`` and its shards (or a manifest anywhere
+that names shards anywhere, built by :func:`join`). The manifest records, for each shard, its
+path, record count, sizes and checksum; docs/format.md has the format. Record ``i`` of the dataset
+is record ``i - starts[k]`` of the shard ``k`` whose range holds it.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import stat
+import struct
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any, BinaryIO
+
+from smstore import _core
+from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
+from smstore._pack import Transaction
+from smstore.errors import (
+    PackInputError,
+    StoreChangedError,
+    StoreFormatError,
+    StoreIOError,
+    StoreNotFoundError,
+    StoreVersionError,
+)
+
+__all__ = [
+    "MANIFEST_NAME",
+    "Manifest",
+    "ShardInfo",
+    "ShardedObjectStore",
+    "ShardedStore",
+    "ShardedWriter",
+    "is_manifest",
+    "join",
+    "read_manifest",
+    "write_manifest",
+]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "smstore-manifest"
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shards: a larger file is not a manifest we wrote
+
+_BLOB_MAGIC = b"\x89SMST\r\n\x1a"
+_HEADER = struct.Struct("<8sIIQQQQQQQQQIIQ")  # docs/format.md, "Header"
+_HEX16 = re.compile(r"[0-9a-f]{16}\Z")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the manifest lists it.
+
+    Attributes:
+        path: As written in the manifest: relative to the manifest's directory, or absolute.
+        records: Its record count.
+        data_bytes: The bytes of its records.
+        file_size: The size of the blob file.
+        checksum: Its XXH64 checksum (16 hex digits), as in its header.
+    """
+
+    path: str
+    records: int
+    data_bytes: int
+    file_size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "records": self.records,
+            "data_bytes": self.data_bytes,
+            "file_size": self.file_size,
+            "checksum": self.checksum,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest (see :func:`read_manifest`)."""
+
+    path: str  # the manifest file
+    encoding: str
+    shards: tuple[ShardInfo, ...]
+    meta: dict[str, Any]  # created, source, smstore_version, user
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(os.path.abspath(self.path))
+
+    def shard_path(self, k: int) -> str:
+        """The absolute path of shard ``k``."""
+        return os.path.join(self.directory, self.shards[k].path)
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(s.data_bytes for s in self.shards)
+
+    @property
+    def starts(self) -> list[int]:
+        return [0, *itertools.accumulate(s.records for s in self.shards)]
+
+    @property
+    def checksum(self) -> str:
+        """The dataset's identity: a hash of its encoding and its shards' checksums, in order.
+
+        Paths are left out, so a dataset moved or copied elsewhere keeps its checksum.
+        """
+        h = hashlib.blake2b(digest_size=8)
+        h.update(self.encoding.encode())
+        for s in self.shards:
+            h.update(f"\n{s.records} {s.checksum}".encode())
+        return h.hexdigest()
+
+
+def manifest_file(path: str | os.PathLike[str]) -> str:
+    """The manifest of `path`: the file itself, or ``manifest.json`` inside a directory."""
+    p = os.fspath(path)
+    return os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p
+
+
+def is_manifest(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a sharded dataset (a manifest, or a directory holding one); no validation."""
+    p = manifest_file(path)
+    if p != os.fspath(path):
+        return os.path.isfile(p)  # a directory with a manifest.json: read_manifest says what is wrong with it
+    try:
+        # O_NONBLOCK: opening a FIFO to look at it must not wait for a writer.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.pread(fd, 4096, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return not head.startswith(_BLOB_MAGIC) and head.lstrip()[:1] == b"{" and MANIFEST_FORMAT.encode() in head
+
+
+def _bad(path: str, what: str) -> StoreFormatError:
+    return StoreFormatError(f"{path}: not a valid smstore manifest: {what}")
+
+
+def _int_field(path: str, where: str, entry: dict[str, Any], key: str, minimum: int = 0) -> int:
+    value = entry.get(key)
+    if type(value) is not int or value < minimum:
+        raise _bad(path, f"{where}.{key} must be an integer >= {minimum}, not {value!r}")
+    return value
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and validate a manifest (or the ``manifest.json`` of a dataset directory).
+
+    Raises:
+        StoreNotFoundError: It does not exist.
+        StoreFormatError: It is not a well-formed manifest; the message names the field.
+        StoreVersionError: It was written by a newer smstore.
+    """
+    p = manifest_file(path)
+    try:
+        with open(p, "rb") as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    except FileNotFoundError:
+        raise StoreNotFoundError(2, f"{p}: no such manifest") from None
+    except OSError as e:
+        raise StoreIOError(e.errno or 5, f"{p}: cannot read the manifest: {e.strerror}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise _bad(p, f"larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise _bad(p, f"invalid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise _bad(p, f'no "format": "{MANIFEST_FORMAT}" key')
+    version = doc.get("version")
+    if type(version) is not int or version < 1:
+        raise _bad(p, f"version must be a positive integer, not {version!r}")
+    if version > MANIFEST_VERSION:
+        msg = f"{p}: manifest version {version} is newer than this smstore reads ({MANIFEST_VERSION}); upgrade smstore"
+        raise StoreVersionError(msg)
+    encoding = doc.get("encoding")
+    if not isinstance(encoding, str) or not encoding:
+        raise _bad(p, f"encoding must be a non-empty string, not {encoding!r}")
+    entries = doc.get("shards")
+    if not isinstance(entries, list):
+        raise _bad(p, "shards must be a list")
+    shards = []
+    for k, entry in enumerate(entries):
+        where = f"shards[{k}]"
+        if not isinstance(entry, dict):
+            raise _bad(p, f"{where} must be an object")
+        spath = entry.get("path")
+        if not isinstance(spath, str) or not spath or "\0" in spath:
+            raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
+        checksum = entry.get("checksum")
+        if not isinstance(checksum, str) or not _HEX16.match(checksum):
+            raise _bad(p, f"{where}.checksum must be 16 lowercase hex digits, not {checksum!r}")
+        shards.append(
+            ShardInfo(
+                spath,
+                _int_field(p, where, entry, "records"),
+                _int_field(p, where, entry, "data_bytes"),
+                _int_field(p, where, entry, "file_size", 4096),
+                checksum,
+            )
+        )
+    manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"})
+    for key, total in (("records", manifest.records), ("data_bytes", manifest.data_bytes)):
+        if doc.get(key) != total:
+            raise _bad(p, f"{key} is {doc.get(key)!r}, but its shards add up to {total}")
+    return manifest
+
+
+def _fsync_dir(directory: str) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_manifest(
+    path: str | os.PathLike[str],
+    encoding: str,
+    shards: Sequence[ShardInfo],
+    *,
+    source: Sequence[str] = (),
+    user: dict[str, Any] | None = None,
+    durable: bool = True,
+) -> Manifest:
+    """Write a manifest atomically (a temporary file renamed over `path`); returns it, parsed back.
+
+    Shard paths are stored as given (callers pass them relative to the manifest's directory where
+    they lie inside it, absolute otherwise).
+    """
+    p = os.fspath(path)
+    if os.path.isdir(p):
+        msg = f"{p}: is a directory; give the manifest's file name (e.g. {os.path.join(p, MANIFEST_NAME)})"
+        raise StoreIOError(21, msg)
+    doc: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "encoding": encoding,
+        "records": sum(s.records for s in shards),
+        "data_bytes": sum(s.data_bytes for s in shards),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "smstore_version": _core.__version__,
+        "source": list(source),
+    }
+    if user:
+        doc["user"] = user
+    doc["shards"] = [s.to_json() for s in shards]
+    try:
+        text = json.dumps(doc, ensure_ascii=False, indent=1)
+    except (TypeError, ValueError) as e:
+        msg = f"metadata must be JSON-serializable: {e}"
+        raise TypeError(msg) from None
+    directory = os.path.dirname(os.path.abspath(p))
+    tmp = os.path.join(directory, f".{os.path.basename(p)}.smstore-tmp-{os.getpid()}-{secrets.token_hex(5)}")
+    try:
+        with open(tmp, "x", encoding="utf-8") as f:
+            f.write(text + "\n")
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        if os.path.exists(p):
+            os.chmod(tmp, os.stat(p).st_mode & 0o777)
+        os.rename(tmp, p)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise StoreIOError(e.errno or 5, f"{p}: cannot write the manifest: {e.strerror}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        _fsync_dir(directory)
+    return read_manifest(p)
+
+
+def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = None) -> tuple[ShardInfo, str]:
+    """(ShardInfo, encoding) of a blob from its header and metadata block: two small reads, O(1).
+
+    The structure is validated in full when the shard is opened; this checks what the manifest
+    records: the magic, the sizes, and that the file is as long as its header says.
+
+    Raises:
+        StoreNotFoundError, StoreFormatError: Not a readable blob.
+    """
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block us
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreIOError(22, f"{p}: not a regular file; a shard is an .smst blob")
+            head = f.read(_HEADER.size)
+            size = st.st_size
+            fields = _HEADER.unpack(head) if len(head) == _HEADER.size else None
+            if fields is None or fields[0] != _BLOB_MAGIC:
+                raise StoreFormatError(f"{p}: not an smstore blob (no magic bytes)")
+            (
+                _,
+                version,
+                _,
+                _,
+                file_size,
+                records,
+                _,
+                data_size,
+                _,
+                _,
+                meta_off,
+                meta_size,
+                _,
+                _,
+                checksum,
+            ) = fields
+            if version != 1:
+                raise StoreVersionError(f"{p}: blob format version {version}; this smstore reads version 1")
+            if file_size != size:
+                raise StoreFormatError(f"{p}: the header says {file_size} bytes, the file has {size}")
+            if meta_size > 1 << 30 or meta_off + meta_size > size:
+                raise StoreFormatError(f"{p}: the metadata block lies outside the file")
+            f.seek(meta_off)
+            meta_raw = f.read(meta_size)
+    except FileNotFoundError:
+        raise StoreNotFoundError(2, f"{p}: no such shard") from None
+    except IsADirectoryError:
+        raise StoreIOError(21, f"{p}: is a directory, not a shard") from None
+    try:
+        meta = json.loads(meta_raw)
+        encoding = str(meta.get("encoding", "bytes")) if isinstance(meta, dict) else None
+    except ValueError:
+        encoding = None
+    if encoding is None:
+        raise StoreFormatError(f"{p}: corrupt metadata block (not a JSON object); run 'smstore verify' on it")
+    info = ShardInfo(stored_path or p, records, data_size, size, f"{checksum:016x}")
+    return info, encoding
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+ShardOpener = Callable[[str, ShardInfo], _core.Store]
+
+
+def _map_shard(path: str, _info: ShardInfo) -> _core.Store:
+    return _core.Store(path)
+
+
+class ShardedStore(_core.ShardedStore):
+    """The records of a sharded dataset under one global index (``smstore.open()`` returns one).
+
+    ``store[i]``, ``get_batch`` and ``gather`` work as on a ``Store``; shards are opened (mapped,
+    or attached through the daemon) on first use, each checked against the checksum and record
+    count the manifest records, so opening a dataset of thousands of shards is fast.
+
+    Args:
+        path: The manifest, or a directory holding ``manifest.json``.
+        opener: ``opener(path, shard_info) -> Store`` opens one shard (default: a file mapping).
+        check_files: Check up front that every shard exists with the size the manifest records
+            (one ``stat`` each). Off when shards are served by the daemon.
+
+    Raises:
+        StoreNotFoundError: The manifest, or (with ``check_files``) a shard, is missing.
+        StoreChangedError: A shard's size or checksum differs from the manifest's record of it:
+            it was re-packed, or belongs to another dataset.
+        StoreFormatError: The manifest is malformed.
+    """
+
+    _session: Any = None  # the daemon connection its shards were attached through, if any
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        opener: ShardOpener | None = None,
+        check_files: bool = True,
+        manifest: Manifest | None = None,
+    ) -> None:
+        self.manifest = manifest if manifest is not None else read_manifest(path)
+        self._opener = opener or _map_shard
+        if check_files:
+            self.check_files()
+        super().__init__(self.manifest.starts, self._open_shard, self.manifest.path)
+
+    def check_files(self) -> None:
+        """Check that every shard exists with the size the manifest records (one stat each)."""
+        m = self.manifest
+        for k, shard in enumerate(m.shards):
+            spath = m.shard_path(k)
+            try:
+                size = os.stat(spath).st_size
+            except FileNotFoundError:
+                raise StoreNotFoundError(2, f"{m.path}: shard {k} ({spath}) is missing") from None
+            except OSError as e:
+                raise StoreIOError(e.errno or 5, f"{m.path}: shard {k} ({spath}): {e.strerror}") from None
+            if size != shard.file_size:
+                raise self._changed(k, f"is {size} bytes, the manifest records {shard.file_size}")
+
+    def _changed(self, k: int, what: str) -> StoreChangedError:
+        return StoreChangedError(
+            f"{self.manifest.path}: shard {k} ({self.manifest.shard_path(k)}) {what}: it was re-packed or "
+            "belongs to another dataset; rebuild the manifest with 'smstore join'"
+        )
+
+    def _open_shard(self, k: int) -> _core.Store:
+        m = self.manifest
+        shard = m.shards[k]
+        spath = m.shard_path(k)
+        try:
+            store = self._opener(spath, shard)
+        except StoreNotFoundError:
+            raise StoreNotFoundError(2, f"{m.path}: shard {k} ({spath}) is missing") from None
+        if store.checksum != shard.checksum:
+            held = store.checksum
+            store.close()
+            raise self._changed(k, f"holds checksum {held}, the manifest records {shard.checksum}")
+        return store
+
+    @property
+    def path(self) -> str:
+        """The manifest file."""
+        return self.manifest.path
+
+    @property
+    def checksum(self) -> str:
+        """The dataset's identity (see :attr:`Manifest.checksum`)."""
+        return self.manifest.checksum
+
+    @property
+    def encoding(self) -> str:
+        return self.manifest.encoding
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The manifest's metadata (a fresh dict): encoding, created, source, user, shard count."""
+        meta = json.loads(json.dumps(self.manifest.meta))
+        meta["shards"] = len(self.manifest.shards)
+        return dict(meta)
+
+    @property
+    def nbytes(self) -> int:
+        return self.manifest.data_bytes
+
+    @property
+    def shard_sizes(self) -> list[int]:
+        """Record counts of the shards, in order."""
+        return [s.records for s in self.manifest.shards]
+
+    @property
+    def shard_paths(self) -> list[str]:
+        return [self.manifest.shard_path(k) for k in range(len(self.manifest.shards))]
+
+    def verify(self) -> None:
+        """Check every shard's checksum over every byte, and that each is the shard the manifest names.
+
+        Raises:
+            ChecksumMismatchError: A shard's bytes do not match its own checksum.
+            StoreChangedError: A shard is not the one the manifest records.
+        """
+        for k in range(self.shard_count):
+            self.shard(k).verify()
+
+    def __repr__(self) -> str:
+        if self.closed:
+            return "<smstore.ShardedStore (closed)>"
+        return (
+            f"<smstore.ShardedStore {self.path!r}: {len(self)} records in {self.shard_count} shards, "
+            f"{self.nbytes} bytes>"
+        )
+
+
+class ShardedObjectStore(DecodedItems, ShardedStore):
+    """A :class:`ShardedStore` of object records (see :func:`smstore.pack_objects`): items are decoded."""
+
+    _raw = _core.ShardedStore
+
+    def __init__(self, path: str | os.PathLike[str], **kwargs: Any) -> None:
+        ShardedStore.__init__(self, path, **kwargs)
+        decoder = object_decoder(self.encoding)
+        if decoder is None:
+            msg = f"{self.path}: records are encoded as {self.encoding!r}, not as objects"
+            raise StoreFormatError(msg)
+        self._decode = decoder
+
+
+def open_sharded(
+    path: str | os.PathLike[str], *, opener: ShardOpener | None = None, check_files: bool = True
+) -> ShardedStore:
+    """A ShardedStore, or a ShardedObjectStore for a dataset of object records."""
+    manifest = read_manifest(path)
+    cls = ShardedObjectStore if manifest.encoding in OBJECT_ENCODINGS else ShardedStore
+    return cls(path, opener=opener, check_files=check_files, manifest=manifest)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+def _stored_path(shard: str, manifest_dir: str) -> str:
+    """How a manifest in `manifest_dir` names `shard`: relative when inside that directory."""
+    a = os.path.abspath(shard)
+    rel = os.path.relpath(a, manifest_dir)
+    return a if rel == ".." or rel.startswith("../") else rel
+
+
+def _publish(
+    manifest_path: str,
+    encoding: str,
+    shards: Sequence[ShardInfo],
+    *,
+    source: Sequence[str],
+    user: dict[str, Any] | None,
+    durable: bool,
+) -> Manifest:
+    """Write the manifest, then remove the shards of the manifest it replaced that lie in its
+    directory and that the new one does not list (readers that mapped them keep their mappings)."""
+    old: Manifest | None = None
+    if os.path.isfile(manifest_path) and is_manifest(manifest_path):
+        try:
+            old = read_manifest(manifest_path)
+        except StoreFormatError:
+            old = None
+    manifest = write_manifest(manifest_path, encoding, shards, source=source, user=user, durable=durable)
+    if old is not None:
+        keep = {manifest.shard_path(k) for k in range(len(manifest.shards))}
+        for k, shard in enumerate(old.shards):
+            stale = old.shard_path(k)
+            if not os.path.isabs(shard.path) and os.sep not in shard.path and stale not in keep:
+                with contextlib.suppress(OSError):
+                    os.unlink(stale)
+    return manifest
+
+
+def dataset_dir(output: str | os.PathLike[str]) -> str:
+    """The directory of a sharded output (created if missing); refuses an existing file."""
+    d = os.fspath(output)
+    if os.path.exists(d) and not os.path.isdir(d):
+        msg = f"{d}: sharded output is a directory (it will hold {MANIFEST_NAME} and the shards), not a file"
+        raise StoreIOError(17, msg)
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+class ShardedWriter(Transaction):
+    """Streams records into a sharded dataset: a directory of shards and ``manifest.json``.
+
+    A new shard starts once the current one holds ``shard_size`` bytes of records (checked every
+    ``check_every`` records) or ``shard_records`` records. The manifest is written last and
+    atomically; until then, a reader of the directory sees the previous dataset, whole (shard
+    names are unique to each writer, so no shard of the previous dataset is overwritten). On an
+    exception inside the ``with`` block, the shards written so far are removed.
+
+    Args:
+        output: The dataset directory.
+        encoding, metadata, source, durable: As for :class:`smstore.Writer`.
+        shard_size: Bytes of records per shard (default 1 GiB).
+        shard_records: Records per shard, if given.
+    """
+
+    def __init__(
+        self,
+        output: str | os.PathLike[str],
+        *,
+        encoding: str = "bytes",
+        metadata: dict[str, Any] | None = None,
+        source: Sequence[str] = (),
+        shard_size: int | None = None,
+        shard_records: int | None = None,
+        durable: bool = True,
+        check_every: int = 1024,
+    ) -> None:
+        from smstore._pack import _item_size, build_metadata
+
+        if shard_size is not None and shard_size <= 0:
+            msg = f"shard_size must be positive, not {shard_size}"
+            raise ValueError(msg)
+        if shard_records is not None and shard_records <= 0:
+            msg = f"shard_records must be positive, not {shard_records}"
+            raise ValueError(msg)
+        self.directory = dataset_dir(output)
+        self.encoding = encoding
+        self._user = metadata
+        self._source = list(source)
+        self._meta = build_metadata(encoding, source=self._source, user=metadata)
+        self._item_size = _item_size(encoding, self.directory)
+        self._durable = durable
+        self._shard_size = (
+            shard_size if shard_size is not None else (1 << 30) if shard_records is None else None
+        )
+        self._shard_records = shard_records
+        self._check_every = max(1, min(check_every, shard_records or check_every))
+        self._names = ShardNames(self.directory)
+        self._done: list[ShardInfo] = []
+        self._written: list[str] = []
+        self._writer: _core.Writer | None = None
+        self.record_count = 0
+        self.manifest: Manifest | None = None
+
+    def _current(self) -> _core.Writer:
+        if self._writer is None:
+            path = self._names.next()
+            self._writer = _core.Writer(path, self._durable, self._item_size)
+            self._written.append(path)
+        return self._writer
+
+    def _full(self, w: _core.Writer) -> bool:
+        if self._shard_records is not None and w.record_count >= self._shard_records:
+            return True
+        return self._shard_size is not None and w.data_size >= self._shard_size
+
+    def _close_shard(self) -> None:
+        w = self._writer
+        if w is None:
+            return
+        self._writer = None
+        w.finish(self._meta)
+        info, _ = describe_shard(w.path, stored_path=os.path.basename(w.path))
+        self._done.append(info)
+
+    def append(self, record: Any) -> None:
+        w = self._current()
+        w.append(record)
+        self.record_count += 1
+        if self._full(w):
+            self._close_shard()
+
+    def extend(self, records: Iterable[Any]) -> int:
+        """Append every record; returns how many. Shard sizes are checked every ``check_every`` records."""
+        it = iter(records)
+        n = 0
+        while True:
+            w = self._current()
+            room = self._check_every
+            if self._shard_records is not None:
+                room = min(room, self._shard_records - w.record_count)
+            got = w.extend(itertools.islice(it, room))
+            n += got
+            self.record_count += got
+            if got < room:
+                return n
+            if self._full(w):
+                self._close_shard()
+
+    def close(self) -> Manifest:
+        """Finish the last shard and publish the manifest (idempotent); returns the manifest."""
+        if self.manifest is None:
+            if self._writer is not None and (self._writer.record_count or not self._done):
+                self._close_shard()
+            elif self._writer is not None:
+                self._writer.abort()  # an empty trailing shard
+                self._written.pop()
+                self._writer = None
+            path = os.path.join(self.directory, MANIFEST_NAME)
+            self.manifest = _publish(
+                path, self.encoding, self._done, source=self._source, user=self._user, durable=self._durable
+            )
+        return self.manifest
+
+    def abort(self) -> None:
+        """Discard every shard written; the directory's previous dataset is left as it was."""
+        if self.manifest is not None:
+            return
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        for path in self._written:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        self._written.clear()
+
+
+class ShardNames:
+    """Shard file names unique to one writer: ``part-<8 hex>-<5 digits>.smst`` in a directory."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.run = secrets.token_hex(4)
+        self._k = 0
+
+    def name(self, k: int) -> str:
+        return os.path.join(self.directory, f"part-{self.run}-{k:05d}.smst")
+
+    def next(self) -> str:
+        path = self.name(self._k)
+        self._k += 1
+        return path
+
+
+def join(
+    inputs: Sequence[str | os.PathLike[str]],
+    output: str | os.PathLike[str],
+    *,
+    metadata: dict[str, Any] | None = None,
+    verify: bool = False,
+    durable: bool = True,
+) -> Manifest:
+    """Build a manifest over existing shards, in order, copying no record.
+
+    Args:
+        inputs: Blobs, manifests or dataset directories (whose shards are taken in their order).
+        output: The manifest file to write (atomically), or a directory (its ``manifest.json``).
+            Shards inside its directory are named relative to it, others by absolute path.
+        metadata: Your own JSON-serializable metadata, stored under ``"user"``.
+        verify: Also check each shard's checksum over every byte.
+
+    Raises:
+        PackInputError: No inputs, or shards of different encodings.
+        StoreFormatError, StoreNotFoundError: An input is not a readable blob or manifest.
+    """
+    if not inputs:
+        msg = "join needs at least one shard"
+        raise PackInputError(msg)
+    out = manifest_file(output) if os.path.isdir(os.fspath(output)) else os.fspath(output)
+    out_dir = os.path.dirname(os.path.abspath(out))
+    shards: list[ShardInfo] = []
+    encoding: str | None = None
+    first: str = ""
+    sources: list[str] = []
+    for item in inputs:
+        for spath in _shard_files(item):
+            info, enc = describe_shard(spath, stored_path=_stored_path(spath, out_dir))
+            if encoding is None:
+                encoding, first = enc, spath
+            elif enc != encoding:
+                msg = f"{spath}: records are encoded as {enc!r}, but {first} holds {encoding!r}; join shards of one encoding"
+                raise PackInputError(msg)
+            if verify:
+                with _core.Store(spath) as s:
+                    s.verify()
+            shards.append(info)
+            sources.append(os.path.abspath(spath))
+    assert encoding is not None
+    return _publish(out, encoding, shards, source=sources, user=metadata, durable=durable)
+
+
+def _shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
+    p = os.fspath(item)
+    if is_manifest(p):
+        m = read_manifest(p)
+        for k in range(len(m.shards)):
+            yield m.shard_path(k)
+    else:
+        yield p
+
+
+# ----------------------------------------------------------------------------- parallel packing
+
+Part = list[tuple[str, int, int]]
+
+
+def _line_start_at_or_after(f: BinaryIO, pos: int, size: int) -> int:
+    """The first position >= pos where a line starts (just after a newline), or `size`."""
+    if pos <= 0:
+        return 0
+    f.seek(pos - 1)
+    at = pos - 1
+    while at < size:
+        block = f.read(1 << 16)
+        if not block:
+            break
+        nl = block.find(b"\n")
+        if nl >= 0:
+            return at + nl + 1
+        at += len(block)
+    return size
+
+
+def plan_parts(inputs: Sequence[str], part_size: int) -> list[Part]:
+    """Cut text inputs, in order, into parts of about `part_size` bytes that end at line ends.
+
+    Packing the parts one after another gives the records of packing the inputs whole: each part
+    is a list of ``(file, start, end)`` ranges, and a range ends at a newline or at its file's end.
+    """
+    parts: list[Part] = []
+    current: Part = []
+    filled = 0
+    for name in inputs:
+        if name == "-":
+            msg = "stdin cannot be split into parts: give files to pack in parallel or in shards"
+            raise PackInputError(msg)
+        try:
+            size = os.path.getsize(name)
+            f = open(name, "rb")  # noqa: SIM115 - closed below, after the loop over its parts
+        except FileNotFoundError:
+            raise StoreNotFoundError(2, f"{name}: no such file") from None
+        except OSError as e:
+            raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
+        with f:
+            pos = 0
+            while pos < size:
+                cut = (
+                    size
+                    if size - pos <= part_size - filled
+                    else _line_start_at_or_after(f, pos + part_size - filled, size)
+                )
+                current.append((name, pos, cut))
+                filled += cut - pos
+                pos = cut
+                if filled >= part_size:
+                    parts.append(current)
+                    current, filled = [], 0
+    if current or not parts:
+        parts.append(current)
+    return parts
+
+
+PackRun = Callable[[_core.Writer, list[Any], Callable[[int], None] | None], int]
+
+
+def pack_parts(
+    inputs: Sequence[str],
+    output: str,
+    encoding: str,
+    run: PackRun,
+    *,
+    jobs: int,
+    shard_size: int | None,
+    item_size: int,
+    metadata: dict[str, Any] | None,
+    progress: Callable[[int], None] | None,
+    durable: bool,
+) -> tuple[Manifest, int, float]:
+    """Pack text inputs into a sharded dataset, `jobs` shards at a time; (manifest, bytes read, seconds).
+
+    The packers run in C++ without the GIL, so threads pack in parallel. Shard ``k`` holds part ``k``
+    of :func:`plan_parts`: the dataset's records are those of a one-process pack, in order.
+    """
+    from smstore._pack import build_metadata
+
+    if jobs < 1:
+        msg = f"jobs must be at least 1, not {jobs}"
+        raise ValueError(msg)
+    start = time.perf_counter()
+    total = sum(os.path.getsize(n) for n in inputs if n != "-")
+    size = shard_size if shard_size is not None else max(1, -(-total // jobs))
+    parts = plan_parts(inputs, size)
+    directory = dataset_dir(output)
+    names = ShardNames(directory)
+    sources = [os.path.abspath(n) for n in inputs]
+    meta = build_metadata(encoding, source=sources, user=metadata)
+    paths = [names.name(k) for k in range(len(parts))]
+    done_bytes = [0] * len(parts)
+
+    def pack_one(k: int) -> int:
+        writer = _core.Writer(paths[k], durable, item_size)
+
+        def bar(n: int) -> None:
+            done_bytes[k] = n
+            if progress is not None:
+                progress(sum(done_bytes))
+
+        try:
+            read = run(writer, list(parts[k]), bar if progress is not None else None)
+            writer.finish(meta)
+        finally:
+            writer.abort()
+        return read
+
+    read = 0
+    try:
+        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
+            futures = [pool.submit(pack_one, k) for k in range(len(parts))]
+            try:
+                for fut in futures:
+                    read += fut.result()
+            except BaseException:
+                for fut in futures:
+                    fut.cancel()
+                raise
+        shards = [describe_shard(p, stored_path=os.path.basename(p))[0] for p in paths]
+        manifest = _publish(
+            os.path.join(directory, MANIFEST_NAME),
+            encoding,
+            shards,
+            source=sources,
+            user=metadata,
+            durable=durable,
+        )
+    except BaseException:
+        for p in paths:
+            with contextlib.suppress(OSError):
+                os.unlink(p)
+        raise
+    return manifest, read, time.perf_counter() - start
