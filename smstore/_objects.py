@@ -11,6 +11,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._pack import Writer
+from smstore._samples import decode_sample, encode_sample
 from smstore.errors import PackInputError, StoreFormatError
 
 __all__ = [
@@ -42,9 +43,11 @@ def _load_json(view: memoryview) -> Any:
 
 # encoding -> (encode one object, decode one record). "pickle" rebuilds any picklable object but
 # runs code while loading; "json" only builds dicts, lists, str, numbers, bools and None.
+# "wds" holds one WebDataset sample, {extension: bytes} (smstore/_samples.py).
 _CODECS: dict[str, tuple[Callable[[Any], bytes], Callable[[memoryview], Any]]] = {
     "pickle": (_dump_pickle, pickle.loads),
     "json": (_dump_json, _load_json),
+    "wds": (encode_sample, decode_sample),
 }
 OBJECT_ENCODINGS = tuple(_CODECS)
 

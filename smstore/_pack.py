@@ -106,10 +106,17 @@ class Writer(Transaction):
         self._writer = _core.Writer(os.fspath(path), durable, _item_size(encoding, os.fspath(path)))
         self.append: Callable[[Record], None] = self._writer.append
         self.extend: Callable[[Iterable[Record]], int] = self._writer.extend
+        # Records data[offsets[i]:offsets[i+1]], in one call (Arrow's binary and string layout).
+        self.extend_offsets: Callable[[Any, Any], int] = self._writer.extend_offsets
 
     @property
     def record_count(self) -> int:
         return self._writer.record_count
+
+    @property
+    def data_size(self) -> int:
+        """Bytes of records written so far."""
+        return self._writer.data_size
 
     @property
     def path(self) -> str:

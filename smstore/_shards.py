@@ -666,6 +666,15 @@ class ShardedWriter(Transaction):
             if self._full(w):
                 self._close_shard()
 
+    def extend_offsets(self, data: Any, offsets: Any) -> int:
+        """Append records ``data[offsets[i]:offsets[i+1]]`` (Arrow's layout) into the current shard."""
+        w = self._current()
+        n = w.extend_offsets(data, offsets)
+        self.record_count += n
+        if self._full(w):
+            self._close_shard()
+        return n
+
     def close(self) -> Manifest:
         """Finish the last shard and publish the manifest (idempotent); returns the manifest."""
         if self.manifest is None:

@@ -40,6 +40,35 @@ def _user_meta(items: list[str] | None, command: str) -> dict[str, Any] | None:
     return user
 
 
+CONVERTERS = ("parquet", "arrow", "hf", "webdataset", "megatron", "json-list")
+
+
+def _convert(
+    args: argparse.Namespace, user: dict[str, Any] | None, progress: bool | None
+) -> smstore.PackStats:
+    """`pack --format` of one of CONVERTERS: smstore.convert, imported only here."""
+    from smstore import convert
+
+    common: dict[str, Any] = {
+        "metadata": user,
+        "shard_size": args.shard_size,
+        "durable": not args.no_fsync,
+        "progress": progress,
+    }
+    one = args.inputs[0]
+    if args.format != "webdataset" and len(args.inputs) != 1:
+        raise smstore.PackInputError(f"--format {args.format} converts one source; got {len(args.inputs)}")
+    if args.format in ("parquet", "arrow", "hf"):
+        return convert.convert_arrow(one, args.output, column=args.column, encoding=args.objects, **common)
+    if args.format == "webdataset":
+        return convert.convert_webdataset(args.inputs, args.output, **common)
+    if args.format == "megatron":
+        return convert.convert_megatron(one, args.output, **common)
+    return convert.convert_json_list(
+        one, args.output, key=args.key, encoding=args.objects or "pickle", **common
+    )
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
     user = _user_meta(args.meta, "pack")
     if args.jobs < 1:
@@ -49,7 +78,18 @@ def cmd_pack(args: argparse.Namespace) -> int:
         print("smstore pack: --shard-size must be positive", file=sys.stderr)
         return 2
     progress = None if not args.quiet else False
-    if args.format == "npy-lines":
+    if args.format in CONVERTERS:
+        if args.jobs != 1:
+            print(
+                f"smstore pack: --format {args.format} packs with one job (use --shard-size for shards)",
+                file=sys.stderr,
+            )
+            return 2
+        stats = _convert(args, user, progress)
+    elif args.column or args.key or args.objects:
+        print("smstore pack: --column, --key and --objects apply to converted formats only", file=sys.stderr)
+        return 2
+    elif args.format == "npy-lines":
         stats = smstore.pack_npy_lines(
             args.inputs,
             args.output,
@@ -208,9 +248,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--format",
-        choices=["lines", "jsonl", "npy-lines"],
+        choices=["lines", "jsonl", "npy-lines", *CONVERTERS],
         default="lines",
-        help="jsonl validates every line; npy-lines packs each line of integers as one array of --dtype",
+        help="jsonl validates every line; npy-lines packs each line of integers as one array of --dtype; "
+        "parquet/arrow/hf (a file, folder or save_to_disk folder), webdataset (tar shards), megatron "
+        "(PREFIX of .bin/.idx) and json-list (a JSON list of objects) convert (docs/convert.md)",
+    )
+    p.add_argument(
+        "--column", help="parquet/arrow/hf: the column whose values are the records (default: whole rows)"
+    )
+    p.add_argument("--key", help="json-list: the top-level key holding the list (e.g. images in a COCO file)")
+    p.add_argument(
+        "--objects", choices=["pickle", "json"], help="how rows and JSON objects are stored (default pickle)"
     )
     p.add_argument("--dtype", help="npy-lines: the integer dtype of the records (default uint16)")
     p.add_argument(

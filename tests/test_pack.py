@@ -923,3 +923,20 @@ def test_pack_memory_does_not_grow_with_the_record_count(tmp_path: Path) -> None
     with smstore.open(out) as s:
         assert len(s) == 8 << 20
         assert bytes(s[-1]) == b"x"
+
+
+def test_extend_offsets_takes_arrow_layout(tmp_path: Path) -> None:
+    data = b"abcdefghij"
+    with smstore.Writer(tmp_path / "o.smst", durable=False) as w:
+        assert w.extend_offsets(data, np.array([0, 3, 3, 10], np.int32)) == 3
+        assert w.extend_offsets(memoryview(data), np.array([2, 4], np.int64)) == 1
+        w.append(b"z")
+    assert read_all(tmp_path / "o.smst") == [b"abc", b"", b"defghij", b"cd", b"z"]
+    w = smstore.Writer(tmp_path / "b.smst", durable=False)
+    for bad in ([0, 11], [3, 2], [-1, 2]):
+        with pytest.raises(PackInputError, match="offsets"):
+            w.extend_offsets(data, np.array(bad, np.int64))
+    with pytest.raises(TypeError, match="integer"):
+        w.extend_offsets(data, np.array([0.0, 1.0]))
+    w.abort()
+    assert not (tmp_path / "b.smst").exists()

@@ -1,4 +1,5 @@
 // smstore._core.Writer: the streaming writer behind smstore.Writer and every packer.
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
 #include "error.hpp"
@@ -40,6 +41,41 @@ void append_object(Writer& w, const py::handle& obj) {
     PyBuffer_Release(&view);
 }
 
+// Records given as one buffer and their offsets into it (Arrow's binary and string layout).
+template <typename T>
+uint64_t append_spans(PyWriter& w, const unsigned char* data, uint64_t size, const T* off, size_t n) {
+    for (size_t i = 0; i + 1 < n; ++i) {
+        if (off[i] < 0 || off[i + 1] < off[i] || static_cast<uint64_t>(off[i + 1]) > size) {
+            throw Error(Error::Kind::Input, w.path() + ": offsets[" + std::to_string(i) + ":" + std::to_string(i + 2) +
+                                                "] do not lie within the data buffer in order");
+        }
+    }
+    py::gil_scoped_release release;
+    for (size_t i = 0; i + 1 < n; ++i)
+        w.append(data + off[i], static_cast<size_t>(off[i + 1] - off[i]));
+    return n ? n - 1 : 0;
+}
+
+uint64_t extend_offsets(PyWriter& w, const py::buffer& data, const py::array& offsets) {
+    PyWriter::Busy busy(w);
+    py::buffer_info d = data.request();
+    if (d.ndim > 1 || (d.ndim == 1 && d.strides[0] != 1 && d.shape[0] > 1) || d.itemsize != 1) {
+        throw py::type_error("data must be a contiguous buffer of bytes");
+    }
+    auto size = static_cast<uint64_t>(d.size);
+    auto* bytes = static_cast<const unsigned char*>(d.ptr);
+    if (offsets.ndim() != 1) throw py::value_error("offsets must be one-dimensional");
+    char kind = offsets.dtype().kind();
+    if (kind != 'i' && kind != 'u') throw py::type_error("offsets must be an integer array");
+    if (py::isinstance<py::array_t<int32_t>>(offsets)) {
+        auto o = py::array_t<int32_t, py::array::c_style | py::array::forcecast>::ensure(offsets);
+        return append_spans(w, bytes, size, o.data(), static_cast<size_t>(o.size()));
+    }
+    auto o = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(offsets);
+    if (!o) throw py::type_error("offsets must be an integer array");
+    return append_spans(w, bytes, size, o.data(), static_cast<size_t>(o.size()));
+}
+
 }  // namespace
 
 void register_writer(py::module_& m) {
@@ -64,6 +100,9 @@ void register_writer(py::module_& m) {
                  return w.record_count() - before;
              }),
              py::arg("records"))
+        .def("extend_offsets", checked(&extend_offsets), py::arg("data"), py::arg("offsets"),
+             "Append records data[offsets[i]:offsets[i+1]] for every i, in one call without the GIL: the "
+             "layout of an Arrow binary or string array (offsets: int32 or int64, non-decreasing, within data).")
         .def("finish", checked(+[](PyWriter& w, const std::string& metadata_json) {
                  PyWriter::Busy busy(w);
                  py::gil_scoped_release release;
