@@ -128,6 +128,16 @@ class Report:
         return "\n".join(out)
 
 
+def write_results(out: Path, title: str, intro: list[str], header: list[str], report: Report) -> None:
+    """Write a results page: title, how it was run, the machine, the table and its notes; print it too."""
+    text = "\n".join(
+        [f"# {title}", "", *intro, "", *header, "", report.table(), "", *[f"- {n}" for n in report.notes], ""]
+    )
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+    print(text)
+
+
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 

@@ -18,6 +18,7 @@ Every ratio is measured in this one run, on the same records:
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from bench_core import (
     temp_dir,
     warm,
     write_lines,
+    write_results,
     yes_no,
 )
 
@@ -109,6 +111,7 @@ def bench_pack(report: Report, tmp: Path, lines: list[bytes], pack_mib: int) -> 
     for _ in range(3):
         for jobs in (1, 2):
             out = tmp / ("p1.smst" if jobs == 1 else "p2")
+            os.sync()  # the last round's dirty pages must not be written back during this one
             t0 = time.perf_counter()
             smstore.pack_files([src], out, jobs=jobs, progress=False, durable=False)
             best[jobs] = min(best.get(jobs, float("inf")), time.perf_counter() - t0)
@@ -195,29 +198,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_pack(report, tmp, lines, args.pack_mib)
         log("pack RSS")
         bench_pack_rss(report, tmp, args.rss_records)
-    text = "\n".join(
+    cmd = " ".join(["python benchmarks/bench_shards.py", *(argv if argv is not None else sys.argv[1:])])
+    write_results(
+        args.out,
+        "Sharded datasets",
         [
-            "# Sharded datasets",
-            "",
-            f"`python benchmarks/bench_shards.py {' '.join(argv if argv is not None else sys.argv[1:])}`".replace(
-                " `", "`"
-            ),
-            (
-                f"on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s; "
-                f"{args.records} records (stdlib source lines) in one blob and in {args.shards} shards."
-            ),
-            "",
-            *header,
-            "",
-            report.table(),
-            "",
-            *[f"- {n}" for n in report.notes],
-            "",
-        ]
+            f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s;",
+            f"{args.records} records (stdlib source lines) in one blob and in {args.shards} shards.",
+        ],
+        header,
+        report,
     )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(text)
-    print(text)
     return 0
 
 

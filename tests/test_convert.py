@@ -248,6 +248,14 @@ def test_megatron_index_that_disagrees_with_its_bin(tmp_path: Path) -> None:
     )
     with pytest.raises(PackInputError, match=r"c\.idx: 99 sequences and 99 document indices need"):
         convert_megatron(tmp_path / "c", tmp_path / "o.smst", progress=False)
+    # Two sequences of one document that do not follow each other in the .bin.
+    write_megatron(tmp_path / "g", [[np.arange(4), np.arange(4)], [np.arange(2)]], np.uint16, 8)
+    idx = bytearray((tmp_path / "g.idx").read_bytes())
+    pointers_at = 34 + 3 * 4
+    idx[pointers_at + 8 : pointers_at + 16] = (10).to_bytes(8, "little")  # sequence 1 at byte 10, not 8
+    (tmp_path / "g.idx").write_bytes(idx)
+    with pytest.raises(PackInputError, match=r"g\.idx: document 0: its sequences are not contiguous"):
+        convert_megatron(tmp_path / "g", tmp_path / "o.smst", progress=False)
     (tmp_path / "c.idx").write_bytes(b"not an index at all, no")
     with pytest.raises(PackInputError, match="not a Megatron MMIDIDX index"):
         convert_megatron(tmp_path / "c", tmp_path / "o.smst", progress=False)

@@ -62,6 +62,8 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     }
     shards_.assign(starts_.size() - 1, py::none());
     cores_.assign(starts_.size() - 1, nullptr);
+    hot_.assign(starts_.size() - 1, Hot{});
+    views_.assign(starts_.size() - 1, py::none());
 }
 
 bool PyShardedStore::check_open() const {
@@ -89,6 +91,8 @@ PyStore* PyShardedStore::shard_core(size_t k) {
     if (!cores_[k]) {
         shards_[k] = std::move(store);
         cores_[k] = core;
+        views_[k] = core->data_view();
+        hot_[k] = Hot{core->index(), core->data_bytes(), views_[k].ptr()};
     }
     return cores_[k];
 }
@@ -101,9 +105,8 @@ py::object PyShardedStore::shard(size_t k) {
 
 PyObject* PyShardedStore::record(uint64_t i) {
     auto [k, j] = locate(i);
-    PyStore* core = cores_[k];
-    if (!core && !(core = shard_core(k))) return nullptr;
-    return core->record(j);
+    if (cores_[k]) return open_record(k, j);
+    return shard_core(k) ? open_record(k, j) : nullptr;
 }
 
 PyObject* PyShardedStore::getitem(PyObject* key) {
@@ -180,6 +183,8 @@ void PyShardedStore::close() {
     if (closed_) return;
     closed_ = true;
     std::fill(cores_.begin(), cores_.end(), nullptr);
+    std::fill(hot_.begin(), hot_.end(), Hot{});
+    std::vector<py::object>().swap(views_);
     std::vector<py::object> shards;
     shards.swap(shards_);
     for (auto& s : shards) {

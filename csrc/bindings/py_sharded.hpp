@@ -46,6 +46,15 @@ public:
     bool is_open(size_t k) const noexcept { return cores_[k] != nullptr; }
     PyStore* open_core(size_t k) const noexcept { return cores_[k]; }  // nullptr until opened
 
+    // Record j of shard k, which must be open (open_core(k) != nullptr): from a small array of
+    // what a read needs, so a random read over thousands of shards touches no shard object.
+    PyObject* open_record(size_t k, uint64_t j) const {
+        const Hot& h = hot_[k];
+        uint64_t begin = h.offsets[j], end = h.offsets[j + 1];
+        if (!Store::span_inside(begin, end, h.data_size)) return cores_[k]->record(j);  // sets the error
+        return record_view(h.view, begin, end);
+    }
+
     // Record i (i < size()) as a new reference, or nullptr with a Python error set.
     PyObject* record(uint64_t i);
     PyObject* getitem(PyObject* key);
@@ -61,6 +70,13 @@ private:
     std::vector<uint64_t> starts_;          // shard_count() + 1 cumulative record counts
     std::vector<pybind11::object> shards_;  // the Store objects opened so far (None until then)
     std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
+    struct Hot {
+        const uint64_t* offsets = nullptr;
+        uint64_t data_size = 0;
+        PyObject* view = nullptr;  // owned by views_
+    };
+    std::vector<Hot> hot_;                 // per open shard: its index, data size and data view
+    std::vector<pybind11::object> views_;  // keep each data view (and so its mapping) alive
     pybind11::object opener_;
     std::string label_;
     bool closed_ = false;

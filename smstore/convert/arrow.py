@@ -60,7 +60,7 @@ def iter_batches(path: str, columns: list[str] | None = None) -> Iterator[pa.Rec
     k = 0
     try:
         if magic == b"PAR1":
-            pf = pq.ParquetFile(path)
+            pf = pq.ParquetFile(path, pre_buffer=False)  # pre-buffering holds whole column chunks
             for k, batch in enumerate(pf.iter_batches(batch_size=BATCH_ROWS, columns=columns)):  # noqa: B007 - k names the batch in errors
                 yield batch
             return

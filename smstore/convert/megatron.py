@@ -14,6 +14,7 @@ Tokens are copied once, from a mapping of the ``.bin`` into the blob; nothing is
 
 from __future__ import annotations
 
+import itertools
 import mmap
 import os
 from collections.abc import Iterator
@@ -22,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from smstore._pack import PackStats
-from smstore.convert._common import _Progress, write_records
+from smstore.convert._common import Spans, _Progress, write_records
 from smstore.errors import PackInputError
 
 __all__ = ["DTYPES", "convert_megatron", "read_index"]
@@ -123,32 +124,42 @@ def convert_megatron(
             f"{idx_path}: sequence {bad} lies at bytes {int(pointers[bad])}..{int(ends[bad])} of {bin_path}, "
             f"which has {bin_size}: the index does not belong to this .bin"
         )
-    gaps = np.flatnonzero(pointers[1:] != ends[:-1])  # sequences that do not follow the one before
+    # Sequences that do not follow the one before are fine between documents, not inside one.
+    gaps = np.flatnonzero(pointers[1:] != ends[:-1]) + 1  # sequence g starts away from g - 1's end
+    inside = gaps[~np.isin(gaps, docs)]
+    if inside.size:
+        d = int(np.searchsorted(docs, inside[0], "right")) - 1
+        raise PackInputError(f"{idx_path}: document {d}: its sequences are not contiguous in {bin_path}")
+    # Each document's byte range; an empty one sits where the one before ended.
+    first, last = docs[:-1], docs[1:]
+    nonempty = last > first
+    begin = np.zeros(len(first), np.int64)
+    end = np.zeros(len(first), np.int64)
+    begin[nonempty] = pointers[first[nonempty]]
+    end[nonempty] = ends[last[nonempty] - 1]
+    if not nonempty.all():
+        filled = np.maximum.accumulate(np.where(nonempty, np.arange(len(first)), -1))
+        prev_end = np.where(filled >= 0, end[np.maximum(filled, 0)], 0)
+        begin[~nonempty] = end[~nonempty] = prev_end[~nonempty]
+    # Runs of documents that follow each other in the .bin go to the writer in one call each.
+    breaks = np.flatnonzero(begin[1:] != end[:-1]) + 1
     bar = _Progress(bin_size, progress, "convert")
 
-    def records() -> Iterator[memoryview]:
+    def records() -> Iterator[Spans]:
         if bin_size == 0:
-            for _ in range(len(docs) - 1):
-                yield memoryview(b"")
+            yield Spans(b"", np.zeros(len(first) + 1, np.int64))
             return
         with open(bin_path, "rb") as f:
-            # Not closed explicitly: the writer may still hold the last record when this ends; the
-            # mapping goes when the last view of it does.
+            # Not closed explicitly: the writer may still hold a view when this ends; the mapping
+            # goes when the last view of it does.
             view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-        gap_set = set(gaps.tolist())
-        for d in range(len(docs) - 1):
-            first, last = int(docs[d]), int(docs[d + 1])
-            if first == last:
-                yield view[0:0]
-                continue
-            if gap_set and any(s in gap_set for s in range(first, last - 1)):
-                raise PackInputError(
-                    f"{idx_path}: document {d}: its sequences are not contiguous in {bin_path}"
-                )
-            start, end = int(pointers[first]), int(ends[last - 1])
-            yield view[start:end]
-            if d % 4096 == 0:
-                bar.update(end)
+        bounds = [0, *breaks.tolist(), len(first)]
+        step = 65536  # documents a call: bounded memory for the offsets, progress as it goes
+        for lo, hi in itertools.pairwise(bounds):
+            for a in range(lo, hi, step):
+                b = min(a + step, hi)
+                yield Spans(view, np.concatenate([begin[a : a + 1], end[a:b]]))
+                bar.update(int(end[b - 1]))
 
     try:
         return write_records(
