@@ -597,3 +597,23 @@ def test_fifos_never_block(tmp_path: Path) -> None:
         smstore.open(fifo)
     with pytest.raises(smstore.StoreIOError, match="not a regular file"):
         smstore.join([fifo], tmp_path / "m.json")
+
+
+def test_record_views_keep_their_shard_mapped(tmp_path: Path, corpus: tuple[list[Path], list[bytes]]) -> None:
+    """Record views of many shards outlive the store, the shard objects and the files themselves."""
+    import gc
+
+    inputs, expected = corpus
+    out = tmp_path / "ds"
+    smstore.pack_files(inputs, out, shard_size=10_000, progress=False, durable=False)
+    s = smstore.open(out)
+    picks = [0, s.starts[1], s.starts[2] + 1, len(s) - 1]
+    views = [s[i] for i in picks]  # made under different arenas as shards open one by one
+    s.shard(1).close()  # closing a shard's own Store object does not pull the memory away
+    assert bytes(s[picks[1]]) == expected[picks[1]]
+    s.close()
+    shutil.rmtree(out)
+    gc.collect()
+    assert [v.tobytes() for v in views] == [expected[i] for i in picks]
+    with pytest.raises(smstore.StoreClosedError):
+        s[0]

@@ -63,7 +63,7 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     shards_.assign(starts_.size() - 1, py::none());
     cores_.assign(starts_.size() - 1, nullptr);
     hot_.assign(starts_.size() - 1, Hot{});
-    views_.assign(starts_.size() - 1, py::none());
+    stores_.resize(starts_.size() - 1);
 }
 
 bool PyShardedStore::check_open() const {
@@ -89,12 +89,45 @@ PyStore* PyShardedStore::shard_core(size_t k) {
         return nullptr;
     }
     if (!cores_[k]) {
+        try {
+            stores_[k] = core->shared();
+            rebuild_arena();
+        } catch (py::error_already_set& e) {
+            e.restore();
+            return nullptr;
+        } catch (const Error& e) {
+            set_python_error(e);
+            return nullptr;
+        } catch (const std::exception& e) {
+            PyErr_SetString(PyExc_MemoryError, e.what());
+            return nullptr;
+        }
         shards_[k] = std::move(store);
         cores_[k] = core;
-        views_[k] = core->data_view();
-        hot_[k] = Hot{core->index(), core->data_bytes(), views_[k].ptr()};
+        hot_[k] = Hot{core->index(), core->data_bytes(), stores_[k]->data()};
     }
     return cores_[k];
+}
+
+void PyShardedStore::rebuild_arena() {
+    auto arena = std::make_shared<ShardArena>();
+    const unsigned char* lo = nullptr;
+    const unsigned char* hi = nullptr;
+    for (const auto& st : stores_) {
+        if (!st) continue;
+        arena->shards.push_back(st);
+        const unsigned char* begin = st->data();
+        const unsigned char* end = begin + st->data_size();
+        if (!lo || begin < lo) lo = begin;
+        if (!hi || end > hi) hi = end;
+    }
+    arena->base = lo;
+    arena->size = static_cast<uint64_t>(hi - lo);
+    py::object owner = py::cast(arena);
+    PyObject* view = PyMemoryView_FromObject(owner.ptr());
+    if (!view) throw py::error_already_set();
+    arena_view_ = py::reinterpret_steal<py::object>(view);
+    arena_base_ = lo;
 }
 
 py::object PyShardedStore::shard(size_t k) {
@@ -184,7 +217,9 @@ void PyShardedStore::close() {
     closed_ = true;
     std::fill(cores_.begin(), cores_.end(), nullptr);
     std::fill(hot_.begin(), hot_.end(), Hot{});
-    std::vector<py::object>().swap(views_);
+    std::vector<std::shared_ptr<Store>>().swap(stores_);
+    arena_view_ = py::none();
+    arena_base_ = nullptr;
     std::vector<py::object> shards;
     shards.swap(shards_);
     for (auto& s : shards) {
@@ -208,6 +243,14 @@ bool is_sharded(PyObject* obj) {
 }
 
 void register_sharded(py::module_& m) {
+    py::class_<ShardArena, std::shared_ptr<ShardArena>> arena(m, "_ShardArena", py::buffer_protocol());
+    arena.def_buffer([](const ShardArena& a) {
+        return py::buffer_info(const_cast<unsigned char*>(a.base), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(a.size)}, {static_cast<py::ssize_t>(1)}, /*readonly=*/true);
+    });
+    // Only the core creates these; one made by _ShardArena.__new__ would export uninitialised memory.
+    reinterpret_cast<PyTypeObject*>(arena.ptr())->tp_new = nullptr;
+
     py::class_<PyShardedStore> cls(m, "ShardedStore", R"doc(The records of several blobs under one global index.
 
 Shard ``k`` holds records ``starts[k]`` to ``starts[k + 1] - 1``; it is opened on first use by

@@ -52,7 +52,8 @@ public:
         const Hot& h = hot_[k];
         uint64_t begin = h.offsets[j], end = h.offsets[j + 1];
         if (!Store::span_inside(begin, end, h.data_size)) return cores_[k]->record(j);  // sets the error
-        return record_view(h.view, begin, end);
+        auto at = static_cast<uint64_t>(h.data - arena_base_);
+        return record_view(arena_view_.ptr(), at + begin, at + end);
     }
 
     // Record i (i < size()) as a new reference, or nullptr with a Python error set.
@@ -70,18 +71,35 @@ private:
     std::vector<uint64_t> starts_;          // shard_count() + 1 cumulative record counts
     std::vector<pybind11::object> shards_;  // the Store objects opened so far (None until then)
     std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
+    void rebuild_arena();
+
     struct Hot {
         const uint64_t* offsets = nullptr;
         uint64_t data_size = 0;
-        PyObject* view = nullptr;  // owned by views_
+        const unsigned char* data = nullptr;
     };
-    std::vector<Hot> hot_;                 // per open shard: its index, data size and data view
-    std::vector<pybind11::object> views_;  // keep each data view (and so its mapping) alive
+    std::vector<Hot> hot_;                        // per open shard: its index, data size and data section
+    std::vector<std::shared_ptr<Store>> stores_;  // per open shard, taken when it opened
+    // Every record view is a slice of one memoryview, over an exporter that holds every shard open
+    // so far (its buffer spans from the lowest to the highest of their data sections; only the
+    // slices handed out, each inside one shard's data, are ever read). One view for all shards
+    // keeps a random read over thousands of shards as cheap as over one blob, and any record
+    // view keeps its shard mapped. Opening a shard makes a new exporter; older views keep theirs.
+    pybind11::object arena_view_;
+    const unsigned char* arena_base_ = nullptr;
     pybind11::object opener_;
     std::string label_;
     bool closed_ = false;
     unsigned shift_ = 63;
     std::vector<uint32_t> bucket_shard_;  // see locate()
+};
+
+// The exporter behind PyShardedStore's record views: the shards it keeps mapped and the span of
+// memory its buffer covers.
+struct ShardArena {
+    std::vector<std::shared_ptr<Store>> shards;
+    const unsigned char* base = nullptr;
+    uint64_t size = 0;
 };
 
 // The PyShardedStore inside a Python ShardedStore object, or nullptr with a Python error set.

@@ -78,8 +78,7 @@ public:
     // False with StoreClosedError set when closed (for raw CPython code, which cannot throw).
     bool check_open() const;
     const pybind11::object& owner() const noexcept { return owner_; }
-    // The memoryview of the data section that records are views of, and the index (nullptr when closed).
-    const pybind11::object& data_view() const noexcept { return view_; }
+    // The offsets index (nullptr when closed) and the data section's size.
     const uint64_t* index() const noexcept { return offsets_; }
     uint64_t data_bytes() const noexcept { return data_size_; }
     // The parsed metadata block, parsed once (a dict; callers must not mutate it).
