@@ -582,24 +582,28 @@ def test_store_error_hierarchy() -> None:
         assert issubclass(getattr(smstore, name), StoreError)
 
 
+# Packs argv[1] into argv[2] and prints how far its peak resident memory rose above the start (KiB).
+# One process and no shared pages, so the kernel's high-water mark (VmHWM) is the right measure.
+PACK_PEAK_GROWTH = (
+    "import sys, smstore\n"
+    "def kib(key):\n"
+    "    for line in open('/proc/self/status'):\n"
+    "        if line.startswith(key):\n"
+    "            return int(line.split()[1])\n"
+    "before = kib('VmRSS:')\n"
+    "smstore.pack_files([sys.argv[1]], sys.argv[2], progress=False, durable=False)\n"
+    "print(kib('VmHWM:') - before)\n"
+)
+
+
 def test_memory_does_not_hold_input(tmp_path: Path, big_input: tuple[Path, int]) -> None:
     """The packer streams: its peak resident memory grows by far less than the 48 MiB input.
 
     One process and no shared pages, so the kernel's high-water mark (VmHWM) is the right measure.
     """
     src, _ = big_input
-    code = (
-        "import sys, smstore\n"
-        "def kib(key):\n"
-        "    for line in open('/proc/self/status'):\n"
-        "        if line.startswith(key):\n"
-        "            return int(line.split()[1])\n"
-        "before = kib('VmRSS:')\n"
-        "smstore.pack_files([sys.argv[1]], sys.argv[2], progress=False, durable=False)\n"
-        "print(kib('VmHWM:') - before)\n"
-    )
     r = subprocess.run(
-        [sys.executable, "-c", code, str(src), str(tmp_path / "m.smst")],
+        [sys.executable, "-c", PACK_PEAK_GROWTH, str(src), str(tmp_path / "m.smst")],
         capture_output=True,
         text=True,
         check=True,
@@ -900,19 +904,9 @@ def test_pack_memory_does_not_grow_with_the_record_count(tmp_path: Path) -> None
     """
     src = tmp_path / "many.txt"
     src.write_bytes(b"x\n" * (8 << 20))
-    code = (
-        "import sys, smstore\n"
-        "def kib(key):\n"
-        "    for line in open('/proc/self/status'):\n"
-        "        if line.startswith(key):\n"
-        "            return int(line.split()[1])\n"
-        "before = kib('VmRSS:')\n"
-        "smstore.pack_files([sys.argv[1]], sys.argv[2], progress=False, durable=False)\n"
-        "print(kib('VmHWM:') - before)\n"
-    )
     out = tmp_path / "many.smst"
     r = subprocess.run(
-        [sys.executable, "-c", code, str(src), str(out)],
+        [sys.executable, "-c", PACK_PEAK_GROWTH, str(src), str(out)],
         capture_output=True,
         text=True,
         check=True,
