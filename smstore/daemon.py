@@ -259,23 +259,30 @@ class Daemon(Server):
         """Unlink every segment, and the socket and state file if we made them. Clients keep their mappings."""
         self.stopping = True
         self.jobs.put(None)
-        for seg in list(self.segments.values()):
-            self._drop(seg)
-        self.close_all()
-        if self.listener is not None:
-            self.listener.close()
-        if self._owns_socket:
-            self.sock_path.unlink(missing_ok=True)
-        if self._owns_state:
-            self.state_path.unlink(missing_ok=True)
-        if self.loader.is_alive():
-            # A load still running writes on into a segment that is unlinked here and freed at exit.
-            self.loader.join(timeout=0.1)
-        if self.lock is not None:
-            for name in list_segments(self.pid, self.start_time):
-                unlink_quietly(name)
-            self.lock.release()
-            self.lock = None
+        try:
+            for seg in list(self.segments.values()):
+                self._drop(seg)
+            self.close_all()
+            if self.listener is not None:
+                self.listener.close()
+            if self._owns_socket:
+                self.sock_path.unlink(missing_ok=True)
+            if self._owns_state:
+                self.state_path.unlink(missing_ok=True)
+            if self.loader.is_alive():
+                # A load still running writes on into a segment that is unlinked here and freed at exit.
+                self.loader.join(timeout=0.1)
+        finally:
+            # Whatever failed above (a descriptor short for listing /dev/shm), the segments and the
+            # lock still go: a successor or `smstore gc` would otherwise find them.
+            if self.lock is not None:
+                try:
+                    for name in list_segments(self.pid, self.start_time):
+                        unlink_quietly(name)
+                except OSError as e:
+                    log.error("cannot list /dev/shm to remove our segments: %s", e)
+                self.lock.release()
+                self.lock = None
         log.info("stopped")
 
     def _drop(self, seg: Segment) -> None:

@@ -342,8 +342,9 @@ def test_out_of_file_descriptors_does_not_spin(blob: tuple[Path, list[bytes]], t
             s.close()
         proc.send_signal(signal.SIGTERM)
         proc.wait(timeout=15)
+    assert proc.returncode == 0, log.read_text()
     assert "Traceback" not in log.read_text(), log.read_text()
-    assert list_segments(proc.pid, locks=True) == []
+    assert list_segments(proc.pid, locks=True) == [], log.read_text()
 
 
 # ---- 5. a path that is not UTF-8 -----------------------------------------------------------------------
