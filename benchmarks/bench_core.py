@@ -120,6 +120,10 @@ class Report:
             line += f" goal {row.goal}: {row.met}"
         log(line)
 
+    def compare(self, metric: str, value: str, baseline: str, ratio: float, goal: str, ok: bool) -> None:
+        """A row measured against a baseline of the same run, with its goal."""
+        self.add(metric, value, baseline=baseline, ratio=f"{ratio:.2f}x", goal=goal, met=yes_no(ok))
+
     def table(self) -> str:
         out = ["| metric | value | baseline | ratio | goal | met? |", "|---|---|---|---|---|---|"]
         out += [

@@ -10,10 +10,15 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 
 #include "error.hpp"
 #include "format.hpp"
@@ -22,7 +27,9 @@ namespace smstore {
 namespace {
 
 // Small enough that a chunk is still in cache when it is hashed and written after read().
-constexpr size_t kChunk = size_t{1} << 20;
+constexpr size_t kChunk = size_t{256} << 10;
+// Chunks in flight between the reading thread and the hashing and writing one.
+constexpr size_t kSlots = 4;
 
 std::string human(uint64_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -91,6 +98,99 @@ void write_full(int fd, const unsigned char* buf, size_t n, const std::string& n
     }
 }
 
+// Copies `n` bytes from `src` (at its offset) to `dst`, hashing them in order. Two threads: this
+// one read()s chunk k+1 while a helper hashes chunk k and write()s it, so the checksum costs no
+// time next to a plain read-then-write copy (cp). Chunks are small enough to stay in cache between
+// the read and the hash. An error on either side stops both and is rethrown here.
+void copy_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::string& name, const std::string& path,
+                   uint64_t needed, uint64_t max_rate) {
+    auto started = std::chrono::steady_clock::now();
+    struct Slot {
+        std::unique_ptr<unsigned char[]> buf{new unsigned char[kChunk]};
+        size_t size = 0;
+    };
+    Slot slots[kSlots];
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t filled = 0;   // chunks read so far (written by this thread)
+    uint64_t drained = 0;  // chunks hashed and written (by the helper)
+    bool done = false;     // no more chunks will be read
+    bool failed = false;   // one side failed: the other stops
+    std::exception_ptr error;
+
+    std::thread writer([&] {
+        try {
+            for (uint64_t k = 0;; ++k) {
+                {
+                    std::unique_lock<std::mutex> lock(mu);
+                    cv.wait(lock, [&] { return failed || filled > k || done; });
+                    if (failed || filled <= k) return;
+                }
+                Slot& slot = slots[k % kSlots];
+                hash.update(slot.buf.get(), slot.size);
+                write_full(dst, slot.buf.get(), slot.size, name, path, needed);
+                {
+                    std::lock_guard<std::mutex> lock(mu);
+                    drained = k + 1;
+                }
+                cv.notify_all();
+            }
+        } catch (...) {
+            std::lock_guard<std::mutex> lock(mu);
+            error = std::current_exception();
+            failed = true;
+            cv.notify_all();
+        }
+    });
+    auto finish = [&] {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            done = true;
+        }
+        cv.notify_all();
+        writer.join();
+    };
+    try {
+        uint64_t pos = 0;
+        for (uint64_t k = 0; pos < n; ++k) {
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                cv.wait(lock, [&] { return failed || k - drained < kSlots; });
+                if (failed) break;
+            }
+            Slot& slot = slots[k % kSlots];
+            size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, n - pos));
+            size_t got = read_full(src, slot.buf.get(), want, path);
+            if (got != want) {
+                throw Error(Error::Kind::Truncated, path + ": file shrank while it was being loaded (" +
+                                                        std::to_string(kHeaderSize + pos + got) + " of " +
+                                                        std::to_string(kHeaderSize + n) +
+                                                        " bytes); was it rewritten in place?");
+            }
+            slot.size = got;
+            pos += got;
+            if (max_rate) {  // sleep until `pos` bytes are due at `max_rate`
+                std::this_thread::sleep_until(
+                    started + std::chrono::duration<double>(static_cast<double>(pos) / static_cast<double>(max_rate)));
+            }
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                filled = k + 1;
+            }
+            cv.notify_all();
+        }
+    } catch (...) {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            failed = true;
+        }
+        finish();
+        throw;
+    }
+    finish();
+    if (error) std::rethrow_exception(error);
+}
+
 }  // namespace
 
 ShmSpace shm_space(const std::string& dir) {
@@ -150,26 +250,12 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     SegmentGuard guard{name};
     if (::fchmod(seg.fd, 0600) != 0) throw_errno("fchmod " + name, errno);
 
-    // read() into a cache-sized buffer, hash it while it is hot, write() it into the segment.
     // Every page is written, so the segment has no holes and a reader can never fault on one;
     // tmpfs allocates pages at write(), so a full /dev/shm is ENOSPC here, not SIGBUS later.
     // (posix_fallocate would also reserve the pages, but zeroes each one before we overwrite it.)
-    std::unique_ptr<unsigned char[]> buf(new unsigned char[kChunk]);
     write_full(seg.fd, header, kHeaderSize, name, path, needed);
     BlobHasher hash;
-    uint64_t pos = kHeaderSize;
-    while (pos < size) {
-        size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, size - pos));
-        size_t got = read_full(src.fd, buf.get(), want, path);
-        if (got != want) {
-            throw Error(Error::Kind::Truncated, path + ": file shrank while it was being loaded (" +
-                                                    std::to_string(pos + got) + " of " + std::to_string(size) +
-                                                    " bytes); was it rewritten in place?");
-        }
-        hash.update(buf.get(), got);
-        write_full(seg.fd, buf.get(), got, name, path, needed);
-        pos += got;
-    }
+    copy_and_hash(src.fd, seg.fd, size - kHeaderSize, hash, name, path, needed, options.max_rate);
     unsigned char extra;
     if (read_full(src.fd, &extra, 1, path) != 0) {
         throw Error(Error::Kind::Format, path + ": file grew while it was being loaded; was it rewritten in place?");

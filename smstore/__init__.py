@@ -43,7 +43,8 @@ if TYPE_CHECKING:
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
-    from smstore.sampler import GlobalShuffleSampler
+    from smstore.residency import ShardResidency
+    from smstore.sampler import GlobalShuffleSampler, WindowedShuffleSampler
     from smstore.shared_list import SharedList
 
 __version__: str = _core.__version__
@@ -56,6 +57,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "ShardResidency",
     "ShardedObjectStore",
     "ShardedStore",
     "ShardedWriter",
@@ -74,6 +76,7 @@ __all__ = [
     "StoreTruncatedError",
     "StoreVersionError",
     "TokenCollator",
+    "WindowedShuffleSampler",
     "Writer",
     "__version__",
     "collect_garbage",
@@ -95,6 +98,8 @@ _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
     "GlobalShuffleSampler": "smstore.sampler",
+    "WindowedShuffleSampler": "smstore.sampler",
+    "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",
     "open_store": "smstore.client",

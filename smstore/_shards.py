@@ -393,6 +393,7 @@ class ShardedStore(_core.ShardedStore):
     """
 
     _session: Any = None  # the daemon connection its shards were attached through, if any
+    _ahead: Any = None  # what attaches held shards before they are read (client._Preattacher)
 
     def __init__(
         self,
@@ -407,6 +408,9 @@ class ShardedStore(_core.ShardedStore):
         if check_files:
             self.check_files()
         super().__init__(self.manifest.starts, self._open_shard, self.manifest.path)
+        # Shards no read has touched for a while are unmapped (and open again when read): a
+        # windowed or sequential order keeps only the shards it is reading mapped in each process.
+        self.auto_release = True
 
     def check_files(self) -> None:
         """Check that every shard exists with the size the manifest records (one stat each)."""

@@ -369,7 +369,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"smstore serve: {e}", file=sys.stderr)
         return 2
     files = [blob for f in args.files for blob in _blob_files(f)]
-    return serve(files, sock=args.socket, group=args.group, shm_limit=shm_limit or 0, limits=limits)
+    return serve(
+        files,
+        sock=args.socket,
+        group=args.group,
+        shm_limit=shm_limit or 0,
+        read_rate=args.max_read_rate or 0,
+        limits=limits,
+    )
 
 
 def _client_pids(pids: list[int]) -> str:
@@ -513,6 +520,12 @@ def _add_daemon_commands(sub: Any) -> None:
         metavar="SECONDS",
         type=_seconds,
         help="drop a client that takes longer to send a request or read a reply (default $SMSTORE_IO_TIMEOUT or 5)",
+    )
+    p.add_argument(
+        "--max-read-rate",
+        metavar="SIZE",
+        type=_size,
+        help="read blobs at most SIZE bytes a second (e.g. 200M): spare a shared file system",
     )
     p.add_argument("--max-connections", type=int, metavar="N", help="connections in all (default 4096)")
     p.add_argument(

@@ -5,13 +5,15 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import threading
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
 from smstore import _core
-from smstore._ipc import connect, exchange, request, socket_path
-from smstore._shards import ShardedStore, ShardInfo, is_manifest, open_sharded
+from smstore._ipc import connect, encode, exchange, request, socket_path
+from smstore._shards import ShardedStore, ShardInfo, is_manifest, open_sharded, read_manifest
 from smstore._store import Store, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
 
@@ -39,14 +41,24 @@ class DaemonStore(Store):
     the blob's size. Every record access still checks its offsets against the data section.
     """
 
-    def __init__(self, fd: int, path: str, info: dict[str, Any], conn: socket.socket | None) -> None:
+    def __init__(
+        self,
+        fd: int,
+        path: str,
+        info: dict[str, Any],
+        conn: socket.socket | None,
+        session: DaemonSession | None = None,
+    ) -> None:
         _core.Store.__init__(self, fd, path, False)
         self.segment: str = str(info.get("segment", ""))
         self._conn = conn
+        self._session = session
         keep_attached(self)
 
     def close(self) -> None:
         """Unmap (once no record view is alive) and leave the daemon's client list."""
+        if not self.closed and self._session is not None:
+            self._session.detach(self.checksum)
         super().close()
         self._drop_connection()
 
@@ -79,6 +91,10 @@ def keep_attached(holder: Any) -> None:
     _attachments.add(holder)
 
 
+# How long a reader waits for the daemon to finish loading a shard it asked for.
+LOAD_WAIT = 300.0
+
+
 class DaemonSession:
     """One connection to the daemon for many attaches: the shards of one dataset in one process.
 
@@ -92,19 +108,43 @@ class DaemonSession:
         self._conn: socket.socket | None = None
         keep_attached(self)
 
-    def attach(self, checksum: str) -> tuple[dict[str, Any], int | None]:
+    def attach(self, checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
         """The daemon's reply to attaching the segment holding `checksum`, and its fd if it sent one.
+
+        With `path`, a shard the daemon is loading at the moment (one a rank holds: see
+        :class:`smstore.residency.ShardResidency`) is waited for, up to `LOAD_WAIT` seconds.
 
         Raises:
             DaemonError: No daemon answers, or the exchange failed (the connection is dropped).
         """
+        message: dict[str, Any] = {"op": "attach", "checksum": checksum}
+        if path is not None:
+            message["path"] = os.path.abspath(path)
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            if self._conn is None:
+                self._conn = connect(self.path)
+            try:
+                self._conn.settimeout(LOAD_WAIT if path is not None else 10.0)
+                return exchange(self._conn, message, self.path)
+            except DaemonError:
+                self._drop_connection()
+                if not reused or attempt == 2:
+                    raise
+                # The daemon we attached earlier is gone; one that replaced it may serve us.
+            except BaseException:
+                self._drop_connection()
+                raise
+        raise AssertionError  # unreachable: the second attempt returns or raises
+
+    def detach(self, checksum: str) -> None:
+        """Tell the daemon this process unmapped the segment holding `checksum` (best effort)."""
         if self._conn is None:
-            self._conn = connect(self.path)
-        try:
-            return exchange(self._conn, {"op": "attach", "checksum": checksum}, self.path)
-        except BaseException:
+            return  # no connection, or a forked child's: the daemon counts nothing for us
+        try:  # no reply to wait for: releasing a shard costs one send
+            self._conn.sendall(encode({"op": "detach", "checksum": checksum, "noreply": True}))
+        except OSError:
             self._drop_connection()
-            raise
 
     def close(self) -> None:
         self._drop_connection()
@@ -254,18 +294,113 @@ def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[st
     return _attach(spath, checksum, mode, socket_path(socket), None)
 
 
+class _Preattacher:
+    """Attaches, ahead of the reads, the shards of one dataset that a rank holds in the daemon.
+
+    A windowed sampler makes the daemon hold the window being read and the next (see
+    :class:`smstore.residency.ShardResidency`). A thread of each reading process asks the daemon
+    which shards are held, attaches those of its dataset that it has not opened yet (waiting for
+    the ones still loading) and keeps them ready, so that the first read of a new window finds its
+    shards attached instead of making a round trip to the daemon per shard on the critical path.
+    Ready shards the daemon no longer holds are closed. The thread has its own connection, and a
+    forked child starts its own thread on its first read.
+    """
+
+    POLL = 0.1  # seconds between two questions to the daemon while it holds shards of ours
+    IDLE_POLL = 0.5  # ... and while it holds none
+
+    def __init__(self, sock: Path, checksums: dict[str, int], is_open: Callable[[int], bool]) -> None:
+        self.session = DaemonSession(sock)
+        self.checksums = checksums  # checksum -> shard index, for this dataset
+        self.is_open = is_open
+        self.ready: dict[str, DaemonStore] = {}
+        self._pid = -1
+        self._stop = threading.Event()
+        self._poll = self.IDLE_POLL
+
+    def take(self, checksum: str) -> DaemonStore | None:
+        """The attached shard holding `checksum`, if the thread has one ready (it is handed over)."""
+        self._start()
+        store = self.ready.pop(checksum, None)
+        return None if store is None or store.closed else store
+
+    def _start(self) -> None:
+        if self._pid != os.getpid():  # first use in this process (a forked child inherits no thread)
+            self._pid = os.getpid()
+            self.ready = {}
+            threading.Thread(target=self._run, name="smstore-preattach", daemon=True).start()
+
+    def _run(self) -> None:
+        pid = os.getpid()
+        while not self._stop.wait(self._poll) and pid == os.getpid():
+            try:
+                self._once()
+            except (DaemonError, OSError):
+                self.session.close()  # no daemon now: the reads attach (or fail) on their own
+            except Exception:
+                log.debug("pre-attaching failed", exc_info=True)
+
+    def _once(self) -> None:
+        if self.session._conn is None:
+            self.session._conn = connect(self.session.path)
+        reply, fd = exchange(self.session._conn, {"op": "held"}, self.session.path)
+        if fd is not None:
+            os.close(fd)
+        held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
+        self._poll = self.POLL if held else self.IDLE_POLL
+        wanted = {c for _p, c in held}
+        for checksum in list(self.ready):
+            if checksum not in wanted and (store := self.ready.pop(checksum, None)) is not None:
+                store.close()  # released: do not keep it mapped
+        for path, checksum in held:
+            if checksum in self.ready or self.is_open(self.checksums[checksum]) or self._stop.is_set():
+                continue
+            reply, fd = self.session.attach(checksum, path)
+            if fd is None:
+                continue  # not served (any more): the read attaches it itself
+            try:
+                store = DaemonStore(fd, path, reply, None, self.session)
+            finally:
+                os.close(fd)
+            if store.checksum != checksum:
+                store.close()
+                continue
+            self.ready[checksum] = store
+
+    def close(self) -> None:
+        self._stop.set()
+        for store in list(self.ready.values()):
+            store.close()
+        self.ready.clear()
+        self.session.close()
+
+
 def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None) -> ShardedStore:
     """A sharded dataset whose shards attach, on first use, through one connection per process."""
     if mode == "mmap":
         return open_sharded(spath)
     session = DaemonSession(socket_path(socket))
+    store_ref: Callable[[], ShardedStore | None] = lambda: None
+
+    def is_open(k: int) -> bool:
+        store = store_ref()
+        return store is not None and not store.closed and store.is_shard_open(k)
+
+    manifest = read_manifest(spath)
+    ahead = _Preattacher(session.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open)
 
     def opener(path: str, info: ShardInfo) -> Store:
+        ready = ahead.take(info.checksum)
+        if ready is not None:
+            return ready
         # By the checksum the manifest records: a served shard's file is never read.
         return _attach(path, info.checksum, mode, session.path, session)
 
     store = open_sharded(spath, opener=opener, check_files=mode != "daemon")
+    store_ref = weakref.ref(store)
     store._session = session  # closed with the store's last reference
+    store._ahead = ahead
+    weakref.finalize(store, ahead.close)
     return store
 
 
@@ -274,7 +409,7 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
     conn: socket.socket | None = None
     try:
         if session is not None:
-            reply, fd = session.attach(checksum)
+            reply, fd = session.attach(checksum, spath)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:
@@ -303,7 +438,7 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
     try:
         if conn is not None:
             conn.settimeout(None)
-        store = DaemonStore(fd, spath, reply, conn)
+        store = DaemonStore(fd, spath, reply, conn, session)
         if (held := store.checksum) != checksum:
             store.close()
             msg = f"{spath}: the daemon on {sock_at} sent a segment holding {held}, not {checksum}"

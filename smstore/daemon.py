@@ -35,6 +35,7 @@ from smstore._segments import (
     unlink_quietly,
     write_state,
 )
+from smstore._shards import read_manifest
 from smstore._store import read_checksum
 from smstore.errors import DaemonError, StoreError
 
@@ -84,6 +85,10 @@ def _path_arg(req: dict[str, Any], *, required: bool) -> str | None:
     value = req.get("path")
     if value is None and not required:
         return None
+    return _path_value(value)
+
+
+def _path_value(value: object) -> str:
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 4096:
         raise ProtocolError(
             "bad_request", "'path' must be an absolute path (at most 4096 characters, no NUL)"
@@ -97,6 +102,37 @@ def _path_arg(req: dict[str, Any], *, required: bool) -> str | None:
     return value
 
 
+def _pages(size: int) -> int:
+    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
+    return -(-size // _PAGE) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGESIZE")
+
+# The loader thread's nice value (relative to 0): below the training processes.
+LOADER_NICENESS = 10
+
+# At most this many shards in one 'hold' (a window and the next of a large dataset fit many times).
+MAX_HOLD = 65536
+
+
+def _hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
+    """A 'hold' request: the manifest, and the indices of its shards in the order to load them."""
+    manifest = _path_value(req.get("manifest"))
+    value = req.get("shards")
+    if not isinstance(value, str) or len(value) > 16 * MAX_HOLD:
+        raise ProtocolError("bad_request", "'shards' must be a string of comma-separated shard indices")
+    try:
+        shards = [int(k) for k in value.split(",")] if value else []
+    except ValueError:
+        raise ProtocolError(
+            "bad_request", "'shards' must be a string of comma-separated shard indices"
+        ) from None
+    if len(shards) > MAX_HOLD or any(k < 0 for k in shards):
+        raise ProtocolError("bad_request", f"'shards' must hold at most {MAX_HOLD} indices, each >= 0")
+    return manifest, shards
+
+
 class Daemon(Server):
     """The daemon's state, its requests and its event loop. See docs/daemon.md.
 
@@ -104,11 +140,19 @@ class Daemon(Server):
         sock_path: Where to listen.
         group: Share segments and the socket with this group (read-only), or None for this user only.
         shm_limit: Pretend /dev/shm holds at most this many bytes for our segments (0: no limit).
+        read_rate: Read files at most this many bytes a second (0: no limit), to spare a shared
+            file system.
         limits: What clients are allowed (connections, request size, timeouts).
     """
 
     def __init__(
-        self, sock_path: Path, *, group: str | None = None, shm_limit: int = 0, limits: Limits | None = None
+        self,
+        sock_path: Path,
+        *,
+        group: str | None = None,
+        shm_limit: int = 0,
+        read_rate: int = 0,
+        limits: Limits | None = None,
     ) -> None:
         super().__init__(os.getuid(), limits or Limits())
         self.sock_path = sock_path
@@ -121,8 +165,19 @@ class Daemon(Server):
         self.start_time = start
         self.gid: int | None = grp.getgrnam(group).gr_gid if group else None
         self.shm_limit = shm_limit
+        self.read_rate = read_rate
         self.segments: dict[str, Segment] = {}
         self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
+        # Residency: what each connection (a rank's sampler) holds, in the order to load it; the
+        # segments loaded for holds (dropped when no connection holds them); the readers waiting
+        # for a held shard still on its way (connection id, checksum), by path.
+        self.holds: dict[int, list[tuple[str, str]]] = {}
+        self.managed: set[str] = set()
+        self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
+        # Held segments released while readers still map them (they count against --shm-limit
+        # until every reader detaches or disconnects): checksum -> (pages, connection ids).
+        self.released: dict[str, tuple[int, set[int]]] = {}
+        self.hold_failed: set[str] = set()  # held paths whose load failed: not retried until the next hold
         self.stopping = False
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
         self.jobs: queue.Queue[str | None] = queue.Queue()
@@ -292,6 +347,11 @@ class Daemon(Server):
     # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
 
     def _loader(self) -> None:
+        # Loads are background work: at a lower CPU priority (this thread, and the copying thread
+        # each load starts, which inherits it), they never slow the training processes on a busy
+        # node; idle cores still run them at full speed.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
         while True:
             path = self.jobs.get()
             if path is None:
@@ -319,7 +379,8 @@ class Daemon(Server):
         name = self._segment_name(checksum or "0" * 16)
         mode = 0o400 if self.gid is None else 0o440
         t0 = time.monotonic()
-        fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, -1 if self.gid is None else self.gid, room)
+        gid = -1 if self.gid is None else self.gid
+        fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, gid, room, self.read_rate)
         if ck != checksum:  # the file was replaced between the two reads
             os.close(fd)
             _core.shm_unlink("/" + name)
@@ -351,14 +412,31 @@ class Daemon(Server):
             reply: dict[str, Any]
             if isinstance(result, Exception):
                 log.error("failed to load %s: %s", path, result)
+                self.hold_failed.add(path)
                 reply = {"ok": False, "error": type(result).__name__, "message": str(result)[:1000]}
             else:
                 seg = self._register(path, result)
                 reply = {"ok": True, **self._describe(seg)}
+                if any(path in (p for p, _ in held) for held in self.holds.values()):
+                    self.managed.add(seg.checksum)
             for cid in waiters:
                 self.set_busy(cid, False)
                 self.reply(cid, reply)
                 self.parse(cid)
+            for cid, checksum in self.attach_waiting.pop(path, []):
+                conn = self.conns.get(cid)
+                if conn is None:
+                    continue
+                self.set_busy(cid, False)
+                seg_now = self.segments.get(checksum)
+                if seg_now is None:
+                    self.reply(
+                        cid, {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"}
+                    )
+                else:
+                    self._attach(cid, conn, seg_now)
+                self.parse(cid)
+            self._reconcile()
 
     def _register(self, path: str, result: tuple[str, int, str, float] | str) -> Segment:
         if isinstance(result, str):
@@ -415,14 +493,25 @@ class Daemon(Server):
                 seg = next((s for s in self.segments.values() if s.key == key), None)
             else:
                 seg = self.segments.get(checksum) if checksum is not None else None
+            path = _path_arg(req, required=False)
+            if seg is None and checksum is not None and path is not None and path in self.loading:
+                # A held shard on its way: answer when its load ends (no new file is read for this).
+                self.attach_waiting.setdefault(path, []).append((cid, checksum))
+                self.set_busy(cid, True)
+                return
             if seg is None:
                 what = key or checksum
                 self.reply(cid, {"ok": False, "error": "not_served", "message": f"no segment holds {what}"})
                 return
             self._attach(cid, conn, seg)
+        elif op == "held":
+            # What the ranks hold, so that readers attach it before they read it.
+            self.reply(cid, {"ok": True, "shards": [[p, c] for c, p in self._wanted().items()]})
+        elif op == "detach":
+            self._detach(cid, conn, _checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
             self.reply(cid, self._status())
-        elif op in ("load", "unload", "stop", "share") and not conn.owner:
+        elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError("permission_denied", f"only uid {self.uid} may {op}")
         elif op == "load":
@@ -433,11 +522,122 @@ class Daemon(Server):
             self._unload(cid, _checksum_arg(req), _path_arg(req, required=False))
         elif op == "share":
             self._share(cid, conn, req)
+        elif op == "hold":
+            self._hold(cid, *_hold_arg(req), reply=req.get("noreply") is not True)
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
         else:
             raise ProtocolError("bad_request", f"unknown op {str(op)[:100]!r}")
+
+    # ---- residency: shards held by the ranks of a job, loaded ahead within the budget ----------
+
+    def _hold(self, cid: int, manifest_path: str, indices: list[int], *, reply: bool) -> None:
+        """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
+
+        The reply comes at once (none with ``"noreply": true``, unless the request is refused):
+        loads run in the background, in the order given (the window being read first, then the
+        next). A shard larger than the whole --shm-limit is refused here.
+        """
+        try:
+            manifest = read_manifest(manifest_path)
+        except StoreError as e:
+            raise ProtocolError("bad_request", str(e)[:1000]) from None
+        if any(k >= len(manifest.shards) for k in indices):
+            raise ProtocolError("bad_request", f"{manifest_path} has {len(manifest.shards)} shards")
+        shards = [(os.path.abspath(manifest.shard_path(k)), manifest.shards[k].checksum) for k in indices]
+        if self.shm_limit:
+            for path, _checksum in shards:
+                try:
+                    size = os.stat(path).st_size
+                except OSError as e:
+                    raise ProtocolError("not_found", f"{path}: {e.strerror}") from None
+                if _pages(size) > self.shm_limit:
+                    msg = (
+                        f"{path}: a shard of {size} bytes does not fit the daemon's --shm-limit of "
+                        f"{self.shm_limit} bytes; raise the limit or pack smaller shards"
+                    )
+                    raise ProtocolError("no_room", msg)
+        self.hold_failed.clear()
+        if shards:
+            self.holds[cid] = shards
+        else:
+            self.holds.pop(cid, None)
+        if reply:
+            resident = [ck for _p, ck in shards if ck in self.segments]
+            self.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
+            self.flush(cid)  # the rank goes on at once; releases and loads follow
+        self._reconcile()
+
+    def _detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
+        """A reader unmapped a segment (it stays attached through its connection otherwise).
+
+        With ``"noreply": true`` nothing is sent back: a reader releasing shards never waits.
+        """
+        if checksum is None:
+            raise ProtocolError("bad_request", "'detach' needs a checksum")
+        conn.attached.discard(checksum)
+        seg = self.segments.get(checksum)
+        if seg is not None:
+            seg.clients.pop(cid, None)
+        if self._forget_released(cid, checksum):
+            self._reconcile()
+        if reply:
+            self.reply(cid, {"ok": True})
+
+    def _forget_released(self, cid: int, checksum: str) -> bool:
+        """Connection `cid` no longer maps released segment `checksum`; True if its memory is free now."""
+        entry = self.released.get(checksum)
+        if entry is None:
+            return False
+        entry[1].discard(cid)
+        if entry[1]:
+            return False
+        del self.released[checksum]
+        return True
+
+    def _wanted(self) -> dict[str, str]:
+        """Checksum -> path of every held shard, in priority order (each holder's order, merged)."""
+        wanted: dict[str, str] = {}
+        lists = list(self.holds.values())
+        for depth in range(max((len(h) for h in lists), default=0)):
+            for held in lists:
+                if depth < len(held):
+                    path, checksum = held[depth]
+                    wanted.setdefault(checksum, path)
+        return wanted
+
+    def _reconcile(self) -> None:
+        """Drop the held segments no connection holds any more; queue loads of held shards that fit."""
+        dropped = False
+        wanted = self._wanted()
+        for checksum in list(self.managed):
+            seg = self.segments.get(checksum)
+            if seg is None:
+                self.managed.discard(checksum)
+            elif checksum not in wanted:
+                log.info("releasing %s (%s): no rank holds it", ", ".join(seg.paths), checksum)
+                self.managed.discard(checksum)
+                if seg.clients:
+                    self.released[checksum] = (_pages(seg.size), set(seg.clients))
+                self._drop(seg)
+                dropped = True
+        if dropped:
+            self._save_state()
+        used = sum(_pages(seg.size) for seg in list(self.segments.values()))
+        used += sum(pages for pages, _ in self.released.values())
+        for checksum, path in wanted.items():
+            if checksum in self.segments or path in self.hold_failed:
+                continue
+            try:
+                size = _pages(os.stat(path).st_size)
+            except OSError:
+                continue  # the load would fail: the reader falls back to (and reports) the file
+            if self.shm_limit and used + size > self.shm_limit:
+                break  # later shards wait until earlier ones are released
+            used += size
+            if path not in self.loading:
+                self._queue_load(path, None)
 
     def _attach(self, cid: int, conn: Conn, seg: Segment) -> None:
         seg.clients[cid] = conn.pid
@@ -528,10 +728,15 @@ class Daemon(Server):
             "shm": {"available": available, "total": total, "limit": self.shm_limit},
             "segments": [self._describe(s) for s in self.segments.values()],
             "loading": sorted(self.loading),
+            "held": sorted(self.managed),  # checksums loaded because a rank holds them
+            "released": sorted(self.released),  # released held segments readers still map
             "connections": len(self.conns),
         }
 
     def on_close(self, cid: int, conn: Conn) -> None:
+        freed = [self._forget_released(cid, checksum) for checksum in list(self.released)]
+        if self.holds.pop(cid, None) is not None or any(freed):
+            self._reconcile()
         for checksum in conn.attached:
             seg = self.segments.get(checksum)
             if seg is not None:
@@ -573,10 +778,11 @@ def serve(
     sock: str | os.PathLike[str] | None = None,
     group: str | None = None,
     shm_limit: int = 0,
+    read_rate: int = 0,
     limits: Limits | None = None,
 ) -> int:
     """Run the daemon in the foreground until stopped. Returns the exit status."""
-    daemon = Daemon(socket_path(sock), group=group, shm_limit=shm_limit, limits=limits)
+    daemon = Daemon(socket_path(sock), group=group, shm_limit=shm_limit, read_rate=read_rate, limits=limits)
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("%s received: stopping", signal.Signals(signum).name)

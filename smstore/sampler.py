@@ -5,13 +5,13 @@ from __future__ import annotations
 import hashlib
 import os
 import sys
-from collections.abc import Iterator, Sized
+from collections.abc import Iterator, Sequence, Sized
 from operator import length_hint
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["FeistelPermutation", "GlobalShuffleSampler"]
+__all__ = ["FeistelPermutation", "GlobalShuffleSampler", "WindowedOrder", "WindowedShuffleSampler"]
 
 _U64 = np.uint64
 # splitmix64's finalizer constants: a cheap, well-mixing 64-bit round function.
@@ -100,6 +100,12 @@ class FeistelPermutation:
 
     def __len__(self) -> int:
         return self.n
+
+
+class Order(Protocol):
+    """The order of an epoch: ``order(positions)`` are the records at those positions."""
+
+    def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]: ...
 
 
 def _world_from_env() -> tuple[int, int]:
@@ -205,7 +211,7 @@ class GlobalShuffleSampler:
 
     # -- the order --------------------------------------------------------------------------
 
-    def permutation(self, epoch: int | None = None) -> FeistelPermutation:
+    def permutation(self, epoch: int | None = None) -> Order:
         """The bijection ``P`` with ``O[p] = P(p)`` for ``epoch`` (default: the current one)."""
         epoch = self.epoch if epoch is None else int(epoch)
         cache_key = (self.seed, epoch)
@@ -228,7 +234,7 @@ class GlobalShuffleSampler:
         return -(-remaining // self.world_size)
 
     def _local_indices(
-        self, perm: FeistelPermutation, start: int, i0: int, i1: int
+        self, perm: Order, start: int, i0: int, i1: int
     ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The record indices this rank yields at local steps ``[i0, i1)`` of a pass from ``start``."""
         pos = np.arange(i0, i1, dtype=np.uint64)
@@ -257,11 +263,13 @@ class GlobalShuffleSampler:
         self._pass_start, self._pass_done, self._pass_chunk, self._pass_chunk_len = start, 0, None, 0
         return self._generate(self._iter_token, self.permutation(), start, self._local_count(start))
 
-    def _generate(self, token: int, perm: FeistelPermutation, start: int, count: int) -> Iterator[int]:
+    def _generate(self, token: int, perm: Order, start: int, count: int) -> Iterator[int]:
         done = 0
         chunk = 256  # small first chunks: the first batch after a resume arrives at once
         while done < count:
             m = min(chunk, count - done)
+            if token == self._iter_token:
+                m = min(m, self._reached(start, done) - done)
             values = iter(self._local_indices(perm, start, done, done + m).tolist())
             if token == self._iter_token:
                 self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
@@ -272,6 +280,11 @@ class GlobalShuffleSampler:
             self._pass_done, self._pass_chunk, self._pass_chunk_len = count, None, 0
             self._pass_finished = True
             self._consumed = self.num_records  # the epoch is complete (drop_last's tail included)
+
+    def _reached(self, start: int, done: int) -> int:  # noqa: ARG002 - a hook for subclasses
+        """Hook: the pass from `start` is at local step `done`; returns the step the next chunk may
+        not pass (a subclass acts at points of its order: see WindowedShuffleSampler)."""
+        return sys.maxsize
 
     def _live_local(self) -> int:
         """Local samples the current pass has handed out."""
@@ -361,3 +374,255 @@ class GlobalShuffleSampler:
             f"GlobalShuffleSampler(num_records={self.num_records}, seed={self.seed}, epoch={self.epoch}, "
             f"rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})"
         )
+
+
+class WindowedOrder:
+    """The order of one epoch of :class:`WindowedShuffleSampler`: shards shuffled, then records within windows.
+
+    The shards are put in a keyed random order; windows are runs of ``window`` consecutive shards
+    of it; the records of window ``j`` come at positions ``[G_j, G_{j+1})``, permuted by a keyed
+    bijection of that range (:class:`FeistelPermutation`). ``order(p)`` for any positions costs a
+    binary search over the windows and one Feistel evaluation each: no epoch-sized table exists.
+
+    Args:
+        shard_sizes: Records in each shard, in manifest order.
+        window: Shards per window.
+        key: Derives every permutation of the epoch (the seed and epoch are in it).
+    """
+
+    def __init__(self, shard_sizes: Sequence[int], window: int, key: str) -> None:
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        self.window = window
+        self.n = int(sizes.sum())
+        self._key = key
+        # Shard order, and where each shard starts in the dataset and in the shard-ordered sequence.
+        self.shard_order = FeistelPermutation(len(sizes), f"{key}:shards".encode())(
+            np.arange(len(sizes), dtype=np.uint64)
+        )
+        self._starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self._seq_starts = np.concatenate([[0], np.cumsum(sizes[self.shard_order])]).astype(np.int64)
+        # G_j: the first position of window j (len: windows + 1).
+        self.window_starts = self._seq_starts[::window].copy()
+        if self.window_starts[-1] != self.n:
+            self.window_starts = np.append(self.window_starts, self.n)
+        self._perms: dict[int, FeistelPermutation] = {}
+
+    @property
+    def window_count(self) -> int:
+        return len(self.window_starts) - 1
+
+    def window_of(self, position: int) -> int:
+        """The window holding global position ``position`` (0 <= position < n)."""
+        return int(np.searchsorted(self.window_starts, position, side="right")) - 1
+
+    def window_shards(self, j: int) -> list[int]:
+        """Shard indices (of the manifest) of window ``j``, in shard order."""
+        return [int(k) for k in self.shard_order[j * self.window : (j + 1) * self.window]]
+
+    def _perm(self, j: int) -> FeistelPermutation:
+        perm = self._perms.get(j)
+        if perm is None:
+            if len(self._perms) > 8:
+                self._perms.clear()
+            size = int(self.window_starts[j + 1] - self.window_starts[j])
+            perm = self._perms[j] = FeistelPermutation(size, f"{self._key}:window:{j}".encode())
+        return perm
+
+    def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        p = np.asarray(positions).astype(np.int64, copy=False)
+        windows = np.searchsorted(self.window_starts, p, side="right") - 1
+        seq = np.empty_like(p)
+        for j in np.unique(windows):
+            mask = windows == j
+            base = self.window_starts[j]
+            seq[mask] = self._perm(int(j))(p[mask] - base) + base
+        # seq: positions in the shards laid end to end in shard order; back to record indices.
+        q = np.searchsorted(self._seq_starts, seq, side="right") - 1
+        return self._starts[self.shard_order[q]] + (seq - self._seq_starts[q])
+
+    def __len__(self) -> int:
+        return self.n
+
+
+class WindowedShuffleSampler(GlobalShuffleSampler):
+    """A shuffle over a sharded dataset that reads only a window of shards at a time.
+
+    **The order.** For epoch ``e``, the shards are put in a random order keyed by ``(seed, e)``;
+    windows are runs of ``window`` consecutive shards of that order; the records of each window
+    are shuffled among themselves, and the windows follow each other (:class:`WindowedOrder`).
+    As with :class:`GlobalShuffleSampler`, the global order does not depend on the world size,
+    rank ``r`` of ``W`` yields positions ``r, r + W, ...`` of it (so every rank reads the same
+    window at the same time), padding and ``drop_last`` work the same, and ``state_dict`` /
+    ``load_state_dict`` resume in O(1) with any world size. ``window`` equal to the number of
+    shards is an exact global shuffle of the records (by another permutation than
+    GlobalShuffleSampler's). docs/training.md measures how close other windows come.
+
+    **Residency.** Over a :class:`~smstore.SharedStoreDataset` of a sharded dataset, the sampler
+    tells the node which shards it needs as its order reaches them (:class:`ShardResidency`):
+    the window it reads, the next one (loaded in the background while this one is read) and, for
+    the first ``lag`` samples of a window, the previous one (DataLoader workers are still reading
+    it: they run up to ``prefetch_factor * num_workers`` batches behind the sampler). With a
+    daemon, it loads held shards into shared memory within ``--shm-limit`` and drops them when no
+    rank holds them; without one, the files are read ahead into the page cache. Readers release
+    a shard they stopped reading on their own (``ShardedStore.auto_release``), so memory stays
+    near two windows.
+
+    Args:
+        dataset: A dataset with ``shard_sizes`` (``SharedStoreDataset``), or the shard sizes.
+        window: Shards per window (see :meth:`window_for` to fit a memory budget).
+        seed: Any integer; the same on every rank.
+        rank: This rank (default: from torch.distributed or ``RANK``).
+        world_size: The number of ranks (default: found like ``rank``).
+        drop_last: Drop the tail that does not divide evenly instead of padding.
+        residency: ``None`` (default): manage residency when ``dataset`` is a sharded
+            SharedStoreDataset; ``False``: never; or a :class:`ShardResidency` to use.
+        lag: Samples of this rank during which the previous window stays held; at least
+            ``prefetch_factor * num_workers * batch_size`` (a shard released too early is read
+            from its file, correctly but more slowly).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        window: int,
+        seed: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        residency: Any = None,
+        lag: int = 8192,
+    ) -> None:
+        sizes = list(dataset) if isinstance(dataset, (list, tuple)) else list(dataset.shard_sizes)
+        if any(int(s) < 0 for s in sizes):
+            msg = "shard sizes must be >= 0"
+            raise ValueError(msg)
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            msg = f"window must be a positive number of shards, not {window!r}"
+            raise ValueError(msg)
+        if lag < 0:
+            msg = f"lag must be >= 0, not {lag}"
+            raise ValueError(msg)
+        super().__init__(sum(sizes), seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
+        self.shard_sizes = [int(s) for s in sizes]
+        self.window = min(window, max(1, len(sizes)))
+        self.lag = int(lag)
+        self._order_cache: tuple[tuple[int, int], WindowedOrder] | None = None
+        if residency is None:
+            residency = _residency_for(dataset)
+        self.residency = residency or None
+        self._last_hold: tuple[int, ...] | None = None
+
+    @staticmethod
+    def window_for(dataset: Any, budget: int) -> int:
+        """The most shards a window can have so that two windows (the one read and the next)
+        fit in `budget` bytes of memory, however the shards fall.
+
+        Raises:
+            ValueError: The budget cannot hold two of the largest shards.
+        """
+        from smstore._shards import read_manifest
+
+        sizes = [s.file_size for s in read_manifest(getattr(dataset, "path", dataset)).shards]
+        largest = max(sizes, default=0)
+        if largest == 0 or budget < 2 * largest:
+            msg = (
+                f"a budget of {budget} bytes cannot hold two shards of up to {largest} bytes (the window "
+                "being read and the next): raise it, or pack smaller shards (smstore pack --shard-size)"
+            )
+            raise ValueError(msg)
+        return max(1, budget // (2 * largest))
+
+    def permutation(self, epoch: int | None = None) -> WindowedOrder:
+        """The order of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        cache_key = (self.seed, epoch)
+        if self._order_cache is None or self._order_cache[0] != cache_key:
+            key = f"smstore-windowed-shuffle-v1:{self.seed}:{epoch}:{self.window}:{self.shard_sizes}"
+            self._order_cache = (cache_key, WindowedOrder(self.shard_sizes, self.window, key))
+        return self._order_cache[1]
+
+    def _reached(self, start: int, done: int) -> int:
+        """Hold what the pass needs at local step `done`; the next step where that changes."""
+        if self.num_records == 0:
+            return sys.maxsize
+        order = self.permutation()
+        g = start + self.rank + done * self.world_size
+        at = g % self.num_records  # the padding wraps to the start of the order
+        j = order.window_of(at)
+        begin = int(order.window_starts[j])
+        draining = j > 0 and at - begin < self.lag * self.world_size
+        if self.residency is not None:
+            shards = order.window_shards(j)
+            if draining:
+                shards += order.window_shards(j - 1)
+            if j + 1 < order.window_count:
+                shards += order.window_shards(j + 1)
+            held = tuple(shards)
+            if held != self._last_hold:
+                first = self._last_hold is None
+                self.residency.hold(held, wait=first)
+                self._last_hold = held
+        # The next point: the end of the previous window's lag, or the next window's start.
+        nxt = int(order.window_starts[j + 1])
+        if draining:
+            nxt = min(nxt, begin + self.lag * self.world_size)
+        nxt += g - at  # back in the pass's (possibly wrapped) positions
+        return done + max(1, -(-(nxt - g) // self.world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        self._last_hold = None  # the first hold of a pass is applied before it yields (errors up front)
+        return super().__iter__()
+
+    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
+        state = super().state_dict(local_consumed)
+        state["window"] = self.window
+        state["shard_sizes_digest"] = hashlib.blake2b(
+            str(self.shard_sizes).encode(), digest_size=8
+        ).hexdigest()
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume (see GlobalShuffleSampler.load_state_dict); the window and shards must match.
+
+        Raises:
+            ValueError: The state is of another window size or another set of shards.
+        """
+        digest = hashlib.blake2b(str(self.shard_sizes).encode(), digest_size=8).hexdigest()
+        if (
+            state.get("window", self.window) != self.window
+            or state.get("shard_sizes_digest", digest) != digest
+        ):
+            msg = (
+                f"the state was saved with window={state.get('window')} over other shards; this sampler has "
+                f"window={self.window}: another order cannot be resumed"
+            )
+            raise ValueError(msg)
+        super().load_state_dict(state)
+
+    def close(self) -> None:
+        """Give up the shards this rank holds (also done when the process exits)."""
+        if self.residency is not None:
+            self.residency.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowedShuffleSampler(num_records={self.num_records}, shards={len(self.shard_sizes)}, "
+            f"window={self.window}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}, "
+            f"world_size={self.world_size}, drop_last={self.drop_last})"
+        )
+
+
+def _residency_for(dataset: Any) -> Any:
+    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+    path = getattr(dataset, "path", None)
+    if not isinstance(path, str) or getattr(dataset, "shard_sizes", None) is None:
+        return None
+    from smstore._shards import is_manifest
+    from smstore.residency import ShardResidency
+
+    if not is_manifest(path):
+        return None
+    return ShardResidency(
+        path, mode=getattr(dataset, "mode", "auto"), socket=getattr(dataset, "socket", None)
+    )

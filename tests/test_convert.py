@@ -285,6 +285,18 @@ def test_json_list_streams_objects(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         assert list(s) == json.loads(json.dumps(objs[:50]))
 
 
+def test_json_list_reports_progress_as_it_reads(tmp_path: Path) -> None:
+    from smstore.convert.json_list import iter_json_list
+
+    src = tmp_path / "list.json"
+    src.write_text(json.dumps([{"id": i, "name": f"image {i}"} for i in range(5000)]))
+    seen: list[int] = []
+    assert sum(1 for _ in iter_json_list(os.fspath(src), on_progress=seen.append)) == 5000
+    assert len(seen) == 4  # every 1024 elements
+    assert seen == sorted(seen)
+    assert 0 < seen[0] < seen[-1] <= src.stat().st_size
+
+
 @pytest.mark.parametrize(
     ("text", "message"),
     [

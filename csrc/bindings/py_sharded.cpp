@@ -64,6 +64,7 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     cores_.assign(starts_.size() - 1, nullptr);
     hot_.assign(starts_.size() - 1, Hot{});
     stores_.resize(starts_.size() - 1);
+    last_use_.assign(starts_.size() - 1, 0);
 }
 
 bool PyShardedStore::check_open() const {
@@ -105,8 +106,39 @@ PyStore* PyShardedStore::shard_core(size_t k) {
         shards_[k] = std::move(store);
         cores_[k] = core;
         hot_[k] = Hot{core->index(), core->data_bytes(), stores_[k]->data()};
+        last_use_[k] = tick_;
+        ++open_count_;
     }
     return cores_[k];
+}
+
+void PyShardedStore::release_shard(size_t k) {
+    if (!cores_[k]) return;
+    py::object store = std::move(shards_[k]);
+    shards_[k] = py::none();
+    cores_[k] = nullptr;
+    hot_[k] = Hot{};
+    stores_[k].reset();
+    --open_count_;
+    rebuild_arena();
+    store.attr("close")();  // views already handed out keep their mapping (through their arena)
+}
+
+bool PyShardedStore::release_idle() {
+    uint64_t limit = idle_limit();
+    try {
+        for (size_t k = 0; k < cores_.size(); ++k) {
+            if (cores_[k] && tick_ - last_use_[k] > limit) release_shard(k);
+        }
+    } catch (py::error_already_set& e) {
+        e.restore();
+        return false;
+    } catch (const std::exception& e) {
+        PyErr_SetString(PyExc_MemoryError, e.what());
+        return false;
+    }
+    next_sweep_ = auto_release_ ? tick_ + idle_limit() / 2 : UINT64_MAX;
+    return true;
 }
 
 void PyShardedStore::rebuild_arena() {
@@ -120,6 +152,11 @@ void PyShardedStore::rebuild_arena() {
         const unsigned char* end = begin + st->data_size();
         if (!lo || begin < lo) lo = begin;
         if (!hi || end > hi) hi = end;
+    }
+    if (!lo) {  // no shard open: no view to slice
+        arena_view_ = py::none();
+        arena_base_ = nullptr;
+        return;
     }
     arena->base = lo;
     arena->size = static_cast<uint64_t>(hi - lo);
@@ -185,6 +222,7 @@ py::tuple PyShardedStore::gather(py::handle indices) {
             keep.push_back(core->shared());
             kept[k] = true;
         }
+        last_use_[k] = ++tick_;
         pieces[n] = {s.data() + begin, end - begin};
         total += end - begin;
     }
@@ -215,6 +253,8 @@ py::list PyShardedStore::starts() const {
 void PyShardedStore::close() {
     if (closed_) return;
     closed_ = true;
+    open_count_ = 0;
+    next_sweep_ = UINT64_MAX;
     std::fill(cores_.begin(), cores_.end(), nullptr);
     std::fill(hot_.begin(), hot_.end(), Hot{});
     std::vector<std::shared_ptr<Store>>().swap(stores_);
@@ -288,6 +328,20 @@ Args:
                  return s.is_open(k);
              }),
              py::arg("k"))
+        .def("release_shard", checked(+[](PyShardedStore& s, size_t k) {
+                 if (k >= s.shard_count()) throw py::index_error("shard " + std::to_string(k) + " out of range");
+                 s.release_shard(k);
+             }),
+             py::arg("k"), "Unmap shard `k` (it opens again on its next read); records already handed out stay valid.")
+        .def("release_idle", checked(+[](PyShardedStore& s) {
+                 if (!s.release_idle()) throw py::error_already_set();
+             }),
+             "Release every open shard that no read touched in the last `idle_limit` reads.")
+        .def_property_readonly("open_shard_count", checked(&PyShardedStore::open_count))
+        .def_property_readonly("idle_limit", checked(&PyShardedStore::idle_limit))
+        .def_property("auto_release", checked(&PyShardedStore::auto_release),
+                      checked(+[](PyShardedStore& s, bool on) { s.set_auto_release(on); }),
+                      "Release shards idle for `idle_limit` reads as reads go on (see release_idle).")
         .def("close", checked(&PyShardedStore::close), "Close every open shard; records already handed out stay valid.")
         .def("__enter__",
              [](py::handle self) {

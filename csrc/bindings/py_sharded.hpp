@@ -48,7 +48,9 @@ public:
 
     // Record j of shard k, which must be open (open_core(k) != nullptr): from a small array of
     // what a read needs, so a random read over thousands of shards touches no shard object.
-    PyObject* open_record(size_t k, uint64_t j) const {
+    PyObject* open_record(size_t k, uint64_t j) {
+        last_use_[k] = ++tick_;
+        if (tick_ >= next_sweep_ && !release_idle()) return nullptr;
         const Hot& h = hot_[k];
         uint64_t begin = h.offsets[j], end = h.offsets[j + 1];
         if (!Store::span_inside(begin, end, h.data_size)) return cores_[k]->record(j);  // sets the error
@@ -62,6 +64,22 @@ public:
     pybind11::list get_batch(pybind11::handle indices);
     pybind11::tuple gather(pybind11::handle indices);
     pybind11::list starts() const;
+    size_t open_count() const noexcept { return open_count_; }
+    // Unmaps shard k (its Store is closed; record views already handed out keep their mapping).
+    // It opens again through the opener on its next read.
+    void release_shard(size_t k);
+    // With auto_release on, a shard that no read has touched for the last idle_limit() reads is
+    // released: over a windowed order, the shards of past windows leave every process's memory on
+    // their own. The limit is 12 reads per open shard (plus 64), so a shard of the current
+    // window, read with probability 1/open per read, goes idle that long with odds below e^-12;
+    // at worst it is opened again. Returns false with a Python error set if a release failed.
+    bool release_idle();
+    uint64_t idle_limit() const noexcept { return 12 * static_cast<uint64_t>(open_count_) + 64; }
+    bool auto_release() const noexcept { return auto_release_; }
+    void set_auto_release(bool on) noexcept {
+        auto_release_ = on;
+        next_sweep_ = on ? tick_ + idle_limit() / 2 : UINT64_MAX;
+    }
     void close();
     std::string repr() const;
 
@@ -92,6 +110,11 @@ private:
     bool closed_ = false;
     unsigned shift_ = 63;
     std::vector<uint32_t> bucket_shard_;  // see locate()
+    std::vector<uint64_t> last_use_;      // per shard: tick_ of its latest read
+    uint64_t tick_ = 0;                   // reads so far
+    uint64_t next_sweep_ = UINT64_MAX;    // tick_ at which release_idle() runs next
+    size_t open_count_ = 0;
+    bool auto_release_ = false;
 };
 
 // The exporter behind PyShardedStore's record views: the shards it keeps mapped and the span of

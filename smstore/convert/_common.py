@@ -73,23 +73,30 @@ def write_records(
     durable: bool,
     shard_size: int | None,
     input_bytes: int,
+    bar: _Progress,
 ) -> PackStats:
-    """Stream `records` into `output` (a blob; with `shard_size`, a dataset directory); atomic either way."""
-    start = time.perf_counter()
-    sources = [os.path.abspath(s) for s in source]
-    if shard_size is not None:
-        with ShardedWriter(
-            output,
-            encoding=encoding,
-            metadata=metadata,
-            source=sources,
-            shard_size=shard_size,
-            durable=durable,
-        ) as sw:
-            _write(sw, records)
-        m = sw.close()
-        return PackStats(m.records, input_bytes, m.data_bytes, time.perf_counter() - start, len(m.shards))
-    with Writer(output, encoding=encoding, metadata=metadata, source=sources, durable=durable) as w:
-        _write(w, records)
-        n, size = w.record_count, w.data_size
-    return PackStats(n, input_bytes, size, time.perf_counter() - start)
+    """Stream `records` into `output` (a blob; with `shard_size`, a dataset directory); atomic either way.
+
+    `bar` is the progress bar the records generator updates; it is closed here, however this ends.
+    """
+    try:
+        start = time.perf_counter()
+        sources = [os.path.abspath(s) for s in source]
+        if shard_size is not None:
+            with ShardedWriter(
+                output,
+                encoding=encoding,
+                metadata=metadata,
+                source=sources,
+                shard_size=shard_size,
+                durable=durable,
+            ) as sw:
+                _write(sw, records)
+            m = sw.close()
+            return PackStats(m.records, input_bytes, m.data_bytes, time.perf_counter() - start, len(m.shards))
+        with Writer(output, encoding=encoding, metadata=metadata, source=sources, durable=durable) as w:
+            _write(w, records)
+            n, size = w.record_count, w.data_size
+        return PackStats(n, input_bytes, size, time.perf_counter() - start)
+    finally:
+        bar.close()

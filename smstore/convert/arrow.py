@@ -144,19 +144,17 @@ def convert_arrow(
             done += os.path.getsize(path)
             bar.update(done)
 
-    try:
-        return write_records(
-            records(),
-            output,
-            encoding=enc,
-            source=files,
-            metadata=metadata,
-            durable=durable,
-            shard_size=shard_size,
-            input_bytes=total,
-        )
-    finally:
-        bar.close()
+    return write_records(
+        records(),
+        output,
+        encoding=enc,
+        source=files,
+        metadata=metadata,
+        durable=durable,
+        shard_size=shard_size,
+        input_bytes=total,
+        bar=bar,
+    )
 
 
 def _spans(col: pa.Array) -> Spans:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from smstore._objects import OBJECT_ENCODINGS, encode_objects
@@ -83,8 +83,16 @@ class _Reader:
         return pos
 
 
-def iter_json_list(path: str, *, key: str | None = None, max_element: int = 1 << 30) -> Iterator[Any]:
+def iter_json_list(
+    path: str,
+    *,
+    key: str | None = None,
+    max_element: int = 1 << 30,
+    on_progress: Callable[[int], None] | None = None,
+) -> Iterator[Any]:
     """The objects of the JSON list in `path` (or of the list under top-level `key`), one at a time.
+
+    `on_progress(n)`, if given, is called now and then with the characters read so far.
 
     Raises:
         PackInputError: The file is not a JSON list of objects, naming the character offset.
@@ -123,6 +131,8 @@ def iter_json_list(path: str, *, key: str | None = None, max_element: int = 1 <<
                 raise r.error(pos, f"element {index} is a {type(value).__name__}, not an object")
             yield value
             index += 1
+            if on_progress is not None and index % 1024 == 0:
+                on_progress(r.base + end)
             pos = r.skip_ws(end)
             c = r.peek(pos)
             if c == "]":
@@ -162,16 +172,14 @@ def convert_json_list(
         raise PackInputError(f"{path}: no such file")
     size = os.path.getsize(path)
     bar = _Progress(size, progress, "convert")
-    try:
-        return write_records(
-            encode_objects(iter_json_list(path, key=key), encoding),
-            output,
-            encoding=encoding,
-            source=[path],
-            metadata=metadata,
-            durable=durable,
-            shard_size=shard_size,
-            input_bytes=size,
-        )
-    finally:
-        bar.close()
+    return write_records(
+        encode_objects(iter_json_list(path, key=key, on_progress=bar.update), encoding),
+        output,
+        encoding=encoding,
+        source=[path],
+        metadata=metadata,
+        durable=durable,
+        shard_size=shard_size,
+        input_bytes=size,
+        bar=bar,
+    )

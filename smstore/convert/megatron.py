@@ -161,16 +161,14 @@ def convert_megatron(
                 yield Spans(view, np.concatenate([begin[a : a + 1], end[a:b]]))
                 bar.update(int(end[b - 1]))
 
-    try:
-        return write_records(
-            records(),
-            output,
-            encoding=f"npy:{dtype.str}",
-            source=[idx_path, bin_path],
-            metadata=metadata,
-            durable=durable,
-            shard_size=shard_size,
-            input_bytes=bin_size,
-        )
-    finally:
-        bar.close()
+    return write_records(
+        records(),
+        output,
+        encoding=f"npy:{dtype.str}",
+        source=[idx_path, bin_path],
+        metadata=metadata,
+        durable=durable,
+        shard_size=shard_size,
+        input_bytes=bin_size,
+        bar=bar,
+    )

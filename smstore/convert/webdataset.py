@@ -92,16 +92,14 @@ def convert_webdataset(
                 yield encode_sample(sample)
             before += size
 
-    try:
-        return write_records(
-            records(),
-            output,
-            encoding="wds",
-            source=paths,
-            metadata=metadata,
-            durable=durable,
-            shard_size=shard_size,
-            input_bytes=sum(sizes),
-        )
-    finally:
-        bar.close()
+    return write_records(
+        records(),
+        output,
+        encoding="wds",
+        source=paths,
+        metadata=metadata,
+        durable=durable,
+        shard_size=shard_size,
+        input_bytes=sum(sizes),
+        bar=bar,
+    )

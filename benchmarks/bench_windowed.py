@@ -1,0 +1,481 @@
+"""Larger than RAM: a window of shards resident per node, the next one loaded while the current one trains.
+
+    python benchmarks/bench_windowed.py             # writes benchmarks/results/windowed.md (~5 min on 2 cores)
+    python benchmarks/bench_windowed.py --quick --out /tmp/w.md
+
+Every figure is measured in this one run:
+
+1. **Shuffle quality** of `WindowedShuffleSampler` against an exact global shuffle, and of
+   WebDataset's recipe (shuffled shard list, then its own `_shuffle` buffer) and Mosaic
+   streaming's `py1br` / `py1e` (their own `get_shuffle`, when `mosaicml-streaming` is installed)
+   at the same memory: a buffer or block of two windows' records, since smstore keeps two windows
+   resident (the one read and the next, loading). Two statistics over batches
+   of `--batch-size` consecutive samples of one epoch, each divided by its value for the exact
+   global shuffle (so 1.0 is as good as a global shuffle):
+   - *shard spread*: the mean number of distinct shards a batch draws from;
+   - *neighbour rate*: how often two records adjacent in the source (same shard, i and i+1)
+     land in the same batch (a global shuffle: (B-1)/(N-1)); higher means source order leaks
+     into batches. Reported as global / ours, so 1.0 is best and 0.01 means 100x more often.
+2. **Loading a shard** into /dev/shm with its checksum (`smstore load`'s code) against `cp` of
+   the same file into /dev/shm: median of `--load-repeats` interleaved runs, page cache warm.
+3. **One epoch at R=2 ranks x K=2 workers** over a dataset 3x the memory budget: a daemon
+   (`smstore serve --shm-limit BUDGET --max-read-rate RATE`: the rate-limited reader stands in for
+   a slow shared file system), `SharedStoreDataset(mode="daemon")` and `WindowedShuffleSampler`
+   with the window `window_for(budget)` gives. Each rank times every `next(loader)` (the batch
+   wait) and then "trains" for `--train-ms`. Batches in the first `--switch-batches` of a window
+   (where a late load would show) are the switch batches; the rest (after the first window) are
+   steady. Data memory is sampled every 100 ms: the daemon's segments in /dev/shm plus the PSS of
+   segments it has released but a reader still maps (PSS from /proc/PID/smaps, every process of
+   the job). Every record's CRC32 is checked against the source: each read exactly once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from bench_core import MiB, Report, log, machine_info, temp_dir, write_results, yes_no
+
+import smstore
+from smstore import _core
+from smstore._shards import read_manifest
+from smstore.sampler import GlobalShuffleSampler, WindowedShuffleSampler
+
+RESULTS = Path(__file__).parent / "results"
+
+
+# ---- 1. shuffle quality ---------------------------------------------------------------------
+
+
+def quality_stats(order: np.ndarray, shard_of: np.ndarray, batch: int) -> tuple[float, float]:
+    """(mean distinct shards per batch, rate at which source neighbours share a batch)."""
+    n = len(order) // batch * batch
+    batches = shard_of[order[:n]].reshape(-1, batch)
+    spread = float(np.mean([len(np.unique(b)) for b in batches]))
+    batch_of = np.empty(len(order), dtype=np.int64)
+    batch_of[order] = np.arange(len(order)) // batch
+    same_shard = shard_of[:-1] == shard_of[1:]
+    together = (batch_of[:-1] == batch_of[1:]) & same_shard
+    return spread, float(together.sum() / max(1, same_shard.sum()))
+
+
+def webdataset_order(sizes: list[int], buffer: int, seed: int) -> np.ndarray | str:
+    try:
+        from webdataset.filters import _shuffle
+    except ImportError as e:
+        return f"skipped: {e}"
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    shards = list(range(len(sizes)))
+    random.Random(seed).shuffle(shards)  # wds.shuffle on the shard list
+    stream = (i for k in shards for i in range(starts[k], starts[k + 1]))
+    return np.fromiter(_shuffle(stream, bufsize=buffer, initial=buffer, seed=seed), dtype=np.int64)
+
+
+def mosaic_order(sizes: list[int], algo: str, block: int, seed: int) -> np.ndarray | str:
+    try:
+        from streaming.base.shuffle import get_shuffle
+    except ImportError as e:
+        return f"skipped: {e} (pip install mosaicml-streaming)"
+    return np.asarray(get_shuffle(algo, np.asarray(sizes, np.int64), 1, seed, 0, block), dtype=np.int64)
+
+
+def bench_quality(report: Report, shards: int, per_shard: int, batch: int, windows: Sequence[int]) -> None:
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(per_shard // 2, per_shard * 3 // 2, size=shards)]
+    n = sum(sizes)
+    shard_of = np.repeat(np.arange(shards), sizes)
+    g = GlobalShuffleSampler(n, seed=1, rank=0, world_size=1)
+    g_spread, g_near = quality_stats(np.asarray(list(g)), shard_of, batch)
+    report.add(
+        f"exact global shuffle ({n} records, {shards} shards, batch {batch})",
+        f"{g_spread:.1f} shards/batch, neighbours together {g_near:.2e}",
+    )
+
+    def row(name: str, order: np.ndarray | str) -> None:
+        if isinstance(order, str):
+            report.add(name, order)
+            return
+        assert sorted(order.tolist()) == list(range(n)), name
+        spread, near = quality_stats(order, shard_of, batch)
+        report.add(
+            name,
+            f"{spread:.1f} shards/batch, neighbours together {near:.2e}",
+            ratio=f"spread {spread / g_spread:.2f}, neighbours {g_near / max(near, 1e-12):.3f}",
+        )
+
+    for w in windows:
+        s = WindowedShuffleSampler(sizes, window=w, seed=1, rank=0, world_size=1, residency=False)
+        row(f"smstore window of {w} shards", np.asarray(list(s)))
+        buffer = 2 * w * per_shard  # the same memory: two windows are resident (the one read, the next)
+        row(f"WebDataset shard shuffle + _shuffle({buffer})", webdataset_order(sizes, buffer, 1))
+        for algo in ("py1br", "py1e"):
+            row(f"Mosaic streaming {algo}, block {buffer}", mosaic_order(sizes, algo, buffer, 1))
+    report.notes.append(
+        "ratios: spread = ours / global (1.0 = as many shards per batch as a global shuffle); "
+        "neighbours = global rate / ours (1.0 = source neighbours no more often together than in a global shuffle)"
+    )
+
+
+# ---- 2. loading a shard vs cp -----------------------------------------------------------------
+
+
+def bench_load(report: Report, tmp: Path, mib: int, repeats: int) -> None:
+    src = tmp / "load.txt"
+    rng = np.random.default_rng(1)
+    with open(src, "wb") as f:
+        for _ in range(mib // 16):
+            chunk = rng.integers(97, 123, size=16 * MiB, dtype=np.uint8)
+            chunk[::200] = 10
+            f.write(chunk.tobytes())
+    blob = tmp / "load.smst"
+    smstore.pack_files([src], blob, progress=False, durable=False)
+    src.unlink()
+    subprocess.run(["cat", os.fspath(blob)], stdout=subprocess.DEVNULL, check=True)
+    target = Path("/dev/shm") / f"smstore-bench-cp-{os.getpid()}"
+    name = f"/smstore-bench-load-{os.getpid()}"
+
+    def cp() -> float:
+        t = time.perf_counter()
+        subprocess.run(["cp", os.fspath(blob), os.fspath(target)], check=True)
+        d = time.perf_counter() - t
+        target.unlink()
+        return d
+
+    def load() -> float:
+        t = time.perf_counter()
+        fd, *_ = _core.shm_load(os.fspath(blob), name, 0o400, -1, 0)
+        d = time.perf_counter() - t
+        os.close(fd)
+        _core.shm_unlink(name)
+        return d
+
+    times: dict[str, list[float]] = {"cp": [], "load": []}
+    try:
+        for r in range(repeats):
+            for k in ("cp", "load") if r % 2 else ("load", "cp"):
+                times[k].append(cp() if k == "cp" else load())
+    finally:
+        target.unlink(missing_ok=True)
+        _core.shm_unlink(name)
+    size = blob.stat().st_size / MiB
+    med = {k: statistics.median(v) for k, v in times.items()}
+    spread = {k: f"{min(v):.2f}-{max(v):.2f} s" for k, v in times.items()}
+    ratio = med["cp"] / med["load"]
+    report.compare(
+        f"load {size:.0f} MiB into /dev/shm with checksum (median of {repeats})",
+        f"{size / med['load']:.0f} MiB/s ({spread['load']})",
+        f"cp: {size / med['cp']:.0f} MiB/s ({spread['cp']})",
+        ratio,
+        ">= 1.0x",
+        ratio >= 1.0,
+    )
+
+
+# ---- 3. one epoch, larger than the budget ------------------------------------------------------
+
+
+def make_dataset(tmp: Path, total_mib: int, shards: int, seed: int) -> tuple[Path, list[int]]:
+    """Lines of 512-2047 random printable bytes, packed into `shards` shards; their CRC32s."""
+    rng = np.random.default_rng(seed)
+    src = tmp / "epoch.txt"
+    crcs: list[int] = []
+    written = 0
+    with open(src, "wb") as f:
+        while written < total_mib * MiB:
+            lengths = rng.integers(512, 2048, size=4096)
+            data = rng.integers(32, 127, size=int(lengths.sum()), dtype=np.uint8).tobytes()
+            pos = 0
+            for length in lengths.tolist():
+                rec = data[pos : pos + length]
+                pos += length
+                crcs.append(zlib.crc32(rec))
+                f.write(rec + b"\n")
+            written += pos + len(lengths)
+    out = tmp / "epoch"
+    smstore.pack_files([src], out, shard_size=-(-written // shards), progress=False, durable=False)
+    src.unlink()
+    return out, crcs
+
+
+def crc_collate(batch: list[Any]) -> list[int]:
+    return [zlib.crc32(r) for r in batch]
+
+
+def rank_child(args: argparse.Namespace) -> None:
+    """One rank: a DataLoader over the dataset through the daemon; times every batch wait."""
+    import torch
+
+    ds = smstore.SharedStoreDataset(args.dataset, mode="daemon", decode=None)
+    lag = 4 * args.workers * args.batch_size  # prefetch_factor (2) x workers x batch, twice over
+    sampler = WindowedShuffleSampler(
+        ds, window=args.window, seed=args.seed, rank=args.rank_child, world_size=args.ranks, lag=lag
+    )
+    plain = WindowedShuffleSampler(
+        ds.shard_sizes, window=args.window, seed=args.seed, rank=args.rank_child, world_size=args.ranks
+    )
+    indices = list(plain)
+    order = plain.permutation()
+    loader = torch.utils.data.DataLoader(
+        ds,
+        sampler=sampler,
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        collate_fn=crc_collate,
+        multiprocessing_context="fork",
+        prefetch_factor=2,
+        persistent_workers=False,
+    )
+    # The batch in which each window starts for this rank, and every batch's first window.
+    waits: list[float] = []
+    crcs: list[int] = []
+    it = iter(loader)
+    while True:
+        t0 = time.perf_counter()
+        try:
+            batch = next(it)
+        except StopIteration:
+            break
+        waits.append(time.perf_counter() - t0)
+        crcs += batch
+        time.sleep(args.train_ms / 1000)
+    n = len(ds)
+    windows = [order.window_of((args.rank_child + i * args.ranks) % n) for i in range(len(indices))]
+    firsts = [windows[b * args.batch_size] for b in range(len(waits))]
+    sampler.close()
+    Path(args.result).write_text(
+        json.dumps({"waits": waits, "crcs": crcs, "indices": indices, "windows": firsts})
+    )
+
+
+def job_pids(roots: list[int]) -> list[int]:
+    """The roots and every descendant (DataLoader workers), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], list(roots)
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+def released_segment_pss(pid: int) -> int:
+    """PSS (bytes) of smstore segments a process maps after the daemon unlinked them."""
+    total, inside = 0, False
+    try:
+        with open(f"/proc/{pid}/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=5)
+                if head and "-" in head[0] and not head[0].endswith(":"):
+                    name = head[5].rstrip("\n") if len(head) == 6 else ""
+                    inside = name.startswith("/dev/shm/smstore-") and name.endswith("(deleted)")
+                elif inside and head and head[0] == "Pss:":
+                    total += int(head[1]) * 1024
+    except OSError:
+        return 0
+    return total
+
+
+def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
+    budget = args.budget_mib * MiB
+    dataset, crcs = make_dataset(tmp, args.data_mib or 3 * args.budget_mib, args.shards, args.seed)
+    manifest = read_manifest(dataset)
+    data_bytes = sum(s.file_size for s in manifest.shards)
+    window = WindowedShuffleSampler.window_for(dataset, budget)
+    log(
+        f"dataset {data_bytes / MiB:.0f} MiB in {len(manifest.shards)} shards; budget {args.budget_mib} MiB; window {window}"
+    )
+    sock = tmp / "run" / "smstore.sock"
+    sock.parent.mkdir(mode=0o700)
+    env = {**os.environ, "SMSTORE_SOCKET": os.fspath(sock)}
+    daemon_log = tmp / "daemon.log"
+    with open(daemon_log, "wb") as err:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "smstore", "serve", "--shm-limit", str(budget),
+             "--max-read-rate", str(args.read_rate_mib * MiB)],
+            stderr=err, env=env,
+        )  # fmt: skip
+    ranks: list[subprocess.Popen[bytes]] = []
+    samples: list[tuple[int, int]] = []
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while not sock.exists():
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise RuntimeError(daemon_log.read_text())
+            time.sleep(0.05)
+        results = [tmp / f"rank{r}.json" for r in range(args.ranks)]
+        started = time.perf_counter()
+        for r in range(args.ranks):
+            cmd = [
+                sys.executable, __file__, "--rank-child", str(r), "--dataset", os.fspath(dataset),
+                "--result", os.fspath(results[r]), "--window", str(window), "--ranks", str(args.ranks),
+                "--workers", str(args.workers), "--batch-size", str(args.batch_size),
+                "--train-ms", str(args.train_ms), "--seed", str(args.seed),
+            ]  # fmt: skip
+            ranks.append(subprocess.Popen(cmd, env=env))
+
+        def watch() -> None:
+            while not stop.is_set():
+                status = smstore.daemon_request({"op": "status"}, sock)
+                shm = sum(-(-s["size"] // 4096) * 4096 for s in status["segments"])
+                released = sum(released_segment_pss(p) for p in job_pids([r.pid for r in ranks]))
+                samples.append((shm, released))
+                time.sleep(0.1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        for r in ranks:
+            if r.wait(timeout=3600) != 0:
+                raise RuntimeError(f"rank exited with {r.returncode}")
+        elapsed = time.perf_counter() - started
+    finally:
+        stop.set()
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(timeout=30)
+    outs = [json.loads(p.read_text()) for p in results]
+    # Every record once per epoch, byte-exact (CRC32 of every record read against the source's).
+    seen = np.zeros(len(crcs), dtype=np.int64)
+    bad = 0
+    for o in outs:
+        for i, c in zip(o["indices"], o["crcs"], strict=True):
+            seen[i] += 1
+            bad += c != crcs[i]
+    exact = bad == 0 and bool((seen >= 1).all()) and int(seen.sum()) - len(crcs) < args.ranks
+    switch, steady = [], []
+    for o in outs:
+        last = None
+        since = 0
+        for wait, win in zip(o["waits"], o["windows"], strict=True):
+            since = 0 if win != last else since + 1
+            if win != last and last is None:
+                first_wait = wait
+            last = win
+            if win == o["windows"][0]:
+                continue  # the first window: startup, not a switch
+            (switch if since < args.switch_batches else steady).append(wait)
+    p99 = {k: float(np.percentile(v, 99)) * 1000 for k, v in (("switch", switch), ("steady", steady))}
+    ratio = p99["switch"] / p99["steady"]
+    report.compare(
+        f"batch wait p99 in the first {args.switch_batches} batches of a window ({len(switch)} batches)",
+        f"{p99['switch']:.2f} ms",
+        f"steady p99 {p99['steady']:.2f} ms ({len(steady)} batches)",
+        ratio,
+        "<= 1.5x",
+        ratio <= 1.5,
+    )
+    peak_shm = max(s for s, _ in samples)
+    peak_data = max(s + r for s, r in samples)
+    report.compare(
+        f"data memory, peak of {len(samples)} samples (/dev/shm + released but still mapped)",
+        f"{peak_data / MiB:.1f} MiB (/dev/shm alone {peak_shm / MiB:.1f} MiB)",
+        f"budget {args.budget_mib} MiB",
+        peak_data / budget,
+        "<= 1.05x",
+        peak_data <= 1.05 * budget,
+    )
+    report.add(
+        "every record read exactly once, byte-exact (CRC32)",
+        f"{len(crcs)} records, {bad} mismatches, {int((seen == 0).sum())} missed",
+        goal="all",
+        met=yes_no(exact),
+    )
+    report.add(
+        "epoch",
+        f"{elapsed:.1f} s, {data_bytes / MiB / elapsed:.0f} MiB/s; first batch after {first_wait * 1000:.0f} ms",
+    )
+    report.notes.append(
+        f"epoch: {data_bytes / MiB:.0f} MiB in {len(manifest.shards)} shards, budget {args.budget_mib} MiB "
+        f"(window of {window} shards), daemon reads at most {args.read_rate_mib} MiB/s; R={args.ranks} x "
+        f"K={args.workers}, batch {args.batch_size}, {args.train_ms} ms of 'training' a batch"
+    )
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="a smaller run (about a minute)")
+    p.add_argument("--only", action="append", choices=["quality", "load", "epoch"])
+    p.add_argument("--out", type=Path, default=RESULTS / "windowed.md")
+    p.add_argument("--tmpdir", type=Path)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--budget-mib", type=int, default=160)
+    p.add_argument("--shards", type=int, default=48)
+    p.add_argument("--data-mib", type=int, default=0, help="dataset size (default: 3x the budget)")
+    p.add_argument("--read-rate-mib", type=int, default=100, help="the daemon's --max-read-rate (MiB/s)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--workers", type=int, default=2)
+    p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--train-ms", type=float, default=4.0)
+    p.add_argument("--switch-batches", type=int, default=8)
+    p.add_argument("--load-mib", type=int, default=1024)
+    p.add_argument("--load-repeats", type=int, default=9)
+    # One rank of the epoch section (run by the benchmark itself).
+    p.add_argument("--rank-child", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--dataset", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--window", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.quick:
+        args.budget_mib, args.shards, args.load_mib, args.load_repeats = 48, 24, 256, 5
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.rank_child is not None:
+        rank_child(args)
+        return 0
+    sections = set(args.only or ["quality", "load", "epoch"])
+    report = Report()
+    started = time.perf_counter()
+    with temp_dir(args.tmpdir) as tmp:
+        header = machine_info(tmp)
+        if "quality" in sections:
+            log("shuffle quality")
+            bench_quality(report, shards=200, per_shard=1000, batch=args.batch_size * 4, windows=[1, 4, 16])
+        if "load" in sections:
+            log("load vs cp")
+            bench_load(report, tmp, args.load_mib, args.load_repeats)
+        if "epoch" in sections:
+            log("epoch")
+            bench_epoch(report, tmp, args)
+    cmd = " ".join(["python benchmarks/bench_windowed.py", *(argv if argv is not None else sys.argv[1:])])
+    write_results(
+        args.out,
+        "Larger than RAM: windows of shards",
+        [
+            f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s."
+        ],
+        header,
+        report,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,245 @@
+"""ShardResidency: keep the shards a windowed order reads next resident on the node, off the critical path.
+
+A rank's sampler says which shards it needs (the window it reads, then the next one) as its order
+reaches them. With a daemon (``smstore serve``), the daemon loads them into shared memory in the
+background, within its ``--shm-limit``, and drops a shard once no rank holds it any more. Without
+one, the files are read ahead into the page cache (``posix_fadvise``) and the released ones are
+dropped from it. Either way the sampler never waits, except once at the start of a pass, where a
+budget too small for a shard is reported before any batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import socket as socket_module
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from smstore._ipc import connect, encode, exchange, socket_path
+from smstore._shards import read_manifest
+from smstore.client import DaemonSession, Mode
+from smstore.errors import DaemonError
+
+__all__ = ["ShardResidency"]
+
+log = logging.getLogger("smstore")
+
+
+class _Unreachable(Exception):
+    """The daemon did not answer (as opposed to refusing)."""
+
+
+class ShardResidency:
+    """Which shards of a sharded dataset this rank needs now, told to the daemon or the page cache.
+
+    Args:
+        path: The manifest, or a directory holding ``manifest.json``.
+        mode: ``"auto"``: the daemon if one answers on ``socket``, else the page cache;
+            ``"daemon"``: require it; ``"mmap"``: the page cache only.
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+
+    Attributes:
+        kind: ``"daemon"`` or ``"page cache"``, once the first :meth:`hold` has decided.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mode: Mode = "auto",
+        socket: str | os.PathLike[str] | None = None,
+    ) -> None:
+        manifest = read_manifest(path)
+        self.path = manifest.path
+        self.shards = [
+            (os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)
+        ]
+        self.sizes = [s.file_size for s in manifest.shards]
+        self.mode: Mode = mode
+        self.socket = socket_path(socket)
+        self.kind: str | None = None
+        self._daemon = DaemonSession(self.socket)  # its connection (dropped in a forked child)
+        self._held: tuple[int, ...] = ()
+        self._advised: set[int] = set()
+        self._error: BaseException | None = None
+        self._pending: queue.Queue[tuple[int, ...] | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # one hold applied at a time (the thread's, or a waited one)
+
+    def hold(self, shards: Sequence[int], *, wait: bool = False) -> None:
+        """Need `shards` (in the order to load them) and no others from now on.
+
+        Args:
+            shards: Shard indices of the manifest.
+            wait: Apply it before returning, and raise what it raises (a budget too small, no
+                daemon with ``mode="daemon"``). Otherwise it is applied by a background thread, and
+                an error it met is raised by the next call.
+
+        Raises:
+            DaemonError: The daemon refused (e.g. a shard larger than its ``--shm-limit``).
+        """
+        wanted = tuple(int(k) for k in shards)
+        if wait:  # a new start: an error of the holds before it is stale
+            self._error = None
+            self._apply(wanted)
+            return
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+        if self.kind == "daemon" and self._conn is not None:
+            # One send from this thread: no reply to wait for, no thread to wake (a woken thread
+            # would take the GIL from the training loop for milliseconds at every window).
+            self._send_hold(wanted)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="smstore-residency", daemon=True)
+            self._thread.start()
+        self._pending.put(wanted)
+
+    def _run(self) -> None:
+        while True:
+            wanted = self._pending.get()
+            with contextlib.suppress(queue.Empty):
+                while True:  # only the latest set matters
+                    wanted = self._pending.get_nowait()
+            if wanted is None:
+                return
+            try:
+                self._apply(wanted)
+            except Exception as e:  # noqa: BLE001 - reported to the sampler by its next hold()
+                self._error = e
+
+    def _apply(self, wanted: tuple[int, ...]) -> None:
+        with self._lock:
+            if self.kind is None:
+                self.kind = self._choose()
+            if self.kind == "daemon":
+                try:
+                    self._hold_in_daemon(wanted)
+                except _Unreachable as e:
+                    if self.mode == "daemon":
+                        raise DaemonError(str(e)) from None
+                    # The daemon died: read ahead into the page cache until one answers again.
+                    log.warning("%s: %s; reading the next shards ahead into the page cache", self.path, e)
+                    self.kind = None
+                    self._hold_in_page_cache(wanted)
+            else:
+                self._hold_in_page_cache(wanted)
+            self._held = wanted
+
+    def _choose(self) -> str:
+        if self.mode == "mmap":
+            return "page cache"
+        try:
+            self._conn = connect(self.socket)
+        except DaemonError as e:
+            if self.mode == "daemon":
+                raise
+            log.info(
+                "%s: no smstore daemon (%s): reading the next shards ahead into the page cache", self.path, e
+            )
+            return "page cache"
+        return "daemon"
+
+    def _hold_in_daemon(self, wanted: tuple[int, ...]) -> None:
+        message = {"op": "hold", "manifest": os.path.abspath(self.path), "shards": ",".join(map(str, wanted))}
+        try:
+            if self._conn is None:  # dropped in a forked child, or after a failed exchange
+                self._conn = connect(self.socket)
+            reply, fd = exchange(self._conn, message, self.socket)
+        except DaemonError as e:
+            self._drop_connection()
+            raise _Unreachable(str(e)) from None
+        if fd is not None:
+            os.close(fd)
+        if not reply.get("ok"):
+            msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
+            raise DaemonError(msg)
+
+    def _send_hold(self, wanted: tuple[int, ...]) -> None:
+        """Tell the daemon without waiting; a refusal of an earlier one is read (and raised) first."""
+        assert self._conn is not None
+        timeout = self._conn.gettimeout()
+        self._conn.settimeout(0.0)  # a peek: never wait
+        try:
+            stale: bytes | None = self._conn.recv(65536)
+        except BlockingIOError:
+            stale = None
+        except OSError:
+            stale = b""
+        finally:
+            self._conn.settimeout(timeout)
+        if stale is not None:  # a refusal, or the daemon closed the connection: redo it with a reply
+            self._drop_connection()
+            self._apply(wanted)
+            return
+        message = {
+            "op": "hold",
+            "manifest": os.path.abspath(self.path),
+            "shards": ",".join(map(str, wanted)),
+            "noreply": True,
+        }
+        try:
+            self._conn.sendall(encode(message))
+        except OSError:
+            self._drop_connection()
+            self._apply(wanted)  # reconnects, or falls back (mode "auto") or raises
+            return
+        self._held = wanted
+
+    def _hold_in_page_cache(self, wanted: tuple[int, ...]) -> None:
+        for k in wanted:
+            if k not in self._advised:
+                self._advise(k, os.POSIX_FADV_WILLNEED)
+                self._advised.add(k)
+        for k in set(self._advised) - set(wanted):
+            self._advise(k, os.POSIX_FADV_DONTNEED)  # pages still mapped by a reader stay
+            self._advised.discard(k)
+
+    def _advise(self, k: int, advice: int) -> None:
+        try:
+            fd = os.open(self.shards[k][0], os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+        except OSError as e:
+            log.warning("%s: shard %d: %s", self.path, k, e)
+            return
+        try:
+            os.posix_fadvise(fd, 0, 0, advice)
+        finally:
+            os.close(fd)
+
+    @property
+    def held(self) -> tuple[int, ...]:
+        """The shards of the latest hold applied."""
+        return self._held
+
+    def close(self) -> None:
+        """Stop the thread and give up every hold (the daemon drops what no other rank holds)."""
+        if self._thread is not None:
+            self._pending.put(None)
+            self._thread.join(timeout=30)
+            self._thread = None
+        with self._lock:
+            self._drop_connection()
+
+    @property
+    def _conn(self) -> socket_module.socket | None:
+        return self._daemon._conn
+
+    @_conn.setter
+    def _conn(self, conn: socket_module.socket | None) -> None:
+        self._daemon._conn = conn
+
+    def _drop_connection(self) -> None:
+        self._daemon.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        msg = "a ShardResidency belongs to the process that made it; it does not pickle"
+        raise TypeError(msg)
+
+    def __repr__(self) -> str:
+        return f"ShardResidency({Path(self.path).name!r}, kind={self.kind!r}, held={len(self._held)} shards)"

@@ -1,0 +1,295 @@
+"""WindowedShuffleSampler, shard residency in the daemon and the page cache, and shard release in readers."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smstore
+from smstore._shards import read_manifest
+from smstore.errors import DaemonError
+from smstore.residency import ShardResidency
+from smstore.sampler import WindowedShuffleSampler
+
+from . import daemon_testlib as tl
+from .daemon_testlib import Daemon
+
+SIZES = [5, 0, 7, 3, 10, 1, 8, 4, 4, 9]
+
+
+def order_of(sizes: list[int], window: int, seed: int = 3, epoch: int = 0) -> list[int]:
+    s = WindowedShuffleSampler(sizes, window=window, seed=seed, rank=0, world_size=1, residency=False)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize("window", [1, 2, 3, 4, 10, 50])
+@pytest.mark.parametrize("world", [1, 2, 3, 7])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_every_record_once_and_ranks_interleave_to_one_order(
+    window: int, world: int, drop_last: bool
+) -> None:
+    n = sum(SIZES)
+    ref = order_of(SIZES, window)
+    assert sorted(ref) == list(range(n))
+    outs = [
+        list(
+            WindowedShuffleSampler(
+                SIZES, window=window, seed=3, rank=r, world_size=world, drop_last=drop_last, residency=False
+            )
+        )
+        for r in range(world)
+    ]
+    per_rank = n // world if drop_last else -(-n // world)
+    assert all(len(o) == per_rank for o in outs)
+    merged = [outs[i % world][i // world] for i in range(per_rank * world)]
+    assert merged == [ref[p % n] for p in range(per_rank * world)]  # padding wraps to the start
+
+
+def test_windows_are_runs_of_shards_in_a_keyed_order() -> None:
+    s = WindowedShuffleSampler(SIZES, window=3, seed=5, rank=0, world_size=1, residency=False)
+    order = s.permutation()
+    starts = np.concatenate([[0], np.cumsum(SIZES)])
+    shard_of = np.searchsorted(starts, np.arange(sum(SIZES)), side="right") - 1
+    seq = list(s)
+    assert sorted(order.shard_order.tolist()) == list(range(len(SIZES)))
+    for j in range(order.window_count):
+        block = seq[order.window_starts[j] : order.window_starts[j + 1]]
+        assert {int(shard_of[i]) for i in block} <= set(order.window_shards(j))
+        assert sorted(block) == sorted(
+            i for k in order.window_shards(j) for i in range(starts[k], starts[k + 1])
+        )
+    # The shard order and the order within windows change with the epoch and the seed.
+    assert order_of(SIZES, 3, seed=5, epoch=1) != seq
+    assert order_of(SIZES, 3, seed=6) != seq
+    assert order_of(SIZES, 3, seed=5) == seq
+
+
+@pytest.mark.parametrize(("world", "new_world"), [(2, 3), (3, 1), (1, 4)])
+def test_resume_with_another_world_size(world: int, new_world: int) -> None:
+    sizes = [50, 70, 30, 100, 20, 60]
+    n = sum(sizes)
+    ref = order_of(sizes, 2)
+    samplers = [
+        WindowedShuffleSampler(sizes, window=2, seed=3, rank=r, world_size=world) for r in range(world)
+    ]
+    its = [iter(s) for s in samplers]
+    taken = 37
+    for it in its:
+        for _ in range(taken):
+            next(it)
+    state = samplers[0].state_dict()
+    assert state["consumed"] == taken * world
+    resumed = []
+    for r in range(new_world):
+        s = WindowedShuffleSampler(sizes, window=2, seed=0, rank=r, world_size=new_world)
+        s.load_state_dict(state)
+        resumed.append(list(s))
+    merged = [resumed[i % new_world][i // new_world] for i in range(len(resumed[0]) * new_world)]
+    k = taken * world
+    assert merged[: n - k] == ref[k:]
+    other = WindowedShuffleSampler(sizes, window=3, seed=3)
+    with pytest.raises(ValueError, match="window=2"):
+        other.load_state_dict(state)
+
+
+def sharded(
+    tmp_path: Path, shards: int = 12, per_shard: int = 200, size: int = 300
+) -> tuple[Path, list[bytes]]:
+    rng = np.random.default_rng(7)
+    recs = [
+        bytes(rng.integers(32, 127, size=int(rng.integers(size // 2, size)), dtype=np.uint8))
+        for _ in range(shards * per_shard)
+    ]
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"".join(r + b"\n" for r in recs))
+    out = tmp_path / "ds"
+    shard_bytes = per_shard * (size * 3 // 4 + 1)
+    smstore.pack_files([src], out, shard_size=shard_bytes, progress=False, durable=False)
+    return out, recs
+
+
+def test_window_for_a_budget(tmp_path: Path) -> None:
+    out, _ = sharded(tmp_path)
+    largest = max(s.file_size for s in read_manifest(out).shards)
+    assert WindowedShuffleSampler.window_for(out, 2 * largest) == 1
+    assert WindowedShuffleSampler.window_for(out, 9 * largest) == 4
+    with pytest.raises(ValueError, match="cannot hold two shards"):
+        WindowedShuffleSampler.window_for(out, 2 * largest - 1)
+
+
+def test_readers_release_shards_they_stopped_reading(tmp_path: Path) -> None:
+    out, recs = sharded(tmp_path, shards=80, per_shard=100)
+    with smstore.open(out) as store:
+        first = store[0]
+        most = 0
+        for i in range(len(store)):
+            assert store[i] == recs[i]
+            most = max(most, store.open_shard_count)
+        # Sequential reads: a shard goes after 12 * open + 64 reads without it (and a sweep every
+        # half of that): two or three shards of ~100 records stay open, never all of them.
+        assert most <= 4, (most, store.shard_count)
+        assert not store.is_shard_open(0)
+        assert bytes(first) == recs[0]  # a view outlives its shard's release
+        store.release_shard(store.shard_count - 1)
+        assert store.open_shard_count < most
+        assert store[len(store) - 1] == recs[-1]  # opens again
+        store.auto_release = False
+        for i in range(len(store)):
+            store[i]
+        assert store.open_shard_count == store.shard_count
+
+
+def collect(loader: Any) -> list[bytes]:
+    return [r for batch in loader for r in batch]
+
+
+def test_daemon_keeps_two_windows_within_its_budget(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    torch = pytest.importorskip("torch")
+    out, recs = sharded(tmp_path)
+    m = read_manifest(out)
+    page = os.sysconf("SC_PAGESIZE")
+    largest = max(-(-s.file_size // page) * page for s in m.shards)  # a segment takes whole pages
+    budget = 4 * largest
+    d = start_daemon(args=("--shm-limit", str(budget)), loaded=0)
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
+    sampler = WindowedShuffleSampler(ds, window=2, seed=1, rank=0, world_size=1, lag=128)
+    assert isinstance(sampler.residency, ShardResidency)
+    peak = [0]
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            status = d.status()
+            used = sum(-(-s["size"] // page) * page for s in status["segments"])
+            # Released segments a worker still maps are memory too (and count in the budget).
+            used += len(status["released"]) * largest
+            peak[0] = max(peak[0], used)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        loader = torch.utils.data.DataLoader(
+            ds, sampler=sampler, batch_size=16, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+        )
+        got = collect(loader)
+        sampler.set_epoch(1)
+        got1 = collect(loader)
+    finally:
+        stop.set()
+        watcher.join()
+    assert sampler.residency.kind == "daemon"
+    assert got == [recs[i] for i in order_of(ds.shard_sizes, 2, seed=1)]
+    assert sorted(got1) == sorted(recs)
+    assert 0 < peak[0] <= budget
+    assert d.status()["released"] == []  # every worker detached what it unmapped, or exited
+    sampler.close()
+    deadline = time.monotonic() + 10
+    while d.status()["held"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.status()["held"] == []
+    assert d.status()["segments"] == []
+
+
+def test_budget_smaller_than_a_shard_is_an_error_up_front(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    out, _ = sharded(tmp_path)
+    largest = max(s.file_size for s in read_manifest(out).shards)
+    start_daemon(args=("--shm-limit", str(largest - 1)), loaded=0)
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
+    sampler = WindowedShuffleSampler(ds, window=1, seed=1)
+    with pytest.raises(DaemonError, match="does not fit the daemon's --shm-limit"):
+        next(iter(sampler))
+    sampler.close()
+
+
+def test_page_cache_residency_without_a_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "none.sock"))
+    out, recs = sharded(tmp_path)
+    ds = smstore.SharedStoreDataset(out, decode="bytes")
+    sampler = WindowedShuffleSampler(ds, window=3, seed=2, lag=10)
+    got = [ds[i] for i in sampler]
+    assert sorted(got) == sorted(recs)
+    assert sampler.residency is not None
+    assert sampler.residency.kind == "page cache"
+    sampler.close()
+
+
+def test_daemon_killed_mid_window(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    """Readers keep the records they hold; the next window fails clearly; a restarted daemon serves it."""
+    out, recs = sharded(tmp_path)
+    d = start_daemon(loaded=0)
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode=None)
+    sampler = WindowedShuffleSampler(ds, window=2, seed=4, lag=8)
+    order = sampler.permutation()
+    first_window = int(order.window_starts[1])
+    it = iter(sampler)
+    held = [(i, ds[i]) for i in (next(it) for _ in range(first_window // 2))]
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    assert all(bytes(v) == recs[i] for i, v in held)  # the mappings outlive the daemon
+    # The rest of the epoch: a shard not attached before the kill has no daemon to serve it, and
+    # the sampler cannot hold the next window; whichever comes first is a DaemonError.
+    with pytest.raises(DaemonError, match="smstore daemon"):
+        [ds[i] for i in it]
+    # A daemon restarted on the same socket adopts or removes what the dead one left, and serves.
+    start_daemon(loaded=0)
+    sampler.set_epoch(1)
+    again = [bytes(ds[i]) for i in sampler]
+    assert sorted(again) == sorted(recs)
+    sampler.close()
+
+
+def test_malformed_holds_are_refused_and_the_daemon_serves_on(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    out, recs = sharded(tmp_path, shards=3)
+    d = start_daemon(loaded=0)
+    manifest = os.fspath((out / "manifest.json").absolute())
+    blob = read_manifest(out).shard_path(0)
+    bad = [
+        {"op": "hold", "manifest": "ds/manifest.json", "shards": "0"},  # relative
+        {"op": "hold", "manifest": manifest, "shards": "0,x"},
+        {"op": "hold", "manifest": manifest, "shards": "-1"},
+        {"op": "hold", "manifest": manifest, "shards": "3"},  # 3 shards: 0, 1, 2
+        {"op": "hold", "manifest": manifest, "shards": 5},
+        {"op": "hold", "manifest": os.fspath(Path(blob).absolute()), "shards": "0"},  # not a manifest
+        {"op": "detach"},
+    ]
+    s = tl.raw(d.sock)
+    try:
+        for message in bad:
+            s.sendall(tl.frame(json.dumps(message).encode()))
+            reply = tl.read_reply(s)
+            assert reply is not None, message
+            assert reply["ok"] is False, (message, reply)
+            assert reply["error"] == "bad_request", (message, reply)
+        # Nothing was loaded or held, and a good hold on the same connection works.
+        assert d.status()["segments"] == []
+        s.sendall(tl.frame(json.dumps({"op": "hold", "manifest": manifest, "shards": "2,0"}).encode()))
+        assert tl.read_reply(s) == {"ok": True, "resident": 0, "held": 2}
+        deadline = time.monotonic() + 30
+        while len(d.status()["segments"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(d.status()["held"]) == sorted(read_manifest(out).shards[k].checksum for k in (0, 2))
+    finally:
+        s.close()  # the hold goes with the connection
+    deadline = time.monotonic() + 10
+    while d.status()["segments"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.status()["segments"] == []
+    with smstore.open_store(out, mode="auto") as store:
+        assert store[len(recs) - 1] == recs[-1]
