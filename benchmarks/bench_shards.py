@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
+import numpy as np
 from bench_core import (
     MiB,
     Report,
@@ -68,6 +69,15 @@ def bench_open(report: Report, dataset: Path, shards: int) -> None:
     report.add(
         f"SharedStoreDataset over {shards} shards", f"{dms:.2f} ms", goal="< 50 ms", met=yes_no(dms < 50)
     )
+
+
+def synthetic_records(n: int, size: int) -> list[bytes]:
+    """`n` records of random printable bytes, `size / 2` to `3 * size / 2` long (no newline)."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(size // 2, size * 3 // 2, size=n)
+    data = rng.integers(32, 127, size=int(lengths.sum()), dtype=np.uint8).tobytes()
+    ends = np.cumsum(lengths).tolist()
+    return [data[e - length : e] for e, length in zip(ends, lengths.tolist(), strict=True)]
 
 
 def bench_reads(report: Report, blob: Path, dataset: Path, n: int, repeats: int) -> None:
@@ -180,12 +190,24 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--pack-mib", type=int, default=512)
     p.add_argument("--rss-records", type=int, default=200_000_000)
     p.add_argument("--out", type=Path, default=RESULTS / "shards.md")
+    p.add_argument(
+        "--record-bytes",
+        type=int,
+        default=0,
+        help="random records of about this many bytes instead of stdlib lines (bigger shards)",
+    )
+    p.add_argument("--only", action="append", choices=["open", "reads", "pack", "rss"])
     p.add_argument("--tmpdir", type=Path)
     args = p.parse_args(argv)
     report = Report()
     started = time.perf_counter()
     with temp_dir(args.tmpdir) as tmp:
-        lines = stdlib_lines(args.records)
+        lines = (
+            synthetic_records(args.records, args.record_bytes)
+            if args.record_bytes
+            else stdlib_lines(args.records)
+        )
+        sections = set(args.only or ["open", "reads", "pack", "rss"])
         lines_file, blob, dataset = tmp / "lines.txt", tmp / "one.smst", tmp / "sharded"
         write_lines(lines_file, lines)
         smstore.pack_files([lines_file], blob, progress=False, durable=False)
@@ -193,21 +215,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         with smstore.ShardedWriter(dataset, encoding="lines", shard_records=per_shard, durable=False) as w:
             w.extend(lines)
         header = machine_info(tmp)
-        log("open")
-        bench_open(report, dataset, args.shards)
-        log("reads")
-        bench_reads(report, blob, dataset, args.records, args.repeats)
-        log("pack -j")
-        bench_pack(report, tmp, lines, args.pack_mib)
-        log("pack RSS")
-        bench_pack_rss(report, tmp, args.rss_records)
+        if "open" in sections:
+            log("open")
+            bench_open(report, dataset, args.shards)
+        if "reads" in sections:
+            log("reads")
+            bench_reads(report, blob, dataset, args.records, args.repeats)
+        if "pack" in sections:
+            log("pack -j")
+            bench_pack(report, tmp, lines, args.pack_mib)
+        if "rss" in sections:
+            log("pack RSS")
+            bench_pack_rss(report, tmp, args.rss_records)
+    kind = f"random, ~{args.record_bytes} bytes each" if args.record_bytes else "stdlib source lines"
     cmd = " ".join(["python benchmarks/bench_shards.py", *(argv if argv is not None else sys.argv[1:])])
     write_results(
         args.out,
         "Sharded datasets",
         [
             f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s;",
-            f"{args.records} records (stdlib source lines) in one blob and in {args.shards} shards.",
+            f"{args.records} records ({kind}) in one blob and in {args.shards} shards.",
         ],
         header,
         report,

@@ -106,6 +106,7 @@ class DaemonSession:
     def __init__(self, path: Path) -> None:
         self.path = path
         self._conn: socket.socket | None = None
+        self._lock = threading.Lock()  # one exchange (or detach) at a time on the connection
         keep_attached(self)
 
     def attach(self, checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
@@ -120,12 +121,16 @@ class DaemonSession:
         message: dict[str, Any] = {"op": "attach", "checksum": checksum}
         if path is not None:
             message["path"] = os.path.abspath(path)
+        with self._lock:
+            return self._attach(message)
+
+    def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         for attempt in (1, 2):
             reused = self._conn is not None
             if self._conn is None:
                 self._conn = connect(self.path)
             try:
-                self._conn.settimeout(LOAD_WAIT if path is not None else 10.0)
+                self._conn.settimeout(LOAD_WAIT if "path" in message else 10.0)
                 return exchange(self._conn, message, self.path)
             except DaemonError:
                 self._drop_connection()
@@ -139,12 +144,13 @@ class DaemonSession:
 
     def detach(self, checksum: str) -> None:
         """Tell the daemon this process unmapped the segment holding `checksum` (best effort)."""
-        if self._conn is None:
-            return  # no connection, or a forked child's: the daemon counts nothing for us
-        try:  # no reply to wait for: releasing a shard costs one send
-            self._conn.sendall(encode({"op": "detach", "checksum": checksum, "noreply": True}))
-        except OSError:
-            self._drop_connection()
+        with self._lock:
+            try:  # no reply to wait for: releasing a shard costs one send
+                if self._conn is None:  # the daemon takes any connection of this process
+                    self._conn = connect(self.path)
+                self._conn.sendall(encode({"op": "detach", "checksum": checksum, "noreply": True}))
+            except (OSError, DaemonError):
+                self._drop_connection()  # no daemon: it holds nothing for us any more
 
     def close(self) -> None:
         self._drop_connection()
@@ -295,7 +301,8 @@ def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[st
 
 
 class _Preattacher:
-    """Attaches, ahead of the reads, the shards of one dataset that a rank holds in the daemon.
+    """Attaches, ahead of the reads, the shards of one dataset that a rank holds in the daemon,
+    and unmaps those it no longer holds.
 
     A windowed sampler makes the daemon hold the window being read and the next (see
     :class:`smstore.residency.ShardResidency`). A thread of each reading process asks the daemon
@@ -309,10 +316,17 @@ class _Preattacher:
     POLL = 0.1  # seconds between two questions to the daemon while it holds shards of ours
     IDLE_POLL = 0.5  # ... and while it holds none
 
-    def __init__(self, sock: Path, checksums: dict[str, int], is_open: Callable[[int], bool]) -> None:
+    def __init__(
+        self,
+        sock: Path,
+        checksums: dict[str, int],
+        is_open: Callable[[int], bool],
+        release: Callable[[int], None],
+    ) -> None:
         self.session = DaemonSession(sock)
         self.checksums = checksums  # checksum -> shard index, for this dataset
         self.is_open = is_open
+        self.release = release
         self.ready: dict[str, DaemonStore] = {}
         self._pid = -1
         self._stop = threading.Event()
@@ -341,23 +355,30 @@ class _Preattacher:
                 log.debug("pre-attaching failed", exc_info=True)
 
     def _once(self) -> None:
-        if self.session._conn is None:
-            self.session._conn = connect(self.session.path)
-        reply, fd = exchange(self.session._conn, {"op": "held"}, self.session.path)
+        with self.session._lock:
+            if self.session._conn is None:
+                self.session._conn = connect(self.session.path)
+            reply, fd = exchange(self.session._conn, {"op": "held"}, self.session.path)
         if fd is not None:
             os.close(fd)
         held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
         self._poll = self.POLL if held else self.IDLE_POLL
         wanted = {c for _p, c in held}
+        if held:
+            # The ranks read a window of this dataset: a shard they no longer hold is unmapped now
+            # (its memory counts against the daemon's budget until then), not when it goes idle.
+            for checksum, k in self.checksums.items():
+                if checksum not in wanted and self.is_open(k):
+                    self.release(k)
         for checksum in list(self.ready):
             if checksum not in wanted and (store := self.ready.pop(checksum, None)) is not None:
                 store.close()  # released: do not keep it mapped
         for path, checksum in held:
             if checksum in self.ready or self.is_open(self.checksums[checksum]) or self._stop.is_set():
                 continue
-            reply, fd = self.session.attach(checksum, path)
+            reply, fd = self.session.attach(checksum)  # resident ones only: this connection never waits
             if fd is None:
-                continue  # not served (any more): the read attaches it itself
+                continue  # not loaded yet (or any more): asked again at the next poll
             try:
                 store = DaemonStore(fd, path, reply, None, self.session)
             finally:
@@ -387,14 +408,27 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
         return store is not None and not store.closed and store.is_shard_open(k)
 
     manifest = read_manifest(spath)
-    ahead = _Preattacher(session.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open)
+
+    def release(k: int) -> None:
+        store = store_ref()
+        if store is not None and not store.closed:
+            store.release_shard(k)
+
+    ahead = _Preattacher(
+        session.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open, release
+    )
 
     def opener(path: str, info: ShardInfo) -> Store:
         ready = ahead.take(info.checksum)
         if ready is not None:
             return ready
         # By the checksum the manifest records: a served shard's file is never read.
-        return _attach(path, info.checksum, mode, session.path, session)
+        store = _attach(path, info.checksum, mode, session.path, session)
+        if isinstance(store, DaemonStore):
+            # Detach through the connection that never waits for a load (the daemon counts any
+            # connection of this process as speaking for all of them).
+            store._session = ahead.session
+        return store
 
     store = open_sharded(spath, opener=opener, check_files=mode != "daemon")
     store_ref = weakref.ref(store)

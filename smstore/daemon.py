@@ -112,6 +112,9 @@ _PAGE = os.sysconf("SC_PAGESIZE")
 # The loader thread's nice value (relative to 0): below the training processes.
 LOADER_NICENESS = 10
 
+# Seconds the loader thread rests after freeing a released segment.
+FREE_PAUSE = 0.005
+
 # At most this many shards in one 'hold' (a window and the next of a large dataset fit many times).
 MAX_HOLD = 65536
 
@@ -180,7 +183,8 @@ class Daemon(Server):
         self.hold_failed: set[str] = set()  # held paths whose load failed: not retried until the next hold
         self.stopping = False
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
-        self.jobs: queue.Queue[str | None] = queue.Queue()
+        # The loader thread's work, in order: a path to load, a released segment to free, or None (stop).
+        self.jobs: queue.Queue[str | Segment | None] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -327,6 +331,14 @@ class Daemon(Server):
             if self.loader.is_alive():
                 # A load still running writes on into a segment that is unlinked here and freed at exit.
                 self.loader.join(timeout=0.1)
+            while True:  # released segments the loader thread had not freed yet
+                try:
+                    job = self.jobs.get_nowait()
+                except queue.Empty:
+                    break
+                if isinstance(job, Segment):
+                    with contextlib.suppress(OSError, StoreError):
+                        job.close()
         finally:
             # Whatever failed above (a descriptor short for listing /dev/shm), the segments and the
             # lock still go: a successor or `smstore gc` would otherwise find them.
@@ -356,6 +368,13 @@ class Daemon(Server):
             path = self.jobs.get()
             if path is None:
                 return
+            if isinstance(path, Segment):
+                # Freeing a released segment's pages takes milliseconds a 10 MiB: here, at the
+                # loader's priority, before any load queued after it counts on the room.
+                with contextlib.suppress(OSError, StoreError):
+                    path.close()
+                time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
+                continue
             try:
                 result: LoadResult = self._load_one(path)
             except Exception as e:  # noqa: BLE001 - every load gets an answer (the error); none ends the thread
@@ -494,8 +513,10 @@ class Daemon(Server):
             else:
                 seg = self.segments.get(checksum) if checksum is not None else None
             path = _path_arg(req, required=False)
-            if seg is None and checksum is not None and path is not None and path in self.loading:
-                # A held shard on its way: answer when its load ends (no new file is read for this).
+            held = checksum is not None and path is not None and self._wanted().get(checksum) == path
+            if seg is None and checksum is not None and path is not None and (path in self.loading or held):
+                # A held shard on its way (loading, or waiting for room): answer when its load ends.
+                # No file is read for this that a rank did not ask for.
                 self.attach_waiting.setdefault(path, []).append((cid, checksum))
                 self.set_busy(cid, True)
                 return
@@ -576,11 +597,17 @@ class Daemon(Server):
         """
         if checksum is None:
             raise ProtocolError("bad_request", "'detach' needs a checksum")
-        conn.attached.discard(checksum)
+        # Any connection of the process speaks for all of them: a reader blocked waiting on one
+        # connection detaches through another.
+        cids = [c for c, other in self.conns.items() if other.pid == conn.pid and other.uid == conn.uid]
         seg = self.segments.get(checksum)
-        if seg is not None:
-            seg.clients.pop(cid, None)
-        if self._forget_released(cid, checksum):
+        freed = False
+        for c in cids:
+            self.conns[c].attached.discard(checksum)
+            if seg is not None:
+                seg.clients.pop(c, None)
+            freed = self._forget_released(c, checksum) or freed
+        if freed:
             self._reconcile()
         if reply:
             self.reply(cid, {"ok": True})
@@ -620,10 +647,22 @@ class Daemon(Server):
                 self.managed.discard(checksum)
                 if seg.clients:
                     self.released[checksum] = (_pages(seg.size), set(seg.clients))
-                self._drop(seg)
+                self.segments.pop(checksum, None)
+                self.jobs.put(seg)  # unlinked and freed by the loader thread, off this loop
                 dropped = True
         if dropped:
             self._save_state()
+        for path in list(self.attach_waiting):
+            if path not in self.loading and path not in wanted.values():
+                # No longer held and not on its way: the readers waiting for it hear so.
+                for cid, checksum in self.attach_waiting.pop(path):
+                    if cid in self.conns:
+                        self.set_busy(cid, False)
+                        self.reply(
+                            cid,
+                            {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"},
+                        )
+                        self.parse(cid)
         used = sum(_pages(seg.size) for seg in list(self.segments.values()))
         used += sum(pages for pages, _ in self.released.values())
         for checksum, path in wanted.items():

@@ -275,11 +275,15 @@ class GlobalShuffleSampler:
                 self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
             yield from values
             done += m
-            chunk = min(chunk * 4, 65536)
+            chunk = min(chunk * 4, self._max_chunk)
         if token == self._iter_token:
             self._pass_done, self._pass_chunk, self._pass_chunk_len = count, None, 0
             self._pass_finished = True
             self._consumed = self.num_records  # the epoch is complete (drop_last's tail included)
+
+    # Indices computed at a time: the DataLoader draws them inside next(loader), so a chunk's cost
+    # (about 100 ns an index) is a wait of the training loop once per chunk.
+    _max_chunk = 65536
 
     def _reached(self, start: int, done: int) -> int:  # noqa: ARG002 - a hook for subclasses
         """Hook: the pass from `start` is at local step `done`; returns the step the next chunk may
@@ -532,6 +536,8 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
             )
             raise ValueError(msg)
         return max(1, budget // (2 * largest))
+
+    _max_chunk = 4096  # a window switch also holds the next shards: keep each draw short
 
     def permutation(self, epoch: int | None = None) -> WindowedOrder:
         """The order of ``epoch`` (default: the current one)."""

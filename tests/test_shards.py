@@ -537,7 +537,9 @@ def test_daemon_serves_every_shard_through_one_connection(
             assert all(s["clients"] == [proc.pid] for s in segs)
             fds = os.listdir(f"/proc/{proc.pid}/fd")
             sockets = [f for f in fds if os.readlink(f"/proc/{proc.pid}/fd/{f}").startswith("socket:")]
-            assert len(sockets) == 1  # one connection for all the shards
+            # One connection attaches every shard; a second (its own thread's) asks what ranks hold
+            # and sends the detaches, so that a reader waiting for a load never blocks them.
+            assert len(sockets) <= 2
             proc.stdin.write("\n")
             proc.stdin.flush()
             assert proc.wait(timeout=30) == 0

@@ -127,8 +127,13 @@ void PyShardedStore::release_shard(size_t k) {
 bool PyShardedStore::release_idle() {
     uint64_t limit = idle_limit();
     try {
+        // One shard a sweep: unmapping costs a page-table teardown, and a window's worth at once
+        // would be one long read; the others go at the next sweeps.
         for (size_t k = 0; k < cores_.size(); ++k) {
-            if (cores_[k] && tick_ - last_use_[k] > limit) release_shard(k);
+            if (cores_[k] && tick_ - last_use_[k] > limit) {
+                release_shard(k);
+                break;
+            }
         }
     } catch (py::error_already_set& e) {
         e.restore();
