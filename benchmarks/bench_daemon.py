@@ -10,7 +10,6 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from contenders import daemon
 
 import smstore
 from smstore.client import daemon_request, open_store
@@ -63,28 +64,6 @@ def make_big_blob(path: Path, size: int) -> None:
     with smstore.Writer(path) as w:
         for i in range(size >> 20):
             w.append(rec[i % 97 :] + rec[: i % 97])
-
-
-@contextlib.contextmanager
-def daemon(sock: Path, *files: Path) -> Iterator[subprocess.Popen[bytes]]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(sock), *map(str, files)],
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            with contextlib.suppress(smstore.DaemonError):
-                st = daemon_request({"op": "status"}, sock)
-                if len(st["segments"]) == len(files) and not st["loading"]:
-                    break
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("daemon failed to start")
-            time.sleep(0.05)
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
 
 
 # ---- (a) memory: R ranks x K workers --------------------------------------------------------

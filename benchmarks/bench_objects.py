@@ -17,53 +17,17 @@ import json
 import os
 import pickle
 import platform
-import random
 import subprocess
 import sys
 import time
 import uuid
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
+from contenders import make_dicts
+from procs import descendants, pss_bytes
+
 MODES = ("sharedlist", "mmengine", "list")
-
-
-def make_dicts(n: int, empty: bool) -> list[dict[str, Any]]:
-    """COCO-like annotations: a file name, size, a few boxes with labels and areas, a caption."""
-    if empty:
-        return [{} for _ in range(n)]
-    rng = random.Random(0)
-    out = []
-    for i in range(n):
-        k = rng.choice((0, 1, 1, 2, 3, 4, 6, 9, 15))
-        out.append(
-            {
-                "img_id": i,
-                "img_path": f"data/coco/train2017/{i:012d}.jpg",
-                "height": rng.randrange(200, 640),
-                "width": rng.randrange(200, 640),
-                "instances": [
-                    {
-                        "bbox": [
-                            rng.uniform(0, 500),
-                            rng.uniform(0, 400),
-                            rng.uniform(1, 300),
-                            rng.uniform(1, 300),
-                        ],
-                        "bbox_label": rng.randrange(80),
-                        "ignore_flag": 0,
-                        "area": rng.uniform(1, 90000),
-                    }
-                    for _ in range(k)
-                ],
-                "caption": " ".join(
-                    rng.choice(("a", "cat", "on", "the", "red", "bus", "two", "dogs"))
-                    for _ in range(rng.randrange(3, 14))
-                ),
-            }
-        )
-    return out
 
 
 def touch(d: dict[str, Any]) -> int:
@@ -98,14 +62,14 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
     if mode == "sharedlist":
         import smstore
 
-        lst = smstore.SharedList(make_dicts(n, empty))  # the per-rank dicts are freed on return
+        lst = smstore.SharedList(make_dicts(n, empty=empty))  # the per-rank dicts are freed on return
         role = lst.role
         seconds = lst.seconds  # SharedList alone: the dicts were made before its clock started
         dataset = Items(lst)
     elif mode == "mmengine":
         from mmengine.dataset import BaseDataset
 
-        dicts = make_dicts(n, empty)
+        dicts = make_dicts(n, empty=empty)
 
         class Annotations(BaseDataset):  # type: ignore[misc]
             def load_data_list(self) -> list[dict[str, Any]]:
@@ -117,7 +81,7 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
         del dicts
         dataset = MMItems(ds)
     else:
-        dataset = Items(make_dicts(n, empty))
+        dataset = Items(make_dicts(n, empty=empty))
     import gc
 
     gc.collect()
@@ -131,30 +95,6 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
         flush=True,
     )
     sys.stdin.readline()  # the harness measures PSS now, with the workers alive
-
-
-def pss_kib(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-        if line.startswith("Pss:"):
-            return int(line.split()[1])
-    return 0
-
-
-def descendants(roots: list[int]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], list(roots)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
 
 
 def run_job(mode: str, n: int, ranks: int, workers: int, empty: bool) -> dict[str, Any]:
@@ -172,7 +112,7 @@ def run_job(mode: str, n: int, ranks: int, workers: int, empty: bool) -> dict[st
         outs = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
         time.sleep(1.0)  # let the allocators settle
         pids = descendants([p.pid for p in procs])
-        pss = sum(pss_kib(pid) for pid in pids) * 1024
+        pss = sum(pss_bytes(pid) for pid in pids)
         for p in procs:
             p.stdin.write("\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
@@ -199,7 +139,7 @@ def main() -> None:
         return
 
     load = os.getloadavg()[0]
-    dicts = make_dicts(args.n, empty=False)
+    dicts = make_dicts(args.n)
     copy = sum(len(pickle.dumps(d, protocol=5)) for d in dicts)
     del dicts
     import torch
@@ -241,7 +181,7 @@ def main() -> None:
             flush=True,
         )
     # Attaching from a pickled handle (what a spawn/forkserver worker does): O(1) in the list's size.
-    lst = smstore.SharedList(make_dicts(args.n, empty=False))
+    lst = smstore.SharedList(make_dicts(args.n))
     handle = pickle.dumps(lst)
     start = time.perf_counter()
     for _ in range(100):
