@@ -388,7 +388,7 @@ class NullReader(Reader):
 
 
 def build_smstore(src: Path, out: Path) -> None:
-    smstore.pack_files([src], out / "data.smst")
+    smstore.pack_files([src], out / "data.smst", durable=False, progress=False)  # no fsync, as the others
 
 
 def build_hf(src: Path, out: Path) -> None:
@@ -498,6 +498,7 @@ class Contender:
     open: Callable[[Path, Any], Reader]  # (out dir, context) -> reader, in the process that reads
     batched: bool = False  # has a batched access of its own
     shared: bool = True  # one copy per node by design (else one per rank)
+    access: str = "mmap"  # how a reader reaches the bytes: what PSS can see of them
 
     def missing(self) -> str | None:
         """Why it cannot run here (a module not installed or not importable), or None."""
@@ -539,6 +540,7 @@ CONTENDERS: list[Contender] = [
         build_smstore,
         lambda out, ctx: SmstoreReader(out / "data.smst", "daemon", ctx.socket),
         batched=True,
+        access="shared memory (daemon)",
     ),
     Contender(
         "smstore-mmap",
@@ -559,6 +561,7 @@ CONTENDERS: list[Contender] = [
         None,
         lambda out, ctx: ListReader(_lines(ctx)),
         shared=False,
+        access="process memory",
     ),
     Contender(
         "mmengine",
@@ -569,6 +572,7 @@ CONTENDERS: list[Contender] = [
         None,
         lambda out, ctx: MMEngineReader(_lines(ctx), "record"),
         shared=False,
+        access="process memory",
     ),
     Contender(
         "detectron2",
@@ -579,6 +583,7 @@ CONTENDERS: list[Contender] = [
         None,
         lambda out, ctx: SerializedList(_lines(ctx)),
         shared=False,
+        access="process memory",
     ),
     Contender(
         "hf",
@@ -608,6 +613,7 @@ CONTENDERS: list[Contender] = [
         "litdata optimize + StreamingDataset[i] on a local dir",
         build_litdata,
         lambda out, ctx: LitdataReader(out / "litdata"),
+        access="its chunk reader",
     ),
     Contender(
         "mosaic",
@@ -617,6 +623,7 @@ CONTENDERS: list[Contender] = [
         "streaming MDSWriter + StreamingDataset(local=...)[i]",
         build_mosaic,
         lambda out, ctx: MosaicReader(out / "mds"),
+        access="read() (page cache, not in PSS)",
     ),
     Contender(
         "megatron",
@@ -636,6 +643,7 @@ CONTENDERS: list[Contender] = [
         build_sqlite,
         lambda out, ctx: SQLiteReader(out / "records.sqlite", ctx.n),
         batched=True,
+        access="read() (page cache, not in PSS)",
     ),
     Contender(
         "pread",
@@ -645,6 +653,7 @@ CONTENDERS: list[Contender] = [
         "seek()/os.pread into a text file by an int64 offsets index",
         build_pread,
         lambda out, ctx: PreadReader(out / "records.txt"),
+        access="pread() (page cache, not in PSS)",
     ),
     # Records as objects: each rank makes the dicts, as a training script does.
     Contender(
@@ -654,7 +663,8 @@ CONTENDERS: list[Contender] = [
         (),
         "smstore.SharedList(dicts): one copy per node",
         None,
-        lambda out, ctx: ListReader(smstore.SharedList(make_dicts(ctx.objects, empty=ctx.empty))),  # type: ignore[arg-type]
+        lambda out, ctx: ListReader(smstore.SharedList(make_dicts(ctx.objects, empty=ctx.empty))),  # type: ignore[arg-type],
+        access="shared memory",
     ),
     Contender(
         "obj-mmengine",
@@ -665,6 +675,7 @@ CONTENDERS: list[Contender] = [
         None,
         lambda out, ctx: MMEngineReader(make_dicts(ctx.objects, empty=ctx.empty), None),
         shared=False,
+        access="process memory",
     ),
     Contender(
         "obj-detectron2",
@@ -675,6 +686,7 @@ CONTENDERS: list[Contender] = [
         None,
         lambda out, ctx: SerializedList(make_dicts(ctx.objects, empty=ctx.empty)),
         shared=False,
+        access="process memory",
     ),
     Contender(
         "obj-list",
@@ -685,6 +697,7 @@ CONTENDERS: list[Contender] = [
         None,
         lambda out, ctx: ListReader(make_dicts(ctx.objects, empty=ctx.empty)),
         shared=False,
+        access="process memory",
     ),
 ]
 
@@ -695,53 +708,6 @@ NULL = Contender("null", "empty records", "bytes", (), "baseline", None, lambda 
 def store_dir(root: Path, contender: Contender) -> Path:
     """Where a contender's store lives (smstore's two modes share one blob)."""
     return root / ("smstore" if contender.key.startswith("smstore") else contender.key)
-
-
-def resident_bytes(path: Path) -> int:
-    """Bytes of the files under ``path`` in the page cache (mincore over a mapping of each)."""
-    import ctypes
-    import mmap
-
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_size_t,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_int,
-        ctypes.c_long,
-    ]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    page = mmap.PAGESIZE
-    total = 0
-    for f in (p for p in path.rglob("*") if p.is_file()):
-        size = f.stat().st_size
-        if not size:
-            continue
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                continue
-            vec = ctypes.create_string_buffer((size + page - 1) // page)
-            if libc.mincore(addr, size, vec) == 0:
-                total += sum(b & 1 for b in vec.raw) * page
-            libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
-
-
-def drop_cached(path: Path) -> None:
-    """Drop the clean pages of the files under ``path`` from the page cache (they must be synced)."""
-    for f in (p for p in path.rglob("*") if p.is_file()):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def dir_bytes(path: Path) -> int:

@@ -42,13 +42,14 @@ def _memory_table(results: dict[str, Any], key: str, ref: str) -> list[str]:
     by = {(r["contender"], r["ranks"], r["workers"]): r for r in rows}
     keys = list(dict.fromkeys(r["contender"] for r in rows))
     head = "| contender | " + " | ".join(f"R={r} K={k}" for r, k in grid) + " |"
-    out = [head, "|---|" + "---|" * len(grid)]
+    out = [head[:-1] + "| reaches the bytes by |", "|---|" + "---|" * (len(grid) + 1)]
     for c in keys:
         cells = []
         for r, k in grid:
             row = by.get((c, r, k))
             cells.append("-" if row is None else f"{row['x_raw']:.2f}")
-        out.append(f"| {_label(results, c)} | " + " | ".join(cells) + " |")
+        access = results["contenders"].get(c, {}).get("access", "?")
+        out.append(f"| {_label(results, c)} | " + " | ".join(cells) + f" | {access} |")
     out += ["", "Loader throughput, records/s (slowest rank's epoch), and ratio to smstore:", ""]
     out += [head, "|---|" + "---|" * len(grid)]
     for c in keys:
@@ -62,26 +63,6 @@ def _memory_table(results: dict[str, Any], key: str, ref: str) -> list[str]:
                     f"{row['records_s']:,.0f} ({_ratio(row['records_s'], base and base['records_s'])})"
                 )
         out.append(f"| {_label(results, c)} | " + " | ".join(cells) + " |")
-    if any(r.get("cache_x_raw") is not None for r in rows):
-        out += [
-            "",
-            (
-                "Page cache holding the store's files after the job (dropped before it), over the raw size. "
-                "Where the store maps its files these pages are the PSS above; where it reads them with "
-                "`read()`/`pread()` they are in no process's PSS, yet the node needs them to run at the "
-                "speed shown:"
-            ),
-            "",
-            head,
-            "|---|" + "---|" * len(grid),
-        ]
-        for c in keys:
-            cells = []
-            for r, k in grid:
-                row = by.get((c, r, k))
-                x = None if row is None else row.get("cache_x_raw")
-                cells.append("-" if x is None else f"{x:.2f}")
-            out.append(f"| {_label(results, c)} | " + " | ".join(cells) + " |")
     return out
 
 

@@ -43,9 +43,7 @@ from .contenders import (
     Reader,
     daemon,
     dir_bytes,
-    drop_cached,
     make_dicts,
-    resident_bytes,
     store_dir,
     verify,
 )
@@ -224,10 +222,6 @@ def run_job(
     cmd += ["--src", str(data.src), "--n", str(data.n), "--ranks", str(ranks), "--workers", str(workers)]
     cmd += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--socket", str(args.socket)]
     cmd += ["--empty"] if data.empty else []
-    store = store_dir(data.root, contender)
-    files = store if contender.build is not None and store.exists() else None
-    if files is not None:
-        drop_cached(files)  # what the job reads through the page cache is counted after it
     procs = [
         subprocess.Popen(
             [*cmd, "--rank-id", str(r)],
@@ -248,7 +242,6 @@ def run_job(
         time.sleep(0.2)  # let freed memory go back
         pids = descendants([p.pid for p in procs]) + args.extra_pids
         pss = sum(pss_bytes(pid) for pid in pids)
-        cached = resident_bytes(files) if files is not None else None
         for p in procs:
             p.stdin.write("\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
@@ -261,7 +254,6 @@ def run_job(
                 p.wait()
     return {
         "pss": pss,
-        "page_cache": cached,
         "processes": len(pids),
         "epoch_s": max(o["epoch_s"] for o in outs),
         "build_s": [o["build_s"] for o in outs],
@@ -436,8 +428,6 @@ def section_memory(
                     "pss": job["pss"],
                     "baseline_pss": base["pss"],
                     "x_raw": (job["pss"] - base["pss"]) / (raw - (empty.n if key == "memory" else 0)),
-                    "page_cache": job["page_cache"],
-                    "cache_x_raw": None if job["page_cache"] is None else job["page_cache"] / raw,
                     "processes": job["processes"],
                     "epoch_s": job["epoch_s"],
                     "records_s": job["count"] / job["epoch_s"],
@@ -540,7 +530,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         blobs = [store_dir(d.root, BY_KEY["smstore-mmap"]) / "data.smst" for d in (full, empty)]
         if "memory" in sections:
             section_build(byte_cs, empty, None)
-        os.sync()  # the stores' pages are clean, so each memory job can drop them first
         blobs = [b for b in blobs if b.exists()]
         args.socket = tmp / "daemon.sock"
         with daemon(args.socket, *blobs) if blobs else contextlib.nullcontext() as served:

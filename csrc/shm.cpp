@@ -4,6 +4,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -30,6 +31,8 @@ namespace {
 constexpr size_t kChunk = size_t{256} << 10;
 // Chunks in flight between the reading thread and the hashing and writing one.
 constexpr size_t kSlots = 4;
+// What one sendfile moves before the hashing thread is told: small enough to be in cache still.
+constexpr size_t kSendChunk = size_t{1} << 20;
 
 std::string human(uint64_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -78,7 +81,19 @@ size_t read_full(int fd, unsigned char* out, size_t n, const std::string& label)
     return got;
 }
 
-// Writes all of buf; a full filesystem becomes the same clear error as the room check.
+// A failed write to the segment: a full filesystem becomes the same clear error as the room check.
+[[noreturn]] void throw_write_error(int fd, int err, const std::string& name, const std::string& label,
+                                    uint64_t needed) {
+    if (err == ENOSPC) {
+        // Room taken by someone else since the check: report what there was for this segment.
+        auto written = static_cast<uint64_t>(std::max<off_t>(0, ::lseek(fd, 0, SEEK_CUR)));
+        uint64_t had = written + shm_space(kShmDir).available;
+        check_shm_room(needed, had < needed ? had : needed - 1, label);
+    }
+    throw_errno("write " + name, err);
+}
+
+// Writes all of buf.
 void write_full(int fd, const unsigned char* buf, size_t n, const std::string& name, const std::string& label,
                 uint64_t needed) {
     size_t done = 0;
@@ -86,22 +101,101 @@ void write_full(int fd, const unsigned char* buf, size_t n, const std::string& n
         ssize_t w = ::write(fd, buf + done, n - done);
         if (w < 0) {
             if (errno == EINTR) continue;
-            if (errno == ENOSPC) {
-                // Room taken by someone else since the check: report what there was for this segment.
-                auto written = static_cast<uint64_t>(std::max<off_t>(0, ::lseek(fd, 0, SEEK_CUR)));
-                uint64_t had = written + shm_space(kShmDir).available;
-                check_shm_room(needed, had < needed ? had : needed - 1, label);
-            }
-            throw_errno("write " + name, errno);
+            throw_write_error(fd, errno, name, label, needed);
         }
         done += static_cast<size_t>(w);
     }
 }
 
-// Copies `n` bytes from `src` (at its offset) to `dst`, hashing them in order. Two threads: this
-// one read()s chunk k+1 while a helper hashes chunk k and write()s it, so the checksum costs no
-// time next to a plain read-then-write copy (cp). Chunks are small enough to stay in cache between
-// the read and the hash. An error on either side stops both and is rethrown here.
+[[noreturn]] void throw_shrank(const std::string& path, uint64_t at, uint64_t n) {
+    throw Error(Error::Kind::Truncated, path + ": file shrank while it was being loaded (" +
+                                            std::to_string(kHeaderSize + at) + " of " +
+                                            std::to_string(kHeaderSize + n) + " bytes); was it rewritten in place?");
+}
+
+// Sleeps until `pos` bytes are due at `max_rate` bytes/s since `started` (no limit when 0).
+void pace(std::chrono::steady_clock::time_point started, uint64_t pos, uint64_t max_rate) {
+    if (max_rate) {
+        std::this_thread::sleep_until(
+            started + std::chrono::duration<double>(static_cast<double>(pos) / static_cast<double>(max_rate)));
+    }
+}
+
+// Copies `n` bytes from `src` to `dst` (both at their offsets) with sendfile: the kernel moves
+// them from the page cache into the segment with one copy, as cp's copy_file_range does, while a
+// helper thread hashes each copied chunk through a read-only mapping of the segment (so what is
+// hashed is what readers will see). Returns false, having copied nothing, when the kernel cannot
+// sendfile between these files; the caller then copies with read() and write().
+bool sendfile_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::string& name, const std::string& path,
+                       uint64_t needed, uint64_t max_rate) {
+    auto started = std::chrono::steady_clock::now();
+    size_t total = static_cast<size_t>(kHeaderSize + n);
+    void* map = ::mmap(nullptr, total, PROT_READ, MAP_SHARED, dst, 0);
+    if (map == MAP_FAILED) return false;
+    const auto* data = static_cast<const unsigned char*>(map) + kHeaderSize;
+    std::mutex mu;
+    std::condition_variable cv;
+    uint64_t copied = 0;  // bytes in the segment so far (written by this thread)
+    bool done = false;    // no more bytes will be copied
+    std::thread hasher([&] {
+        uint64_t hashed = 0;
+        for (;;) {
+            uint64_t upto;
+            {
+                std::unique_lock<std::mutex> lock(mu);
+                cv.wait(lock, [&] { return done || copied > hashed; });
+                upto = copied;
+                if (upto == hashed) return;  // done, and everything copied is hashed
+            }
+            hash.update(data + hashed, static_cast<size_t>(upto - hashed));
+            hashed = upto;
+        }
+    });
+    auto finish = [&] {
+        {
+            std::lock_guard<std::mutex> lock(mu);
+            done = true;
+        }
+        cv.notify_all();
+        hasher.join();
+        ::munmap(map, total);
+    };
+    try {
+        uint64_t pos = 0;
+        while (pos < n) {
+            size_t want = static_cast<size_t>(std::min<uint64_t>(kSendChunk, n - pos));
+            ssize_t got = ::sendfile(dst, src, nullptr, want);
+            if (got < 0) {
+                if (errno == EINTR) continue;
+                if (pos == 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
+                    finish();
+                    return false;
+                }
+                if (errno == ENOSPC) throw_write_error(dst, errno, name, path, needed);
+                throw_errno(path + ": sendfile to " + name, errno);
+            }
+            if (got == 0) throw_shrank(path, pos, n);
+            pos += static_cast<uint64_t>(got);
+            {
+                std::lock_guard<std::mutex> lock(mu);
+                copied = pos;
+            }
+            cv.notify_all();
+            pace(started, pos, max_rate);
+        }
+    } catch (...) {
+        finish();
+        throw;
+    }
+    finish();
+    return true;
+}
+
+// Copies `n` bytes from `src` (at its offset) to `dst`, hashing them in order, where sendfile
+// cannot be used. Two threads: this one read()s chunk k+1 while a helper hashes chunk k and
+// write()s it, so the checksum costs no time next to a plain read-then-write copy. Chunks are small
+// enough to stay in cache between the read and the hash. An error on either side stops both and is
+// rethrown here.
 void copy_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::string& name, const std::string& path,
                    uint64_t needed, uint64_t max_rate) {
     auto started = std::chrono::steady_clock::now();
@@ -161,18 +255,10 @@ void copy_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::st
             Slot& slot = slots[k % kSlots];
             size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, n - pos));
             size_t got = read_full(src, slot.buf.get(), want, path);
-            if (got != want) {
-                throw Error(Error::Kind::Truncated, path + ": file shrank while it was being loaded (" +
-                                                        std::to_string(kHeaderSize + pos + got) + " of " +
-                                                        std::to_string(kHeaderSize + n) +
-                                                        " bytes); was it rewritten in place?");
-            }
+            if (got != want) throw_shrank(path, pos + got, n);
             slot.size = got;
             pos += got;
-            if (max_rate) {  // sleep until `pos` bytes are due at `max_rate`
-                std::this_thread::sleep_until(
-                    started + std::chrono::duration<double>(static_cast<double>(pos) / static_cast<double>(max_rate)));
-            }
+            pace(started, pos, max_rate);
             {
                 std::lock_guard<std::mutex> lock(mu);
                 filled = k + 1;
@@ -255,7 +341,10 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     // (posix_fallocate would also reserve the pages, but zeroes each one before we overwrite it.)
     write_full(seg.fd, header, kHeaderSize, name, path, needed);
     BlobHasher hash;
-    copy_and_hash(src.fd, seg.fd, size - kHeaderSize, hash, name, path, needed, options.max_rate);
+    if (!options.sendfile ||
+        !sendfile_and_hash(src.fd, seg.fd, size - kHeaderSize, hash, name, path, needed, options.max_rate)) {
+        copy_and_hash(src.fd, seg.fd, size - kHeaderSize, hash, name, path, needed, options.max_rate);
+    }
     unsigned char extra;
     if (read_full(src.fd, &extra, 1, path) != 0) {
         throw Error(Error::Kind::Format, path + ": file grew while it was being loaded; was it rewritten in place?");

@@ -21,7 +21,13 @@ DEFAULT_MAX_LINE_BYTES: int
 
 def shm_space(dir: str = "/dev/shm") -> tuple[int, int]: ...
 def shm_load(
-    path: str, name: str, mode: int = 0o400, gid: int = -1, room_limit: int = 0, max_rate: int = 0
+    path: str,
+    name: str,
+    mode: int = 0o400,
+    gid: int = -1,
+    room_limit: int = 0,
+    max_rate: int = 0,
+    sendfile: bool = True,
 ) -> tuple[int, int, str, int]: ...
 def shm_unlink(name: str) -> bool: ...
 def peek_checksum(path: str) -> str | None: ...

@@ -11,6 +11,8 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -214,17 +216,22 @@ def test_corrupt_blob_refused(
     assert len(list_segments(d.pid)) == 1
 
 
-def test_core_load_leaves_nothing_behind(blob: tuple[Path, list[bytes]], tmp_path: Path) -> None:
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])
+def test_core_load_leaves_nothing_behind(
+    blob: tuple[Path, list[bytes]], tmp_path: Path, sendfile: bool
+) -> None:
     path, recs = blob
     name = f"/smstore-test-{os.getpid()}-core"
     bad = tmp_path / "bad.smst"
     data = bytearray(path.read_bytes())
-    data[-3] ^= 1  # in the metadata, the last section hashed before the header
-    bad.write_bytes(bytes(data))
-    with pytest.raises(ChecksumMismatchError):
-        _core.shm_load(os.fspath(bad), name)
-    assert not (SHM / name[1:]).exists()
-    fd, size, checksum, count = _core.shm_load(os.fspath(path), name)
+    for at in (-3, len(data) // 2):  # in the metadata (hashed last), and in the records
+        data[at] ^= 1
+        bad.write_bytes(bytes(data))
+        with pytest.raises(ChecksumMismatchError):
+            _core.shm_load(os.fspath(bad), name, sendfile=sendfile)
+        data[at] ^= 1
+        assert not (SHM / name[1:]).exists()
+    fd, size, checksum, count = _core.shm_load(os.fspath(path), name, sendfile=sendfile)
     try:
         assert (size, count) == (path.stat().st_size, len(recs))
         assert os.fstat(fd).st_mode & 0o777 == 0o400
@@ -239,6 +246,55 @@ def test_core_load_leaves_nothing_behind(blob: tuple[Path, list[bytes]], tmp_pat
         os.close(fd)
         assert _core.shm_unlink(name)
     assert not _core.shm_unlink(name)
+
+
+def _big_blob(path: Path, mib: int) -> list[bytes]:
+    recs = [bytes([65 + i % 26]) * (4000 + i % 97) + i.to_bytes(4, "little") for i in range(mib * 256)]
+    smstore.pack(recs, path)
+    return recs
+
+
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])
+def test_core_load_copies_every_byte_at_most_at_max_rate(tmp_path: Path, sendfile: bool) -> None:
+    path = tmp_path / "big.smst"
+    recs = _big_blob(path, 3)  # several copy chunks of either path
+    name = f"/smstore-test-{os.getpid()}-rate"
+    size = path.stat().st_size
+    rate = 8 << 20
+    start = time.monotonic()
+    fd, _, checksum, count = _core.shm_load(os.fspath(path), name, max_rate=rate, sendfile=sendfile)
+    elapsed = time.monotonic() - start
+    try:
+        assert count == len(recs)
+        assert elapsed >= 0.9 * (size - 4096) / rate  # paced: the limit holds (a floor, not a timing goal)
+        store = _core.Store._from_fd(fd, "seg", False)
+        assert store.checksum == checksum == _core.Store(os.fspath(path)).checksum
+        assert [bytes(store[i]) for i in (0, 1, len(recs) // 2, len(recs) - 1)] == [
+            recs[0],
+            recs[1],
+            recs[len(recs) // 2],
+            recs[-1],
+        ]
+        store.verify()
+    finally:
+        os.close(fd)
+        _core.shm_unlink(name)
+
+
+@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])
+def test_core_load_of_a_file_cut_short_meanwhile_fails_cleanly(tmp_path: Path, sendfile: bool) -> None:
+    path = tmp_path / "big.smst"
+    _big_blob(path, 2)
+    name = f"/smstore-test-{os.getpid()}-cut"
+    # Paced at 4 MiB/s the load takes half a second; the file is cut to a third after 0.15 s.
+    cutter = threading.Timer(0.15, lambda: os.truncate(path, path.stat().st_size // 3))
+    cutter.start()
+    try:
+        with pytest.raises(smstore.StoreError, match="shrank while it was being loaded"):
+            _core.shm_load(os.fspath(path), name, max_rate=4 << 20, sendfile=sendfile)
+    finally:
+        cutter.join()
+    assert not (SHM / name[1:]).exists()
 
 
 # ---- /dev/shm too small ---------------------------------------------------------------------
