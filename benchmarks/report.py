@@ -66,6 +66,40 @@ def _memory_table(results: dict[str, Any], key: str, ref: str) -> list[str]:
     return out
 
 
+def _scaling(results: dict[str, Any], key: str) -> dict[str, dict[int, float]]:
+    """Steady records/s by worker count, from the R=1 jobs (the largest K of the grid wins)."""
+    out: dict[str, dict[int, float]] = {}
+    for r in sorted(results[key], key=lambda r: r["workers"]):
+        if r["ranks"] == 1 and r.get("steady_records_s"):
+            out.setdefault(r["contender"], {}).update({int(k): v for k, v in r["steady_records_s"].items()})
+    return out
+
+
+def _scaling_table(results: dict[str, Any], key: str, ref: str) -> list[str]:
+    curve = _scaling(results, key)
+    if not curve:
+        return []
+    ks = sorted({k for c in curve.values() for k in c})
+    out = [
+        "",
+        (
+            "Scaling with the number of workers (R=1): records/s after the first batch (worker start-up "
+            "left out), a few seconds of the epoch for the smaller counts; ratio to smstore:"
+        ),
+        "",
+        "| contender | " + " | ".join(f"K={k}" for k in ks) + " | K=max / K=1 |",
+        "|---|" + "---|" * (len(ks) + 1),
+    ]
+    for c, by_k in curve.items():
+        cells = []
+        for k in ks:
+            v, base = by_k.get(k), curve.get(ref, {}).get(k)
+            cells.append("-" if v is None else f"{v:,.0f} ({_ratio(v, base)})")
+        gain = f"{by_k[ks[-1]] / by_k[ks[0]]:.2f}x" if ks[0] in by_k and ks[-1] in by_k else "-"
+        out.append(f"| {_label(results, c)} | " + " | ".join(cells) + f" | {gain} |")
+    return out
+
+
 def markdown(results: dict[str, Any]) -> str:
     m, v, d, p = results["machine"], results["versions"], results["data"], results["params"]
     objects = ""
@@ -128,6 +162,7 @@ def markdown(results: dict[str, Any]) -> str:
             ),
             "",
             *_memory_table(results, "memory", REF),
+            *_scaling_table(results, "memory", REF),
             "",
         ]
     if results["objects"]:
@@ -186,30 +221,65 @@ def plots(results: dict[str, Any], out: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     written = []
+    colors = plt.get_cmap("tab20").colors
+    markers = "osD^vP*Xh<>p"
+    titles = {"memory": "records as bytes", "objects": "records as objects (dicts)"}
     for key in ("memory", "objects"):
         rows = results[key]
         if not rows:
             continue
-        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5))
-        for c in dict.fromkeys(r["contender"] for r in rows):
+        fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5.5))
+        for n, c in enumerate(dict.fromkeys(r["contender"] for r in rows)):
             mine = sorted(
                 (r for r in rows if r["contender"] == c),
                 key=lambda r: (r["ranks"] * r["workers"], r["ranks"]),
             )
             xs = [f"{r['ranks']}x{r['workers']}" for r in mine]
-            ax1.plot(xs, [r["x_raw"] for r in mine], marker="o", label=_label(results, c))
-            ax2.plot(xs, [r["records_s"] for r in mine], marker="o", label=_label(results, c))
+            style = {
+                "marker": markers[n % len(markers)],
+                "color": colors[(2 * n) % 20 if n < 10 else (2 * n + 1) % 20],
+                "lw": 3 if "smstore" in _label(results, c).lower() else 1.5,
+                "label": _label(results, c),
+            }
+            ax1.plot(xs, [r["x_raw"] for r in mine], **style)
+            ax2.plot(xs, [r["records_s"] for r in mine], **style)
         ax1.set(
-            xlabel="ranks x workers", ylabel="summed PSS / raw data", title=f"{key}: memory (lower is better)"
+            xlabel="ranks x workers",
+            ylabel="summed PSS / raw data",
+            title=f"{titles[key]}: memory (lower is better)",
         )
         ax1.axhline(1.0, color="grey", lw=0.8, ls="--")
         ax2.set(
-            xlabel="ranks x workers", ylabel="records/s", title=f"{key}: loader throughput (higher is better)"
+            xlabel="ranks x workers",
+            ylabel="records/s (log)",
+            title=f"{titles[key]}: loader throughput (higher is better)",
         )
         ax2.set_yscale("log")
-        ax1.legend(fontsize=8)
+        ax2.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
         fig.tight_layout()
         path = out / f"contenders-{key}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    curve = _scaling(results, "memory")
+    if curve:
+        fig, ax = plt.subplots(figsize=(9, 5))
+        for n, (c, by_k) in enumerate(curve.items()):
+            ks = sorted(by_k)
+            ax.plot(
+                ks,
+                [by_k[k] for k in ks],
+                marker=markers[n % len(markers)],
+                color=colors[(2 * n) % 20 if n < 10 else (2 * n + 1) % 20],
+                lw=3 if "smstore" in _label(results, c).lower() else 1.5,
+                label=_label(results, c),
+            )
+        ax.set(xlabel="DataLoader workers (one rank)", ylabel="records/s (log)", title="loader scaling")
+        ax.set_yscale("log")
+        ax.set_xticks(sorted({k for v in curve.values() for k in v}))
+        ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+        fig.tight_layout()
+        path = out / "contenders-scaling.png"
         fig.savefig(path, dpi=110)
         plt.close(fig)
         written.append(path)

@@ -160,26 +160,58 @@ def rank_main(args: argparse.Namespace) -> None:
         def __getitems__(self, indices: list[int]) -> Any:
             return _digest(self.reader.get_batch(indices))
 
+    def loader_for(workers: int) -> Any:
+        return DataLoader(
+            Records(reader),
+            batch_size=args.batch_size,
+            sampler=Strided(len(reader), args.rank_id, args.ranks, args.seed),
+            num_workers=workers,
+            multiprocessing_context="fork" if workers else None,
+            persistent_workers=workers > 0,
+            collate_fn=lambda x: x,
+        )
+
+    def steady_rate(loader: Any, seconds: float) -> float:
+        """Records/s after the first batch (worker start-up left out), for at most ``seconds``."""
+        it = iter(loader)
+        next(it)
+        start, count = time.perf_counter(), 0
+        for c, _, _ in it:
+            count += c
+            if time.perf_counter() - start > seconds:
+                break
+        return count / max(time.perf_counter() - start, 1e-9)
+
+    # The scaling curve: a few seconds of the same epoch with fewer workers, each loader gone
+    # (its workers exited) before the measured one starts.
+    scaling = {}
+    for k in args.scaling:
+        loader = loader_for(k)
+        scaling[k] = steady_rate(loader, args.scaling_seconds)
+        del loader
     gc.collect()
     torch.manual_seed(0)
-    loader = DataLoader(
-        Records(reader),
-        batch_size=args.batch_size,
-        sampler=Strided(len(reader), args.rank_id, args.ranks, args.seed),
-        num_workers=args.workers,
-        multiprocessing_context="fork",
-        persistent_workers=True,
-        collate_fn=lambda x: x,
-    )
+    loader = loader_for(args.workers)
     start = time.perf_counter()
     count = size = crc = 0
+    first = None
     for c, b, s in loader:
         count, size, crc = count + c, size + b, crc + s
-    epoch_s = time.perf_counter() - start
-    print(
-        json.dumps({"build_s": build_s, "epoch_s": epoch_s, "count": count, "bytes": size, "crc": crc}),
-        flush=True,
-    )
+        if first is None:
+            first = (time.perf_counter(), count)
+    end = time.perf_counter()
+    epoch_s = end - start
+    assert first is not None
+    scaling[args.workers] = (count - first[1]) / max(end - first[0], 1e-9)
+    out = {
+        "build_s": build_s,
+        "epoch_s": epoch_s,
+        "count": count,
+        "bytes": size,
+        "crc": crc,
+        "scaling": scaling,
+    }
+    print(json.dumps(out), flush=True)
     sys.stdin.readline()  # the harness sums PSS now, with every worker alive
     del loader
     reader.close()
@@ -222,6 +254,8 @@ def run_job(
     cmd += ["--src", str(data.src), "--n", str(data.n), "--ranks", str(ranks), "--workers", str(workers)]
     cmd += ["--batch-size", str(args.batch_size), "--seed", str(args.seed), "--socket", str(args.socket)]
     cmd += ["--empty"] if data.empty else []
+    if ranks == 1 and not data.empty and args.scaling:
+        cmd += ["--scaling", ",".join(map(str, args.scaling)), "--scaling-seconds", str(args.scaling_seconds)]
     procs = [
         subprocess.Popen(
             [*cmd, "--rank-id", str(r)],
@@ -260,6 +294,7 @@ def run_job(
         "count": sum(o["count"] for o in outs),
         "bytes": sum(o["bytes"] for o in outs),
         "crc": sum(o["crc"] for o in outs),
+        "scaling": {int(k): v for k, v in outs[0]["scaling"].items()} if ranks == 1 else {},
     }
 
 
@@ -432,6 +467,7 @@ def section_memory(
                     "epoch_s": job["epoch_s"],
                     "records_s": job["count"] / job["epoch_s"],
                     "rank_open_s": job["build_s"],
+                    "steady_records_s": job["scaling"],  # R=1: records/s by workers, start-up left out
                 }
             )
 
@@ -500,6 +536,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "kind": c.kind,
             "follows": c.follows,
             "batched": c.batched,
+            "access": c.access,
         }
         why = c.missing()
         if why:
@@ -577,6 +614,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 lap("objects")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+    results["seconds"]["total"] = round(time.monotonic() - START, 1)
     args.out.mkdir(parents=True, exist_ok=True)
     raw_json = args.out / f"contenders-{results['date'][:10]}.json"
     raw_json.write_text(json.dumps(results, indent=1, default=str) + "\n")
@@ -586,7 +624,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 PARAMS = ("records", "lines_per_record", "objects", "grid", "object_grid", "repeats", "first_repeats")
-PARAMS += ("read_records", "read_seconds", "batch_size", "seed")
+PARAMS += ("read_records", "read_seconds", "batch_size", "seed", "scaling", "scaling_seconds")
 
 
 def grid(text: str) -> list[tuple[int, int]]:
@@ -605,6 +643,7 @@ PRESETS = {
         "objects": 100_000,
         "grid": "1x4,2x4",
         "object_grid": "2x4",
+        "scaling": "1,2",
         "first_repeats": 1,
     },
     "full": {
@@ -613,6 +652,7 @@ PRESETS = {
         "objects": 500_000,
         "grid": "1x1,1x2,1x4,1x8,2x4,4x4,8x4,8x8",
         "object_grid": "1x4,2x4,4x4,8x8",
+        "scaling": "",
         "first_repeats": 5,
     },
 }
@@ -653,8 +693,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--n", type=int, default=0, help=argparse.SUPPRESS)
     p.add_argument("--socket", help=argparse.SUPPRESS)
     p.add_argument("--empty", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--scaling",
+        help="worker counts also timed in every R=1 job: the scaling curve (quick 1,2; '' for none)",
+    )
+    p.add_argument("--scaling-seconds", type=float, default=1.5, help="each point of the scaling curve (s)")
     args = p.parse_args(argv)
     if args.rank:
+        args.scaling = [int(k) for k in args.scaling.split(",")] if args.scaling else []
         return args
     base = PRESETS["full" if args.full else "quick"]
     args.records = args.records or int(base["records"])
@@ -662,5 +708,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args.grid = grid(args.grid or str(base["grid"]))
     args.object_grid = grid(args.object_grid or str(base["object_grid"]))
     args.first_repeats = args.first_repeats or int(base["first_repeats"])
+    scaling = str(base["scaling"]) if args.scaling is None else args.scaling
+    args.scaling = [int(k) for k in scaling.split(",") if k.strip()]
     args.lines_per_record = args.lines_per_record or int(base["lines_per_record"])
     return args
