@@ -10,6 +10,7 @@
 #include <cstring>
 
 #include "error.hpp"
+#include "unmapper.hpp"
 
 namespace smstore {
 namespace {
@@ -38,7 +39,7 @@ struct Fd {
 }  // namespace
 
 Mapping::~Mapping() {
-    if (size_) ::munmap(const_cast<unsigned char*>(data_), size_);
+    if (size_) unmap_later(const_cast<unsigned char*>(data_), size_);
 }
 
 std::shared_ptr<const Mapping> Mapping::map_fd(int fd, const std::string& label) {

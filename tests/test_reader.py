@@ -289,6 +289,69 @@ def test_close_unmaps_when_no_views(make_blob) -> None:
     assert not _mapped(path)
 
 
+def test_large_mapping_is_unmapped_by_the_background_thread(make_blob) -> None:
+    # Records past the 4 MiB at which mappings are unmapped off the calling thread.
+    recs = [bytes([i % 251]) * 65536 for i in range(100)]
+    path = make_blob(recs)
+    assert path.stat().st_size >= 4 << 20
+    s = smstore.open(path)
+    views = s.get_batch(list(range(len(recs))))
+    assert [bytes(v) for v in views] == recs  # every page faulted in: a real teardown
+    s.close()
+    del views
+    gc.collect()
+    smstore._core.wait_for_unmaps()
+    assert not _mapped(path)
+
+
+FORK_WITH_PENDING_UNMAPS = """
+import gc, os, sys
+import smstore
+paths = sys.argv[1:]
+def mapped(p):
+    with open("/proc/self/maps") as f:
+        return any(line.rstrip().endswith(p) for line in f)
+for round in range(20):
+    s = smstore.open(paths[0])
+    for i in range(0, len(s), 7):
+        bytes(s[i])
+    s.close()
+    del s
+    gc.collect()
+    pid = os.fork()  # the unmap of paths[0] is queued, under way or done: never left in the child
+    if pid == 0:
+        code = 3 if mapped(paths[0]) else 0
+        if not code:  # the child's own unmap thread works too
+            t = smstore.open(paths[1])
+            bytes(t[len(t) - 1])
+            t.close()
+            del t
+            gc.collect()
+            smstore._core.wait_for_unmaps()
+            code = 4 if mapped(paths[1]) else 0
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    if os.waitstatus_to_exitcode(status) != 0:
+        sys.exit(f"round {round}: child exit {os.waitstatus_to_exitcode(status)}")
+smstore._core.wait_for_unmaps()
+sys.exit(5 if mapped(paths[0]) else 0)
+"""
+
+
+def test_fork_with_unmaps_pending_leaves_none_in_the_child(make_blob) -> None:
+    big = [bytes([i % 251]) * 65536 for i in range(100)]
+    first, second = make_blob(big), make_blob(big)
+    run = subprocess.run(
+        [sys.executable, "-c", FORK_WITH_PENDING_UNMAPS, os.fspath(first), os.fspath(second)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=SAFE_CWD,
+    )
+    assert run.returncode == 0, run.stderr
+
+
 def test_closed_store_raises_value_error(awkward_blob: Path) -> None:
     s = smstore.open(awkward_blob)
     s.close()

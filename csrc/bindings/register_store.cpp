@@ -3,6 +3,7 @@
 
 #include "py_store.hpp"
 #include "register.hpp"
+#include "unmapper.hpp"
 
 namespace py = pybind11;
 
@@ -83,6 +84,9 @@ Args:
         },
         py::arg("path"),
         "The checksum in a blob's header (one small read, nothing validated), or None if it is no blob.");
+    m.def(
+        "wait_for_unmaps", [] { wait_for_unmaps(); }, py::call_guard<py::gil_scoped_release>(),
+        "Wait until every mapping released so far is unmapped (large ones are unmapped by a background thread).");
 }
 
 }  // namespace smstore::bindings
