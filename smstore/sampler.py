@@ -11,12 +11,11 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from smstore import _core
+
 __all__ = ["FeistelPermutation", "GlobalShuffleSampler", "WindowedOrder", "WindowedShuffleSampler"]
 
 _U64 = np.uint64
-# splitmix64's finalizer constants: a cheap, well-mixing 64-bit round function.
-_M1 = _U64(0xBF58476D1CE4E5B9)
-_M2 = _U64(0x94D049BB133111EB)
 _STATE_VERSION = 1
 
 
@@ -51,46 +50,21 @@ class FeistelPermutation:
         self.n = n
         self.bits = max(2, (n - 1).bit_length())
         digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
-        self._keys = [_U64(int.from_bytes(digest[8 * i : 8 * i + 8], "little")) for i in range(rounds)]
-        lo = self.bits // 2
-        # Per round: (bits of the low half B, bits of the high half A).
-        self._splits: list[tuple[_U64, _U64, _U64, _U64]] = []
-        for _ in range(rounds):
-            hi = self.bits - lo
-            self._splits.append((_U64(lo), _U64(hi), _U64((1 << lo) - 1), _U64((1 << hi) - 1)))
-            lo = hi
-
-    def _network(self, x: np.ndarray[Any, np.dtype[np.uint64]]) -> np.ndarray[Any, np.dtype[np.uint64]]:
-        x = x.copy()
-        b = np.empty_like(x)
-        z = np.empty_like(x)
-        for key, (lo, hi, lo_mask, hi_mask) in zip(self._keys, self._splits, strict=True):
-            np.bitwise_and(x, lo_mask, out=b)
-            np.right_shift(x, lo, out=x)  # x is now A
-            # z = F_k(B): uint64 arithmetic wraps, which is what we want.
-            np.add(b, key, out=z)
-            z ^= z >> _U64(30)
-            z *= _M1
-            z ^= z >> _U64(27)
-            z *= _M2
-            z ^= z >> _U64(31)
-            x ^= z
-            x &= hi_mask  # A xor F(B), hi bits wide: the new low half
-            np.left_shift(b, hi, out=b)
-            x |= b  # B becomes the new high half
-        return x
+        self._keys = [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """The images of an array of positions in ``[0, n)``, as int64."""
-        x = np.asarray(positions).astype(np.uint64, copy=False)
-        y = self._network(x)
-        n = _U64(self.n)
-        out_of_range = np.flatnonzero(y >= n)
-        while out_of_range.size:
-            walked = self._network(y[out_of_range])
-            y[out_of_range] = walked
-            out_of_range = out_of_range[walked >= n]
-        return y.astype(np.int64)
+        """The images of an array of positions in ``[0, n)``, as int64 (computed in C++, a few ns each).
+
+        Raises:
+            IndexError: A position is outside ``[0, n)``.
+        """
+        x = np.asarray(positions)
+        if x.size and x.dtype.kind == "i" and int(x.min()) < 0:
+            msg = f"position {int(x.min())} out of range for a permutation of {self.n}"
+            raise IndexError(msg)
+        return _core.feistel_permute(x.astype(np.uint64, copy=False).ravel(), self.n, self._keys).reshape(
+            x.shape
+        )
 
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
@@ -266,10 +240,15 @@ class GlobalShuffleSampler:
     def _generate(self, token: int, perm: Order, start: int, count: int) -> Iterator[int]:
         done = 0
         chunk = 256  # small first chunks: the first batch after a resume arrives at once
+        point = 0  # the next step at which _reached() acts (a window start, say)
         while done < count:
-            m = min(chunk, count - done)
-            if token == self._iter_token:
-                m = min(m, self._reached(start, done) - done)
+            if done == point:
+                # A pass that a newer one replaced acts no more: it only yields its own order.
+                point = self._reached(start, done) if token == self._iter_token else count
+                # The step that acted (sent a hold, say) draws a small chunk: its cost and a large
+                # draw's would add up in one wait of the training loop.
+                chunk = 256
+            m = min(chunk, count - done, point - done)
             values = iter(self._local_indices(perm, start, done, done + m).tolist())
             if token == self._iter_token:
                 self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
@@ -434,12 +413,20 @@ class WindowedOrder:
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         p = np.asarray(positions).astype(np.int64, copy=False)
-        windows = np.searchsorted(self.window_starts, p, side="right") - 1
-        seq = np.empty_like(p)
-        for j in np.unique(windows):
-            mask = windows == j
-            base = self.window_starts[j]
-            seq[mask] = self._perm(int(j))(p[mask] - base) + base
+        if not p.size:
+            return np.empty(0, dtype=np.int64)
+        seq: np.ndarray[Any, np.dtype[np.int64]]
+        first, last = np.searchsorted(self.window_starts, (p.min(), p.max()), side="right") - 1
+        if first == last:  # a sampler's chunk stops at window starts: one window, no masks
+            base = self.window_starts[first]
+            seq = self._perm(int(first))(p - base) + base
+        else:
+            windows = np.searchsorted(self.window_starts, p, side="right") - 1
+            seq = np.empty_like(p)
+            for j in np.unique(windows):
+                mask = windows == j
+                base = self.window_starts[j]
+                seq[mask] = self._perm(int(j))(p[mask] - base) + base
         # seq: positions in the shards laid end to end in shard order; back to record indices.
         q = np.searchsorted(self._seq_starts, seq, side="right") - 1
         return self._starts[self.shard_order[q]] + (seq - self._seq_starts[q])

@@ -55,6 +55,15 @@ def test_every_record_once_and_ranks_interleave_to_one_order(
     assert merged == [ref[p % n] for p in range(per_rank * world)]  # padding wraps to the start
 
 
+def test_an_old_pass_goes_on_in_its_own_order_after_a_new_one_starts() -> None:
+    sizes = [300] * 20
+    s = WindowedShuffleSampler(sizes, window=3, seed=4, rank=0, world_size=1, residency=False)
+    old = iter(s)
+    first = [next(old) for _ in range(700)]  # into the third window
+    assert list(s) == order_of(sizes, 3, seed=4)  # a new pass, the same epoch
+    assert first + list(old) == order_of(sizes, 3, seed=4)
+
+
 def test_windows_are_runs_of_shards_in_a_keyed_order() -> None:
     s = WindowedShuffleSampler(SIZES, window=3, seed=5, rank=0, world_size=1, residency=False)
     order = s.permutation()

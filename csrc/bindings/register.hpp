@@ -66,5 +66,6 @@ void register_sharded(pybind11::module_& m);
 void register_writer(pybind11::module_& m);
 void register_packers(pybind11::module_& m);
 void register_shm(pybind11::module_& m);
+void register_sampler(pybind11::module_& m);
 
 }  // namespace smstore::bindings

@@ -1,0 +1,55 @@
+// The keyed permutation behind the samplers' shuffles: a Feistel network with cycle-walking.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+namespace smstore {
+
+// A bijection of [0, n) that holds one 64-bit key per round and nothing else (see
+// smstore.sampler.FeistelPermutation, which derives the keys and documents the construction).
+// Each round maps the halves (A, B) of a bits()-wide value to (B, A xor F(B)), F being
+// splitmix64's finalizer of B + key; the halves trade widths every round. Values the network sends
+// to [n, 2^bits) go through it again until they land in [0, n).
+class Feistel {
+public:
+    Feistel(uint64_t n, std::vector<uint64_t> round_keys);
+
+    uint64_t n() const noexcept { return n_; }
+    unsigned bits() const noexcept { return bits_; }
+
+    // The image of x, which must be < n() (a value outside may never walk back into range).
+    uint64_t operator()(uint64_t x) const noexcept {
+        do {
+            x = network(x);
+        } while (x >= n_);
+        return x;
+    }
+    // out[i] = (*this)(in[i]); every in[i] must be < n().
+    void apply(const uint64_t* in, int64_t* out, size_t count) const noexcept;
+
+private:
+    struct Round {
+        uint64_t key;
+        unsigned lo, hi;  // widths of the low half B and the high half A
+        uint64_t lo_mask, hi_mask;
+    };
+    uint64_t network(uint64_t x) const noexcept {
+        for (const Round& r : rounds_) {
+            uint64_t b = x & r.lo_mask;
+            uint64_t z = b + r.key;
+            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+            z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+            z ^= z >> 31;
+            x = (b << r.hi) | (((x >> r.lo) ^ z) & r.hi_mask);
+        }
+        return x;
+    }
+
+    uint64_t n_;
+    unsigned bits_;
+    std::vector<Round> rounds_;
+};
+
+}  // namespace smstore
