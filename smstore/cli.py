@@ -376,6 +376,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shm_limit=shm_limit or 0,
         read_rate=args.max_read_rate or 0,
         limits=limits,
+        background=args.background,
     )
 
 
@@ -526,6 +527,13 @@ def _add_daemon_commands(sub: Any) -> None:
         metavar="SIZE",
         type=_size,
         help="read blobs at most SIZE bytes a second (e.g. 200M): spare a shared file system",
+    )
+    p.add_argument(
+        "--no-background",
+        dest="background",
+        action="store_false",
+        help="run under the default scheduling policy (default: SCHED_BATCH, so that a request never "
+        "preempts the training process that sent it)",
     )
     p.add_argument("--max-connections", type=int, metavar="N", help="connections in all (default 4096)")
     p.add_argument(

@@ -119,6 +119,22 @@ FREE_PAUSE = 0.005
 MAX_HOLD = 65536
 
 
+def set_background_scheduling() -> bool:
+    """Put the calling thread (and the threads it starts from now on) under ``SCHED_BATCH``.
+
+    A batch thread gets its fair share of the CPU but never preempts the thread running when it
+    wakes up. On a node whose cores all train, a daemon woken by a rank's request would otherwise
+    take that rank's core at once, and the rank's batch would wait for the daemon's bookkeeping.
+    Returns False where the system does not offer it.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as e:
+        log.info("SCHED_BATCH is not available (%s): the daemon runs under the default policy", e)
+        return False
+    return True
+
+
 def _hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
     """A 'hold' request: the manifest, and the indices of its shards in the order to load them."""
     manifest = _path_value(req.get("manifest"))
@@ -819,8 +835,17 @@ def serve(
     shm_limit: int = 0,
     read_rate: int = 0,
     limits: Limits | None = None,
+    background: bool = True,
 ) -> int:
-    """Run the daemon in the foreground until stopped. Returns the exit status."""
+    """Run the daemon in the foreground until stopped. Returns the exit status.
+
+    With `background` (the default), the daemon's threads run under ``SCHED_BATCH``: a request
+    that wakes the daemon (a rank's fire-and-forget ``hold`` at a window switch) never preempts
+    the process that sent it, whose training loop goes on while the daemon waits for a free core.
+    """
+    if background:
+        # Before any thread starts: each thread of the daemon inherits it.
+        set_background_scheduling()
     daemon = Daemon(socket_path(sock), group=group, shm_limit=shm_limit, read_rate=read_rate, limits=limits)
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -598,6 +598,21 @@ def test_sigint_stops_cleanly(blob: tuple[Path, list[bytes]], start_daemon: Call
     assert not d.sock.exists()
 
 
+def _thread_policies(pid: int) -> set[int]:
+    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
+
+
+def test_daemon_threads_never_preempt_the_ranks(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    path, _recs = blob
+    d = start_daemon(path, loaded=1)  # the loader thread has run: every thread of the daemon
+    assert len(os.listdir(f"/proc/{d.pid}/task")) >= 2
+    assert _thread_policies(d.pid) == {os.SCHED_BATCH}
+    other = start_daemon(args=("--no-background",), at=tmp_path / "run" / "other.sock")
+    assert _thread_policies(other.pid) == {os.SCHED_OTHER}
+
+
 def test_second_daemon_on_same_socket_refused(start_daemon: Callable[..., Daemon]) -> None:
     d = start_daemon()
     res = cli("serve", sock=d.sock, check=False, timeout=30)
