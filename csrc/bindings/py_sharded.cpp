@@ -62,9 +62,12 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     }
     shards_.assign(starts_.size() - 1, py::none());
     cores_.assign(starts_.size() - 1, nullptr);
-    hot_.assign(starts_.size() - 1, Hot{});
+    lines_.resize(starts_.size() - 1);
+    for (size_t k = 0; k < lines_.size(); ++k) {
+        lines_[k].start = starts_[k];
+        lines_[k].end = starts_[k + 1];
+    }
     stores_.resize(starts_.size() - 1);
-    last_use_.assign(starts_.size() - 1, 0);
 }
 
 bool PyShardedStore::check_open() const {
@@ -105,8 +108,11 @@ PyStore* PyShardedStore::shard_core(size_t k) {
         }
         shards_[k] = std::move(store);
         cores_[k] = core;
-        hot_[k] = Hot{core->index(), core->data_bytes(), stores_[k]->data()};
-        last_use_[k] = tick_;
+        Line& line = lines_[k];
+        line.offsets = core->index();
+        line.data = stores_[k]->data();
+        line.data_size = core->data_bytes();
+        line.last_use = tick_;
         ++open_count_;
     }
     return cores_[k];
@@ -117,7 +123,7 @@ void PyShardedStore::release_shard(size_t k) {
     py::object store = std::move(shards_[k]);
     shards_[k] = py::none();
     cores_[k] = nullptr;
-    hot_[k] = Hot{};
+    forget_line(lines_[k]);
     stores_[k].reset();
     --open_count_;
     rebuild_arena();
@@ -130,7 +136,7 @@ bool PyShardedStore::release_idle() {
         // One shard a sweep: unmapping costs a page-table teardown, and a window's worth at once
         // would be one long read; the others go at the next sweeps.
         for (size_t k = 0; k < cores_.size(); ++k) {
-            if (cores_[k] && tick_ - last_use_[k] > limit) {
+            if (cores_[k] && tick_ - lines_[k].last_use > limit) {
                 release_shard(k);
                 break;
             }
@@ -227,7 +233,7 @@ py::tuple PyShardedStore::gather(py::handle indices) {
             keep.push_back(core->shared());
             kept[k] = true;
         }
-        last_use_[k] = ++tick_;
+        lines_[k].last_use = ++tick_;
         pieces[n] = {s.data() + begin, end - begin};
         total += end - begin;
     }
@@ -261,7 +267,8 @@ void PyShardedStore::close() {
     open_count_ = 0;
     next_sweep_ = UINT64_MAX;
     std::fill(cores_.begin(), cores_.end(), nullptr);
-    std::fill(hot_.begin(), hot_.end(), Hot{});
+    for (Line& line : lines_)
+        forget_line(line);
     std::vector<std::shared_ptr<Store>>().swap(stores_);
     arena_view_ = py::none();
     arena_base_ = nullptr;

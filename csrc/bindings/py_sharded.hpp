@@ -31,30 +31,29 @@ public:
     // the next holds i. Lopsided shards fall back to a binary search.
     std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept {
         size_t k = bucket_shard_[i >> shift_];
-        for (int step = 0; starts_[k + 1] <= i; ++k) {
+        for (int step = 0; lines_[k].end <= i; ++k) {
             if (++step == 4) {
                 auto it = std::upper_bound(starts_.begin() + static_cast<std::ptrdiff_t>(k) + 1, starts_.end(), i);
                 k = static_cast<size_t>(it - starts_.begin() - 1);
                 break;
             }
         }
-        return {k, i - starts_[k]};
+        return {k, i - lines_[k].start};
     }
     // The open shard k (opening it through the opener on first use), or nullptr with an error set.
     PyStore* shard_core(size_t k);
     pybind11::object shard(size_t k);  // the Store object of shard k (opened on first use)
-    bool is_open(size_t k) const noexcept { return cores_[k] != nullptr; }
-    PyStore* open_core(size_t k) const noexcept { return cores_[k]; }  // nullptr until opened
+    bool is_open(size_t k) const noexcept { return lines_[k].offsets != nullptr; }
 
-    // Record j of shard k, which must be open (open_core(k) != nullptr): from a small array of
+    // Record j of shard k, which must be open (is_open(k)): from a small array of
     // what a read needs, so a random read over thousands of shards touches no shard object.
     PyObject* open_record(size_t k, uint64_t j) {
-        last_use_[k] = ++tick_;
+        Line& line = lines_[k];
+        line.last_use = ++tick_;
         if (tick_ >= next_sweep_ && !release_idle()) return nullptr;
-        const Hot& h = hot_[k];
-        uint64_t begin = h.offsets[j], end = h.offsets[j + 1];
-        if (!Store::span_inside(begin, end, h.data_size)) return cores_[k]->record(j);  // sets the error
-        auto at = static_cast<uint64_t>(h.data - arena_base_);
+        uint64_t begin = line.offsets[j], end = line.offsets[j + 1];
+        if (!Store::span_inside(begin, end, line.data_size)) return cores_[k]->record(j);  // sets the error
+        auto at = static_cast<uint64_t>(line.data - arena_base_);
         return record_view(arena_view_.ptr(), at + begin, at + end);
     }
 
@@ -91,12 +90,21 @@ private:
     std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
     void rebuild_arena();
 
-    struct Hot {
-        const uint64_t* offsets = nullptr;
-        uint64_t data_size = 0;
+    // What a read of shard k needs, on one cache line: a random read over thousands of shards
+    // loads the bucket table's entry and this line before the record's offsets, nothing else.
+    struct alignas(64) Line {
+        uint64_t start = 0, end = 0;        // its records: [start, end) of the dataset
+        const uint64_t* offsets = nullptr;  // its index, while it is open (nullptr: not open)
         const unsigned char* data = nullptr;
+        uint64_t data_size = 0;
+        uint64_t last_use = 0;  // tick_ of its latest read
     };
-    std::vector<Hot> hot_;                        // per open shard: its index, data size and data section
+    std::vector<Line> lines_;
+    static void forget_line(Line& line) noexcept {  // shard closed: what it mapped is gone
+        line.offsets = nullptr;
+        line.data = nullptr;
+        line.data_size = 0;
+    }
     std::vector<std::shared_ptr<Store>> stores_;  // per open shard, taken when it opened
     // Every record view is a slice of one memoryview, over an exporter that holds every shard open
     // so far (its buffer spans from the lowest to the highest of their data sections; only the
@@ -110,7 +118,6 @@ private:
     bool closed_ = false;
     unsigned shift_ = 63;
     std::vector<uint32_t> bucket_shard_;  // see locate()
-    std::vector<uint64_t> last_use_;      // per shard: tick_ of its latest read
     uint64_t tick_ = 0;                   // reads so far
     uint64_t next_sweep_ = UINT64_MAX;    // tick_ at which release_idle() runs next
     size_t open_count_ = 0;

@@ -82,7 +82,7 @@ PyObject* reader_subscript(PyObject* self, PyObject* key) {
         Py_ssize_t i = normalize_value(value, sharded->size());
         if (i < 0) return nullptr;
         auto [k, j] = sharded->locate(static_cast<uint64_t>(i));
-        if (sharded->open_core(k)) {
+        if (sharded->is_open(k)) {
             record = sharded->open_record(k, j);
         } else {
             // Opening the shard runs Python code (the opener) that may rebind this reader: hold the store.
