@@ -18,6 +18,8 @@ Every figure is measured in this one run:
      into batches. Reported as global / ours, so 1.0 is best and 0.01 means 100x more often.
 2. **Loading a shard** into /dev/shm with its checksum (`smstore load`'s code) against `cp` of
    the same file into /dev/shm: median of `--load-repeats` interleaved runs, page cache warm.
+   Both are bound by tmpfs allocating the pages; on a VM a run takes either about 0.4 s or
+   2-3x that a GiB, whichever program it is, so the median needs many runs to mean anything.
 3. **One epoch at R=2 ranks x K=2 workers** over a dataset 3x the memory budget: a daemon
    (`smstore serve --shm-limit BUDGET --max-read-rate RATE`: the rate-limited reader stands in for
    a slow shared file system), `SharedStoreDataset(mode="daemon")` and `WindowedShuffleSampler`
@@ -452,7 +454,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--train-ms", type=float, default=4.0)
     p.add_argument("--switch-batches", type=int, default=8)
     p.add_argument("--load-mib", type=int, default=1024)
-    p.add_argument("--load-repeats", type=int, default=9)
+    p.add_argument("--load-repeats", type=int, default=15)
     # One rank of the epoch section (run by the benchmark itself).
     p.add_argument("--rank-child", type=int, help=argparse.SUPPRESS)
     p.add_argument("--dataset", help=argparse.SUPPRESS)
