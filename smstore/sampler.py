@@ -48,7 +48,6 @@ class FeistelPermutation:
             msg = f"n must be <= 2**63, not {n}"
             raise ValueError(msg)
         self.n = n
-        self.bits = max(2, (n - 1).bit_length())
         digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
         self._keys = [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
 

@@ -16,10 +16,10 @@ void register_sampler(py::module_& m) {
         "feistel_permute",
         [](py::array_t<uint64_t, py::array::c_style | py::array::forcecast> positions, uint64_t n,
            std::vector<uint64_t> round_keys) {
+            if (positions.ndim() != 1) throw py::value_error("positions must be a 1-D array");
             Feistel perm(n, std::move(round_keys));
-            auto in = positions.unchecked<1>();
             const uint64_t* data = positions.data();
-            auto count = static_cast<size_t>(in.shape(0));
+            auto count = static_cast<size_t>(positions.size());
             for (size_t i = 0; i < count; ++i) {
                 if (data[i] >= n) {
                     throw py::index_error("position " + std::to_string(data[i]) +
