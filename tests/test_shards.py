@@ -211,6 +211,28 @@ def test_global_index_reads_like_one_blob(tmp_path: Path, corpus: tuple[list[Pat
         s[0]
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [7] * 9,  # shards of one size: locate() divides
+        [7] * 8 + [3],  # ... and a shorter last one
+        [50],  # one shard
+        [7] * 8 + [9],  # a longer last shard: the table
+        [7, 0, 7, 7],  # an empty shard
+        [0, 5, 5],  # an empty first shard
+        [1, 30, 2, 2, 2, 40, 1],  # lopsided
+    ],
+)
+def test_locate_finds_every_record_in_its_shard(sizes: list[int]) -> None:
+    import bisect
+
+    starts = [0, *itertools.accumulate(sizes)]
+    s = smstore._core.ShardedStore(starts, lambda k: None, "test")
+    for i in range(starts[-1]):
+        k = bisect.bisect_right(starts, i) - 1
+        assert s.locate(i) == (k, i - starts[k]), i
+
+
 def test_shards_open_lazily(tmp_path: Path, corpus: tuple[list[Path], list[bytes]]) -> None:
     inputs, expected = corpus
     smstore.pack_files(inputs, tmp_path / "ds", shard_size=10_000, progress=False, durable=False)

@@ -60,6 +60,13 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
             ++k;
         bucket_shard_[b] = static_cast<uint32_t>(k);
     }
+    // Shards of one size but the last (no larger than them): locate() divides.
+    size_t count = starts_.size() - 1;
+    uint64_t per = count ? starts_[1] : 0;
+    bool uniform = per > 0 && starts_[count] - starts_[count - 1] <= per;
+    for (size_t k = 1; uniform && k + 1 < count; ++k)
+        uniform = starts_[k + 1] - starts_[k] == per;
+    per_shard_ = uniform ? per : 0;
     shards_.assign(starts_.size() - 1, py::none());
     cores_.assign(starts_.size() - 1, nullptr);
     lines_.resize(starts_.size() - 1);

@@ -30,6 +30,10 @@ public:
     // records to the shard holding its first record; with shards of similar sizes, that shard or
     // the next holds i. Lopsided shards fall back to a binary search.
     std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept {
+        if (per_shard_) {  // every shard but the last holds per_shard_ records: no table to load
+            uint64_t k = i / per_shard_;
+            return {static_cast<size_t>(k), i - k * per_shard_};
+        }
         size_t k = bucket_shard_[i >> shift_];
         for (int step = 0; lines_[k].end <= i; ++k) {
             if (++step == 4) {
@@ -118,6 +122,7 @@ private:
     bool closed_ = false;
     unsigned shift_ = 63;
     std::vector<uint32_t> bucket_shard_;  // see locate()
+    uint64_t per_shard_ = 0;              // records of every shard but the last, if they all hold as many (else 0)
     uint64_t tick_ = 0;                   // reads so far
     uint64_t next_sweep_ = UINT64_MAX;    // tick_ at which release_idle() runs next
     size_t open_count_ = 0;
