@@ -1,6 +1,7 @@
 // Structural validation and the checksum rule of the blob format.
 #include "format.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 
@@ -70,10 +71,29 @@ void validate_header(const Header& h, uint64_t actual_file_size, const std::stri
     }
 }
 
+namespace {
+
+// The index faults, worded once for validate_index() and IndexChecker.
+[[noreturn]] void first_offset_fault(const std::string& label, uint64_t first) {
+    fail(Error::Kind::Format, label, "corrupt index: first offset is " + std::to_string(first) + ", not 0");
+}
+
+[[noreturn]] void backwards_fault(const std::string& label, uint64_t i, uint64_t value, uint64_t prev) {
+    fail(Error::Kind::Format, label,
+         "corrupt index: offset of record " + std::to_string(i) + " goes backwards (" + std::to_string(value) + " < " +
+             std::to_string(prev) + ")");
+}
+
+[[noreturn]] void last_offset_fault(const std::string& label, uint64_t last, uint64_t data_size) {
+    fail(Error::Kind::Format, label,
+         "corrupt index: last offset " + std::to_string(last) + " does not end the " + std::to_string(data_size) +
+             "-byte data section");
+}
+
+}  // namespace
+
 void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t data_size, const std::string& label) {
-    if (offsets[0] != 0) {
-        fail(Error::Kind::Format, label, "corrupt index: first offset is " + std::to_string(offsets[0]) + ", not 0");
-    }
+    if (offsets[0] != 0) first_offset_fault(label, offsets[0]);
     // Branch-free scan (it runs on every open): remember whether any step went backwards.
     uint64_t prev = 0;
     bool decreasing = false;
@@ -84,18 +104,60 @@ void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t dat
     }
     if (decreasing) {
         for (uint64_t i = 1; i <= record_count; ++i) {
-            if (offsets[i] < offsets[i - 1]) {
-                fail(Error::Kind::Format, label,
-                     "corrupt index: offset of record " + std::to_string(i) + " goes backwards (" +
-                         std::to_string(offsets[i]) + " < " + std::to_string(offsets[i - 1]) + ")");
-            }
+            if (offsets[i] < offsets[i - 1]) backwards_fault(label, i, offsets[i], offsets[i - 1]);
         }
     }
-    if (prev != data_size) {
-        fail(Error::Kind::Format, label,
-             "corrupt index: last offset " + std::to_string(prev) + " does not end the " + std::to_string(data_size) +
-                 "-byte data section");
+    if (prev != data_size) last_offset_fault(label, prev, data_size);
+}
+
+void IndexChecker::entry(uint64_t value) noexcept {
+    uint64_t i = seen_++;
+    if (i == 0) {
+        if (value != 0) bad_value_ = value;  // reported as the first offset
+    } else if (value < prev_ && bad_ == 0 && bad_value_ == 0) {
+        bad_ = i;
+        bad_value_ = value;
+        bad_prev_ = prev_;
     }
+    prev_ = value;
+}
+
+void IndexChecker::update(const unsigned char* data, size_t size) noexcept {
+    uint64_t end = begin_ + (count_ + 1) * sizeof(uint64_t);
+    uint64_t from = std::max(pos_, begin_), to = std::min(pos_ + size, end);
+    pos_ += size;
+    if (from >= to) return;
+    const unsigned char* p = data + (from - (pos_ - size));
+    auto left = static_cast<size_t>(to - from);
+    if (carried_) {  // finish the entry the last update split
+        size_t take = std::min(sizeof(uint64_t) - carried_, left);
+        std::memcpy(carry_ + carried_, p, take);
+        carried_ += take;
+        p += take;
+        left -= take;
+        if (carried_ < sizeof(uint64_t)) return;
+        uint64_t value;
+        std::memcpy(&value, carry_, sizeof value);
+        entry(value);
+        carried_ = 0;
+    }
+    for (; left >= sizeof(uint64_t); p += sizeof(uint64_t), left -= sizeof(uint64_t)) {
+        uint64_t value;
+        std::memcpy(&value, p, sizeof value);
+        entry(value);
+    }
+    std::memcpy(carry_, p, left);
+    carried_ = left;
+}
+
+void IndexChecker::finish(const std::string& label) const {
+    if (seen_ != count_ + 1) {
+        fail(Error::Kind::Truncated, label,
+             "the index was cut short (" + std::to_string(seen_) + " of " + std::to_string(count_ + 1) + " offsets)");
+    }
+    if (bad_ == 0 && bad_value_ != 0) first_offset_fault(label, bad_value_);
+    if (bad_ != 0) backwards_fault(label, bad_, bad_value_, bad_prev_);
+    if (prev_ != data_size_) last_offset_fault(label, prev_, data_size_);
 }
 
 uint64_t BlobHasher::finish(const unsigned char* header) noexcept {

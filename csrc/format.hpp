@@ -46,6 +46,31 @@ void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t dat
 // The checksum rule, for every place that computes one (writer, loader, verify): XXH64 of the bytes
 // after the header in file order, then of the header with its checksum field as zero. Hashing the
 // header last lets the writer and the loader hash the data as it streams by.
+// Checks the offsets index of a blob as the file's bytes stream past, in order from kHeaderSize:
+// the faults validate_index() finds, in the same words, for a copy that reads every byte anyway
+// (a load into shared memory) and so needs no second pass over the index.
+class IndexChecker {
+public:
+    explicit IndexChecker(const Header& h) noexcept
+        : begin_(h.index_offset), count_(h.record_count), data_size_(h.data_size) {}
+    // The next `size` bytes of the file.
+    void update(const unsigned char* data, size_t size) noexcept;
+    // Throws Error(Format) naming `label` if the index is corrupt.
+    void finish(const std::string& label) const;
+
+private:
+    void entry(uint64_t value) noexcept;
+
+    uint64_t pos_ = kHeaderSize;  // file offset of the next byte
+    uint64_t begin_, count_, data_size_;
+    uint64_t seen_ = 0;  // entries read
+    uint64_t prev_ = 0;
+    unsigned char carry_[8] = {};  // an entry split between two updates
+    size_t carried_ = 0;
+    uint64_t bad_ = 0;  // the first entry out of order (0: none; entry 0 is checked against 0)
+    uint64_t bad_value_ = 0, bad_prev_ = 0;
+};
+
 class BlobHasher {
 public:
     // The next bytes after the header, in file order.

@@ -48,6 +48,17 @@ std::string human(uint64_t n) {
     return buf;
 }
 
+// What a load computes as the bytes pass, on the thread that hashes them: the checksum, and the
+// check of the offsets index (so no second pass over the index is needed).
+struct LoadDigest {
+    BlobHasher hash;
+    IndexChecker index;
+    void update(const unsigned char* data, size_t size) noexcept {
+        hash.update(data, size);
+        index.update(data, size);
+    }
+};
+
 struct Fd {
     int fd = -1;
     ~Fd() {
@@ -55,14 +66,11 @@ struct Fd {
     }
 };
 
-// Unlinks the segment and unmaps the load mapping unless the load completed.
+// Unlinks the segment unless the load completed.
 struct SegmentGuard {
     std::string name;
-    void* map = MAP_FAILED;
-    size_t map_size = 0;
     bool keep = false;
     ~SegmentGuard() {
-        if (map != MAP_FAILED) ::munmap(map, map_size);
         if (!keep) ::shm_unlink(name.c_str());
     }
 };
@@ -123,12 +131,13 @@ void pace(std::chrono::steady_clock::time_point started, uint64_t pos, uint64_t 
 }
 
 // Copies `n` bytes from `src` to `dst` (both at their offsets) with sendfile: the kernel moves
-// them from the page cache into the segment with one copy, as cp's copy_file_range does, while a
-// helper thread hashes each copied chunk through a read-only mapping of the segment (so what is
-// hashed is what readers will see). Returns false, having copied nothing, when the kernel cannot
-// sendfile between these files; the caller then copies with read() and write().
-bool sendfile_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::string& name, const std::string& path,
-                       uint64_t needed, uint64_t max_rate) {
+// them from the page cache into the segment with one copy, while a helper thread digests each
+// copied chunk through a read-only mapping of the segment (so what is checked is what readers will
+// see).
+// Returns false, having copied nothing, when the kernel cannot sendfile between these files; the
+// caller then copies with read() and write().
+bool sendfile_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const std::string& name,
+                       const std::string& path, uint64_t needed, uint64_t max_rate) {
     auto started = std::chrono::steady_clock::now();
     size_t total = static_cast<size_t>(kHeaderSize + n);
     void* map = ::mmap(nullptr, total, PROT_READ, MAP_SHARED, dst, 0);
@@ -148,7 +157,7 @@ bool sendfile_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std
                 upto = copied;
                 if (upto == hashed) return;  // done, and everything copied is hashed
             }
-            hash.update(data + hashed, static_cast<size_t>(upto - hashed));
+            digest.update(data + hashed, static_cast<size_t>(upto - hashed));
             hashed = upto;
         }
     });
@@ -197,7 +206,7 @@ bool sendfile_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std
 // write()s it, so the checksum costs no time next to a plain read-then-write copy. Chunks are small
 // enough to stay in cache between the read and the hash. An error on either side stops both and is
 // rethrown here.
-void copy_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::string& name, const std::string& path,
+void copy_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const std::string& name, const std::string& path,
                    uint64_t needed, uint64_t max_rate) {
     auto started = std::chrono::steady_clock::now();
     struct Slot {
@@ -222,7 +231,7 @@ void copy_and_hash(int src, int dst, uint64_t n, BlobHasher& hash, const std::st
                     if (failed || filled <= k) return;
                 }
                 Slot& slot = slots[k % kSlots];
-                hash.update(slot.buf.get(), slot.size);
+                digest.update(slot.buf.get(), slot.size);
                 write_full(dst, slot.buf.get(), slot.size, name, path, needed);
                 {
                     std::lock_guard<std::mutex> lock(mu);
@@ -341,21 +350,17 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     // tmpfs allocates pages at write(), so a full /dev/shm is ENOSPC here, not SIGBUS later.
     // (posix_fallocate would also reserve the pages, but zeroes each one before we overwrite it.)
     write_full(seg.fd, header, kHeaderSize, name, path, needed);
-    BlobHasher hash;
+    LoadDigest digest{BlobHasher{}, IndexChecker{h}};
     if (!options.sendfile ||
-        !sendfile_and_hash(src.fd, seg.fd, size - kHeaderSize, hash, name, path, needed, options.max_rate)) {
-        copy_and_hash(src.fd, seg.fd, size - kHeaderSize, hash, name, path, needed, options.max_rate);
+        !sendfile_and_hash(src.fd, seg.fd, size - kHeaderSize, digest, name, path, needed, options.max_rate)) {
+        copy_and_hash(src.fd, seg.fd, size - kHeaderSize, digest, name, path, needed, options.max_rate);
     }
     unsigned char extra;
     if (read_full(src.fd, &extra, 1, path) != 0) {
         throw Error(Error::Kind::Format, path + ": file grew while it was being loaded; was it rewritten in place?");
     }
-    check_checksum(h.checksum, hash.finish(header), path, " (not loaded)");
-    guard.map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, seg.fd, 0);
-    if (guard.map == MAP_FAILED) throw_errno("mmap " + name, errno);
-    guard.map_size = size;
-    auto* mapped = static_cast<const unsigned char*>(guard.map);
-    validate_index(reinterpret_cast<const uint64_t*>(mapped + h.index_offset), h.record_count, h.data_size, path);
+    check_checksum(h.checksum, digest.hash.finish(header), path, " (not loaded)");
+    digest.index.finish(path);
 
     if (options.gid >= 0 && ::fchown(seg.fd, static_cast<uid_t>(-1), static_cast<gid_t>(options.gid)) != 0) {
         throw_errno("fchown " + name + " to group " + std::to_string(options.gid), errno);

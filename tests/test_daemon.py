@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import smstore_testlib as tl
 from daemon_testlib import (
     IS_ROOT,
     SHM,
@@ -35,7 +36,7 @@ import smstore
 from smstore import _core
 from smstore._segments import list_segments
 from smstore.client import DaemonStore, daemon_request, open_store
-from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError
+from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
 
 # ---- basics -----------------------------------------------------------------------------------
 
@@ -214,6 +215,59 @@ def test_corrupt_blob_refused(
     # The daemon serves on.
     cli("load", os.fspath(path), sock=d.sock)
     assert len(list_segments(d.pid)) == 1
+
+
+def _corrupt_indexes(path: Path) -> dict[str, bytearray]:
+    """Blobs whose index alone is wrong (checksum recomputed): first offset, a step back, the end."""
+    raw = bytearray(path.read_bytes())
+    header = tl.parse_header(bytes(raw))
+    at, count = header["index_offset"], header["record_count"]
+
+    def offset(i: int, value: int) -> bytearray:
+        out = bytearray(raw)
+        out[at + 8 * i : at + 8 * i + 8] = value.to_bytes(8, "little")
+        return tl.reseal(out)
+
+    return {
+        "first": offset(0, 3),
+        "back": offset(count // 2, 0),
+        "end": offset(count, header["data_size"] - 1),
+    }
+
+
+@pytest.mark.parametrize("sendfile", [True, False])
+def test_load_checks_the_index_as_it_copies(
+    blob: tuple[Path, list[bytes]], tmp_path: Path, sendfile: bool
+) -> None:
+    path, _recs = blob
+    name = f"/smstore-test-{os.getpid()}-index"
+    for fault, data in _corrupt_indexes(path).items():
+        bad = tmp_path / f"{fault}.smst"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(StoreFormatError) as opened:
+            smstore.open(bad)
+        with pytest.raises(StoreFormatError) as loaded:
+            _core.shm_load(os.fspath(bad), name, sendfile=sendfile)
+        assert str(loaded.value) == str(opened.value), fault  # the same fault, in the same words
+        assert "corrupt index" in str(loaded.value)
+        assert not (SHM / name[1:]).exists()
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 8, 13, 4096, 1 << 20])
+def test_index_check_holds_across_any_chunking(
+    blob: tuple[Path, list[bytes]], tmp_path: Path, chunk: int
+) -> None:
+    # A read may end inside an offset: the check must carry the split entry over.
+    path, _recs = blob
+    _core._check_index_stream(path.read_bytes(), chunk, os.fspath(path))  # a sound index passes
+    for fault, data in _corrupt_indexes(path).items():
+        bad = tmp_path / f"{fault}.smst"
+        bad.write_bytes(bytes(data))
+        with pytest.raises(StoreFormatError) as streamed:
+            _core._check_index_stream(bytes(data), chunk, os.fspath(bad))
+        with pytest.raises(StoreFormatError) as whole:
+            smstore.open(bad)
+        assert str(streamed.value) == str(whole.value), (fault, chunk)
 
 
 @pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])

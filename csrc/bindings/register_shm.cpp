@@ -1,4 +1,8 @@
 // smstore._core shared-memory functions: what the daemon needs to load, size and unlink segments.
+#include <algorithm>
+#include <cstring>
+#include <string_view>
+
 #include "format.hpp"
 #include "register.hpp"
 #include "shm.hpp"
@@ -37,6 +41,23 @@ void register_shm(py::module_& m) {
         py::arg("max_rate") = 0, py::arg("sendfile") = true,
         "Load a blob into a new segment; returns (read-only fd, size, checksum as hex, record_count).");
     m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");
+    m.def(
+        "_check_index_stream",
+        [](py::bytes blob, size_t chunk, const std::string& label) {
+            std::string_view bytes = blob;
+            if (bytes.size() < kHeaderSize) throw py::value_error("shorter than a header");
+            if (chunk == 0) throw py::value_error("chunk must be > 0");
+            Header h;
+            std::memcpy(&h, bytes.data(), sizeof h);
+            validate_header(h, bytes.size(), label);
+            IndexChecker check(h);
+            const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+            for (size_t at = kHeaderSize; at < bytes.size(); at += chunk)
+                check.update(p + at, std::min(chunk, bytes.size() - at));
+            check.finish(label);
+        },
+        py::arg("blob"), py::arg("chunk"), py::arg("label"),
+        "Check a blob's offsets index as a load does, its bytes fed `chunk` at a time (for tests).");
 }
 
 }  // namespace smstore::bindings
