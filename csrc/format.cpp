@@ -113,8 +113,8 @@ void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t dat
 void IndexChecker::entry(uint64_t value) noexcept {
     uint64_t i = seen_++;
     if (i == 0) {
-        if (value != 0) bad_value_ = value;  // reported as the first offset
-    } else if (value < prev_ && bad_ == 0 && bad_value_ == 0) {
+        first_ = value;
+    } else if (value < prev_ && bad_ == 0) {
         bad_ = i;
         bad_value_ = value;
         bad_prev_ = prev_;
@@ -155,7 +155,8 @@ void IndexChecker::finish(const std::string& label) const {
         fail(Error::Kind::Truncated, label,
              "the index was cut short (" + std::to_string(seen_) + " of " + std::to_string(count_ + 1) + " offsets)");
     }
-    if (bad_ == 0 && bad_value_ != 0) first_offset_fault(label, bad_value_);
+    // In validate_index()'s order: the first offset, the first step back, the end.
+    if (first_ != 0) first_offset_fault(label, first_);
     if (bad_ != 0) backwards_fault(label, bad_, bad_value_, bad_prev_);
     if (prev_ != data_size_) last_offset_fault(label, prev_, data_size_);
 }

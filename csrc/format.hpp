@@ -67,7 +67,8 @@ private:
     uint64_t prev_ = 0;
     unsigned char carry_[8] = {};  // an entry split between two updates
     size_t carried_ = 0;
-    uint64_t bad_ = 0;  // the first entry out of order (0: none; entry 0 is checked against 0)
+    uint64_t first_ = 0;  // entry 0, which must be 0
+    uint64_t bad_ = 0;    // the first entry that goes backwards (0: none)
     uint64_t bad_value_ = 0, bad_prev_ = 0;
 };
 

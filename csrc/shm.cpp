@@ -133,9 +133,8 @@ void pace(std::chrono::steady_clock::time_point started, uint64_t pos, uint64_t 
 // Copies `n` bytes from `src` to `dst` (both at their offsets) with sendfile: the kernel moves
 // them from the page cache into the segment with one copy, while a helper thread digests each
 // copied chunk through a read-only mapping of the segment (so what is checked is what readers will
-// see).
-// Returns false, having copied nothing, when the kernel cannot sendfile between these files; the
-// caller then copies with read() and write().
+// see). Returns false, having copied nothing, when the kernel cannot sendfile between these files;
+// the caller then copies with read() and write().
 bool sendfile_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const std::string& name,
                        const std::string& path, uint64_t needed, uint64_t max_rate) {
     auto started = std::chrono::steady_clock::now();

@@ -121,7 +121,7 @@ private:
     std::string label_;
     bool closed_ = false;
     unsigned shift_ = 63;
-    std::vector<uint32_t> bucket_shard_;  // see locate()
+    std::vector<uint32_t> bucket_shard_;  // see locate(); empty when per_shard_ is set
     uint64_t per_shard_ = 0;              // records of every shard but the last, if they all hold as many (else 0)
     uint64_t tick_ = 0;                   // reads so far
     uint64_t next_sweep_ = UINT64_MAX;    // tick_ at which release_idle() runs next
