@@ -32,8 +32,12 @@ namespace {
 constexpr size_t kChunk = size_t{256} << 10;
 // Chunks in flight between the reading thread and the hashing and writing one.
 constexpr size_t kSlots = 4;
-// What one sendfile moves before the hashing thread is told: small enough to be in cache still.
-constexpr size_t kSendChunk = size_t{1} << 20;
+// What one sendfile moves. The kernel copies it in one go, and a kernel built without preemption
+// (PREEMPT_NONE, common on servers and VMs) cannot give the core to a training process meanwhile:
+// 1 MiB took up to 4 ms on a 2-core VM, and a rank woken on that core waited that long.
+constexpr size_t kSendChunk = size_t{128} << 10;
+// What is copied before the hashing thread is told: small enough to be in cache still.
+constexpr size_t kHashChunk = size_t{1} << 20;
 
 std::string human(uint64_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -171,6 +175,7 @@ bool sendfile_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const s
     };
     try {
         uint64_t pos = 0;
+        uint64_t told = 0;  // bytes the hashing thread has been told of
         while (pos < n) {
             size_t want = static_cast<size_t>(std::min<uint64_t>(kSendChunk, n - pos));
             ssize_t got = ::sendfile(dst, src, nullptr, want);
@@ -185,11 +190,14 @@ bool sendfile_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const s
             }
             if (got == 0) throw_shrank(path, pos, n);
             pos += static_cast<uint64_t>(got);
-            {
-                std::lock_guard<std::mutex> lock(mu);
-                copied = pos;
+            if (pos - told >= kHashChunk || pos == n) {
+                {
+                    std::lock_guard<std::mutex> lock(mu);
+                    copied = pos;
+                }
+                cv.notify_all();
+                told = pos;
             }
-            cv.notify_all();
             pace(started, pos, max_rate);
         }
     } catch (...) {

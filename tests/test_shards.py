@@ -233,6 +233,20 @@ def test_locate_finds_every_record_in_its_shard(sizes: list[int]) -> None:
         assert s.locate(i) == (k, i - starts[k]), i
 
 
+@pytest.mark.parametrize("per", [1, 2, 3, 7, 1000, 2**32 - 1, 2**32 + 1, 2**40 + 3, 3 * 2**59 + 1])
+def test_locate_by_reciprocal_is_exact_at_every_scale(per: int) -> None:
+    # Shards of `per` records but a shorter last one, up to the largest index a Python int
+    # addresses: locate() multiplies by a reciprocal that may undershoot, and corrects by one.
+    count = min(1000, (2**63 - 1) // per)
+    starts = [k * per for k in range(count)] + [(count - 1) * per + max(1, per // 2)]
+    s = smstore._core.ShardedStore(starts, lambda k: None, "test")
+    rng = random.Random(per)
+    near = [k * per + d for k in (1, 2, count // 2, count - 2, count - 1) for d in (-1, 0, 1)]
+    for i in [0, starts[-1] - 1, *near, *(rng.randrange(starts[-1]) for _ in range(2000))]:
+        if 0 <= i < starts[-1]:
+            assert s.locate(i) == divmod(i, per), i
+
+
 def test_shards_open_lazily(tmp_path: Path, corpus: tuple[list[Path], list[bytes]]) -> None:
     inputs, expected = corpus
     smstore.pack_files(inputs, tmp_path / "ds", shard_size=10_000, progress=False, durable=False)

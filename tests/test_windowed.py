@@ -127,6 +127,43 @@ def sharded(
     return out, recs
 
 
+class HoldRecorder:
+    """A residency that records every hold with the number of samples yielded before it."""
+
+    def __init__(self) -> None:
+        self.yielded = 0
+        self.holds: list[tuple[int, frozenset[int], bool]] = []
+
+    def hold(self, shards: tuple[int, ...], *, wait: bool = False) -> None:
+        self.holds.append((self.yielded, frozenset(shards), wait))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 2)])
+def test_holds_always_cover_what_is_read(world: int, rank: int) -> None:
+    sizes = [40, 35, 50, 40, 45, 38, 42, 40, 44, 41, 39, 43, 40, 39]  # 576: no padding for 1, 2, 3 ranks
+    lag = 20
+    rec = HoldRecorder()
+    s = WindowedShuffleSampler(sizes, window=3, seed=5, rank=rank, world_size=world, lag=lag, residency=rec)
+    order = s.permutation()
+    n = sum(sizes)
+    for _ in s:
+        # The window read, the next one, and the previous one during the lag.
+        at = (rank + rec.yielded * world) % n
+        j = order.window_of(at)
+        needed = set(order.window_shards(j))
+        if j + 1 < order.window_count:
+            needed |= set(order.window_shards(j + 1))
+        if j > 0 and at - int(order.window_starts[j]) < lag * world:
+            needed |= set(order.window_shards(j - 1))
+        assert needed <= rec.holds[-1][1], (rec.yielded, j)
+        rec.yielded += 1
+    assert rec.holds[0][0] == 0
+    assert [wait for _, _, wait in rec.holds] == [True] + [False] * (len(rec.holds) - 1)  # errors up front
+
+
 def test_window_for_a_budget(tmp_path: Path) -> None:
     out, _ = sharded(tmp_path)
     largest = max(s.file_size for s in read_manifest(out).shards)

@@ -41,6 +41,7 @@ Py_ssize_t sharded_length(PyObject* self) {
 PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, std::string label)
     : starts_(std::move(starts)), opener_(std::move(opener)), label_(std::move(label)) {
     if (starts_.empty() || starts_.front() != 0) throw py::value_error("starts must begin with 0");
+    size_ = starts_.back();
     for (size_t k = 1; k < starts_.size(); ++k) {
         if (starts_[k] < starts_[k - 1]) throw py::value_error("starts must not decrease");
     }
@@ -53,6 +54,7 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     for (size_t k = 1; uniform && k + 1 < count; ++k)
         uniform = starts_[k + 1] - starts_[k] == per;
     per_shard_ = uniform ? per : 0;
+    if (uniform) reciprocal_ = UINT64_MAX / per;
     if (!uniform) {
         // About four buckets a shard: a bucket of 2^shift_ records, the smallest power of two that
         // keeps the table within 4 * shards + 1 entries.
@@ -72,10 +74,6 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     shards_.assign(starts_.size() - 1, py::none());
     cores_.assign(starts_.size() - 1, nullptr);
     lines_.resize(starts_.size() - 1);
-    for (size_t k = 0; k < lines_.size(); ++k) {
-        lines_[k].start = starts_[k];
-        lines_[k].end = starts_[k + 1];
-    }
     stores_.resize(starts_.size() - 1);
 }
 
@@ -119,7 +117,6 @@ PyStore* PyShardedStore::shard_core(size_t k) {
         cores_[k] = core;
         Line& line = lines_[k];
         line.offsets = core->index();
-        line.data = stores_[k]->data();
         line.data_size = core->data_bytes();
         line.last_use = tick_;
         ++open_count_;
@@ -175,7 +172,6 @@ void PyShardedStore::rebuild_arena() {
     }
     if (!lo) {  // no shard open: no view to slice
         arena_view_ = py::none();
-        arena_base_ = nullptr;
         return;
     }
     arena->base = lo;
@@ -184,7 +180,9 @@ void PyShardedStore::rebuild_arena() {
     PyObject* view = PyMemoryView_FromObject(owner.ptr());
     if (!view) throw py::error_already_set();
     arena_view_ = py::reinterpret_steal<py::object>(view);
-    arena_base_ = lo;
+    for (size_t k = 0; k < stores_.size(); ++k) {  // the base may have moved
+        if (stores_[k]) lines_[k].arena_at = static_cast<uint64_t>(stores_[k]->data() - lo);
+    }
 }
 
 py::object PyShardedStore::shard(size_t k) {
@@ -280,7 +278,6 @@ void PyShardedStore::close() {
         forget_line(line);
     std::vector<std::shared_ptr<Store>>().swap(stores_);
     arena_view_ = py::none();
-    arena_base_ = nullptr;
     std::vector<py::object> shards;
     shards.swap(shards_);
     for (auto& s : shards) {

@@ -20,29 +20,39 @@ class PyShardedStore {
 public:
     PyShardedStore(std::vector<uint64_t> starts, pybind11::object opener, std::string label);
 
-    uint64_t size() const noexcept { return starts_.back(); }
+    uint64_t size() const noexcept { return size_; }
     size_t shard_count() const noexcept { return cores_.size(); }
     const std::string& label() const noexcept { return label_; }
     bool closed() const noexcept { return closed_; }
     bool check_open() const;  // false with StoreClosedError set
 
-    // (shard, index within it) of global record i < size(). A table maps each run of 2^shift_
-    // records to the shard holding its first record; with shards of similar sizes, that shard or
-    // the next holds i. Lopsided shards fall back to a binary search.
+    // (shard, index within it) of global record i < size(). When every shard but the last holds
+    // per_shard_ records (what ShardedWriter and pack -j write), a multiply by a precomputed
+    // reciprocal finds the shard, with no table to load on the way to the record's offsets.
+    // Otherwise a table maps each run of 2^shift_ records to the shard holding its first record;
+    // with shards of similar sizes, that shard or the next holds i. Lopsided shards fall back to a
+    // binary search.
     std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept {
-        if (per_shard_) {  // every shard but the last holds per_shard_ records: no table to load
-            uint64_t k = i / per_shard_;
-            return {static_cast<size_t>(k), i - k * per_shard_};
+        if (per_shard_) {
+            // reciprocal_ = floor((2^64 - 1) / per_shard_) undershoots i / per_shard_ by less than
+            // 2, so the estimate is the quotient or one below it: one step corrects it.
+            uint64_t k = static_cast<uint64_t>((static_cast<unsigned __int128>(i) * reciprocal_) >> 64);
+            uint64_t j = i - k * per_shard_;
+            if (j >= per_shard_) {
+                ++k;
+                j -= per_shard_;
+            }
+            return {static_cast<size_t>(k), j};
         }
         size_t k = bucket_shard_[i >> shift_];
-        for (int step = 0; lines_[k].end <= i; ++k) {
+        for (int step = 0; starts_[k + 1] <= i; ++k) {
             if (++step == 4) {
                 auto it = std::upper_bound(starts_.begin() + static_cast<std::ptrdiff_t>(k) + 1, starts_.end(), i);
                 k = static_cast<size_t>(it - starts_.begin() - 1);
                 break;
             }
         }
-        return {k, i - lines_[k].start};
+        return {k, i - starts_[k]};
     }
     // The open shard k (opening it through the opener on first use), or nullptr with an error set.
     PyStore* shard_core(size_t k);
@@ -57,8 +67,7 @@ public:
         if (tick_ >= next_sweep_ && !release_idle()) return nullptr;
         uint64_t begin = line.offsets[j], end = line.offsets[j + 1];
         if (!Store::span_inside(begin, end, line.data_size)) return cores_[k]->record(j);  // sets the error
-        auto at = static_cast<uint64_t>(line.data - arena_base_);
-        return record_view(arena_view_.ptr(), at + begin, at + end);
+        return record_view(arena_view_.ptr(), line.arena_at + begin, line.arena_at + end);
     }
 
     // Record i (i < size()) as a new reference, or nullptr with a Python error set.
@@ -90,23 +99,23 @@ private:
     std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
 
     std::vector<uint64_t> starts_;          // shard_count() + 1 cumulative record counts
+    uint64_t size_ = 0;                     // starts_.back(), one load nearer
     std::vector<pybind11::object> shards_;  // the Store objects opened so far (None until then)
     std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
     void rebuild_arena();
 
-    // What a read of shard k needs, on one cache line: a random read over thousands of shards
-    // loads the bucket table's entry and this line before the record's offsets, nothing else.
-    struct alignas(64) Line {
-        uint64_t start = 0, end = 0;        // its records: [start, end) of the dataset
+    // What a read of shard k needs, in 32 bytes: the lines of a thousand shards fit in the L1
+    // cache, and a random read loads this line and the record's offsets, nothing else.
+    struct alignas(32) Line {
         const uint64_t* offsets = nullptr;  // its index, while it is open (nullptr: not open)
-        const unsigned char* data = nullptr;
+        uint64_t arena_at = 0;              // where its data section starts in arena_view_
         uint64_t data_size = 0;
         uint64_t last_use = 0;  // tick_ of its latest read
     };
     std::vector<Line> lines_;
     static void forget_line(Line& line) noexcept {  // shard closed: what it mapped is gone
         line.offsets = nullptr;
-        line.data = nullptr;
+        line.arena_at = 0;
         line.data_size = 0;
     }
     std::vector<std::shared_ptr<Store>> stores_;  // per open shard, taken when it opened
@@ -116,13 +125,13 @@ private:
     // keeps a random read over thousands of shards as cheap as over one blob, and any record
     // view keeps its shard mapped. Opening a shard makes a new exporter; older views keep theirs.
     pybind11::object arena_view_;
-    const unsigned char* arena_base_ = nullptr;
     pybind11::object opener_;
     std::string label_;
     bool closed_ = false;
     unsigned shift_ = 63;
     std::vector<uint32_t> bucket_shard_;  // see locate(); empty when per_shard_ is set
     uint64_t per_shard_ = 0;              // records of every shard but the last, if they all hold as many (else 0)
+    uint64_t reciprocal_ = 0;             // floor((2^64 - 1) / per_shard_), see locate()
     uint64_t tick_ = 0;                   // reads so far
     uint64_t next_sweep_ = UINT64_MAX;    // tick_ at which release_idle() runs next
     size_t open_count_ = 0;
