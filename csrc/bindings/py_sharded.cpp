@@ -74,6 +74,7 @@ PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, 
     shards_.assign(starts_.size() - 1, py::none());
     cores_.assign(starts_.size() - 1, nullptr);
     lines_.resize(starts_.size() - 1);
+    index_of_.assign(starts_.size() - 1, nullptr);
     stores_.resize(starts_.size() - 1);
 }
 
@@ -115,8 +116,8 @@ PyStore* PyShardedStore::shard_core(size_t k) {
         }
         shards_[k] = std::move(store);
         cores_[k] = core;
+        index_of_[k] = core->index();
         Line& line = lines_[k];
-        line.offsets = core->index();
         line.data_size = core->data_bytes();
         line.last_use = tick_;
         ++open_count_;
@@ -129,7 +130,7 @@ void PyShardedStore::release_shard(size_t k) {
     py::object store = std::move(shards_[k]);
     shards_[k] = py::none();
     cores_[k] = nullptr;
-    forget_line(lines_[k]);
+    forget(k);
     stores_[k].reset();
     --open_count_;
     rebuild_arena();
@@ -274,8 +275,8 @@ void PyShardedStore::close() {
     open_count_ = 0;
     next_sweep_ = UINT64_MAX;
     std::fill(cores_.begin(), cores_.end(), nullptr);
-    for (Line& line : lines_)
-        forget_line(line);
+    for (size_t k = 0; k < lines_.size(); ++k)
+        forget(k);
     std::vector<std::shared_ptr<Store>>().swap(stores_);
     arena_view_ = py::none();
     std::vector<py::object> shards;
