@@ -35,7 +35,7 @@ from smstore._segments import (
     unlink_quietly,
     write_state,
 )
-from smstore._shards import read_manifest
+from smstore._shards import Manifest, manifest_file, read_manifest
 from smstore._store import read_checksum
 from smstore.errors import DaemonError, StoreError
 
@@ -114,6 +114,9 @@ LOADER_NICENESS = 10
 
 # Seconds the loader thread rests after freeing a released segment.
 FREE_PAUSE = 0.005
+
+# Manifests kept parsed (one per dataset a job holds shards of; more only from a hostile client).
+MAX_MANIFESTS = 64
 
 # At most this many shards in one 'hold' (a window and the next of a large dataset fit many times).
 MAX_HOLD = 65536
@@ -196,6 +199,8 @@ class Daemon(Server):
         # Held segments released while readers still map them (they count against --shm-limit
         # until every reader detaches or disconnects): checksum -> (pages, connection ids).
         self.released: dict[str, tuple[int, set[int]]] = {}
+        # Parsed manifests by the path a hold names, with the file's identity when it was read.
+        self.manifests: dict[str, tuple[tuple[int, int, int, int], Manifest, list[str]]] = {}
         self.hold_failed: set[str] = set()  # held paths whose load failed: not retried until the next hold
         self.stopping = False
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
@@ -577,12 +582,12 @@ class Daemon(Server):
         next). A shard larger than the whole --shm-limit is refused here.
         """
         try:
-            manifest = read_manifest(manifest_path)
+            manifest, paths = self._manifest(manifest_path)
         except StoreError as e:
             raise ProtocolError("bad_request", str(e)[:1000]) from None
         if any(k >= len(manifest.shards) for k in indices):
             raise ProtocolError("bad_request", f"{manifest_path} has {len(manifest.shards)} shards")
-        shards = [(os.path.abspath(manifest.shard_path(k)), manifest.shards[k].checksum) for k in indices]
+        shards = [(paths[k], manifest.shards[k].checksum) for k in indices]
         if self.shm_limit:
             for path, _checksum in shards:
                 try:
@@ -605,6 +610,28 @@ class Daemon(Server):
             self.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
             self.flush(cid)  # the rank goes on at once; releases and loads follow
         self._reconcile()
+
+    def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
+        """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
+
+        Every rank holds at every window: parsing a manifest of thousands of shards each time
+        would be milliseconds of the daemon's core at each window switch.
+        """
+        try:
+            st = os.stat(manifest_file(path))
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None  # read_manifest says what is wrong
+        cached = self.manifests.get(path)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        manifest = read_manifest(path)
+        paths = [os.path.abspath(manifest.shard_path(k)) for k in range(len(manifest.shards))]
+        if key is not None:
+            if len(self.manifests) >= MAX_MANIFESTS:
+                self.manifests.clear()
+            self.manifests[path] = (key, manifest, paths)
+        return manifest, paths
 
     def _detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
         """A reader unmapped a segment (it stays attached through its connection otherwise).

@@ -299,6 +299,38 @@ def test_daemon_killed_mid_window(tmp_path: Path, start_daemon: Callable[..., Da
     sampler.close()
 
 
+def test_a_hold_reads_a_rewritten_manifest_again(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    # The daemon keeps a parsed manifest while its file stays the same; a dataset packed again in
+    # place (other shards, another count) is read again at the next hold.
+    out, _ = sharded(tmp_path, shards=3)
+    d = start_daemon(loaded=0)
+    manifest = os.fspath((out / "manifest.json").absolute())
+
+    def hold(shards: str) -> dict[str, Any] | None:
+        s.sendall(tl.frame(json.dumps({"op": "hold", "manifest": manifest, "shards": shards}).encode()))
+        return tl.read_reply(s)
+
+    s = tl.raw(d.sock)
+    try:
+        assert hold("0") == {"ok": True, "resident": 0, "held": 1}
+        reply = hold("4")
+        assert reply is not None
+        assert reply["error"] == "bad_request"
+        assert "has 3 shards" in reply["message"]
+        sharded(tmp_path, shards=6)  # the same directory, packed again
+        assert len(read_manifest(out).shards) == 6
+        reply = hold("4,0")  # shard 4 is new; shard 0 may be the same as before (resident)
+        assert reply is not None
+        assert reply["ok"] is True, reply
+        assert reply["held"] == 2
+        deadline = time.monotonic() + 30
+        while len(d.status()["held"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(d.status()["held"]) == sorted(read_manifest(out).shards[k].checksum for k in (0, 4))
+    finally:
+        s.close()
+
+
 def test_malformed_holds_are_refused_and_the_daemon_serves_on(
     tmp_path: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
