@@ -6,8 +6,9 @@
 For each format, in one run on the same files (page cache warm, best of `--repeats`):
 
 - baseline: the library's own sequential read of every record: pyarrow `iter_batches` +
-  `to_pylist()` of the column, and `datasets.load_from_disk(...).iter(batch_size=1000)` (each also
-  against the bare page decode / IPC read, which hands no record to Python); webdataset's
+  `to_pylist()` of the column, and `datasets.load_from_disk(...).iter(batch_size=1000)` (each also,
+  in an info row, against the bare page decode / IPC read, which hands no record to Python: a
+  floor that no reader of records reaches, not the goal); webdataset's
   `tar_file_iterator` over the members; a numpy slice of the mapped `.bin` per Megatron document
   (megatron-core's `IndexedDataset[i]`); `json.load` of the JSON list;
 - smstore: the converter writing a blob (`durable=False`, so the disk's fsync speed stays out).
@@ -52,15 +53,18 @@ def best(repeats: int, fn: Callable[[], object], output: Path | None = None) -> 
     return min(times)
 
 
-def ratio_row(report: Report, name: str, mib: float, ours: float, theirs: float, lib: str) -> None:
+def ratio_row(
+    report: Report, name: str, mib: float, ours: float, theirs: float, lib: str, *, goal: bool = True
+) -> None:
+    """A converter against a read of the same data; `goal=False`: an info row (a floor, not the goal)."""
     r = theirs / ours
     report.add(
-        name,
+        name if goal else f"info: {name}",
         f"{mib / ours:.0f} MiB/s",
         baseline=f"{lib} {mib / theirs:.0f} MiB/s",
         ratio=f"{r:.2f}",
-        goal=">= 0.5",
-        met=yes_no(r >= 0.5),
+        goal=">= 0.5" if goal else "-",
+        met=yes_no(r >= 0.5) if goal else "-",
     )
 
 
@@ -110,7 +114,7 @@ def bench_parquet(report: Report, tmp: Path, mib: int, repeats: int) -> Path:
 
     name = f"parquet column -> blob ({size:.0f} MiB file)"
     ratio_row(report, name, size, ours, best(repeats, records), "pyarrow records")
-    ratio_row(report, name, size, ours, best(repeats, theirs), "pyarrow page decode only")
+    ratio_row(report, name, size, ours, best(repeats, theirs), "pyarrow page decode only", goal=False)
     with smstore.open(tmp / "p.smst") as s:
         if len(s) != rows:
             sys.exit(f"bench_convert: {len(s)} records, {rows} rows")
@@ -150,7 +154,7 @@ def bench_hf(report: Report, tmp: Path, repeats: int) -> None:
 
     name = f"HF save_to_disk -> blob ({size:.0f} MiB)"
     ratio_row(report, name, size, ours, best(repeats, records), "datasets .iter()")
-    ratio_row(report, name, size, ours, best(repeats, theirs), "pyarrow IPC, no decode")
+    ratio_row(report, name, size, ours, best(repeats, theirs), "pyarrow IPC, no decode", goal=False)
 
 
 def bench_webdataset(report: Report, tmp: Path, repeats: int) -> None:
