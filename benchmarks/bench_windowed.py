@@ -26,10 +26,12 @@ Every figure is measured in this one run:
    with the window `window_for(budget)` gives. Each rank times every `next(loader)` (the batch
    wait) and then "trains" for `--train-ms`. Batches in the first `--switch-batches` of a window
    (where a late load would show) are the switch batches; the rest (after the first window) are
-   steady. Data memory is sampled every 100 ms (by a thread under SCHED_IDLE): the daemon's segments in
-   /dev/shm plus the segments it has released but a process of the job still maps, each at its
-   whole size (an unlinked segment keeps all its pages while mapped; from /proc/PID/maps). Every
-   record's CRC32 is checked against the source: each read exactly once.
+   steady. Data memory is sampled every 100 ms (by a thread under SCHED_IDLE): the system's
+   shared memory (/proc/meminfo Shmem) over its value before the daemon started, which counts the
+   daemon's segments, loads under way, and segments it released that a process still maps, each
+   page once (an unlinked segment keeps all its pages while mapped); the daemon's segments in
+   /dev/shm are shown beside it. Every record's CRC32 is checked against the source: each read
+   exactly once.
 """
 
 from __future__ import annotations
@@ -272,56 +274,32 @@ def rank_child(args: argparse.Namespace) -> None:
     )
 
 
-def job_pids(roots: list[int]) -> list[int]:
-    """The roots and every descendant (DataLoader workers), from /proc/PID/task/TID/children."""
-    out, todo = [], list(roots)
-    while todo:
-        pid = todo.pop()
-        out.append(pid)
-        try:
-            tasks = os.listdir(f"/proc/{pid}/task")
-        except OSError:
-            continue
-        for tid in tasks:
-            with contextlib.suppress(OSError):
-                todo += [int(c) for c in Path(f"/proc/{pid}/task/{tid}/children").read_text().split()]
-    return out
+def shmem_bytes() -> int:
+    """Every shared-memory page of the system (/proc/meminfo ``Shmem``), in bytes.
 
-
-def segment_memory(daemon_pid: int, pids: list[int]) -> tuple[int, int]:
-    """(bytes of the daemon's segments in /dev/shm, bytes of those it unlinked that a process still maps).
-
-    An unlinked segment keeps every page of it in memory while any process maps it, not only the
-    pages that process touched (its PSS): each counts at its mapped size, once per inode, so one
-    unlinked between the two looks is counted once. /proc/PID/maps tells which are mapped without
-    walking page tables (what /proc/PID/smaps does, for milliseconds a process, on the cores the
-    job runs on).
+    It counts a segment as long as its pages exist: in /dev/shm, and after it is unlinked while
+    any process still maps it (all its pages, not only those a process touched, which its PSS
+    would count). Read against its value before the daemon starts, it is the memory the job's data
+    takes. Reading it takes no lock of the job's processes, unlike /proc/PID/maps or smaps, which
+    hold a process's mmap lock while they list it: a worker mapping its next shard meanwhile
+    waits, and so does the training loop behind it.
     """
-    live: dict[int, int] = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("Shmem:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("/proc/meminfo has no Shmem line")
+
+
+def daemon_segments(daemon_pid: int) -> int:
+    """Bytes of the daemon's segments in /dev/shm (loads under way included)."""
+    total = 0
     prefix = f"smstore-{os.getuid()}-{daemon_pid}-"
     for entry in os.scandir("/dev/shm"):
         if entry.name.startswith(prefix) and not entry.name.endswith("-lock"):
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except OSError:
-                continue
-            live[st.st_ino] = st.st_blocks * 512
-    released: dict[int, int] = {}
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/maps") as f:
-                lines = f.read().splitlines()
-        except OSError:
-            continue
-        for line in lines:
-            if "/dev/shm/" + prefix not in line or not line.endswith("(deleted)"):
-                continue
-            span, _perms, _offset, _dev, inode_text, *_ = line.split(maxsplit=5)
-            inode = int(inode_text)
-            if inode not in live:
-                start, end = (int(x, 16) for x in span.split("-"))
-                released[inode] = max(released.get(inode, 0), end - start)
-    return sum(live.values()), sum(released.values())
+            with contextlib.suppress(OSError):
+                total += entry.stat(follow_symlinks=False).st_blocks * 512
+    return total
 
 
 def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
@@ -337,6 +315,7 @@ def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
     sock.parent.mkdir(mode=0o700)
     env = {**os.environ, "SMSTORE_SOCKET": os.fspath(sock)}
     daemon_log = tmp / "daemon.log"
+    shmem_before = shmem_bytes()
     with open(daemon_log, "wb") as err:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "smstore", "serve", "--shm-limit", str(budget),
@@ -344,7 +323,7 @@ def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
             stderr=err, env=env,
         )  # fmt: skip
     ranks: list[subprocess.Popen[bytes]] = []
-    samples: list[tuple[int, int]] = []
+    samples: list[tuple[int, int]] = []  # (daemon's segments in /dev/shm, Shmem over its baseline)
     stop = threading.Event()
     try:
         deadline = time.monotonic() + 30
@@ -371,7 +350,7 @@ def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
             except (AttributeError, OSError):
                 os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
             while not stop.is_set():
-                samples.append(segment_memory(daemon.pid, job_pids([r.pid for r in ranks])))
+                samples.append((daemon_segments(daemon.pid), shmem_bytes() - shmem_before))
                 time.sleep(0.1)
 
         watcher = threading.Thread(target=watch, daemon=True)
@@ -433,9 +412,10 @@ def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
         ratio=f"{mid / p99['steady']:.2f}x ({lo / p99['steady']:.2f}-{hi / p99['steady']:.2f}x)",
     )
     peak_shm = max(s for s, _ in samples)
-    peak_data = max(s + r for s, r in samples)
+    peak_data = max(d for _, d in samples)
     report.compare(
-        f"data memory, peak of {len(samples)} samples (/dev/shm, loads under way included, + unlinked but still mapped)",
+        f"data memory, peak of {len(samples)} samples (the system's shared memory over its value before the "
+        "daemon started: loads under way and segments unlinked but still mapped included)",
         f"{peak_data / MiB:.1f} MiB (/dev/shm alone {peak_shm / MiB:.1f} MiB)",
         f"budget {args.budget_mib} MiB",
         peak_data / budget,

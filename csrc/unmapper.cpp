@@ -2,9 +2,13 @@
 #include "unmapper.hpp"
 
 #include <pthread.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -14,6 +18,8 @@
 
 namespace smstore {
 namespace {
+
+constexpr int kUnmapNiceness = 10;  // added to the process's nice value (the daemon's loader: the same)
 
 struct Range {
     void* addr;
@@ -69,6 +75,17 @@ Unmapper& state() {
 }
 
 void run(Unmapper* u) {
+    // Background work, below the threads that run Python (a rank's training loop, a worker's
+    // reads), as the daemon's loader is: SCHED_BATCH never preempts the thread running when it
+    // wakes, and nice +10 gives way on a busy core. Freeing a window's pages is milliseconds of
+    // kernel time at a window switch; an idle core still does it at once. Linux applies both to
+    // the calling thread alone. Best effort: where refused, the thread runs as it was started.
+    ::pthread_setname_np(::pthread_self(), "smstore-unmap");  // for top -H, perf and the tests
+    sched_param param{};
+    ::sched_setscheduler(0, SCHED_BATCH, &param);
+    errno = 0;
+    int nice = ::getpriority(PRIO_PROCESS, 0);
+    if (errno == 0) ::setpriority(PRIO_PROCESS, 0, std::min(nice + kUnmapNiceness, 19));
     std::unique_lock<std::mutex> lock(u->mu);
     for (;;) {
         u->wake.wait(lock, [&] { return !u->queue.empty(); });

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import connect, encode, exchange, socket_path
+from smstore._ipc import _LEN, connect, encode, exchange, socket_path
 from smstore._shards import read_manifest
 from smstore.client import DaemonSession, Mode
 from smstore.errors import DaemonError
@@ -70,6 +70,10 @@ class ShardResidency:
         self._pending: queue.Queue[tuple[int, ...] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # one hold applied at a time (the thread's, or a waited one)
+        # The noreply hold's frame around its shard list, encoded once: a hold is sent inside the
+        # training loop's next(), where even json.dumps of a small dict costs tens of microseconds.
+        head = encode({"op": "hold", "manifest": os.path.abspath(self.path), "noreply": True, "shards": ""})
+        self._frame_head, self._frame_tail = head[4:-2], b'"}'
 
     def hold(self, shards: Sequence[int], *, wait: bool = False) -> None:
         """Need `shards` (in the order to load them) and no others from now on.
@@ -162,30 +166,34 @@ class ShardResidency:
             raise DaemonError(msg)
 
     def _send_hold(self, wanted: tuple[int, ...]) -> None:
-        """Tell the daemon without waiting; a refusal of an earlier one is read (and raised) first."""
+        """Tell the daemon without waiting; a refusal of an earlier one is read (and raised) first.
+
+        Two system calls on the connection's descriptor, which a socket with a timeout keeps in
+        non-blocking mode: a read that finds nothing (a refusal or the daemon's end would be
+        there), then the write of the frame.
+        """
         assert self._conn is not None
-        timeout = self._conn.gettimeout()
-        self._conn.settimeout(0.0)  # a peek: never wait
+        if self._conn.gettimeout() is None:  # a blocking socket's read would wait (never so yet)
+            self._conn.settimeout(10.0)
+        fd = self._conn.fileno()
         try:
-            stale: bytes | None = self._conn.recv(65536)
+            stale: bytes | None = os.read(fd, 65536)
         except BlockingIOError:
             stale = None
         except OSError:
             stale = b""
-        finally:
-            self._conn.settimeout(timeout)
         if stale is not None:  # a refusal, or the daemon closed the connection: redo it with a reply
             self._drop_connection()
             self._apply(wanted)
             return
-        message = {
-            "op": "hold",
-            "manifest": os.path.abspath(self.path),
-            "shards": ",".join(map(str, wanted)),
-            "noreply": True,
-        }
+        body = b"%s%s%s" % (self._frame_head, ",".join(map(str, wanted)).encode(), self._frame_tail)
+        frame = _LEN.pack(len(body)) + body
         try:
-            self._conn.sendall(encode(message))
+            sent = os.write(fd, frame)
+            if sent < len(frame):  # a full socket buffer: the rest with the socket's own timeout
+                self._conn.sendall(frame[sent:])
+        except BlockingIOError:
+            self._conn.sendall(frame)
         except OSError:
             self._drop_connection()
             self._apply(wanted)  # reconnects, or falls back (mode "auto") or raises

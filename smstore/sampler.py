@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import os
 import sys
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from operator import length_hint
 from typing import Any, Protocol
 
@@ -15,7 +16,6 @@ from smstore import _core
 
 __all__ = ["FeistelPermutation", "GlobalShuffleSampler", "WindowedOrder", "WindowedShuffleSampler"]
 
-_U64 = np.uint64
 _STATE_VERSION = 1
 
 
@@ -48,8 +48,7 @@ class FeistelPermutation:
             msg = f"n must be <= 2**63, not {n}"
             raise ValueError(msg)
         self.n = n
-        digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
-        self._keys = [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
+        self._keys = _round_keys(key, rounds)
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The images of an array of positions in ``[0, n)``, as int64 (computed in C++, a few ns each).
@@ -57,13 +56,16 @@ class FeistelPermutation:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-        x = np.asarray(positions)
-        if x.size and x.dtype.kind == "i" and int(x.min()) < 0:
-            msg = f"position {int(x.min())} out of range for a permutation of {self.n}"
-            raise IndexError(msg)
-        return _core.feistel_permute(x.astype(np.uint64, copy=False).ravel(), self.n, self._keys).reshape(
-            x.shape
+        return _map_positions(
+            positions,
+            lambda flat: _core.feistel_permute(flat, self.n, self._keys),
+            f"a permutation of {self.n}",
         )
+
+    def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
+        """The images of positions ``(first + i * step) % wrap`` for ``i < count`` (a rank's share
+        of a pass, its padding wrapped), as a list: one call into C++, whatever ``count`` is."""
+        return _core.feistel_strided(self.n, self._keys, first, step, count, wrap)
 
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
@@ -79,6 +81,30 @@ class Order(Protocol):
     """The order of an epoch: ``order(positions)`` are the records at those positions."""
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]: ...
+
+    def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
+        """The records at positions ``(first + i * step) % wrap`` for ``i < count``."""
+        ...
+
+
+def _map_positions(
+    positions: np.ndarray[Any, Any],
+    images: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.int64]]],
+    what: str,
+) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """``images`` (a C++ call over flat uint64 positions) of an array of any shape; a negative
+    position is an IndexError (as uint64 it would wrap to a huge one, which C++ refuses by value)."""
+    x = np.asarray(positions)
+    if x.size and x.dtype.kind == "i" and int(x.min()) < 0:
+        msg = f"position {int(x.min())} out of range for {what}"
+        raise IndexError(msg)
+    return images(x.astype(np.uint64, copy=False).ravel()).reshape(x.shape)
+
+
+def _round_keys(key: bytes, rounds: int = 6) -> list[int]:
+    """A Feistel permutation's round keys: 64 bits each, from BLAKE2b of ``key``."""
+    digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
+    return [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
 
 
 def _world_from_env() -> tuple[int, int]:
@@ -130,7 +156,8 @@ class GlobalShuffleSampler:
 
     **Memory.** O(1) in the number of records: the permutation is computed, never stored (a
     stored permutation of 1e9 records is 8 GB per rank). The iterator holds one chunk of at most
-    65536 indices (~3 MiB at peak while one is computed) and the sampler a handful of integers.
+    65536 indices (a list of ~2.5 MiB, computed in one call into C++) and the sampler a handful
+    of integers.
 
     Args:
         dataset_or_len: The dataset (anything with ``len``) or the number of records.
@@ -206,20 +233,17 @@ class GlobalShuffleSampler:
             return remaining // self.world_size
         return -(-remaining // self.world_size)
 
-    def _local_indices(
-        self, perm: Order, start: int, i0: int, i1: int
-    ) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """The record indices this rank yields at local steps ``[i0, i1)`` of a pass from ``start``."""
-        pos = np.arange(i0, i1, dtype=np.uint64)
-        pos *= _U64(self.world_size)
-        pos += _U64(start + self.rank)
-        if (
-            not self.drop_last
-            and self.num_records
-            and (start + self.rank + (i1 - 1) * self.world_size) >= (self.num_records)
-        ):
-            pos %= _U64(self.num_records)  # the padding wraps around to the start of the order
-        return perm(pos)
+    def _local_indices(self, perm: Order, start: int, i0: int, i1: int) -> list[int]:
+        """The record indices this rank yields at local steps ``[i0, i1)`` of a pass from ``start``.
+
+        One call into C++ (no numpy): the DataLoader draws them inside ``next(loader)``, on a rank
+        whose caches the workers and the training step keep cold, where a dozen array operations
+        cost a fifth of a millisecond before the first index.
+        """
+        if i1 <= i0:
+            return []
+        first = start + self.rank + i0 * self.world_size
+        return perm.strided(first, self.world_size, i1 - i0, self.num_records)  # the padding wraps
 
     # -- the Sampler protocol ---------------------------------------------------------------
 
@@ -248,7 +272,7 @@ class GlobalShuffleSampler:
                 # draw's would add up in one wait of the training loop.
                 chunk = 256
             m = min(chunk, count - done, point - done)
-            values = iter(self._local_indices(perm, start, done, done + m).tolist())
+            values = iter(self._local_indices(perm, start, done, done + m))
             if token == self._iter_token:
                 self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
             yield from values
@@ -376,7 +400,6 @@ class WindowedOrder:
         sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.window = window
         self.n = int(sizes.sum())
-        self._key = key
         # Shard order, and where each shard starts in the dataset and in the shard-ordered sequence.
         self.shard_order = FeistelPermutation(len(sizes), f"{key}:shards".encode())(
             np.arange(len(sizes), dtype=np.uint64)
@@ -387,7 +410,18 @@ class WindowedOrder:
         self.window_starts = self._seq_starts[::window].copy()
         if self.window_starts[-1] != self.n:
             self.window_starts = np.append(self.window_starts, self.n)
-        self._perms: dict[int, FeistelPermutation] = {}
+        # The same tables in C++, which evaluates the order (each window's round keys derived the
+        # first time it is read: the callable holds the key, not this object, so no cycle forms).
+        prefix = f"{key}:window:"
+        self._core = _core.WindowedOrder(
+            self.window_starts.tolist(),
+            self._seq_starts.tolist(),
+            self._starts[self.shard_order].tolist(),
+            window,
+            lambda j: _round_keys(f"{prefix}{j}".encode()),
+        )
+        self._window_starts: list[int] = self.window_starts.tolist()  # read at every window (plain ints)
+        self._shard_list: list[int] = self.shard_order.tolist()
 
     @property
     def window_count(self) -> int:
@@ -395,40 +429,28 @@ class WindowedOrder:
 
     def window_of(self, position: int) -> int:
         """The window holding global position ``position`` (0 <= position < n)."""
-        return int(np.searchsorted(self.window_starts, position, side="right")) - 1
+        return bisect.bisect_right(self._window_starts, position) - 1
+
+    def window_start(self, j: int) -> int:
+        """The first position of window ``j`` (``n`` for ``j == window_count``)."""
+        return self._window_starts[j]
 
     def window_shards(self, j: int) -> list[int]:
         """Shard indices (of the manifest) of window ``j``, in shard order."""
-        return [int(k) for k in self.shard_order[j * self.window : (j + 1) * self.window]]
-
-    def _perm(self, j: int) -> FeistelPermutation:
-        perm = self._perms.get(j)
-        if perm is None:
-            if len(self._perms) > 8:
-                self._perms.clear()
-            size = int(self.window_starts[j + 1] - self.window_starts[j])
-            perm = self._perms[j] = FeistelPermutation(size, f"{self._key}:window:{j}".encode())
-        return perm
+        return self._shard_list[j * self.window : (j + 1) * self.window]
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
-        p = np.asarray(positions).astype(np.int64, copy=False)
-        if not p.size:
-            return np.empty(0, dtype=np.int64)
-        seq: np.ndarray[Any, np.dtype[np.int64]]
-        first, last = np.searchsorted(self.window_starts, (p.min(), p.max()), side="right") - 1
-        if first == last:  # a sampler's chunk stops at window starts: one window, no masks
-            base = self.window_starts[first]
-            seq = self._perm(int(first))(p - base) + base
-        else:
-            windows = np.searchsorted(self.window_starts, p, side="right") - 1
-            seq = np.empty_like(p)
-            for j in np.unique(windows):
-                mask = windows == j
-                base = self.window_starts[j]
-                seq[mask] = self._perm(int(j))(p[mask] - base) + base
-        # seq: positions in the shards laid end to end in shard order; back to record indices.
-        q = np.searchsorted(self._seq_starts, seq, side="right") - 1
-        return self._starts[self.shard_order[q]] + (seq - self._seq_starts[q])
+        """The records at an array of positions: the window's permutation of the position, then
+        back from shard order to the record's index (computed in C++).
+
+        Raises:
+            IndexError: A position is outside ``[0, n)``.
+        """
+        return _map_positions(positions, self._core, f"an order of {self.n}")
+
+    def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
+        """The records at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
+        return self._core.strided(first, step, count, wrap)
 
     def __len__(self) -> int:
         return self.n
@@ -542,7 +564,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         g = start + self.rank + done * self.world_size
         at = g % self.num_records  # the padding wraps to the start of the order
         j = order.window_of(at)
-        begin = int(order.window_starts[j])
+        begin = order.window_start(j)
         draining = j > 0 and at - begin < self.lag * self.world_size
         if self.residency is not None:
             shards = order.window_shards(j)
@@ -556,7 +578,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
                 self.residency.hold(held, wait=first)
                 self._last_hold = held
         # The next point: the end of the previous window's lag, or the next window's start.
-        nxt = int(order.window_starts[j + 1])
+        nxt = order.window_start(j + 1)
         if draining:
             nxt = min(nxt, begin + self.lag * self.world_size)
         nxt += g - at  # back in the pass's (possibly wrapped) positions

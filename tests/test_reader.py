@@ -302,6 +302,26 @@ def test_large_mapping_is_unmapped_by_the_background_thread(make_blob) -> None:
     gc.collect()
     smstore._core.wait_for_unmaps()
     assert not _mapped(path)
+    # The thread gives way to the ones that run Python: SCHED_BATCH, nice +10 (`man 5 proc`:
+    # field 19 of a task's stat is its nice value, field 41 its policy; 3 is SCHED_BATCH).
+    stats = [_task_stat(task) for task in Path("/proc/self/task").iterdir() if _comm(task) == "smstore-unmap"]
+    assert len(stats) == 1
+    assert int(stats[0][41]) == os.SCHED_BATCH
+    assert int(stats[0][19]) == min(os.getpriority(os.PRIO_PROCESS, 0) + 10, 19)
+
+
+def _comm(task: Path) -> str:
+    try:
+        return (task / "comm").read_text().strip()
+    except FileNotFoundError:  # a thread that ended
+        return ""
+
+
+def _task_stat(task: Path) -> list[str]:
+    """A task's stat fields numbered as in `man 5 proc` (1-based; comm, with its spaces, is one)."""
+    text = (task / "stat").read_text()
+    head, _, rest = text.rpartition(")")
+    return ["", head.split(" (", 1)[0], head.split(" (", 1)[1], *rest.split()]
 
 
 FORK_WITH_PENDING_UNMAPS = """

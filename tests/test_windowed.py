@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,7 @@ import smstore
 from smstore._shards import read_manifest
 from smstore.errors import DaemonError
 from smstore.residency import ShardResidency
-from smstore.sampler import WindowedShuffleSampler
+from smstore.sampler import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon
@@ -81,6 +83,95 @@ def test_windows_are_runs_of_shards_in_a_keyed_order() -> None:
     assert order_of(SIZES, 3, seed=5, epoch=1) != seq
     assert order_of(SIZES, 3, seed=6) != seq
     assert order_of(SIZES, 3, seed=5) == seq
+
+
+def numpy_windowed_order(sizes: list[int], window: int, key: str, positions: np.ndarray) -> np.ndarray:
+    """The windowed order as the sampler computed it in numpy before the C++ one: a reference."""
+    sz = np.asarray(sizes, dtype=np.int64)
+    shard_order = FeistelPermutation(len(sz), f"{key}:shards".encode())(np.arange(len(sz), dtype=np.uint64))
+    starts = np.concatenate([[0], np.cumsum(sz)]).astype(np.int64)
+    seq_starts = np.concatenate([[0], np.cumsum(sz[shard_order])]).astype(np.int64)
+    window_starts = seq_starts[::window].copy()
+    if window_starts[-1] != sz.sum():
+        window_starts = np.append(window_starts, sz.sum())
+    p = positions.astype(np.int64)
+    windows = np.searchsorted(window_starts, p, side="right") - 1
+    seq = np.empty_like(p)
+    for j in np.unique(windows):
+        mask = windows == j
+        base = window_starts[j]
+        perm = FeistelPermutation(int(window_starts[j + 1] - base), f"{key}:window:{j}".encode())
+        seq[mask] = perm(p[mask] - base) + base
+    q = np.searchsorted(seq_starts, seq, side="right") - 1
+    return starts[shard_order[q]] + (seq - seq_starts[q])
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [SIZES, [0, 0, 4], [3, 0, 0], [1], [7] * 13, [1000, 0, 2**20 + 3, 77, 5000, 1] * 5, [0, 9, 0, 0, 2, 0]],
+)
+@pytest.mark.parametrize("window", [1, 2, 3, 5, 64])
+def test_windowed_order_matches_the_numpy_reference(sizes: list[int], window: int) -> None:
+    n = sum(sizes)
+    order = WindowedOrder(sizes, window, "k")
+    rng = np.random.default_rng(n + window)
+    pos = np.unique(np.concatenate([np.arange(min(n, 3000)), rng.integers(0, n, 3000, dtype=np.uint64)]))
+    expected = numpy_windowed_order(sizes, window, "k", pos)
+    assert (order(pos) == expected).all()
+    # The strided form a rank draws with, padding wrapped: rank r of w from `first`.
+    for first, step, count in [(0, 1, n), (1, 3, n // 3 + 2), (n - 1, 2, 5), (n // 2, 7, n // 7 + 3)]:
+        strided = (first + np.arange(count, dtype=np.uint64) * np.uint64(step)) % np.uint64(n)
+        assert (
+            order.strided(first, step, count, n) == numpy_windowed_order(sizes, window, "k", strided).tolist()
+        )
+
+
+def test_windowed_order_is_the_one_earlier_versions_saved() -> None:
+    # Values computed by the numpy implementation: a sampler state saved by an earlier version
+    # must resume in the same order.
+    big = [1000, 0, 2**20 + 3, 77, 5000, 1] * 5
+    pos = [0, 1, 999, 1000, 2**20, 3 * 2**20 + 17, sum(big) - 1]
+    assert WindowedOrder(big, 4, "golden")(np.array(pos)).tolist() == [
+        1052752, 4215042, 1049927, 4215377, 2913132, 5196281, 1543524,
+    ]  # fmt: skip
+    assert order_of(SIZES, 3, seed=3) == [
+        7, 8, 44, 42, 9, 10, 6, 45, 46, 11, 48, 47, 49, 50, 5, 43, 20, 33, 27, 30, 31, 19, 29, 15, 28,
+        4, 16, 1, 24, 22, 32, 17, 21, 18, 23, 2, 0, 26, 3, 39, 35, 41, 38, 40, 34, 12, 14, 13, 37, 36, 25,
+    ]  # fmt: skip
+    s = WindowedShuffleSampler(SIZES, window=3, seed=9, rank=1, world_size=4, residency=False)
+    s.set_epoch(2)
+    assert list(s) == [46, 48, 12, 39, 30, 35, 25, 22, 2, 18, 17, 10, 5]
+
+
+def test_windowed_order_refuses_positions_outside_it() -> None:
+    order = WindowedOrder(SIZES, 3, "k")
+    n = sum(SIZES)
+    for bad in ([n], [0, n + 5], [-1]):
+        with pytest.raises(IndexError, match="out of range"):
+            order(np.array(bad))
+    with pytest.raises(IndexError, match="wrap"):
+        order.strided(0, 1, 3, n + 1)
+    with pytest.raises(IndexError, match="wrap"):
+        order.strided(0, 1, 3, 0)
+    with pytest.raises(OverflowError):
+        order.strided(2**63, 2**62, 3, n)
+    assert order.strided(5, 1, 0, 0) == []
+    assert order(np.array([], dtype=np.int64)).tolist() == []
+    assert WindowedOrder([], 2, "k")(np.array([], dtype=np.uint64)).tolist() == []
+
+
+def test_an_epoch_order_is_freed_when_dropped() -> None:
+    # The C++ order calls back for each window's keys: the callback must not hold the order
+    # (a cycle through a C++ object is one the garbage collector cannot see).
+    gc.disable()
+    try:
+        order = WindowedOrder(SIZES, 3, "k")
+        order(np.arange(sum(SIZES)))
+        ref = weakref.ref(order)
+        del order
+        assert ref() is None
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize(("world", "new_world"), [(2, 3), (3, 1), (1, 4)])
@@ -247,6 +338,62 @@ def test_daemon_keeps_two_windows_within_its_budget(
         time.sleep(0.05)
     assert d.status()["held"] == []
     assert d.status()["segments"] == []
+
+
+def test_a_hold_sent_without_a_reply_is_applied_on_the_same_connection(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The pre-encoded hold frame is one the daemon accepts, whatever the manifest's path holds.
+
+    A refused frame would not show in the records (the next hold reads the refusal and redoes it
+    with a reply, on a new connection): the daemon must apply each hold as sent, on the first one.
+    """
+    where = tmp_path / 'a "quoted\\ dir", naïve'
+    where.mkdir()
+    out, _ = sharded(where, shards=4)
+    m = read_manifest(out)
+    d = start_daemon(loaded=0)
+    residency = ShardResidency(out, mode="daemon")
+    try:
+        residency.hold([0, 1], wait=True)
+        conn = residency._conn
+        assert conn is not None
+        for wanted in ([2], [3, 1], [0, 1, 2, 3], [2]):
+            residency.hold(wanted)
+            expected = sorted(m.shards[k].checksum for k in wanted)
+            deadline = time.monotonic() + 10
+            while d.status()["held"] != expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert d.status()["held"] == expected
+            assert residency._conn is conn  # never refused, never redone
+    finally:
+        residency.close()
+
+
+def test_a_shard_whose_hold_moved_on_while_it_loaded_is_released(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A load finishing after no rank holds its shard any more frees it (it used to stay for good).
+
+    The reads are throttled (50 KB shards at 500 KB/s) so that the second hold arrives while the
+    first one's shards are still loading.
+    """
+    out, _ = sharded(tmp_path, shards=4)
+    m = read_manifest(out)
+    d = start_daemon(args=("--max-read-rate", "500K"), loaded=0)
+    residency = ShardResidency(out, mode="daemon")
+    try:
+        residency.hold([0, 1], wait=True)
+        residency.hold([2], wait=True)
+        assert d.status()["loading"]  # the first hold's loads are under way
+        deadline = time.monotonic() + 20
+        while (d.status()["loading"] or len(d.status()["segments"]) > 1) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        status = d.status()
+        assert [s["checksum"] for s in status["segments"]] == [m.shards[2].checksum]
+        assert status["held"] == [m.shards[2].checksum]
+    finally:
+        residency.close()
 
 
 def test_budget_smaller_than_a_shard_is_an_error_up_front(
