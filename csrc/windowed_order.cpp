@@ -89,15 +89,10 @@ void WindowedOrder::apply(const uint64_t* in, int64_t* out, size_t count) {
 }
 
 void WindowedOrder::strided(uint64_t first, uint64_t step, size_t count, uint64_t wrap, int64_t* out) {
-    // Strided positions rise (until they wrap): the window is found by moving a cursor forward.
+    // Strided positions rise (until they wrap): the window is searched for only when one is left.
     size_t j = window_count();
     for_strided(first, step, count, wrap, size(), [&](uint64_t p, size_t i) {
-        if (j >= window_count() || p < window_starts_[j] || p >= window_starts_[j + 1]) {
-            j = (j < window_count() && p >= window_starts_[j] && j + 2 < window_starts_.size() &&
-                 p < window_starts_[j + 2])
-                    ? j + 1
-                    : window_of(p);
-        }
+        if (j >= window_count() || p < window_starts_[j] || p >= window_starts_[j + 1]) j = window_of(p);
         out[i] = image(p, j);
     });
 }

@@ -81,11 +81,6 @@ void register_sampler(py::module_& m) {
              py::arg("window_starts"), py::arg("seq_starts"), py::arg("record_starts"), py::arg("window"),
              py::arg("keys"))
         .def("__len__", &WindowedOrder::size)
-        .def("window_of",
-             [](const WindowedOrder& o, uint64_t p) {
-                 if (p >= o.size()) throw py::index_error("position " + std::to_string(p) + " out of range");
-                 return o.window_of(p);
-             })
         .def("__call__",
              [](WindowedOrder& o, const Positions& positions) {
                  return images(positions,
