@@ -182,14 +182,18 @@ class Segment:
     def shared(self) -> bool:
         return self.key is not None
 
-    def state_entry(self) -> dict[str, Any]:
-        """What the state file keeps of it, for a successor daemon to adopt."""
+    def state_entry(self, *, held: bool) -> dict[str, Any]:
+        """What the state file keeps of it, for a successor daemon to adopt.
+
+        `held`: loaded because a rank held it (a successor releases it once the ranks move on).
+        """
         return {
             "name": self.name,
             "checksum": self.checksum,
             "size": self.size,
             "paths": self.paths,
             "loaded_at": self.loaded_at,
+            "held": held,
         }
 
     def close(self) -> None:

@@ -195,6 +195,10 @@ class Daemon(Server):
         # for a held shard still on its way (connection id, checksum), by path.
         self.holds: dict[int, list[tuple[str, str]]] = {}
         self.managed: set[str] = set()
+        # Adopted segments a dead predecessor had loaded for holds, not held again since: kept for
+        # the ranks to claim when they hold again, released when the holds need their room or
+        # release a window (the job has moved past them).
+        self.unclaimed: set[str] = set()
         self.hold_loads: set[str] = set()  # paths being loaded because a rank held them
         self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
         # Held segments released while readers still map them (they count against --shm-limit
@@ -302,6 +306,8 @@ class Daemon(Server):
                     unlink_quietly(name)
                 continue
             self.segments[seg.checksum] = seg
+            if entry.get("held") is True:
+                self.unclaimed.add(seg.checksum)
             log.info(
                 "adopted %s (%s, %d bytes) from dead daemon",
                 ", ".join(seg.paths) or seg.name,
@@ -323,9 +329,11 @@ class Daemon(Server):
             "pid": self.pid,
             "start_time": self.start_time,
             "socket": os.fspath(self.sock_path),
-            "segments": [
-                s.state_entry() for s in self.segments.values() if not s.shared
-            ],  # a memfd cannot be adopted
+            "segments": [  # a memfd cannot be adopted
+                s.state_entry(held=s.checksum in self.managed or s.checksum in self.unclaimed)
+                for s in self.segments.values()
+                if not s.shared
+            ],
         }
         try:
             write_state(self.state_path, state)
@@ -377,6 +385,8 @@ class Daemon(Server):
     def _drop(self, seg: Segment) -> None:
         seg.close()
         self.segments.pop(seg.checksum, None)
+        self.managed.discard(seg.checksum)
+        self.unclaimed.discard(seg.checksum)
 
     # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
 
@@ -459,15 +469,17 @@ class Daemon(Server):
                 self.hold_failed.add(path)
                 reply = {"ok": False, "error": type(result).__name__, "message": str(result)[:1000]}
             else:
-                fresh = isinstance(result, tuple) and result[2] not in self.segments
-                seg = self._register(path, result)
-                reply = {"ok": True, **self._describe(seg)}
+                checksum = result if isinstance(result, str) else result[2]
+                fresh = checksum not in self.segments
                 # Held now, or loaded for a hold that moved on while it loaded (and asked for by no
                 # one else): the holds manage it, and _reconcile below drops it if none holds it.
+                # Marked before _register writes the state file, which records it as held.
                 if any(path in (p for p, _ in held) for held in self.holds.values()) or (
                     for_hold and fresh and not waiters
                 ):
-                    self.managed.add(seg.checksum)
+                    self.managed.add(checksum)
+                seg = self._register(path, result)
+                reply = {"ok": True, **self._describe(seg)}
             for cid in waiters:
                 self.set_busy(cid, False)
                 self.reply(cid, reply)
@@ -692,20 +704,23 @@ class Daemon(Server):
         # loads a window's worth on the daemon's loop, inside the switch (a line costs ~35 us).
         dropped: list[str] = []
         wanted = self._wanted()
+        for checksum in list(self.unclaimed):
+            if checksum not in self.segments:
+                self.unclaimed.discard(checksum)
+            elif checksum in wanted:  # a rank holds it again: the holds manage it from now on
+                self.unclaimed.discard(checksum)
+                self.managed.add(checksum)
         for checksum in list(self.managed):
             seg = self.segments.get(checksum)
             if seg is None:
                 self.managed.discard(checksum)
             elif checksum not in wanted:
-                dropped.append(f"{', '.join(seg.paths)} ({checksum})")
                 self.managed.discard(checksum)
-                if seg.clients:
-                    self.released[checksum] = (_pages(seg.size), set(seg.clients))
-                self.segments.pop(checksum, None)
-                self.jobs.put(seg)  # unlinked and freed by the loader thread, off this loop
+                dropped.append(self._release(seg))
         if dropped:
-            log.info("releasing %d shard(s) no rank holds: %s", len(dropped), "; ".join(dropped))
-            self._save_state()
+            # The holds moved past a window: what a dead predecessor held that no rank claimed
+            # since belongs to a window behind it.
+            dropped += [self._release(self.segments[ck]) for ck in list(self.unclaimed)]
         for path in list(self.attach_waiting):
             if path not in self.loading and path not in wanted.values():
                 # No longer held and not on its way: the readers waiting for it hear so.
@@ -727,6 +742,11 @@ class Daemon(Server):
                 size = _pages(os.stat(path).st_size)
             except OSError:
                 continue  # the load would fail: the reader falls back to (and reports) the file
+            while self.shm_limit and used + size > self.shm_limit and self.unclaimed:
+                # Room for a held shard comes first: the oldest unclaimed adopted segment goes.
+                seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
+                dropped.append(self._release(seg))
+                used -= _pages(seg.size)
             if self.shm_limit and used + size > self.shm_limit:
                 break  # later shards wait until earlier ones are released
             used += size
@@ -734,8 +754,21 @@ class Daemon(Server):
                 self._queue_load(path, None, quiet=True)
                 self.hold_loads.add(path)
                 queued.append(path)
+        if dropped:
+            log.info("releasing %d shard(s) no rank holds: %s", len(dropped), "; ".join(dropped))
+            self._save_state()
         if queued:
             log.info("loading %d held shard(s): %s", len(queued), ", ".join(queued))
+
+    def _release(self, seg: Segment) -> str:
+        """Stop serving a held segment no rank holds; its pages count until every reader unmaps it."""
+        self.managed.discard(seg.checksum)
+        self.unclaimed.discard(seg.checksum)
+        if seg.clients:
+            self.released[seg.checksum] = (_pages(seg.size), set(seg.clients))
+        self.segments.pop(seg.checksum, None)
+        self.jobs.put(seg)  # unlinked and freed by the loader thread, off this loop
+        return f"{', '.join(seg.paths)} ({seg.checksum})"
 
     def _attach(self, cid: int, conn: Conn, seg: Segment) -> None:
         seg.clients[cid] = conn.pid
@@ -827,6 +860,7 @@ class Daemon(Server):
             "segments": [self._describe(s) for s in self.segments.values()],
             "loading": sorted(self.loading),
             "held": sorted(self.managed),  # checksums loaded because a rank holds them
+            "unclaimed": sorted(self.unclaimed),  # adopted, held by a dead predecessor, not since
             "released": sorted(self.released),  # released held segments readers still map
             "connections": len(self.conns),
         }

@@ -320,10 +320,12 @@ def test_interrupted_parallel_pack_keeps_the_previous_dataset(tmp_path: Path, si
     out = tmp_path / "ds"
     smstore.pack_files([src], out, shard_size=1 << 20, progress=False, durable=False)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
+    # 1.1 GB of input, interrupted after its first shards: seconds of packing left when the signal
+    # comes, however late a loaded machine runs this process (20 copies finished first under load).
     code = (
         "import sys, smstore\n"
         "print('go', flush=True)\n"
-        "smstore.pack_files([sys.argv[1]] * 20, sys.argv[2], jobs=2, shard_size=1 << 20, progress=False)\n"
+        "smstore.pack_files([sys.argv[1]] * 100, sys.argv[2], jobs=2, shard_size=1 << 20, progress=False)\n"
     )
     with subprocess.Popen(
         [sys.executable, "-c", code, os.fspath(src), os.fspath(out)],

@@ -439,11 +439,92 @@ def test_daemon_killed_mid_window(tmp_path: Path, start_daemon: Callable[..., Da
     with pytest.raises(DaemonError, match="smstore daemon"):
         [ds[i] for i in it]
     # A daemon restarted on the same socket adopts or removes what the dead one left, and serves.
-    start_daemon(loaded=0)
+    d = start_daemon(loaded=0)
+    assert d.status()["unclaimed"]  # the dead daemon's window, adopted
     sampler.set_epoch(1)
     again = [bytes(ds[i]) for i in sampler]
     assert sorted(again) == sorted(recs)
     sampler.close()
+    # Nothing stays loaded: the adopted window went when the holds moved on, the rest with them.
+    deadline = time.monotonic() + 10
+    while d.status()["segments"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.status()["segments"] == []
+
+
+def wait_for(d: Daemon, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not predicate(status := d.status()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return status
+
+
+def checksums(status: dict[str, Any], key: str = "segments") -> set[str]:
+    return {s["checksum"] if isinstance(s, dict) else s for s in status[key]}
+
+
+def restarted_while_holding(
+    out: Path, start_daemon: Callable[..., Daemon], shards: list[int], *args: str
+) -> Daemon:
+    """A daemon killed (-9) while a rank held `shards` of `out` (all loaded), and one started after it."""
+    d = start_daemon(args=args, loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    rank.hold(shards, wait=True)
+    wait_for(d, lambda st: len(st["segments"]) == len(shards) and not st["loading"])
+    d.proc.send_signal(signal.SIGKILL)
+    d.proc.wait()
+    rank.close()
+    return start_daemon(args=args, loaded=0)
+
+
+def test_a_restarted_daemon_releases_an_adopted_window_the_holds_moved_past(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """Without a budget: an adopted held segment is claimed by the next hold, or released with the next window."""
+    out, _ = sharded(tmp_path, shards=4)
+    ck = [s.checksum for s in read_manifest(out).shards]
+    d = restarted_while_holding(out, start_daemon, [0, 1])
+    status = d.status()
+    assert checksums(status) == checksums(status, "unclaimed") == {ck[0], ck[1]}
+    residency = ShardResidency(out, mode="daemon")
+    try:
+        residency.hold([1, 2], wait=True)  # claims shard 1 (no second load), loads shard 2
+        status = wait_for(d, lambda st: len(st["held"]) == 2)
+        assert set(status["held"]) == {ck[1], ck[2]}
+        assert status["unclaimed"] == [ck[0]]  # no window released yet: it may be a slow rank's
+        assert d.segment(ck[1])["adopted"] is True
+        residency.hold([2, 3], wait=True)  # shard 1 released: the job moved past the dead one's window
+        status = wait_for(d, lambda st: checksums(st) == {ck[2], ck[3]})
+        assert checksums(status) == set(status["held"]) == {ck[2], ck[3]}
+        assert status["unclaimed"] == []
+    finally:
+        residency.close()
+    assert wait_for(d, lambda st: not st["segments"])["segments"] == []
+
+
+def test_a_restarted_daemon_makes_room_for_held_shards_from_adopted_ones(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """With a budget full of the dead daemon's window, a new hold's loads are not kept waiting for good."""
+    out, _ = sharded(tmp_path, shards=4)
+    m = read_manifest(out)
+    ck = [s.checksum for s in m.shards]
+    page = os.sysconf("SC_PAGESIZE")
+    limit = 2 * max(-(-s.file_size // page) * page for s in m.shards) + page  # two shards, not three
+    d = restarted_while_holding(out, start_daemon, [0, 1], "--shm-limit", str(limit))
+    assert set(d.status()["unclaimed"]) == {ck[0], ck[1]}
+    residency = ShardResidency(out, mode="daemon")
+    try:
+        residency.hold([2, 1], wait=True)  # shard 2 needs shard 0's room; shard 1 is claimed
+        status = wait_for(d, lambda st: checksums(st) == {ck[1], ck[2]} and not st["loading"])
+        assert checksums(status) == set(status["held"]) == {ck[1], ck[2]}
+        assert status["unclaimed"] == []
+        residency.hold([3], wait=True)  # a budget the first daemon's shards no longer take
+        status = wait_for(d, lambda st: checksums(st) == {ck[3]} and not st["loading"])
+        assert checksums(status) == set(status["held"]) == {ck[3]}
+    finally:
+        residency.close()
+    assert wait_for(d, lambda st: not st["segments"])["segments"] == []
 
 
 def test_a_hold_reads_a_rewritten_manifest_again(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
