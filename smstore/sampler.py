@@ -6,6 +6,7 @@ import bisect
 import hashlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Iterator, Sequence, Sized
 from operator import length_hint
 from typing import Any, Protocol
@@ -524,6 +525,17 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
             residency = _residency_for(dataset)
         self.residency = residency or None
         self._last_hold: tuple[int, ...] | None = None
+        windows = -(-len(sizes) // self.window)
+        average = self.num_records // max(1, windows)
+        if self.residency is not None and windows > 1 and 2 * self.lag * self.world_size > average:
+            warnings.warn(
+                f"WindowedShuffleSampler: lag={self.lag} samples a rank ({self.lag * self.world_size} in all) "
+                f"is more than half of an average window ({average} samples): the previous window stays "
+                "held through most of the next, and the window after it starts loading late (under a "
+                "budget of two windows, at its own start). Pass a lag of at least prefetch_factor * "
+                f"num_workers * batch_size and below {average // (2 * self.world_size)}, or larger windows.",
+                stacklevel=2,
+            )
 
     @staticmethod
     def window_for(dataset: Any, budget: int) -> int:

@@ -8,6 +8,7 @@ import os
 import signal
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -235,7 +236,7 @@ class HoldRecorder:
 @pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 2)])
 def test_holds_always_cover_what_is_read(world: int, rank: int) -> None:
     sizes = [40, 35, 50, 40, 45, 38, 42, 40, 44, 41, 39, 43, 40, 39]  # 576: no padding for 1, 2, 3 ranks
-    lag = 20
+    lag = 15  # 45 samples in all at 3 ranks: over a third of a window (and under half: no warning)
     rec = HoldRecorder()
     s = WindowedShuffleSampler(sizes, window=3, seed=5, rank=rank, world_size=world, lag=lag, residency=rec)
     order = s.permutation()
@@ -253,6 +254,25 @@ def test_holds_always_cover_what_is_read(world: int, rank: int) -> None:
         rec.yielded += 1
     assert rec.holds[0][0] == 0
     assert [wait for _, _, wait in rec.holds] == [True] + [False] * (len(rec.holds) - 1)  # errors up front
+
+
+def test_a_lag_over_half_a_window_is_warned_of() -> None:
+    sizes = [100] * 10  # windows of 2 shards: 200 samples
+
+    def sampler(lag: int, residency: Any) -> WindowedShuffleSampler:
+        return WindowedShuffleSampler(
+            sizes, window=2, seed=1, rank=0, world_size=2, lag=lag, residency=residency
+        )
+
+    with pytest.warns(
+        UserWarning,
+        match=r"lag=51 samples a rank \(102 in all\) is more than half of an average window \(200",
+    ):
+        sampler(51, HoldRecorder())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampler(50, HoldRecorder())  # half a window
+        sampler(8192, False)  # no residency: the lag holds nothing
 
 
 def test_window_for_a_budget(tmp_path: Path) -> None:
@@ -403,7 +423,7 @@ def test_budget_smaller_than_a_shard_is_an_error_up_front(
     largest = max(s.file_size for s in read_manifest(out).shards)
     start_daemon(args=("--shm-limit", str(largest - 1)), loaded=0)
     ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
-    sampler = WindowedShuffleSampler(ds, window=1, seed=1)
+    sampler = WindowedShuffleSampler(ds, window=1, seed=1, lag=16)
     with pytest.raises(DaemonError, match="does not fit the daemon's --shm-limit"):
         next(iter(sampler))
     sampler.close()
