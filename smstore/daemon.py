@@ -702,21 +702,12 @@ class Daemon(Server):
         """Drop the held segments no connection holds any more; queue loads of held shards that fit."""
         # One log line for each kind of change, however many shards: a window switch releases and
         # loads a window's worth on the daemon's loop, inside the switch (a line costs ~35 us).
-        dropped: list[str] = []
         wanted = self._wanted()
-        for checksum in list(self.unclaimed):
-            if checksum not in self.segments:
-                self.unclaimed.discard(checksum)
-            elif checksum in wanted:  # a rank holds it again: the holds manage it from now on
-                self.unclaimed.discard(checksum)
-                self.managed.add(checksum)
-        for checksum in list(self.managed):
-            seg = self.segments.get(checksum)
-            if seg is None:
-                self.managed.discard(checksum)
-            elif checksum not in wanted:
-                self.managed.discard(checksum)
-                dropped.append(self._release(seg))
+        # (_drop and _release, the only ways out of self.segments, keep both sets to segments we have.)
+        claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
+        self.unclaimed -= claimed
+        self.managed |= claimed
+        dropped = [self._release(self.segments[ck]) for ck in self.managed - wanted.keys()]
         if dropped:
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
