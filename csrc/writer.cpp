@@ -49,10 +49,18 @@ std::string temp_name_for(const std::string& path) {
 
 // The permission bits of the file at `path` that publishing would replace, or -1 if there is none.
 // rename() would swap a FIFO, device or socket for a regular file: refuse anything but a regular file.
+// lstat, not stat: the rename in finish() replaces a symbolic link itself, not its target, so a link
+// is refused as smstore._pack.check_output refuses it (the one rule for outputs, docs/format.md).
 int replaced_mode(const std::string& path) {
     struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return -1;
+    if (::lstat(path.c_str(), &st) != 0) return -1;
     if (S_ISDIR(st.st_mode)) throw Error(Error::Kind::Io, path + ": is a directory; give a file name for the output");
+    if (S_ISLNK(st.st_mode)) {
+        throw Error(Error::Kind::Io,
+                    path +
+                        ": is a symbolic link; smstore renames a new file over its output, which "
+                        "would replace the link itself: give the link's target or another output path");
+    }
     if (!S_ISREG(st.st_mode)) {
         throw Error(Error::Kind::Io, path +
                                          ": is not a regular file (a FIFO, device or socket); smstore only "

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -12,14 +14,104 @@ from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 from smstore import _core
-from smstore.errors import PackInputError, StoreFormatError
+from smstore.errors import PackInputError, StoreFormatError, StoreIOError
 
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["PackStats", "Writer", "build_metadata", "pack", "pack_files"]
+__all__ = ["PackStats", "Writer", "build_metadata", "check_output", "dataset_output", "pack", "pack_files"]
 
 Record = bytes | bytearray | memoryview | str
+
+
+def _what(mode: int) -> str:
+    """What kind of file a mode is, for messages."""
+    kinds = (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISLNK, "a symbolic link"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    return next((name for test, name in kinds if test(mode)), "a special file")
+
+
+def _lstat(path: str) -> os.stat_result | None:
+    try:
+        return os.lstat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise StoreIOError(e.errno or errno.EIO, f"{path}: cannot look at the output: {e.strerror}") from None
+
+
+def dataset_output(output: str | os.PathLike[str]) -> bool:
+    """Whether `output` names a dataset directory: an existing directory, or a path ending with '/'.
+
+    Every writer that takes either a blob or a dataset decides by this (docs/format.md, "Outputs").
+    """
+    p = os.fspath(output)
+    return p.endswith(os.sep) or os.path.isdir(p)
+
+
+def check_output(path: str | os.PathLike[str], *, directory: bool = False) -> None:
+    """Refuse an output smstore must not write to: the one rule for blobs, manifests and datasets.
+
+    A file (a blob or a manifest) is published by renaming a new file over `path`, so `path` must
+    be missing or a regular file: a rename would replace a symbolic link itself (not its target),
+    and swap a FIFO, device or socket for a regular file. A dataset directory must be missing (it is
+    created) or a directory, also through a symbolic link, since nothing replaces it: shards and
+    manifest are written inside. docs/format.md, "Outputs", states the rule; ``csrc/writer.cpp``
+    checks a blob's output again just before its rename (it refuses special files and
+    directories, but follows a symbolic link there: this check is what refuses one).
+
+    Args:
+        path: The output.
+        directory: `path` is a dataset directory rather than a file.
+
+    Raises:
+        StoreIOError: `path` is none of these; the message names it and what it is.
+    """
+    p = os.fspath(path)
+    if directory:
+        name = p.rstrip(os.sep) or p  # "link/" would resolve the link: look at the link itself
+        st = _lstat(name)
+        if st is None or stat.S_ISDIR(st.st_mode):
+            return
+        what = _what(st.st_mode)
+        if stat.S_ISLNK(st.st_mode):
+            try:
+                target = os.stat(name).st_mode
+            except OSError:
+                what = "a symbolic link to nothing"
+            else:
+                if stat.S_ISDIR(target):
+                    return
+                what = f"a symbolic link to {_what(target)}"
+        msg = f"{p}: is {what}; a sharded dataset is a directory (of shards and manifest.json)"
+        raise StoreIOError(errno.ENOTDIR, msg)
+    if p.endswith(os.sep):
+        msg = f"{p}: names a directory (it ends with '/'); give a file name for the output"
+        raise StoreIOError(errno.EISDIR, msg)
+    st = _lstat(p)
+    if st is None or stat.S_ISREG(st.st_mode):
+        return
+    if stat.S_ISDIR(st.st_mode):
+        raise StoreIOError(errno.EISDIR, f"{p}: is a directory; give a file name for the output")
+    if stat.S_ISLNK(st.st_mode):
+        msg = (
+            f"{p}: is a symbolic link; smstore renames a new file over its output, which would replace "
+            "the link itself: give the link's target or another output path"
+        )
+        raise StoreIOError(errno.EEXIST, msg)
+    # The words of csrc/writer.cpp's own check, which tests match.
+    msg = (
+        f"{p}: is not a regular file but {_what(st.st_mode)}; smstore only replaces regular files: "
+        "give another output path"
+    )
+    raise StoreIOError(errno.EEXIST, msg)
 
 
 def build_metadata(
@@ -103,6 +195,7 @@ class Writer(Transaction):
         durable: bool = True,
     ) -> None:
         self._meta = build_metadata(encoding, source=source, user=metadata)
+        check_output(path)
         self._writer = _core.Writer(os.fspath(path), durable, _item_size(encoding, os.fspath(path)))
         self.append: Callable[[Record], None] = self._writer.append
         self.extend: Callable[[Iterable[Record]], int] = self._writer.extend
@@ -177,8 +270,9 @@ def pack_files(
 
     Args:
         inputs: Files read in order; their records are concatenated.
-        output: The ``.smst`` file to write (atomically); with ``jobs`` or ``shard_size``, the
-            directory of a sharded dataset (``manifest.json`` and its shards, written last).
+        output: The ``.smst`` file to write (atomically); with ``jobs`` or ``shard_size``, or
+            when it is an existing directory or ends with ``/``, the directory of a sharded
+            dataset (``manifest.json``, written last, and its shards).
         format: ``lines`` (any bytes) or ``jsonl`` (each line must be one JSON value).
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         progress: Show a progress bar; by default only when stderr is a terminal.
@@ -226,13 +320,14 @@ def pack_text_inputs(
 
     ``run(writer, inputs, progress_callback)`` streams the inputs (paths, or ``(path, start, end)``
     parts) into the writer and returns the bytes it read; on any exception nothing is published.
-    With ``jobs > 1`` or a ``shard_size``, writes a sharded dataset (see :mod:`smstore._shards`).
+    With ``jobs > 1``, a ``shard_size``, or an output that :func:`dataset_output` calls a
+    directory, writes a sharded dataset (see :mod:`smstore._shards`).
     """
     names = [os.fspath(p) for p in inputs]
     if not names:
         msg = "packing needs at least one input file"
         raise ValueError(msg)
-    if jobs != 1 or shard_size is not None:
+    if jobs != 1 or shard_size is not None or dataset_output(output):
         from smstore._shards import pack_parts
 
         with _progress_bar(names, progress) as bar:
@@ -252,6 +347,7 @@ def pack_text_inputs(
     sources = [os.path.abspath(n) if n != "-" else "-" for n in names]
     meta = build_metadata(encoding, source=sources, user=metadata)
     start = time.perf_counter()
+    check_output(output)
     writer = _core.Writer(os.fspath(output), durable)
     with _progress_bar(names, progress) as bar:
         try:

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 from smstore import _core
 from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
-from smstore._pack import Transaction
+from smstore._pack import Transaction, check_output, dataset_output
 from smstore.errors import (
     PackInputError,
     StoreChangedError,
@@ -160,10 +160,16 @@ def _bad(path: str, what: str) -> StoreFormatError:
     return StoreFormatError(f"{path}: not a valid smstore manifest: {what}")
 
 
+# Every count and size in smstore is a signed 64-bit integer somewhere (off_t, Py_ssize_t, int64
+# offsets): a manifest's integers, and their sums, must stay below this.
+_INT_LIMIT = 1 << 63
+
+
 def _int_field(path: str, where: str, entry: dict[str, Any], key: str, minimum: int = 0) -> int:
     value = entry.get(key)
-    if type(value) is not int or value < minimum:
-        raise _bad(path, f"{where}.{key} must be an integer >= {minimum}, not {value!r}")
+    name = f"{where}.{key}" if where else key
+    if type(value) is not int or not minimum <= value < _INT_LIMIT:
+        raise _bad(path, f"{name} must be an integer >= {minimum} and < 2**63, not {value!r}")
     return value
 
 
@@ -178,7 +184,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     p = manifest_file(path)
     try:
         with open(p, "rb") as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            # Sized by the file: read(MAX + 1) would allocate the whole limit for every manifest.
+            raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_MANIFEST_BYTES) + 1)
     except FileNotFoundError:
         raise StoreNotFoundError(2, f"{p}: no such manifest") from None
     except OSError as e:
@@ -224,8 +231,11 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             )
         )
     manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"})
-    for key, total in (("records", manifest.records), ("data_bytes", manifest.data_bytes)):
-        if doc.get(key) != total:
+    for key in ("records", "data_bytes", "file_size"):
+        total = sum(getattr(s, key) for s in shards)
+        if total >= _INT_LIMIT:
+            raise _bad(p, f"the shards' {key} add up to {total}, more than 2**63 - 1")
+        if key != "file_size" and _int_field(p, "", doc, key) != total:
             raise _bad(p, f"{key} is {doc.get(key)!r}, but its shards add up to {total}")
     return manifest
 
@@ -256,9 +266,7 @@ def write_manifest(
     they lie inside it, absolute otherwise).
     """
     p = os.fspath(path)
-    if os.path.isdir(p):
-        msg = f"{p}: is a directory; give the manifest's file name (e.g. {os.path.join(p, MANIFEST_NAME)})"
-        raise StoreIOError(21, msg)
+    check_output(p)
     doc: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -285,12 +293,15 @@ def write_manifest(
             if durable:
                 f.flush()
                 os.fsync(f.fileno())
+        check_output(p)  # again: the path may have changed since we looked
         if os.path.exists(p):
             os.chmod(tmp, os.stat(p).st_mode & 0o777)
         os.rename(tmp, p)
     except OSError as e:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(e, StoreIOError):
+            raise
         raise StoreIOError(e.errno or 5, f"{p}: cannot write the manifest: {e.strerror}") from None
     except BaseException:
         with contextlib.suppress(OSError):
@@ -514,11 +525,16 @@ class ShardedObjectStore(DecodedItems, ShardedStore):
 
 
 def open_sharded(
-    path: str | os.PathLike[str], *, opener: ShardOpener | None = None, check_files: bool = True
+    path: str | os.PathLike[str],
+    *,
+    opener: ShardOpener | None = None,
+    check_files: bool = True,
+    raw: bool = False,
 ) -> ShardedStore:
-    """A ShardedStore, or a ShardedObjectStore for a dataset of object records."""
+    """A ShardedStore, or (unless `raw`) a ShardedObjectStore for a dataset of object records."""
     manifest = read_manifest(path)
-    cls = ShardedObjectStore if manifest.encoding in OBJECT_ENCODINGS else ShardedStore
+    objects = manifest.encoding in OBJECT_ENCODINGS and not raw
+    cls = ShardedObjectStore if objects else ShardedStore
     return cls(path, opener=opener, check_files=check_files, manifest=manifest)
 
 
@@ -540,51 +556,94 @@ def _publish(
     source: Sequence[str],
     user: dict[str, Any] | None,
     durable: bool,
+    remove_replaced: bool = True,
 ) -> Manifest:
-    """Write the manifest, then remove the shards of the manifest it replaced that lie in its
-    directory and that the new one does not list (readers that mapped them keep their mappings)."""
+    """Write the manifest; then, if `remove_replaced`, remove the shards of the manifest it replaced
+    that :func:`_our_old_shard` proves a dataset writer wrote for it and the new one does not list.
+
+    Dataset writers (pack -j, ShardedWriter, the Ray sink) remove; join never does. Readers that
+    mapped a removed shard keep their mappings.
+    """
     old: Manifest | None = None
-    if os.path.isfile(manifest_path) and is_manifest(manifest_path):
+    if remove_replaced and os.path.isfile(manifest_path) and is_manifest(manifest_path):
         try:
             old = read_manifest(manifest_path)
-        except StoreFormatError:
-            old = None
+        except (StoreFormatError, StoreIOError):
+            old = None  # nothing it lists can be trusted to be ours: remove nothing
     manifest = write_manifest(manifest_path, encoding, shards, source=source, user=user, durable=durable)
     if old is not None:
-        keep = {manifest.shard_path(k) for k in range(len(manifest.shards))}
-        for k, shard in enumerate(old.shards):
-            stale = old.shard_path(k)
-            if not os.path.isabs(shard.path) and os.sep not in shard.path and stale not in keep:
+        keep = {s.path for s in manifest.shards}
+        for shard in old.shards:
+            if shard.path not in keep and _our_old_shard(old.directory, shard):
                 with contextlib.suppress(OSError):
-                    os.unlink(stale)
+                    os.unlink(os.path.join(old.directory, shard.path))
     return manifest
 
 
+def _our_old_shard(directory: str, shard: ShardInfo) -> bool:
+    """Whether `shard`, listed by the manifest in `directory` being replaced, is provably a shard a
+    dataset writer wrote for it: named as :class:`ShardNames` names shards (so it lies in the
+    directory and is not the manifest), a regular file (not a symbolic link) whose header records
+    the size and checksum that manifest records. A stale or hostile manifest names nothing else
+    that a re-pack would remove (docs/format.md, "What publishing removes")."""
+    if not ShardNames.pattern.match(shard.path):
+        return False
+    try:
+        fd = os.open(
+            os.path.join(directory, shard.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, _HEADER.size, 0) if stat.S_ISREG(st.st_mode) else b""
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if len(head) != _HEADER.size:
+        return False
+    fields = _HEADER.unpack(head)
+    magic, file_size, checksum = fields[0], fields[4], fields[14]
+    return (
+        magic == _BLOB_MAGIC
+        and file_size == st.st_size == shard.file_size
+        and f"{checksum:016x}" == shard.checksum
+    )
+
+
 def dataset_dir(output: str | os.PathLike[str]) -> str:
-    """The directory of a sharded output (created if missing); refuses an existing file."""
+    """The directory of a sharded output, created if missing (:func:`smstore._pack.check_output`)."""
     d = os.fspath(output)
-    if os.path.exists(d) and not os.path.isdir(d):
-        msg = f"{d}: sharded output is a directory (it will hold {MANIFEST_NAME} and the shards), not a file"
-        raise StoreIOError(17, msg)
-    os.makedirs(d, exist_ok=True)
+    check_output(d, directory=True)
+    try:
+        os.makedirs(d, exist_ok=True)
+    except OSError as e:
+        raise StoreIOError(e.errno or 5, f"{d}: cannot create the dataset directory: {e.strerror}") from None
     return d
 
 
 class ShardedWriter(Transaction):
     """Streams records into a sharded dataset: a directory of shards and ``manifest.json``.
 
-    A new shard starts once the current one holds ``shard_size`` bytes of records (checked every
-    ``check_every`` records) or ``shard_records`` records. The manifest is written last and
-    atomically; until then, a reader of the directory sees the previous dataset, whole (shard
-    names are unique to each writer, so no shard of the previous dataset is overwritten). On an
-    exception inside the ``with`` block, the shards written so far are removed.
+    A new shard starts once the current one holds ``shard_size`` bytes of records or
+    ``shard_records`` records: every call is split where that happens (each record's size is known
+    before it is written), so no shard holds more than ``shard_size`` plus one record. The
+    manifest is written last and atomically; until then, a reader of the directory sees the
+    previous dataset, whole (shard names are unique to each writer, so no shard of the previous
+    dataset is overwritten). On an exception inside the ``with`` block, the shards written so far
+    are removed.
 
     Args:
         output: The dataset directory.
         encoding, metadata, source, durable: As for :class:`smstore.Writer`.
         shard_size: Bytes of records per shard (default 1 GiB).
         shard_records: Records per shard, if given.
+        check_every: The most records :meth:`extend` hands the writer in one call.
     """
+
+    # The most bytes of records extend() holds before handing them to the writer.
+    _BATCH_BYTES = 16 << 20
 
     def __init__(
         self,
@@ -654,30 +713,100 @@ class ShardedWriter(Transaction):
             self._close_shard()
 
     def extend(self, records: Iterable[Any]) -> int:
-        """Append every record; returns how many. Shard sizes are checked every ``check_every`` records."""
+        """Append every record; returns how many. A shard ends at the record that fills it."""
         it = iter(records)
         n = 0
         while True:
             w = self._current()
-            room = self._check_every
+            most = self._check_every
             if self._shard_records is not None:
-                room = min(room, self._shard_records - w.record_count)
-            got = w.extend(itertools.islice(it, room))
+                most = min(most, self._shard_records - w.record_count)
+            room = self._BATCH_BYTES
+            if self._shard_size is not None:
+                room = min(room, self._shard_size - w.data_size)
+            batch: list[Any] = []
+            size = 0
+            more = False
+            measure = self._record_size
+            for record in it:
+                batch.append(record)
+                size += len(record) if type(record) is bytes else measure(record)
+                if size >= room or len(batch) >= most:
+                    more = True
+                    break
+            got = w.extend(batch)
             n += got
             self.record_count += got
-            if got < room:
-                return n
             if self._full(w):
                 self._close_shard()
+            if not more:
+                return n
+
+    @staticmethod
+    def _record_size(record: Any) -> int:
+        """The bytes the writer will store for `record` (0 for what it will refuse, naming why)."""
+        if isinstance(record, bytes | bytearray):
+            return len(record)
+        try:
+            if isinstance(record, str):
+                return len(record) if record.isascii() else len(record.encode())
+            return memoryview(record).nbytes
+        except (TypeError, UnicodeEncodeError):
+            return 0
 
     def extend_offsets(self, data: Any, offsets: Any) -> int:
-        """Append records ``data[offsets[i]:offsets[i+1]]`` (Arrow's layout) into the current shard."""
+        """Append records ``data[offsets[i]:offsets[i+1]]`` (Arrow's layout), split where a shard fills.
+
+        The split points are found on the offsets with numpy, never record by record.
+        """
+        import numpy as np
+
+        o = np.asarray(offsets)
+        count = len(o) - 1 if o.ndim == 1 else 0
         w = self._current()
-        n = w.extend_offsets(data, offsets)
-        self.record_count += n
-        if self._full(w):
-            self._close_shard()
-        return n
+        split = o.dtype.kind in "iu" and count > 0
+        if split:
+            records_left = None if self._shard_records is None else self._shard_records - w.record_count
+            bytes_left = None if self._shard_size is None else self._shard_size - w.data_size
+            span = int(o[-1]) - int(o[0])
+            split = (records_left is not None and count > records_left) or (
+                bytes_left is not None and span >= bytes_left
+            )
+        if not split:  # one call (it also says what is wrong with offsets that are not offsets)
+            n = w.extend_offsets(data, offsets)
+            self.record_count += n
+            if self._full(w):
+                self._close_shard()
+            return n
+        try:
+            size = memoryview(data).nbytes
+        except TypeError:
+            size = None
+        at = o.astype(np.int64)
+        bad = (at[1:] < at[:-1]) | (at[:-1] < 0)
+        if size is not None:
+            bad |= at[1:] > size
+        if bool(bad.any()):
+            # The writer checks these too, but on each piece, and would name a place in the piece.
+            i = int(np.argmax(bad))
+            msg = f"{w.path}: offsets[{i}:{i + 2}] do not lie within the data buffer in order"
+            raise PackInputError(msg)
+        done = 0
+        while done < count:
+            w = self._current()
+            take = count - done
+            if self._shard_records is not None:
+                take = min(take, self._shard_records - w.record_count)
+            if self._shard_size is not None:
+                # The records that start before the shard holds shard_size bytes.
+                full_at = int(at[done]) + self._shard_size - w.data_size
+                take = max(1, min(take, int(np.searchsorted(at[:-1], full_at, "left")) - done))
+            got = w.extend_offsets(data, o[done : done + take + 1])
+            done += got
+            self.record_count += got
+            if self._full(w):
+                self._close_shard()
+        return count
 
     def close(self) -> Manifest:
         """Finish the last shard and publish the manifest (idempotent); returns the manifest."""
@@ -710,6 +839,8 @@ class ShardedWriter(Transaction):
 class ShardNames:
     """Shard file names unique to one writer: ``part-<8 hex>-<5 digits>.smst`` in a directory."""
 
+    pattern = re.compile(r"part-[0-9a-f]{8}-[0-9]{5,}\.smst\Z")  # every name() matches
+
     def __init__(self, directory: str) -> None:
         self.directory = directory
         self.run = secrets.token_hex(4)
@@ -736,8 +867,10 @@ def join(
 
     Args:
         inputs: Blobs, manifests or dataset directories (whose shards are taken in their order).
-        output: The manifest file to write (atomically), or a directory (its ``manifest.json``).
-            Shards inside its directory are named relative to it, others by absolute path.
+        output: The manifest file to write (atomically), or a dataset directory (an existing
+            directory or a path ending with ``/``: its ``manifest.json``). Shards inside its
+            directory are named relative to it, others by absolute path. No file is removed,
+            not even the shards of a manifest it replaces.
         metadata: Your own JSON-serializable metadata, stored under ``"user"``.
         verify: Also check each shard's checksum over every byte.
 
@@ -748,7 +881,8 @@ def join(
     if not inputs:
         msg = "join needs at least one shard"
         raise PackInputError(msg)
-    out = manifest_file(output) if os.path.isdir(os.fspath(output)) else os.fspath(output)
+    out = os.path.join(dataset_dir(output), MANIFEST_NAME) if dataset_output(output) else os.fspath(output)
+    check_output(out)  # before reading any shard
     out_dir = os.path.dirname(os.path.abspath(out))
     shards: list[ShardInfo] = []
     encoding: str | None = None
@@ -768,7 +902,9 @@ def join(
             shards.append(info)
             sources.append(os.path.abspath(spath))
     assert encoding is not None
-    return _publish(out, encoding, shards, source=sources, user=metadata, durable=durable)
+    return _publish(
+        out, encoding, shards, source=sources, user=metadata, durable=durable, remove_replaced=False
+    )
 
 
 def _shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
@@ -784,6 +920,33 @@ def _shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
 # ----------------------------------------------------------------------------- parallel packing
 
 Part = list[tuple[str, int, int]]
+
+
+def _open_splittable(name: str) -> tuple[BinaryIO, int]:
+    """`name` opened for cutting into parts, and its size; it must be a regular file."""
+    if name == "-":
+        msg = "stdin cannot be split into parts: give files to pack in parallel or in shards"
+        raise PackInputError(msg)
+    try:
+        # O_NONBLOCK: looking at a FIFO must not wait for a writer.
+        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StoreNotFoundError(2, f"{name}: no such file") from None
+    except OSError as e:
+        raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+    except OSError as e:
+        os.close(fd)
+        raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        msg = (
+            f"{name}: not a regular file (a FIFO, device or directory), so it cannot be cut into parts: "
+            "pack it with -j 1 and no --shard-size, or copy it to a file first"
+        )
+        raise PackInputError(msg)
+    return os.fdopen(fd, "rb"), st.st_size
 
 
 def _line_start_at_or_after(f: BinaryIO, pos: int, size: int) -> int:
@@ -813,16 +976,7 @@ def plan_parts(inputs: Sequence[str], part_size: int) -> list[Part]:
     current: Part = []
     filled = 0
     for name in inputs:
-        if name == "-":
-            msg = "stdin cannot be split into parts: give files to pack in parallel or in shards"
-            raise PackInputError(msg)
-        try:
-            size = os.path.getsize(name)
-            f = open(name, "rb")  # noqa: SIM115 - closed below, after the loop over its parts
-        except FileNotFoundError:
-            raise StoreNotFoundError(2, f"{name}: no such file") from None
-        except OSError as e:
-            raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
+        f, size = _open_splittable(name)
         with f:
             pos = 0
             while pos < size:
@@ -861,7 +1015,8 @@ def pack_parts(
     """Pack text inputs into a sharded dataset, `jobs` shards at a time; (manifest, bytes read, seconds).
 
     The packers run in C++ without the GIL, so threads pack in parallel. Shard ``k`` holds part ``k``
-    of :func:`plan_parts`: the dataset's records are those of a one-process pack, in order.
+    of :func:`plan_parts`: the dataset's records are those of a one-process pack, in order. One job
+    and no `shard_size` make one shard of the inputs whole, so stdin and FIFOs can be packed too.
     """
     from smstore._pack import build_metadata
 
@@ -869,14 +1024,24 @@ def pack_parts(
         msg = f"jobs must be at least 1, not {jobs}"
         raise ValueError(msg)
     start = time.perf_counter()
-    total = sum(os.path.getsize(n) for n in inputs if n != "-")
-    size = shard_size if shard_size is not None else max(1, -(-total // jobs))
-    parts = plan_parts(inputs, size)
+    parts: list[list[Any]]
+    if jobs == 1 and shard_size is None:
+        parts = [list(inputs)]
+    else:
+        if shard_size is None:
+            total = 0
+            for name in inputs:
+                f, size = _open_splittable(name)
+                f.close()
+                total += size
+            shard_size = max(1, -(-total // jobs))
+        parts = [list(part) for part in plan_parts(inputs, shard_size)]
     directory = dataset_dir(output)
     names = ShardNames(directory)
-    sources = [os.path.abspath(n) for n in inputs]
+    sources = [n if n == "-" else os.path.abspath(n) for n in inputs]
     meta = build_metadata(encoding, source=sources, user=metadata)
     paths = [names.name(k) for k in range(len(parts))]
+    published = [False] * len(parts)  # what this run wrote, and so may remove
     done_bytes = [0] * len(parts)
 
     def pack_one(k: int) -> int:
@@ -890,6 +1055,7 @@ def pack_parts(
         try:
             read = run(writer, list(parts[k]), bar if progress is not None else None)
             writer.finish(meta)
+            published[k] = True
         finally:
             writer.abort()
         return read
@@ -915,8 +1081,9 @@ def pack_parts(
             durable=durable,
         )
     except BaseException:
-        for p in paths:
-            with contextlib.suppress(OSError):
-                os.unlink(p)
+        for k, p in enumerate(paths):
+            if published[k]:
+                with contextlib.suppress(OSError):
+                    os.unlink(p)
         raise
     return manifest, read, time.perf_counter() - start

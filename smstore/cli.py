@@ -157,8 +157,13 @@ def _info(store: Any) -> dict[str, Any]:
     }
 
 
+def _inspect(path: str) -> Any:
+    """`path` opened to look at, never to decode: what info, verify and get read (nothing unpickled)."""
+    return smstore.open(path, raw=True)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    with smstore.open(args.store) as store:
+    with _inspect(args.store) as store:
         info = _info(store)
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
@@ -181,7 +186,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     status = 0
     for path in args.stores:
         try:
-            with smstore.open(path) as store:
+            with _inspect(path) as store:
                 store.verify()
                 if isinstance(store, smstore.ShardedStore):
                     print(
@@ -206,13 +211,39 @@ def cmd_join(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decoder(encoding: str, unpickle: bool) -> Callable[[memoryview], bytes] | str:
+    """`get --decode`'s record -> output line, or why it refuses the encoding."""
+    from smstore._objects import OBJECT_ENCODINGS, object_decoder
+
+    decode = object_decoder(encoding)
+    if decode is None:
+        kinds = ", ".join(OBJECT_ENCODINGS)
+        return f"records are encoded as {encoding!r}, not as objects ({kinds}); drop --decode for their bytes"
+    if encoding == "pickle" and not unpickle:
+        return (
+            "records are pickled, and unpickling runs code from the file: give --unsafe-unpickle "
+            "only for a file you trust, or drop --decode for their bytes"
+        )
+    return lambda view: repr(decode(view)).encode("utf-8", "backslashreplace") + b"\n"
+
+
 def cmd_get(args: argparse.Namespace) -> int:
     out = sys.stdout.buffer
-    with smstore.open(args.store) as store:
+    with _inspect(args.store) as store:
+        decode: Callable[[memoryview], bytes] | None = None  # None: the raw bytes, not copied
+        if args.decode or args.unsafe_unpickle:
+            chosen = _decoder(store.encoding, args.unsafe_unpickle)
+            if isinstance(chosen, str):
+                print(f"smstore get: {args.store}: {chosen}", file=sys.stderr)
+                return 2
+            decode = chosen
         for index in args.indices:
-            out.write(store[index])
-            if args.newline:
-                out.write(b"\n")
+            if decode is None:
+                out.write(store[index])
+                if args.newline:
+                    out.write(b"\n")
+            else:
+                out.write(decode(store[index]))  # a line already
     out.flush()
     return 0
 
@@ -230,7 +261,8 @@ def build_parser() -> argparse.ArgumentParser:
         "-o",
         "--output",
         required=True,
-        help="the .smst file to write (atomically); with -j or --shard-size, a dataset directory",
+        help="the .smst file to write (atomically); a dataset directory (manifest.json and shards) "
+        "with -j or --shard-size, or when it is an existing directory or ends with '/'",
     )
     p.add_argument(
         "-j",
@@ -288,16 +320,31 @@ def build_parser() -> argparse.ArgumentParser:
         "inputs", nargs="+", help="shards (.smst blobs), manifests or dataset directories, in order"
     )
     p.add_argument(
-        "-o", "--output", required=True, help="the manifest to write (a file, or a dataset directory)"
+        "-o",
+        "--output",
+        required=True,
+        help="the manifest to write: a file, or a directory (existing, or ending with '/') for its "
+        "manifest.json; join never removes a file",
     )
     p.add_argument("--verify", action="store_true", help="check every shard's checksum over every byte first")
     p.add_argument("--meta", action="append", metavar="KEY=VALUE", help="user metadata (repeatable)")
     p.set_defaults(func=cmd_join)
 
-    p = sub.add_parser("get", help="write the raw bytes of records to stdout")
+    p = sub.add_parser("get", help="write the raw bytes of records to stdout (never decoded by default)")
     p.add_argument("store")
     p.add_argument("indices", nargs="+", type=int, help="record indices (negative counts from the end)")
     p.add_argument("-n", "--newline", action="store_true", help="write a newline after each record")
+    p.add_argument(
+        "--decode",
+        action="store_true",
+        help="write each object record (json, wds) as one line: the repr() of the object it holds; "
+        "refuses pickle records (see --unsafe-unpickle)",
+    )
+    p.add_argument(
+        "--unsafe-unpickle",
+        action="store_true",
+        help="--decode pickle records too. UNPICKLING RUNS ANY CODE THE FILE HOLDS: only for files you trust",
+    )
     p.set_defaults(func=cmd_get)
     _add_daemon_commands(sub)
     return parser

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import random
 import struct
+import subprocess
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -197,3 +199,15 @@ class ItemsDataset:
 def report_shared_list(lst: Any, q: Any) -> None:
     """A multiprocessing child: what it sees of a SharedList it was handed."""
     q.put((lst.role, lst[7], len(lst), os.fstat(lst._fd).st_ino))
+
+
+def run_cli(*args: str | os.PathLike[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
+    """`smstore ARGS...` in a child process (run from SAFE_CWD), output captured, never raising."""
+    return subprocess.run(
+        [sys.executable, "-m", "smstore", *map(os.fspath, args)],
+        input=stdin,
+        capture_output=True,
+        timeout=120,
+        check=False,
+        cwd=SAFE_CWD,
+    )

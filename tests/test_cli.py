@@ -5,6 +5,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import pickle
 import pty
 import select
 import struct
@@ -12,24 +13,18 @@ import subprocess
 import sys
 import termios
 from pathlib import Path
+from typing import Any
 
 import pytest
 import smstore_testlib as tl
 
 import smstore
+from smstore._shards import read_manifest
 
 LINES = tl.AWKWARD[:-1]  # the records of the awkward corpus, as a text file (last line unterminated)
 
 
-def run(*args: str | Path, stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(
-        [sys.executable, "-m", "smstore", *map(str, args)],
-        input=stdin,
-        capture_output=True,
-        timeout=120,
-        check=False,
-        cwd=tl.SAFE_CWD,
-    )
+run = tl.run_cli
 
 
 @pytest.fixture
@@ -324,3 +319,81 @@ def test_pack_max_line_bytes(tmp_path: Path) -> None:
     r = run("pack", "--max-line-bytes", "lots", src, "-o", out)
     assert r.returncode == 2
     assert b"'lots' is not a size" in r.stderr
+
+
+# ----------------------------------------------------------------------------- inspecting never unpickles
+
+
+class Touches:
+    """Unpickling it creates `marker`: the record shows whether anything unpickled it."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Path.touch, (self.marker,))
+
+
+def test_inspecting_a_pickle_store_never_unpickles(tmp_path: Path) -> None:
+    marker = tmp_path / "unpickled"
+    recs = [pickle.dumps(Touches(marker), protocol=5), pickle.dumps({"plain": 1}, protocol=5)] * 3
+    blob = tmp_path / "trap.smst"
+    smstore.pack(recs, blob, encoding="pickle")
+    ds = tmp_path / "ds"
+    with smstore.ShardedWriter(ds, encoding="pickle", shard_records=2, durable=False) as w:
+        w.extend(recs)
+    joined = tmp_path / "joined.json"
+    smstore.join([blob, ds], joined, durable=False)
+    every = recs + recs
+    for n, target in enumerate((blob, ds, joined)):
+        want = recs if target != joined else every
+        for args in (
+            ("info", target),
+            ("info", "--json", target),
+            ("verify", target),
+            ("join", target, "-o", tmp_path / f"again{n}.json"),
+        ):
+            r = run(*args)
+            assert r.returncode == 0, (args, r.stderr)
+        r = run("get", target, "0", "-1")
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == want[0] + want[-1]  # the raw pickle bytes, as the README promises
+        r = run("get", "-n", target, "1")
+        assert r.stdout == want[1] + b"\n"
+        r = run("get", "--decode", target, "0")
+        assert r.returncode == 2
+        assert b"--unsafe-unpickle" in r.stderr
+        assert r.stdout == b""
+        # The Python entry points that only look.
+        with smstore.open(target) as s:
+            assert s.metadata["encoding"] == "pickle"
+            assert repr(s)
+            assert len(s) == len(want)
+            s.verify()
+            assert bytes(s.raw(0)) == want[0]
+        with smstore.open(target, raw=True) as s:
+            assert [bytes(s[i]) for i in range(len(s))] == want
+        if target != blob:
+            assert read_manifest(target).encoding == "pickle"
+    with smstore.Store(blob) as s:
+        assert s.metadata["encoding"] == "pickle"
+    smstore.join([ds, blob], tmp_path / "python-join.json", durable=False)
+    assert not marker.exists()
+    # The trap is armed: the flag that says it runs code does run it.
+    r = run("get", "--unsafe-unpickle", blob, "0")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == b"None\n"  # what Path.touch returned
+    assert marker.exists()
+
+
+def test_get_decode_opt_in(tmp_path: Path, packed: Path) -> None:
+    objs = [{"a": [1, 2]}, "é"]
+    blob = tmp_path / "objs.smst"
+    smstore.pack_objects(objs, blob, encoding="json")
+    r = run("get", "--decode", blob, "0", "1")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == repr(objs[0]).encode() + b"\n" + repr(objs[1]).encode() + b"\n"
+    assert run("get", blob, "0").stdout == b'{"a":[1,2]}'  # without --decode: the bytes
+    r = run("get", "--decode", packed, "0")
+    assert r.returncode == 2
+    assert b"encoded as 'lines', not as objects" in r.stderr

@@ -166,7 +166,7 @@ def test_directory_input_and_output_are_refused(tmp_path: Path) -> None:
     with pytest.raises(StoreIOError, match="directory"):
         smstore.pack_files([tmp_path], tmp_path / "o.smst", progress=False)
     with pytest.raises(StoreIOError, match="directory"):
-        smstore.pack_files([src], tmp_path, progress=False)
+        smstore.pack([b"a"], tmp_path)  # a blob writer; pack_files makes a dataset of a directory
     with pytest.raises(StoreIOError):
         smstore.pack_files([src], tmp_path / "no" / "such" / "dir.smst", progress=False)
     assert not (tmp_path / "o.smst").exists()

@@ -8,11 +8,11 @@ import json
 import os
 import pickle
 import random
+import re
 import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -313,37 +313,70 @@ def test_repacking_replaces_the_dataset_and_its_shards(
     held.close()
 
 
+# Run in a child: `smstore pack -j 2` with the packer of its third part held until the test has
+# signalled it. Parts 0 and 1 start at once on the two threads; part 2 starts only once one of them
+# has published its shard, so "held" means shards are being written, whatever the machine's load.
+# The hold is in this test only: the child sets it up before it runs the command line.
+_HELD_PACK = """
+import signal, sys, threading
+from smstore import _core, cli
+
+signalled = threading.Event()
+
+def on_sigint(signum, frame):
+    signalled.set()  # lets the held part go on, as a part still running when ^C comes would
+    signal.default_int_handler(signum, frame)  # KeyboardInterrupt in the main thread
+
+signal.signal(signal.SIGINT, on_sigint)
+real, calls, lock = _core.pack_lines, [], threading.Lock()
+
+def pack_lines(*args):
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})  # the main thread takes the signal
+    with lock:
+        calls.append(None)
+        k = len(calls) - 1
+    if k == 2:
+        print("held", flush=True)
+        signalled.wait()
+    return real(*args)
+
+_core.pack_lines = pack_lines
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
 @pytest.mark.parametrize("signum", [signal.SIGKILL, signal.SIGINT])
 def test_interrupted_parallel_pack_keeps_the_previous_dataset(tmp_path: Path, signum: int) -> None:
     src = tmp_path / "big.txt"
-    src.write_bytes(b"".join(b"%d:%s\n" % (i, b"x" * (i % 97)) for i in range(200_000)))
+    src.write_bytes(b"".join(b"%d:%s\n" % (i, b"x" * (i % 97)) for i in range(20_000)))
     out = tmp_path / "ds"
-    smstore.pack_files([src], out, shard_size=1 << 20, progress=False, durable=False)
+    smstore.pack_files([src], out, shard_size=100_000, progress=False, durable=False)
     before = {p.name: p.read_bytes() for p in out.iterdir()}
-    # 1.1 GB of input, interrupted after its first shards: seconds of packing left when the signal
-    # comes, however late a loaded machine runs this process (20 copies finished first under load).
-    code = (
-        "import sys, smstore\n"
-        "print('go', flush=True)\n"
-        "smstore.pack_files([sys.argv[1]] * 100, sys.argv[2], jobs=2, shard_size=1 << 20, progress=False)\n"
-    )
+    args = ["pack", os.fspath(src), os.fspath(src), "-o", os.fspath(out), "-j", "2", "--shard-size", "100K"]
     with subprocess.Popen(
-        [sys.executable, "-c", code, os.fspath(src), os.fspath(out)],
+        [sys.executable, "-c", _HELD_PACK, *args, "-q", "--no-fsync"],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         cwd=tl.SAFE_CWD,
     ) as proc:
         assert proc.stdout is not None
-        assert proc.stdout.readline() == b"go\n"
-        deadline = time.monotonic() + 30
-        while len(list(out.iterdir())) <= len(before) + 1 and time.monotonic() < deadline:
-            time.sleep(0.005)
+        assert proc.stderr is not None
+        held = proc.stdout.readline()  # no deadline: the child either holds part 2 or exits
+        assert held == b"held\n", proc.stderr.read().decode()
+        new = [p.name for p in out.iterdir() if p.name not in before]
+        assert any(n.startswith("part-") for n in new), new  # a shard of this run is in place
         proc.send_signal(signum)
-        proc.wait(timeout=30)
-    assert proc.returncode != 0, "the pack finished before it could be interrupted"
+        proc.wait(timeout=300)  # not a race: only a hang guard
+        err = proc.stderr.read().decode()
+    if signum == signal.SIGINT:
+        assert proc.returncode == 130, err
+        assert "smstore pack: interrupted" in err
+        assert sorted(os.listdir(out)) == sorted(before)  # every shard of the run removed
+    else:
+        assert proc.returncode == -signal.SIGKILL
     with smstore.open(out, verify=True) as s:
         assert {k: (out / k).read_bytes() for k in before} == before
-        assert len(s) == 200_000
+        assert len(s) == 20_000
 
 
 # ----------------------------------------------------------------------------- errors
@@ -399,6 +432,31 @@ def test_shard_of_another_dataset_is_refused(tmp_path: Path, dataset: Path) -> N
     assert "shard 3" in verify.stderr
 
 
+def _add(doc: dict, key: str, extra: int, *shards: int) -> None:
+    """Add `extra` to `key` of the given shards, and to the dataset's total (so only the size is wrong)."""
+    for k in shards:
+        doc["shards"][k][key] += extra
+    if key in doc:
+        doc[key] += extra * len(shards)
+
+
+# Integers a 64-bit reader cannot hold (they once raised OverflowError or TypeError), alone or summed.
+HUGE_INTEGERS = [
+    (lambda d: _add(d, "records", 2**63, 1), r"shards\[1\]\.records must be an integer >= 0 and < 2\*\*63"),
+    (lambda d: _add(d, "records", 2**64, 0), r"shards\[0\]\.records must be an integer"),
+    (lambda d: _add(d, "data_bytes", 2**64, 2), r"shards\[2\]\.data_bytes must be an integer"),
+    (lambda d: _add(d, "file_size", 2**63, 0), r"shards\[0\]\.file_size must be an integer >= 4096 and < 2"),
+    (
+        lambda d: d.update(records=2**63),
+        r"records must be an integer >= 0 and < 2\*\*63, not 9223372036854775808",
+    ),
+    (lambda d: d.update(data_bytes=-1), r"data_bytes must be an integer >= 0"),
+    (lambda d: _add(d, "records", 2**62, 0, 1), r"the shards' records add up to \d+, more than 2\*\*63 - 1"),
+    (lambda d: _add(d, "data_bytes", 2**62, 0, 1), r"the shards' data_bytes add up to \d+, more than"),
+    (lambda d: _add(d, "file_size", 2**62, 1, 2), r"the shards' file_size add up to \d+, more than"),
+]
+
+
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -410,6 +468,7 @@ def test_shard_of_another_dataset_is_refused(tmp_path: Path, dataset: Path) -> N
         (lambda d: d.update(records=d["records"] + 1), "records is .* its shards add up to"),
         (lambda d: d.update(shards={}), "shards must be a list"),
         (lambda d: d["shards"][0].update(records=d["shards"][0]["records"] + 1), "add up to"),
+        *HUGE_INTEGERS,
     ],
 )
 def test_malformed_manifest_names_the_field(
@@ -422,6 +481,30 @@ def test_malformed_manifest_names_the_field(
     with pytest.raises((StoreFormatError, StoreVersionError), match=message) as err:
         smstore.open(dataset)
     assert "manifest.json" in str(err.value)
+
+
+@pytest.mark.parametrize(("edit", "message"), HUGE_INTEGERS)
+def test_huge_manifest_integers_are_named_by_info_and_verify(
+    dataset: Path, edit: Callable[[dict], None], message: str
+) -> None:
+    """Counts past what 64-bit code holds: a StoreFormatError naming the field, never a traceback."""
+    path = dataset / MANIFEST_NAME
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+    for command in ("info", "verify"):
+        r = subprocess.run(
+            [sys.executable, "-m", "smstore", command, os.fspath(dataset)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            cwd=tl.SAFE_CWD,
+        )
+        assert r.returncode == 1, r.stderr
+        assert "Traceback" not in r.stderr
+        assert re.search(message, r.stderr), r.stderr
+        assert "manifest.json: not a valid smstore manifest" in r.stderr
 
 
 def test_manifest_count_disagreeing_with_its_shard(dataset: Path) -> None:

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from smstore._pack import PackStats, Writer
+from smstore._pack import PackStats, Writer, dataset_output
 from smstore._shards import ShardedWriter
+from smstore.errors import PackInputError
 
 __all__ = ["Spans", "write_records"]
 
@@ -36,31 +37,57 @@ class _Progress:
 
 
 class Spans:
-    """Many records at once: ``data[offsets[i]:offsets[i+1]]`` (an Arrow binary or string array)."""
+    """Many records at once: ``data[offsets[i]:offsets[i+1]]`` (an Arrow binary or string array).
 
-    __slots__ = ("data", "offsets")
+    `where` names the input they came from (``"in.parquet: record batch 3"``): a fault the writer
+    finds in them (offsets out of order or beyond the data) is reported there, not at the output.
+    """
 
-    def __init__(self, data: Any, offsets: Any) -> None:
+    __slots__ = ("data", "offsets", "where")
+
+    def __init__(self, data: Any, offsets: Any, where: str = "") -> None:
         self.data = data
         self.offsets = offsets
+        self.where = where
+
+
+def _without_output(message: str) -> str:
+    """The writer's ``"<output>: offsets[i:j] ..."`` without the output's name."""
+    at = message.rfind(": offsets[")
+    return message[at + 2 :] if at >= 0 else message
 
 
 def _write(w: Writer | ShardedWriter, records: Iterable[Any]) -> None:
-    """Records one by one, and Spans in one call each."""
-    pending: list[Any] = []
-    for r in records:
-        if isinstance(r, Spans):
-            if pending:
-                w.extend(pending)
-                pending = []
+    """Runs of records in one ``extend`` call each, Spans in one ``extend_offsets`` call each.
+
+    A run is handed over lazily, not gathered in a list here: 1,024 large samples in a list could
+    exhaust memory, and ``ShardedWriter.extend`` bounds what it holds at once by bytes.
+    """
+    it = iter(records)
+    met: list[Spans] = []
+
+    def run(first: Any) -> Iterator[Any]:
+        """`first` and the records after it, up to the next Spans (left in `met`)."""
+        yield first
+        for r in it:
+            if isinstance(r, Spans):
+                met.append(r)
+                return
+            yield r
+
+    for r in it:
+        if not isinstance(r, Spans):
+            w.extend(run(r))
+            if not met:
+                continue  # `it` is exhausted
+            r = met.pop()
+        try:
             w.extend_offsets(r.data, r.offsets)
-        else:
-            pending.append(r)
-            if len(pending) >= 1024:
-                w.extend(pending)
-                pending = []
-    if pending:
-        w.extend(pending)
+        except PackInputError as e:
+            if not r.where:
+                raise
+            # The writer names its output; the fault lies in the input.
+            raise PackInputError(f"{r.where}: {_without_output(str(e))}") from None
 
 
 def write_records(
@@ -75,14 +102,15 @@ def write_records(
     input_bytes: int,
     bar: _Progress,
 ) -> PackStats:
-    """Stream `records` into `output` (a blob; with `shard_size`, a dataset directory); atomic either way.
+    """Stream `records` into `output` (a blob; a dataset directory with `shard_size` or as
+    :func:`smstore._pack.dataset_output` says); atomic either way.
 
     `bar` is the progress bar the records generator updates; it is closed here, however this ends.
     """
     try:
         start = time.perf_counter()
         sources = [os.path.abspath(s) for s in source]
-        if shard_size is not None:
+        if shard_size is not None or dataset_output(output):
             with ShardedWriter(
                 output,
                 encoding=encoding,
