@@ -10,10 +10,13 @@ For each format, in one run on the same files (page cache warm, best of `--repea
   in an info row, against the bare page decode / IPC read, which hands no record to Python: a
   floor that no reader of records reaches, not the goal); webdataset's
   `tar_file_iterator` over the members; a numpy slice of the mapped `.bin` per Megatron document
-  (megatron-core's `IndexedDataset[i]`); `json.load` of the JSON list;
+  (megatron-core's `IndexedDataset[i]`); `json.load` of the JSON list, and of a COCO-like file for
+  `--key annotations` (its images list first);
 - smstore: the converter writing a blob (`durable=False`, so the disk's fsync speed stays out).
 
-Peak RSS: a child process converting the >= 1 GiB Parquet file (VmHWM), against the file size.
+Peak RSS: a child process converting the >= 1 GiB Parquet file (VmHWM), against the file size; and
+children converting `--key annotations` after a large images list or one 200 MiB string, against
+`--key images` (the values skipped must cost no memory).
 """
 
 from __future__ import annotations
@@ -253,6 +256,100 @@ def bench_json(report: Report, tmp: Path, repeats: int) -> None:
     ratio_row(report, f"JSON list -> blob ({size:.0f} MiB)", size, ours, best(repeats, theirs), "json.load")
 
 
+def make_coco(path: Path, images: int, annotations: int) -> None:
+    """A COCO-like file: info and licenses, the images list first, then annotations and categories."""
+    rng = np.random.default_rng(4)
+    ids = rng.integers(0, 10**6, images).tolist()
+    heights = rng.integers(200, 640, images).tolist()
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"info": {"year": 2017, "description": "COCO-like"}, "licenses": [{"id": 1, "name": "x"}],')
+        f.write(' "images": [')
+        f.write(
+            ",".join(
+                f'{{"license": 3, "file_name": "{i:012d}.jpg", "coco_url": "http://images.cocodataset.org/'
+                f'train2017/{i:012d}.jpg", "height": {h}, "width": 640, "date_captured": "2013-11-14 17:02:52", '
+                f'"flickr_url": "http://farm7.staticflickr.com/6116/{i}_da26cf2c9e_z.jpg", "id": {i}}}'
+                for i, h in zip(ids, heights, strict=True)
+            )
+        )
+        f.write('], "annotations": [')
+        polygon = ", ".join(f"{x:.2f}" for x in rng.uniform(0, 640, 24))
+        f.write(
+            ",".join(
+                f'{{"segmentation": [[{polygon}]], "area": 702.1057, "iscrowd": 0, "image_id": {ids[a % images]}, '
+                f'"bbox": [473.07, 395.93, 38.65, 28.67], "category_id": {a % 90 + 1}, "id": {a}}}'
+                for a in range(annotations)
+            )
+        )
+        f.write('], "categories": [{"supercategory": "person", "id": 1, "name": "person"}]}')
+
+
+def make_big_string(path: Path, mib: int) -> None:
+    """One string value of `mib` MiB (escapes and non-ASCII text in it) before a small list under "annotations"."""
+    piece = 'lorem ipsum \\"dolor\\" sit amet caf\\u00e9 é\\n ' * 1000
+    with open(path, "w", encoding="utf-8") as f:
+        f.write('{"blob": "')
+        f.writelines(piece for _ in range(mib * MiB // len(piece.encode())))
+        f.write('", "annotations": [' + ",".join(json.dumps({"id": i}) for i in range(1000)) + "]}")
+
+
+JSON_RSS_CHILD = """
+import sys
+from smstore.convert import convert_json_list
+convert_json_list(sys.argv[1], sys.argv[2], key=sys.argv[3], durable=False, progress=False)
+for line in open('/proc/self/status'):
+    if line.startswith('VmHWM:'):
+        print(int(line.split()[1]))
+"""
+
+
+def json_peak_mib(src: Path, out: Path, key: str) -> float:
+    """Peak RSS (VmHWM) of a child converting the list under `key`."""
+    run = subprocess.run(
+        [sys.executable, "-c", JSON_RSS_CHILD, str(src), str(out), key],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    out.unlink()
+    return int(run.stdout.split()[-1]) / 1024
+
+
+def bench_json_coco(report: Report, tmp: Path, repeats: int) -> None:
+    """--key annotations after a large images list: the list skipped is walked, never built."""
+    src = tmp / "coco.json"
+    make_coco(src, 240_000, 70_000)
+    size = src.stat().st_size / MiB
+
+    def theirs() -> None:
+        with open(src, encoding="utf-8") as f:
+            json.load(f)
+
+    out = tmp / "anns.smst"
+    ours = best(
+        repeats,
+        lambda: convert_json_list(src, out, key="annotations", durable=False, progress=False),
+        out,
+    )
+    name = f"COCO --key annotations -> blob ({size:.0f} MiB, images list first)"
+    ratio_row(report, name, size, ours, best(repeats, theirs), "json.load")
+    out.unlink()
+    images = json_peak_mib(src, out, "images")
+    for what, path in (("a COCO file, images list skipped", src), ("after one 200 MiB string", None)):
+        if path is None:
+            path = tmp / "string.json"
+            make_big_string(path, 200)
+        peak = json_peak_mib(path, out, "annotations")
+        report.add(
+            f"peak RSS, --key annotations: {what} ({path.stat().st_size / MiB:.0f} MiB file)",
+            f"{peak:.0f} MiB",
+            baseline=f"--key images of the COCO file {images:.0f} MiB",
+            ratio=f"{peak / images:.2f}",
+            goal="< 1.5",
+            met=yes_no(peak < 1.5 * images),
+        )
+
+
 RSS_CHILD = """
 import sys
 from smstore.convert import convert_arrow
@@ -297,6 +394,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_webdataset(report, tmp, args.repeats)
         bench_megatron(report, tmp, args.repeats)
         bench_json(report, tmp, args.repeats)
+        bench_json_coco(report, tmp, args.repeats)
     cmd = " ".join(["python benchmarks/bench_convert.py", *(argv if argv is not None else sys.argv[1:])])
     write_results(
         args.out,

@@ -117,13 +117,16 @@ def convert_megatron(
         )
     if bool(np.any(lengths < 0)):
         raise PackInputError(f"{idx_path}: sequence {int(np.argmax(lengths < 0))} has a negative length")
-    ends = pointers + lengths.astype(np.int64) * dtype.itemsize
-    if nseq and (int(pointers.min()) < 0 or int(ends.max()) > bin_size):
-        bad = int(np.argmax((pointers < 0) | (ends > bin_size)))
+    nbytes = lengths.astype(np.int64) * dtype.itemsize
+    # Compared so that nothing overflows: a pointer near 2**63 plus its length would wrap around.
+    outside = (pointers < 0) | (pointers > bin_size) | (nbytes > bin_size - pointers)
+    if bool(outside.any()):
+        bad = int(np.argmax(outside))
         raise PackInputError(
-            f"{idx_path}: sequence {bad} lies at bytes {int(pointers[bad])}..{int(ends[bad])} of {bin_path}, "
-            f"which has {bin_size}: the index does not belong to this .bin"
+            f"{idx_path}: sequence {bad} lies at bytes {int(pointers[bad])}..{int(pointers[bad]) + int(nbytes[bad])} "
+            f"of {bin_path}, which has {bin_size}: the index does not belong to this .bin"
         )
+    ends = pointers + nbytes
     # Sequences that do not follow the one before are fine between documents, not inside one.
     gaps = np.flatnonzero(pointers[1:] != ends[:-1]) + 1  # sequence g starts away from g - 1's end
     inside = gaps[~np.isin(gaps, docs)]
@@ -147,18 +150,21 @@ def convert_megatron(
 
     def records() -> Iterator[Spans]:
         if bin_size == 0:
-            yield Spans(b"", np.zeros(len(first) + 1, np.int64))
+            yield Spans(b"", np.zeros(len(first) + 1, np.int64), f"{bin_path}: documents 0..{len(first) - 1}")
             return
         with open(bin_path, "rb") as f:
             # Not closed explicitly: the writer may still hold a view when this ends; the mapping
             # goes when the last view of it does.
             view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
         bounds = [0, *breaks.tolist(), len(first)]
-        step = 65536  # documents a call: bounded memory for the offsets, progress as it goes
+        # Documents a call: bounded memory for the offsets, progress as it goes. The writer
+        # splits a call where a shard fills.
+        step = 65536
         for lo, hi in itertools.pairwise(bounds):
             for a in range(lo, hi, step):
                 b = min(a + step, hi)
-                yield Spans(view, np.concatenate([begin[a : a + 1], end[a:b]]))
+                where = f"{bin_path}: documents {a}..{b - 1}"
+                yield Spans(view, np.concatenate([begin[a : a + 1], end[a:b]]), where)
                 bar.update(int(end[b - 1]))
 
     return write_records(
