@@ -18,24 +18,40 @@ ROOT = Path(__file__).resolve().parent.parent
 FUZZ = ROOT / "fuzz"
 VENV = ROOT / ".venv-fuzz"
 PYTHON = VENV / "bin" / "python"
-TARGETS = ["blob", "jsonl", "npy_lines", "daemon"]
-# Longer inputs than libFuzzer's default 4096 for blobs, so that ones with a full 4096-byte header grow too.
-MAX_LEN = {"blob": 8192}
+TARGETS = ["blob", "jsonl", "npy_lines", "daemon", "arrow", "tar", "json_list"]
+# Longer inputs than libFuzzer's default 4096 where seeds are longer: blobs with a full 4096-byte
+# header, Parquet files with their footer, tar files of a few 512-byte blocks. libFuzzer cuts a
+# seed longer than this, so make_corpus.py keeps the seeds under it.
+MAX_LEN = {"blob": 8192, "arrow": 8192, "tar": 8192}
 # atheris 3.0.0's bundled ASan+libFuzzer runtime works with clang 14's instrumentation once the
 # vptr and function checks are off (CMakeLists.txt, SMSTORE_FUZZ); another atheris may not.
 ATHERIS = "atheris==3.0.0"
+# What the targets import besides smstore: the converters' oracles are the real libraries
+# (pyproject's convert and test extras allow these; the dev venv has the same versions).
+DEPENDENCIES = [ATHERIS, "xxhash", "pyarrow==26.0.1", "webdataset==1.0.2"]
+DEPENDENCY_MODULES = "atheris, xxhash, pyarrow.parquet, webdataset"
 ARTIFACTS = ("crash-", "leak-", "timeout-", "oom-")
 
 
-def build_venv() -> None:
-    """The instrumented build in its own venv: clang, SMSTORE_FUZZ=ON, symbols kept for stack traces."""
-    if not (shutil.which("clang") and shutil.which("clang++")):
-        sys.exit("fuzz/run.py needs clang and clang++ (Debian: apt-get install clang libclang-rt-14-dev)")
+def prepare_venv(rebuild: bool) -> None:
+    """.venv-fuzz with the targets' dependencies and the instrumented build, each step only when missing.
+
+    A .venv-fuzz made before a target needed a new dependency gets it installed without a rebuild.
+    """
     if not PYTHON.exists():
         subprocess.run([sys.executable, "-m", "venv", VENV], check=True)
     pip = [PYTHON, "-m", "pip", "install", "--quiet", "--progress-bar", "off"]
-    subprocess.run([*pip, "--upgrade", "pip"], check=True)
-    subprocess.run([*pip, ATHERIS, "xxhash"], check=True)
+    if not imports(DEPENDENCY_MODULES):
+        subprocess.run([*pip, "--upgrade", "pip"], check=True)
+        subprocess.run([*pip, *DEPENDENCIES], check=True)
+    if rebuild or not imports("smstore._core"):
+        build_extension(pip)
+
+
+def build_extension(pip: list[str | Path]) -> None:
+    """The instrumented build: clang, SMSTORE_FUZZ=ON, symbols kept for stack traces."""
+    if not (shutil.which("clang") and shutil.which("clang++")):
+        sys.exit("fuzz/run.py needs clang and clang++ (Debian: apt-get install clang libclang-rt-14-dev)")
     build = ["-Ccmake.define.SMSTORE_FUZZ=ON", "-Cbuild-dir=build/fuzz", "-Cinstall.strip=false"]
     env = {**os.environ, "CC": "clang", "CXX": "clang++"}
     # Uninstalled first: pip would keep an installed smstore of the same version.
@@ -43,11 +59,15 @@ def build_venv() -> None:
     subprocess.run([*pip, ".", *build], check=True, cwd=ROOT, env=env)
 
 
-def venv_ready() -> bool:
-    probe = "import atheris, xxhash, smstore._core"
+def imports(modules: str) -> bool:
+    """Whether .venv-fuzz's Python imports these modules (with the fuzzing runtime preloaded)."""
+    probe = f"import {modules}"
     return (
         PYTHON.exists()
-        and subprocess.run([PYTHON, "-c", probe], check=False, cwd="/", env=fuzz_env(None)).returncode == 0
+        and subprocess.run(
+            [PYTHON, "-c", probe], check=False, capture_output=True, cwd="/", env=fuzz_env(None)
+        ).returncode
+        == 0
     )
 
 
@@ -149,8 +169,7 @@ def main() -> int:
         parser.error(f"unknown target among {targets}: the targets are {TARGETS}")
     if not 1 <= args.seconds <= 7 * 24 * 3600 or not 1 <= args.jobs <= 64:
         parser.error("--seconds must be in [1, 604800] and --jobs in [1, 64]")
-    if args.rebuild or not venv_ready():
-        build_venv()
+    prepare_venv(args.rebuild)
     if args.reproduce is not None:
         if len(targets) != 1:
             parser.error("--reproduce needs exactly one target")
