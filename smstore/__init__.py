@@ -22,6 +22,7 @@ from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, joi
 from smstore._store import Store, open
 from smstore.errors import (
     ChecksumMismatchError,
+    CollateError,
     DaemonError,
     PackInputError,
     SharedListError,
@@ -51,6 +52,7 @@ __version__: str = _core.__version__
 
 __all__ = [
     "ChecksumMismatchError",
+    "CollateError",
     "DaemonError",
     "DaemonStore",
     "GlobalShuffleSampler",
