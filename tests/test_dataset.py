@@ -137,6 +137,33 @@ def test_missing_or_bad_file(tmp_path: Path) -> None:
         SharedStoreDataset(bad)
 
 
+@pytest.mark.parametrize("mode", ["auto", "mmap"])
+def test_a_directory_or_a_text_file_says_what_to_give(tmp_path: Path, mode: str) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    smstore.pack([b"a"], folder / "part-0.smst")  # shards, but no manifest
+    notes = tmp_path / "notes.txt"
+    notes.write_text("first line\nsecond line\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"a": 1}\n')
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(256)) * 20)
+    for open_it in (smstore.open, lambda p: SharedStoreDataset(p, mode=mode)):
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(folder)
+        for text in (f"{folder}: a directory, but not a sharded dataset", "no manifest.json", "smstore pack"):
+            assert text in str(e.value)  # was "not a regular file"
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(notes)
+        assert f"it looks like text: pack it into a blob first, 'smstore pack {notes} -o " in str(e.value)
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(rows)
+        assert f"'smstore pack --format jsonl {rows} -o {tmp_path / 'rows.smst'}'" in str(e.value)
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(junk)  # no sign of what it is: only the fault
+        assert str(e.value) == f"{junk}: not an smstore blob (bad magic bytes)"
+
+
 # ----------------------------------------------------------------------------- pickling
 
 
