@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
 import numpy as np
@@ -174,12 +174,12 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         return self._len
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        records: list[Any] = self.store.get_batch(indices)
+        records: Iterable[Any] = self.store.get_batch(indices)
         if self._decoder is not None:
-            records = list(map(self._decoder, records))
+            records = map(self._decoder, records)
         if self.transform is not None:
-            records = list(map(self.transform, records))
-        batch = _Batch(records)  # so that torch's default collate_fn can tell our records (see above)
+            records = map(self.transform, records)
+        batch = _Batch(records)  # one list, which torch's default collate_fn can tell (see above)
         batch.path = self.path
         batch.indices = indices
         return batch
