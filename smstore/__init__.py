@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
     from smstore.residency import ShardResidency
-    from smstore.sampler import GlobalShuffleSampler, WindowedShuffleSampler
+    from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
 
 __version__: str = _core.__version__
@@ -59,6 +59,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "ResumableLoader",
     "ShardResidency",
     "ShardedObjectStore",
     "ShardedStore",
@@ -101,6 +102,7 @@ _LAZY = {
     "TokenCollator": "smstore.collate",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
+    "ResumableLoader": "smstore.sampler",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",
