@@ -360,6 +360,33 @@ def test_another_user_cannot_make_a_job_fail_or_wait(
     assert "daemon socket" not in accepted
 
 
+@pytest.mark.skipif(
+    os.getuid() != 0 or python_for_nobody() is None, reason="needs root and a Python uid 65534 can run"
+)
+def test_a_process_of_this_user_is_found_on_either_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the election of ranks without LOCAL_RANK relies on: a second server of the user is refused."""
+    monkeypatch.setenv("SMSTORE_JOB_ID", f"test-{uuid.uuid4().hex}")
+    lj = smstore._localjob
+    address = lj.address_for("elect")
+    squatter = Squatter(listen=[address], accept=True)
+    try:
+        first = lj.bind_listener(address, "elect")  # another uid holds the name: a private one
+        try:
+            name = first.getsockname()
+            assert name.startswith(address + b"-")
+            with pytest.raises(OSError, match="already serves it"):
+                lj.bind_listener(address, "elect")
+            peer = lj.connect(address, "elect", time.monotonic() + 30)
+            try:
+                assert peer.pid == os.getpid()
+            finally:
+                peer.close()
+        finally:
+            first.close()
+    finally:
+        squatter.stop()
+
+
 def test_sigkill_of_the_whole_job_leaves_nothing(job: type[Job]) -> None:
     name = f"job-{uuid.uuid4().hex[:8]}"
     shm_before = shm_entries(name)
