@@ -779,7 +779,11 @@ class ResumableLoader(Generic[T]):
 
     def __init__(self, loader: Iterable[T], *, sampler: GlobalShuffleSampler | None = None) -> None:
         chain = _sampler_chain(loader)
-        found = sampler or next((s for s in chain if isinstance(s, GlobalShuffleSampler)), None)
+        found = (
+            sampler
+            if sampler is not None
+            else next((s for s in chain if isinstance(s, GlobalShuffleSampler)), None)
+        )
         if found is None:
             msg = (
                 f"no GlobalShuffleSampler found in {type(loader).__name__}'s sampler or batch_sampler: "

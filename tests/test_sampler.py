@@ -516,6 +516,8 @@ def test_resumable_loader_refuses_what_it_cannot_count() -> None:
         ResumableLoader(DataLoader(range(100), batch_sampler=[[0, 1], [2]]), sampler=s)
     with pytest.raises(ValueError, match="in_order"):
         ResumableLoader(DataLoader(range(100), batch_size=4, sampler=s, num_workers=2, in_order=False))
+    empty = GlobalShuffleSampler(0, seed=0, rank=0, world_size=1)  # given, not found: even when empty
+    assert ResumableLoader(DataLoader(range(0), batch_size=4), sampler=empty).sampler is empty
 
 
 def test_state_dict_refuses_to_answer_ahead_of_a_prefetching_loader() -> None:

@@ -26,10 +26,11 @@ __all__ = ["adopt_wrappers", "called_by_stateful_loader", "check_set_epoch", "in
 # Objects that draw a pass ahead of the training loop: worker prefetch, accelerate's one-batch
 # look-ahead, Lightning's prefetching fetcher. (A single-process torch DataLoader draws a batch
 # when the loop asks for it, so it is not here.)
+_SHARD_LOADER = ("accelerate.data_loader", "DataLoaderShard")  # what prepare() returns
 _AHEAD = (
     ("torch.utils.data.dataloader", "_MultiProcessingDataLoaderIter"),
     ("torchdata.stateful_dataloader.stateful_dataloader", "_StatefulMultiProcessingDataLoaderIter"),
-    ("accelerate.data_loader", "DataLoaderShard"),
+    _SHARD_LOADER,
     ("lightning.pytorch.loops.fetchers", "_DataFetcher"),
     ("pytorch_lightning.loops.fetchers", "_DataFetcher"),
 )
@@ -40,8 +41,8 @@ _LIGHTNING_WRAPPERS = (
     ("lightning.fabric.utilities.distributed", "_DatasetSamplerWrapper"),
     ("lightning_fabric.utilities.distributed", "_DatasetSamplerWrapper"),
 )
-_SHARD = ("accelerate.data_loader", "BatchSamplerShard")
-_DISPATCHER = ("accelerate.data_loader", "DataLoaderDispatcher")
+_SHARD = ("accelerate.data_loader", "BatchSamplerShard")  # the second split
+_DISPATCHER = ("accelerate.data_loader", "DataLoaderDispatcher")  # process 0 reads for all
 _DEPTH = 64  # frames looked at; a Lightning fetcher sits about 15 frames above the sampler
 
 
@@ -153,7 +154,7 @@ def inspect_pass(sampler: Split, frame: FrameType | None) -> Pass:
     dispatcher = _loaded(_DISPATCHER)
     lightning = _loaded(*_LIGHTNING_WRAPPERS)
     ahead = _loaded(*_AHEAD)
-    shard_loader = _loaded(("accelerate.data_loader", "DataLoaderShard"))
+    shard_loader = _loaded(_SHARD_LOADER)
     drawn_ahead, epoch = False, None
     for obj, function in _callers(frame):
         if shard_loader and epoch is None and function == "__iter__" and isinstance(obj, shard_loader):
@@ -182,7 +183,7 @@ def check_set_epoch(sampler: Split, epoch: int, pending: int, frame: FrameType |
     Raises:
         ValueError: accelerate's DataLoaderShard is about to start the pass at another epoch.
     """
-    shard_loader = _loaded(("accelerate.data_loader", "DataLoaderShard"))
+    shard_loader = _loaded(_SHARD_LOADER)
     if not shard_loader:
         return
     for obj, function in _callers(frame):
