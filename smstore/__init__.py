@@ -22,6 +22,7 @@ from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, joi
 from smstore._store import Store, open
 from smstore.errors import (
     ChecksumMismatchError,
+    CollateError,
     DaemonError,
     PackInputError,
     SharedListError,
@@ -44,19 +45,21 @@ if TYPE_CHECKING:
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
     from smstore.residency import ShardResidency
-    from smstore.sampler import GlobalShuffleSampler, WindowedShuffleSampler
+    from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
 
 __version__: str = _core.__version__
 
 __all__ = [
     "ChecksumMismatchError",
+    "CollateError",
     "DaemonError",
     "DaemonStore",
     "GlobalShuffleSampler",
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "ResumableLoader",
     "ShardResidency",
     "ShardedObjectStore",
     "ShardedStore",
@@ -99,6 +102,7 @@ _LAZY = {
     "TokenCollator": "smstore.collate",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
+    "ResumableLoader": "smstore.sampler",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",

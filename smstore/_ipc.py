@@ -15,6 +15,7 @@ from smstore.errors import DaemonError
 
 __all__ = [
     "MAX_MESSAGE",
+    "check_default_dir",
     "connect",
     "decode_body",
     "default_socket_path",
@@ -79,6 +80,31 @@ def ensure_private_dir(path: Path, *, create: bool, group_gid: int | None = None
         raise DaemonError(msg)
 
 
+def check_default_dir(path: Path) -> None:
+    """Refuse the per-user default socket `path` unless its directory is this user's and closed to others.
+
+    The default directory's name is predictable (``/tmp/smstore-<uid>``): another user can create it
+    first and listen there. A client must not speak to that listener (it could stall the client, or
+    hand it a segment of its own making); the daemon refuses to start there for the same reason.
+
+    Raises:
+        DaemonError: The directory is missing (no daemon), not a directory, another user's, or
+            writable by others.
+    """
+    try:
+        ensure_private_dir(path.parent, create=False)
+    except FileNotFoundError:
+        msg = f"cannot reach an smstore daemon on {path} (no such directory); start one with 'smstore serve FILE'"
+        raise DaemonError(msg) from None
+    except DaemonError as e:
+        msg = (
+            f"not using the smstore daemon socket {path}: {e}. Another user may have created the "
+            f"directory to intercept your processes; remove it, or give the socket of your daemon "
+            "with --socket or $SMSTORE_SOCKET"
+        )
+        raise DaemonError(msg) from None
+
+
 def encode(message: dict[str, Any]) -> bytes:
     """One frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON."""
     body = json.dumps(message, separators=(",", ":")).encode()
@@ -111,8 +137,11 @@ def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
     """A new connection to the daemon at `path`.
 
     Raises:
-        DaemonError: No daemon listens there.
+        DaemonError: No daemon listens there, or `path` is the per-user default and its directory
+            is not this user's own (see :func:`check_default_dir`).
     """
+    if path == default_socket_path():
+        check_default_dir(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         sock.settimeout(timeout)

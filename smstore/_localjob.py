@@ -4,15 +4,26 @@ The local rank 0 listens on a Linux abstract-namespace Unix socket named from th
 local ranks connect to it, learn its pid at once, and receive the descriptor (SCM_RIGHTS) when it
 is ready. An abstract socket has no file: it vanishes with the last process holding it, so
 nothing is left behind when a job is killed, and EOF on it tells a waiter that the builder died.
+
+Abstract names have no permissions, and this one is predictable (torchrun's defaults give every
+job the key ``none``/``127.0.0.1``/``29500``), so another user can bind it first. Nobody but this
+user can make a job fail or wait through it: both ends check the peer's uid (``SO_PEERCRED``)
+before they exchange a byte, and a builder that finds the name held by another user listens on
+the name followed by ``-<128 random bits>`` instead, which waiters find in ``/proc/net/unix``
+(connecting to each candidate and keeping the one that belongs to this user).
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import errno
 import hashlib
 import json
+import logging
 import os
+import re
+import secrets
 import select
 import socket
 import struct
@@ -25,9 +36,16 @@ from typing import Any
 
 from smstore.errors import SharedListError
 
-__all__ = ["Peer", "Server", "Topology", "address_for", "connect", "job_key", "topology"]
+__all__ = ["Peer", "Server", "Topology", "address_for", "bind_listener", "connect", "job_key", "topology"]
+
+log = logging.getLogger("smstore")
 
 _UCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+# /proc/net/unix flags of a listening socket (__SO_ACCEPTCON).
+_ACCEPTING = 0x10000
+# How long a builder that finds its name bound by nobody listening gives a racing process of this
+# user (between its bind() and listen(), microseconds) before it calls the name taken.
+_RACE_GRACE = 0.2
 
 
 @dataclass(frozen=True)
@@ -93,6 +111,128 @@ def _peer_cred(sock: socket.socket) -> tuple[int, int]:
     return pid, uid
 
 
+def _connect_ours(address: bytes) -> tuple[socket.socket | None, int | None]:
+    """A connection to ``address`` if a process of this user listens there.
+
+    Returns ``(sock, uid)``: the connected socket (blocking) when the listener is ours; ``None``
+    and the listener's uid when it is another user's (closed at once: no byte is exchanged);
+    ``(None, None)`` when nobody listens there or its backlog is full. Never blocks: the listener's
+    uid is known at connect() (the kernel records it at listen()), before anyone accepts.
+    """
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC | socket.SOCK_NONBLOCK)
+    try:
+        sock.connect(address)
+        _pid, uid = _peer_cred(sock)
+    except OSError:  # refused (nobody listens), EAGAIN (backlog full): not usable now
+        sock.close()
+        return None, None
+    except BaseException:
+        sock.close()
+        raise
+    if uid != os.getuid():
+        sock.close()
+        return None, uid
+    sock.setblocking(True)
+    return sock, uid
+
+
+def _private_names(address: bytes) -> list[bytes]:
+    """The listening abstract sockets named ``address-<32 hex digits>`` (anyone's), from /proc/net/unix."""
+    prefix = "@" + address[1:].decode() + "-"
+    try:
+        with open("/proc/net/unix", encoding="ascii", errors="replace") as f:
+            lines = f.readlines()[1:]
+    except OSError:
+        return []
+    names = []
+    for line in lines:
+        # Num RefCount Protocol Flags Type St Inode Path; a name is another user's text: check all of it.
+        fields = line.split()
+        if len(fields) != 8 or not fields[7].startswith(prefix):
+            continue
+        if not re.fullmatch(r"[0-9a-f]{32}", fields[7][len(prefix) :]):
+            continue
+        try:
+            accepting = int(fields[3], 16) & _ACCEPTING
+        except ValueError:
+            continue
+        if accepting:
+            names.append(b"\0" + fields[7][1:].encode())
+    return names
+
+
+def _find_ours(address: bytes) -> socket.socket | None:
+    """A connection to this user's process listening on ``address`` or on one of its private names."""
+    sock, _uid = _connect_ours(address)
+    if sock is not None:
+        return sock
+    for name in _private_names(address):
+        sock, _uid = _connect_ours(name)
+        if sock is not None:
+            return sock
+    return None
+
+
+def _listen(address: bytes) -> socket.socket | None:
+    """A socket listening on ``address``; None if the name is taken."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            return None
+        raise
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _taken(name: str) -> OSError:
+    return OSError(errno.EADDRINUSE, f"SharedList {name!r}: a process of this user already serves it")
+
+
+def bind_listener(address: bytes, name: str) -> socket.socket:
+    """Listen for the waiters of list ``name``: on ``address``, or on a private name if another user holds it.
+
+    Raises:
+        OSError: ``EADDRINUSE`` if a process of this user already serves the list (on either name).
+    """
+    sock = _listen(address)
+    if sock is not None:
+        return sock
+    give_up = time.monotonic() + _RACE_GRACE
+    while True:
+        ours, uid = _connect_ours(address)
+        if ours is not None:
+            ours.close()
+            raise _taken(name)
+        if uid is not None or time.monotonic() >= give_up:
+            break  # another user's, or bound by a process that never listens
+        time.sleep(0.005)  # bound, not listening yet: maybe one of ours between bind() and listen()
+        sock = _listen(address)
+        if sock is not None:
+            return sock  # it went away
+    for other in _private_names(address):
+        ours, _uid = _connect_ours(other)
+        if ours is not None:
+            ours.close()
+            raise _taken(name)
+    holder = f"uid {uid}" if uid is not None else "a process that does not listen"
+    log.warning(
+        "SharedList %r: its rendezvous name on this node is held by %s, not by this user; "
+        "serving it on a private name instead",
+        name,
+        holder,
+    )
+    while True:  # 128 random bits: nobody can take this one before us
+        sock = _listen(address + b"-" + secrets.token_hex(16).encode())
+        if sock is not None:
+            return sock
+
+
 def _encode(message: dict[str, Any]) -> bytes:
     return json.dumps(message).encode() + b"\n"
 
@@ -106,13 +246,7 @@ class Server:
     """
 
     def __init__(self, address: bytes, name: str, expected: int | None) -> None:
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            self._sock.bind(address)
-            self._sock.listen(128)
-        except BaseException:
-            self._sock.close()
-            raise
+        self._sock = bind_listener(address, name)
         self._name = name
         self._expected = expected
         self._served = 0
@@ -318,14 +452,15 @@ class Peer:
 
 
 def connect(address: bytes, name: str, deadline: float) -> Peer:
-    """Connect to the builder of list ``name``, retrying while nobody listens yet, until ``deadline``."""
+    """Connect to the builder of list ``name``, retrying while nobody listens yet, until ``deadline``.
+
+    Only a process of this user counts: another user's socket on the name is never spoken to, and
+    the builder is looked for on its private names too (see :func:`bind_listener`).
+    """
     delay = 0.005
     while True:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
-        try:
-            sock.connect(address)
-        except (ConnectionRefusedError, FileNotFoundError):
-            sock.close()
+        sock = _find_ours(address)
+        if sock is None:
             left = deadline - time.monotonic()
             if left <= 0:
                 msg = (
@@ -333,11 +468,8 @@ def connect(address: bytes, name: str, deadline: float) -> Peer:
                     "time; every local rank must create the same SharedLists in the same order (or pass "
                     "the same name=), and local rank 0 must be running"
                 )
-                raise SharedListError(msg) from None
+                raise SharedListError(msg)
             time.sleep(min(delay, left))
             delay = min(delay * 2, 0.25)
             continue
-        except BaseException:
-            sock.close()
-            raise
         return Peer(sock, name)

@@ -19,7 +19,17 @@ from smstore.errors import PackInputError, StoreFormatError, StoreIOError
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-__all__ = ["PackStats", "Writer", "build_metadata", "check_output", "dataset_output", "pack", "pack_files"]
+__all__ = [
+    "PackStats",
+    "Writer",
+    "build_metadata",
+    "byte_bar",
+    "check_output",
+    "dataset_output",
+    "human_bytes",
+    "pack",
+    "pack_files",
+]
 
 Record = bytes | bytearray | memoryview | str
 
@@ -358,6 +368,48 @@ def pack_text_inputs(
     return PackStats(writer.record_count, total, writer.data_size, time.perf_counter() - start)
 
 
+def human_bytes(n: float, sep: str = " ") -> str:
+    """A byte count in binary units: ``512 B``, ``1.5 MiB`` (``sep`` between number and unit)."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024:
+            return f"{n:.0f}{sep}B" if unit == "B" else f"{n:.1f}{sep}{unit}"
+        n /= 1024
+    return f"{n:.1f}{sep}TiB"
+
+
+def byte_bar(total: int | None, desc: str) -> Any:
+    """A tqdm bar of bytes on stderr in binary units (KiB, MiB/s: those of the summary line).
+
+    tqdm's own byte units are decimal for the rate (``MB/s``) whatever its divisor, and a terminal
+    that reports 0 columns (a fresh pty, some CI runners) left its bar blank: such a terminal
+    gets 80 x 24.
+    """
+    from tqdm import tqdm
+
+    class ByteBar(tqdm):  # type: ignore[misc]
+        @property
+        def format_dict(self) -> dict[str, Any]:
+            d: dict[str, Any] = super().format_dict
+            rate = d.get("rate")
+            if rate is None and d.get("elapsed"):
+                rate = (d["n"] - d.get("initial", 0)) / d["elapsed"]
+            d["done"] = human_bytes(d["n"], "")
+            d["size"] = human_bytes(d["total"], "") if d.get("total") is not None else "?"
+            d["speed"] = f"{human_bytes(rate, '')}/s" if rate else "?B/s"
+            return d
+
+    try:
+        columns, rows = os.get_terminal_size(sys.stderr.fileno())
+    except (OSError, ValueError):
+        columns, rows = 0, 0
+    fmt = (
+        "{desc}: {percentage:3.0f}%|{bar}| {done}/{size} [{elapsed}<{remaining}, {speed}]"
+        if total is not None
+        else "{desc}: {done} [{elapsed}, {speed}]"
+    )
+    return ByteBar(total=total, desc=desc, ncols=columns or 80, nrows=rows or 24, bar_format=fmt)
+
+
 class _progress_bar:
     """A tqdm byte counter on a terminal; None (no callback) otherwise."""
 
@@ -366,11 +418,9 @@ class _progress_bar:
             enabled = sys.stderr.isatty()
         self._bar: Any = None
         if enabled:
-            from tqdm import tqdm
-
             sizes = [os.path.getsize(n) for n in names if n != "-" and os.path.isfile(n)]
             total = sum(sizes) if len(sizes) == len(names) else None
-            self._bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="pack")
+            self._bar = byte_bar(total, "pack")
 
     def _update(self, done: int) -> None:
         self._bar.update(done - self._bar.n)

@@ -248,14 +248,46 @@ def cmd_get(args: argparse.Namespace) -> int:
     return 0
 
 
+_EPILOG = """\
+formats of 'smstore pack --format' (one record per...):
+  lines                 line of a text file (the default; every byte but the final newline)
+  jsonl                 line, each checked to be JSON
+  npy-lines             line of integers, stored as one array of --dtype (token ids)
+  parquet, arrow, hf    value of --column (or row, as an object) of a Parquet or Arrow file,
+                        a directory of them, or a Hugging Face save_to_disk folder
+  webdataset            sample of WebDataset tar shards
+  megatron              document of a Megatron-LM indexed dataset (PREFIX of .bin/.idx)
+  json-list             object of a JSON list (--key K: the list under key K, e.g. of a COCO file)
+
+examples:
+  smstore pack corpus.txt -o corpus.smst
+  smstore pack big/*.txt -o corpus/ -j 8 --shard-size 1G      a sharded dataset, 8 shards at once
+  smstore pack --format parquet --column text data.parquet -o data.smst
+  smstore pack --format json-list --key images instances_train2017.json -o images.smst
+  smstore info corpus.smst ; smstore verify corpus/ ; smstore get corpus.smst 17
+  smstore serve corpus.smst &  smstore status ; smstore stop  the node daemon
+
+'smstore COMMAND --help' tells more; so do README.md and docs/ (convert.md, packing.md,
+daemon.md) of the smstore sources.
+"""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="smstore", description="A shared-memory sample store for PyTorch training."
+        prog="smstore",
+        description="A shared-memory sample store for PyTorch training.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"smstore {smstore.__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    p = sub.add_parser("pack", help="pack text files into a blob, one record per line")
+    p = sub.add_parser(
+        "pack",
+        help="pack text, JSON lines, token arrays or a converted format (below) into a blob",
+        epilog=_EPILOG[: _EPILOG.index("examples:")],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("inputs", nargs="+", help="input files, read in order ('-' for stdin)")
     p.add_argument(
         "-o",
@@ -403,6 +435,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         stream=sys.stderr,
     )
     shm_limit = args.shm_limit if args.shm_limit is not None else _from_env("SMSTORE_SHM_LIMIT", _size)
+    shm_limit_from = "--shm-limit" if args.shm_limit is not None else "$SMSTORE_SHM_LIMIT"
     timeout = args.io_timeout if args.io_timeout is not None else _from_env("SMSTORE_IO_TIMEOUT", _seconds)
     defaults = Limits()
     try:
@@ -421,6 +454,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         sock=args.socket,
         group=args.group,
         shm_limit=shm_limit or 0,
+        shm_limit_from=shm_limit_from,
         read_rate=args.max_read_rate or 0,
         limits=limits,
         background=args.background,
@@ -443,6 +477,11 @@ def cmd_status(args: argparse.Namespace) -> int:
         f"daemon pid {reply['pid']} on {reply['socket']}; /dev/shm: {_human(shm['available'])} free "
         f"of {_human(shm['total'])}"
     )
+    if shm.get("limit"):
+        print(
+            f"limit {_human(shm['limit'])} ({shm.get('limit_from', '--shm-limit')}): "
+            f"{_human(shm.get('used', 0))} used by its segments"
+        )
     for seg in reply["segments"]:
         loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seg["loaded_at"]))
         how = "adopted" if seg["adopted"] else f"in {seg['load_seconds']:.2f} s"

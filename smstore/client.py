@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from smstore import _core
-from smstore._ipc import connect, encode, exchange, request, socket_path
+from smstore._ipc import connect, default_socket_path, encode, exchange, request, socket_path
 from smstore._shards import ShardedStore, ShardInfo, is_manifest, open_sharded, read_manifest
-from smstore._store import Store, read_checksum
+from smstore._store import Store, open_blob, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
 
 __all__ = [
@@ -237,6 +237,33 @@ def _log_once(path: str, choice: str, message: str, *args: object) -> None:
         log.info(message, *args)
 
 
+_warned_fallback = False  # whether this process has warned that mode="auto" mapped a file instead
+
+
+def _fall_back(path: str, reason: str, sock_at: Path) -> None:
+    """Say that mode="auto" maps the file at `path` instead of using the daemon, and why.
+
+    A warning, once per process, when a daemon was meant to serve it (it runs but does not serve
+    this file, it failed, or a socket was named or left behind): every process then reads the
+    file through the page cache, which is what the daemon was there to avoid. With no daemon at
+    the per-user default socket, the normal case without one, it is only logged at INFO.
+    """
+    global _warned_fallback
+    expected = sock_at != default_socket_path() or os.path.lexists(sock_at) or "cannot reach" not in reason
+    if expected and not _warned_fallback:
+        _warned_fallback = True
+        _logged.add((path, "mmap"))
+        log.warning(
+            "%s: mapping the file instead of using the smstore daemon: %s. Every process "
+            "then reads the file through the page cache (pass mode='mmap' to skip the daemon without this "
+            "warning; later fallbacks in this process are logged at INFO)",
+            path,
+            reason,
+        )
+        return
+    _log_once(path, "mmap", "%s: mapping the file (%s)", path, reason)
+
+
 def open_store(
     path: str | os.PathLike[str],
     mode: Mode = "auto",
@@ -289,14 +316,14 @@ def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[st
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
     if mode == "mmap":
-        return Store(spath)
+        return open_blob(spath)
     try:
         checksum = read_checksum(spath)
     except OSError:
         checksum = None
     if checksum is None:
         # Missing, unreadable or not a blob: let the reader raise its precise error.
-        return Store(spath)
+        return open_blob(spath)
     return _attach(spath, checksum, mode, socket_path(socket), None)
 
 
@@ -449,25 +476,23 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
     except DaemonError as e:
         if mode == "daemon":
             raise
-        _log_once(spath, "mmap", "%s: mapping the file (%s)", spath, e)
+        _fall_back(spath, str(e), sock_at)
         return Store(spath)
     if not reply.get("ok") or fd is None:
         if conn is not None:
             conn.close()
         if fd is not None:
             os.close(fd)
+        if reply.get("error") == "not_served":
+            reason = (
+                f"the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
+                f"load it with 'smstore load {spath}'"
+            )
+        else:
+            reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
         if mode == "daemon":
-            if reply.get("error") == "not_served":
-                msg = (
-                    f"{spath}: the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
-                    f"load it with 'smstore load {spath}'"
-                )
-            else:
-                msg = f"{spath}: the smstore daemon on {sock_at} refused: {reply.get('message')}"
-            raise DaemonError(msg)
-        _log_once(
-            spath, "mmap", "%s: mapping the file (the daemon on %s: %s)", spath, sock_at, reply.get("message")
-        )
+            raise DaemonError(f"{spath}: {reason}")
+        _fall_back(spath, reason, sock_at)
         return Store(spath)
     try:
         if conn is not None:

@@ -22,6 +22,7 @@ from typing import Any
 from smstore import _core
 from smstore._connections import Conn, Limits, ProtocolError, Server
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
+from smstore._pack import human_bytes
 from smstore._segments import (
     SHM_DIR,
     DaemonLock,
@@ -36,8 +37,8 @@ from smstore._segments import (
     write_state,
 )
 from smstore._shards import Manifest, manifest_file, read_manifest
-from smstore._store import read_checksum
-from smstore.errors import DaemonError, StoreError
+from smstore._store import explain_not_a_blob, read_checksum
+from smstore.errors import DaemonError, SharedMemoryError, StoreError, StoreFormatError
 
 __all__ = ["Daemon", "Limits", "serve"]
 
@@ -102,6 +103,11 @@ def _path_value(value: object) -> str:
     return value
 
 
+def _sized(size: int) -> str:
+    """A byte count for a message: ``64.0 KiB (65536 bytes)``."""
+    return f"{size} bytes" if size < 1024 else f"{human_bytes(size)} ({size} bytes)"
+
+
 def _pages(size: int) -> int:
     """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
     return -(-size // _PAGE) * _PAGE
@@ -162,6 +168,7 @@ class Daemon(Server):
         sock_path: Where to listen.
         group: Share segments and the socket with this group (read-only), or None for this user only.
         shm_limit: Pretend /dev/shm holds at most this many bytes for our segments (0: no limit).
+        shm_limit_from: Where ``shm_limit`` came from, for the messages that it refuses a load.
         read_rate: Read files at most this many bytes a second (0: no limit), to spare a shared
             file system.
         limits: What clients are allowed (connections, request size, timeouts).
@@ -173,6 +180,7 @@ class Daemon(Server):
         *,
         group: str | None = None,
         shm_limit: int = 0,
+        shm_limit_from: str = "--shm-limit",
         read_rate: int = 0,
         limits: Limits | None = None,
     ) -> None:
@@ -187,6 +195,7 @@ class Daemon(Server):
         self.start_time = start
         self.gid: int | None = grp.getgrnam(group).gr_gid if group else None
         self.shm_limit = shm_limit
+        self.shm_limit_from = shm_limit_from
         self.read_rate = read_rate
         self.segments: dict[str, Segment] = {}
         self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
@@ -427,17 +436,43 @@ class Daemon(Server):
         room = 0
         if self.shm_limit:
             room = max(1, self.shm_limit - used)
+            self._check_limit(path, used)
         name = self._segment_name(checksum or "0" * 16)
         mode = 0o400 if self.gid is None else 0o440
         t0 = time.monotonic()
         gid = -1 if self.gid is None else self.gid
-        fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, gid, room, self.read_rate)
+        try:
+            fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, gid, room, self.read_rate)
+        except StoreFormatError as e:
+            raise explain_not_a_blob(path, e) from None
         if ck != checksum:  # the file was replaced between the two reads
             os.close(fd)
             _core.shm_unlink("/" + name)
             msg = f"{path}: the file changed while it was being loaded; try again"
             raise DaemonError(msg)
         return name, fd, ck, time.monotonic() - t0
+
+    def _check_limit(self, path: str, used: int) -> None:
+        """Refuse a load that --shm-limit leaves no room for, blaming the limit (not /dev/shm).
+
+        Raises:
+            SharedMemoryError: The blob does not fit under the limit, and /dev/shm has more room
+                than the limit leaves (else the loader's own message, about /dev/shm, is right).
+        """
+        try:
+            needed = _pages(os.stat(path).st_size)
+        except OSError:
+            return  # the load says what is wrong with the file
+        room = max(0, self.shm_limit - used)
+        if needed <= room or _core.shm_space(os.fspath(SHM_DIR))[0] < room:
+            return
+        msg = (
+            f"{path}: not enough shared memory under the daemon's limit: loading it needs "
+            f"{_sized(needed)}, but {self.shm_limit_from} is {_sized(self.shm_limit)} and the daemon's "
+            f"segments use {_sized(used)} of it. Raise {self.shm_limit_from}, unload blobs the daemon "
+            'serves (smstore unload FILE), or read the file directly: mode="mmap".'
+        )
+        raise SharedMemoryError(msg)
 
     def _shm_used(self) -> int:
         """Bytes of our segments, for --shm-limit (the loader thread calls it too: copy the values)."""
@@ -847,7 +882,13 @@ class Daemon(Server):
             "uid": self.uid,
             "socket": os.fspath(self.sock_path),
             "version": _core.__version__,
-            "shm": {"available": available, "total": total, "limit": self.shm_limit},
+            "shm": {
+                "available": available,
+                "total": total,
+                "limit": self.shm_limit,
+                "limit_from": self.shm_limit_from,
+                "used": self._shm_used(),
+            },
             "segments": [self._describe(s) for s in self.segments.values()],
             "loading": sorted(self.loading),
             "held": sorted(self.managed),  # checksums loaded because a rank holds them
@@ -901,6 +942,7 @@ def serve(
     sock: str | os.PathLike[str] | None = None,
     group: str | None = None,
     shm_limit: int = 0,
+    shm_limit_from: str = "--shm-limit",
     read_rate: int = 0,
     limits: Limits | None = None,
     background: bool = True,
@@ -914,7 +956,14 @@ def serve(
     if background:
         # Before any thread starts: each thread of the daemon inherits it.
         set_background_scheduling()
-    daemon = Daemon(socket_path(sock), group=group, shm_limit=shm_limit, read_rate=read_rate, limits=limits)
+    daemon = Daemon(
+        socket_path(sock),
+        group=group,
+        shm_limit=shm_limit,
+        shm_limit_from=shm_limit_from,
+        read_rate=read_rate,
+        limits=limits,
+    )
 
     def on_signal(signum: int, _frame: object) -> None:
         log.info("%s received: stopping", signal.Signals(signum).name)

@@ -3,17 +3,96 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, cast
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset
+from torch.utils.data._utils import collate as torch_collate
 
-from smstore._core import RecordReader
+from smstore._core import RecordReader, _DataExport
 from smstore._decode import Decoder, make_decoder
 from smstore._store import ShardedStore, Store
 from smstore.client import Mode, open_store
+from smstore.errors import CollateError
 
 __all__ = ["SharedStoreDataset"]
+
+_CHOOSE = (
+    "pass decode= ('utf8', 'bytes' or 'json' give lists of those; 'numpy' or 'torch' give arrays, "
+    "which the default collate_fn stacks when every record has the same length), or "
+    "collate_fn=smstore.TokenCollator(dataset) to pad or pack token records into one tensor, or a "
+    "collate_fn of your own"
+)
+
+
+class _Batch(list[Any]):
+    """The records of one ``__getitems__`` call (what a DataLoader collates): tells ours from anyone's."""
+
+    __slots__ = ("indices", "path")
+    path: str
+    indices: Sequence[int]
+
+
+def _refuse_views(batch: Sequence[Any], *, collate_fn_map: dict[Any, Any] | None = None) -> Any:
+    """torch's default collate_fn on memoryviews: ours raise; anyone else's are sequences, as before."""
+    if isinstance(batch[0].obj, _DataExport):
+        where = f"{batch.path}: " if isinstance(batch, _Batch) else ""
+        msg = (
+            f"{where}the records are read-only memoryviews (decode=None, or 'auto' on a blob of bytes), "
+            "and torch's default collate_fn would turn a batch of them into one tensor per byte "
+            f"position, not one per record: {_CHOOSE}"
+        )
+        raise CollateError(msg)
+    others = {k: v for k, v in (collate_fn_map or {}).items() if k is not memoryview}
+    return torch_collate.collate(batch, collate_fn_map=others)
+
+
+def _explain_ragged(collate_fn: Any) -> Any:
+    """Wrap torch's collate_fn of arrays so that our records of different shapes name the way out."""
+
+    def collate_records(batch: Sequence[Any], *, collate_fn_map: dict[Any, Any] | None = None) -> Any:
+        try:
+            return collate_fn(batch, collate_fn_map=collate_fn_map)
+        except RuntimeError:  # "stack expects each tensor to be equal size", "...storage not resizable"
+            if not isinstance(batch, _Batch):
+                raise
+            first = tuple(batch[0].shape)
+            for k, record in enumerate(batch):
+                if tuple(record.shape) != first:
+                    msg = (
+                        f"{batch.path}: records {batch.indices[0]} and {batch.indices[k]} have shapes "
+                        f"{first} and {tuple(record.shape)}, and torch's default collate_fn stacks only "
+                        f"records of one shape: {_CHOOSE}"
+                    )
+                    raise CollateError(msg) from None
+            raise
+
+    collate_records.smstore_guard = True  # type: ignore[attr-defined]
+    return collate_records
+
+
+def _guard_default_collate() -> None:
+    """Make torch's default collate_fn refuse the batches it would get wrong, with what to do instead.
+
+    A memoryview is a ``Sequence`` to torch: records "A0".."A3" became ``[tensor([65, 65, 65, 65]),
+    tensor([48, 49, 50, 51])]`` without a word. Arrays of different lengths failed with torch's
+    "stack expects each tensor to be equal size" (in a worker: "Trying to resize storage that is
+    not resizable"), with no word of a collate_fn. This registers handlers in the map that
+    ``default_collate`` dispatches on (in each process that imports this module: every DataLoader
+    worker does, to unpickle the dataset): memoryviews over smstore's mappings raise, and arrays
+    keep torch's own collate_fn, whose failure on one of our batches is explained.
+    """
+    table: dict[Any, Any] = torch_collate.default_collate_fn_map
+    table[memoryview] = _refuse_views
+    for kind in (torch.Tensor, np.ndarray):
+        handler = table.get(kind)
+        if handler is not None and not getattr(handler, "smstore_guard", False):
+            table[kind] = _explain_ragged(handler)
+
+
+_guard_default_collate()
 
 
 class SharedStoreDataset(RecordReader, Dataset[Any]):
@@ -42,7 +121,10 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
-        into tensors) inside the worker: pass ``decode=`` or a ``collate_fn``.
+        into tensors) inside the worker: pass ``decode=`` or a ``collate_fn``. torch's default
+        ``collate_fn`` raises :class:`smstore.CollateError` on a batch of these memoryviews (it
+        would make one tensor per byte position) and on arrays of different lengths (pass
+        ``collate_fn=smstore.TokenCollator(dataset)`` to pad or pack them).
     """
 
     def __init__(
@@ -92,14 +174,15 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         return self._len
 
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
-        records: list[Any] = self.store.get_batch(indices)
+        records: Iterable[Any] = self.store.get_batch(indices)
         if self._decoder is not None:
-            decoder = self._decoder
-            records = [decoder(r) for r in records]
+            records = map(self._decoder, records)
         if self.transform is not None:
-            transform = self.transform
-            records = [transform(r) for r in records]
-        return records
+            records = map(self.transform, records)
+        batch = _Batch(records)  # one list, which torch's default collate_fn can tell (see above)
+        batch.path = self.path
+        batch.indices = indices
+        return batch
 
     def __getstate__(self) -> dict[str, Any]:
         # Path and options only: never the data, never a mapping or a socket.

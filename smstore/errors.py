@@ -4,6 +4,7 @@ from __future__ import annotations
 
 __all__ = [
     "ChecksumMismatchError",
+    "CollateError",
     "DaemonError",
     "PackInputError",
     "SharedListError",
@@ -70,6 +71,10 @@ class SharedListError(SharedMemoryError):
 
 class SharedListMismatchError(SharedListError, ValueError):
     """Local ranks passed different lists to the same SharedList."""
+
+
+class CollateError(StoreError, TypeError):
+    """Records that torch's default collate_fn would batch wrongly, or not at all: pass decode= or a collate_fn."""
 
 
 class DaemonError(StoreError):

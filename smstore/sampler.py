@@ -7,15 +7,34 @@ import hashlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
 from operator import length_hint
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
 from smstore import _core
+from smstore.integrations import frameworks
 
-__all__ = ["FeistelPermutation", "GlobalShuffleSampler", "WindowedOrder", "WindowedShuffleSampler"]
+if TYPE_CHECKING:
+    from torch.utils.data.distributed import DistributedSampler
+
+    _SamplerBase = DistributedSampler[int]
+else:
+    try:
+        # Frameworks that split a sampler across ranks (Lightning, Fabric) leave a DistributedSampler
+        # alone: being one is how the sampler says it is split already.
+        from torch.utils.data.distributed import DistributedSampler as _SamplerBase
+    except ImportError:  # pragma: no cover - torch is optional: the sampler serves any loop without it
+        _SamplerBase = object
+
+__all__ = [
+    "FeistelPermutation",
+    "GlobalShuffleSampler",
+    "ResumableLoader",
+    "WindowedOrder",
+    "WindowedShuffleSampler",
+]
 
 _STATE_VERSION = 1
 
@@ -108,6 +127,12 @@ def _round_keys(key: bytes, rounds: int = 6) -> list[int]:
     return [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
 
 
+def _check_world(rank: int, world_size: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        msg = f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
+        raise ValueError(msg)
+
+
 def _world_from_env() -> tuple[int, int]:
     """(rank, world size) from an initialized torch.distributed, else torchrun's env, else (0, 1)."""
     dist = sys.modules.get("torch.distributed")
@@ -118,7 +143,7 @@ def _world_from_env() -> tuple[int, int]:
     return 0, 1
 
 
-class GlobalShuffleSampler:
+class GlobalShuffleSampler(_SamplerBase):
     """An exact global shuffle of every record, split across ranks, that resumes in O(1).
 
     **The order.** Epoch ``e`` visits the records in the order ``O = [P(0), P(1), ..., P(N-1)]``
@@ -143,17 +168,26 @@ class GlobalShuffleSampler:
     any one rank (rank 0's, by convention) describes them all.
 
     **Which position to save.** A ``DataLoader`` with workers draws indices from the sampler ahead
-    of the training loop (``prefetch_factor * num_workers`` batches), so what the sampler has
-    handed out is not what the loop has trained on. Two exact ways:
+    of the training loop (``prefetch_factor * num_workers`` batches; accelerate and Lightning draw
+    one more), so what the sampler has handed out is not what the loop has trained on. Save the
+    loader's position, not the sampler's:
 
     * torchdata's ``StatefulDataLoader``: save ``loader.state_dict()``. It snapshots the sampler
       state at the batch the loop last received, and ``loader.load_state_dict()`` hands it back.
-    * A plain ``DataLoader``: count the samples your loop received in the current pass
-      (``batches * batch_size``) and save ``sampler.state_dict(local_consumed=count)``.
+    * A plain ``DataLoader`` (or one a framework prepared): iterate :class:`ResumableLoader`
+      ``(loader)`` and save its ``state_dict()``: it counts the batches the loop received.
 
     ``sampler.state_dict()`` without an argument is the position the sampler's current iterator
-    has reached: exact when iterating the sampler directly or with ``num_workers=0`` and no
-    prefetch, ahead of the loop otherwise.
+    has reached: exact when iterating the sampler directly or with a single-process ``DataLoader``.
+    While a loader that draws ahead (workers, accelerate, Lightning) runs a pass, it raises
+    ``RuntimeError`` instead of answering ahead of the loop; ``local_consumed=`` (the samples this
+    rank's loop received in the pass) answers exactly.
+
+    **Training frameworks.** The sampler is a ``torch.utils.data.DistributedSampler``, so Lightning
+    and Fabric use it as it is (they split any other sampler across ranks again). Accelerate's
+    ``prepare`` (and so the HF Trainer) wraps it in a ``BatchSamplerShard``, whose second split the
+    sampler turns off when it first sees it (``len()`` or the first batch); a wrapper it cannot
+    undo raises ``ValueError`` naming the fix. docs/recipes.md has a tested recipe for each.
 
     **Memory.** O(1) in the number of records: the permutation is computed, never stored (a
     stored permutation of 1e9 records is 8 GB per rank). The iterator holds one chunk of at most
@@ -164,10 +198,14 @@ class GlobalShuffleSampler:
         dataset_or_len: The dataset (anything with ``len``) or the number of records.
         seed: Any integer; the same on every rank.
         rank: This rank; by default from ``torch.distributed`` when it is initialized, else the
-            ``RANK`` environment variable (torchrun), else 0.
+            ``RANK`` environment variable (torchrun), else 0. Looked up again when a pass starts
+            (so a sampler made before ``init_process_group``, or before Lightning launched its
+            processes, takes its rank from the process group once there is one).
         world_size: The number of ranks; found like ``rank``.
         drop_last: Drop the tail that does not divide evenly instead of padding.
     """
+
+    shuffle = True  # read by frameworks that inspect a DistributedSampler (Lightning's eval warning)
 
     def __init__(
         self,
@@ -185,13 +223,12 @@ class GlobalShuffleSampler:
         if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
             msg = f"seed must be an integer, not {seed!r}"
             raise TypeError(msg)
+        self._auto_rank, self._auto_world = rank is None, world_size is None
         if rank is None or world_size is None:
             env_rank, env_world = _world_from_env()
             rank = env_rank if rank is None else rank
             world_size = env_world if world_size is None else world_size
-        if world_size < 1 or not 0 <= rank < world_size:
-            msg = f"need 0 <= rank < world_size, got rank={rank}, world_size={world_size}"
-            raise ValueError(msg)
+        _check_world(rank, world_size)
         self.num_records = int(n)
         self.seed = int(seed)
         self.rank = int(rank)
@@ -209,6 +246,30 @@ class GlobalShuffleSampler:
         self._pass_chunk: Iterator[int] | None = None
         self._pass_chunk_len = 0
         self._pass_finished = False
+        self._pass_ahead = False  # drawn by a loader that runs ahead of the training loop
+
+    @property
+    def num_replicas(self) -> int:
+        """``world_size``, under DistributedSampler's name."""
+        return self.world_size
+
+    @num_replicas.setter
+    def num_replicas(self, value: int) -> None:
+        _check_world(self.rank, value)
+        self.world_size = int(value)
+
+    def _sync_world(self) -> None:
+        """Take the rank and world size not given explicitly from torch.distributed, once it is
+        initialized (between passes only: a pass keeps the split it started with)."""
+        if not (self._auto_rank or self._auto_world) or (self._in_pass and not self._pass_finished):
+            return
+        dist = sys.modules.get("torch.distributed")
+        if dist is None or not dist.is_available() or not dist.is_initialized():
+            return
+        rank = int(dist.get_rank()) if self._auto_rank else self.rank
+        world = int(dist.get_world_size()) if self._auto_world else self.world_size
+        _check_world(rank, world)
+        self.rank, self.world_size = rank, world
 
     # -- the order --------------------------------------------------------------------------
 
@@ -250,15 +311,22 @@ class GlobalShuffleSampler:
 
     def __len__(self) -> int:
         """Samples this rank yields in the next pass (the rest of the epoch after a resume)."""
+        self._sync_world()
+        frameworks.adopt_wrappers(self, sys._getframe(1))
         return self._local_count(self._consumed if self._resume else 0)
 
     def __iter__(self) -> Iterator[int]:
+        self._sync_world()
+        seen = frameworks.inspect_pass(self, sys._getframe(1))
+        if seen.epoch is not None:
+            self.set_epoch(seen.epoch)
         start = self._consumed if self._resume else 0
         self._resume = False
         self._consumed = start
         self._iter_token += 1
         self._in_pass, self._pass_finished = True, False
         self._pass_start, self._pass_done, self._pass_chunk, self._pass_chunk_len = start, 0, None, 0
+        self._pass_ahead = seen.ahead
         return self._generate(self._iter_token, self.permutation(), start, self._local_count(start))
 
     def _generate(self, token: int, perm: Order, start: int, count: int) -> Iterator[int]:
@@ -306,6 +374,8 @@ class GlobalShuffleSampler:
         """Select the epoch of the next pass. A state loaded for this same epoch is kept."""
         epoch = int(epoch)
         if epoch != self.epoch:
+            if self._resume:
+                frameworks.check_set_epoch(self, epoch, self.epoch, sys._getframe(1))
             self.epoch = epoch
             self._consumed = 0
             self._resume = False
@@ -323,12 +393,30 @@ class GlobalShuffleSampler:
 
         Args:
             local_consumed: How many samples of the current pass (the latest ``iter()``) this
-                rank's training loop has received. Give it with a plain ``DataLoader``, whose
-                prefetching runs the sampler ahead of the loop. By default, the position the
-                sampler's iterator has reached.
+                rank's training loop has received. By default, the position the sampler's
+                iterator has reached (see :class:`ResumableLoader` to have it counted for you).
+
+        Raises:
+            RuntimeError: No ``local_consumed`` while a loader that draws ahead of the training
+                loop (DataLoader workers, accelerate, Lightning) runs a pass: the sampler's own
+                position would be ahead of what the loop trained on.
         """
         if self._resume or not self._in_pass:
             consumed = self._consumed  # no pass under way: the pending (or initial) position
+        elif (
+            local_consumed is None
+            and self._pass_ahead
+            and not frameworks.called_by_stateful_loader(sys._getframe(1))
+        ):
+            msg = (
+                "sampler.state_dict() is ahead of the training loop: this pass is drawn by a loader that "
+                "prefetches (DataLoader workers, accelerate, Lightning), so the sampler has handed out "
+                "batches the loop has not received. Save the loader's position instead: iterate "
+                "smstore.ResumableLoader(loader) and save its state_dict(), or use torchdata's "
+                "StatefulDataLoader and save loader.state_dict(); or pass local_consumed= (the samples "
+                "this rank's loop received in this pass)."
+            )
+            raise RuntimeError(msg)
         elif local_consumed is not None:
             if local_consumed < 0:
                 msg = f"local_consumed must be >= 0, not {local_consumed}"
@@ -652,3 +740,113 @@ def _residency_for(dataset: Any) -> Any:
     return ShardResidency(
         path, mode=getattr(dataset, "mode", "auto"), socket=getattr(dataset, "socket", None)
     )
+
+
+T = TypeVar("T")
+
+
+class ResumableLoader(Generic[T]):
+    """A DataLoader whose saved position is what the training loop received, prefetch or not.
+
+    A ``DataLoader`` with workers (and accelerate's or Lightning's loaders) draws indices from the
+    sampler batches ahead of the loop. This wrapper counts the batches it hands to the loop in the
+    current pass, so its :meth:`state_dict` is the sampler's state at exactly that point: a batch
+    counts as consumed once the loop has received it. The state is the sampler's own (the same
+    ``{"seed", "epoch", "consumed", ...}``), so it resumes with any world size::
+
+        loader = ResumableLoader(DataLoader(ds, batch_size=32, sampler=sampler, num_workers=4))
+        loader.load_state_dict(checkpoint["data"])  # when resuming
+        for epoch in range(checkpoint["data"]["epoch"], epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:
+                ...
+                checkpoint = {"data": loader.state_dict(), ...}
+
+    Batches must be ``batch_size`` samples each (the last of a pass may be short, or dropped) and
+    arrive in order: a DataLoader with a ``batch_size``, or one prepared by accelerate. For batches
+    of varying size (a custom ``batch_sampler``), use torchdata's ``StatefulDataLoader``, which
+    snapshots the sampler as it draws each batch.
+
+    Args:
+        loader: The DataLoader (anything iterable with a ``batch_size``, and a ``sampler`` or
+            ``batch_sampler`` that leads to a :class:`GlobalShuffleSampler`).
+        sampler: The sampler, when it cannot be found through ``loader``'s attributes.
+
+    Raises:
+        TypeError: No sampler or no fixed batch size could be found.
+        ValueError: The loader delivers batches out of order (``in_order=False``).
+    """
+
+    def __init__(self, loader: Iterable[T], *, sampler: GlobalShuffleSampler | None = None) -> None:
+        chain = _sampler_chain(loader)
+        found = (
+            sampler
+            if sampler is not None
+            else next((s for s in chain if isinstance(s, GlobalShuffleSampler)), None)
+        )
+        if found is None:
+            msg = (
+                f"no GlobalShuffleSampler found in {type(loader).__name__}'s sampler or batch_sampler: "
+                "pass ResumableLoader(loader, sampler=...)"
+            )
+            raise TypeError(msg)
+        batch_size = next((b for s in chain if isinstance(b := getattr(s, "batch_size", None), int)), None)
+        if batch_size is None:
+            msg = (
+                f"{type(loader).__name__} has no fixed batch_size (a custom batch_sampler?), so the samples "
+                "of the batches received are not known: use torchdata's StatefulDataLoader, which "
+                "snapshots the sampler as it draws each batch"
+            )
+            raise TypeError(msg)
+        if getattr(loader, "in_order", True) is False:
+            msg = (
+                "in_order=False delivers batches as workers finish them, so the batches received are not "
+                "a prefix of the order and no position resumes them exactly: use in_order=True"
+            )
+            raise ValueError(msg)
+        self.loader = loader
+        self.sampler = found
+        self.batch_size = batch_size
+        self._received = 0  # batches of the current pass handed to the loop
+        self._exhausted = False  # the loop received the whole pass
+
+    def __iter__(self) -> Iterator[T]:
+        self._received, self._exhausted = 0, False
+        for batch in self.loader:
+            self._received += 1
+            yield batch
+        self._exhausted = True  # not reached when the loop stops early: then the count stands
+
+    def __len__(self) -> int:
+        return len(self.loader)  # type: ignore[arg-type]
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch: through the loader when it has ``set_epoch`` (accelerate's counts its
+        passes as epochs), else on the sampler."""
+        set_epoch = getattr(self.loader, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+        else:
+            self.sampler.set_epoch(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state after the samples the loop received in the current pass."""
+        local = sys.maxsize if self._exhausted else self._received * self.batch_size
+        return self.sampler.state_dict(local_consumed=local)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from a state of :meth:`state_dict` (or of ``GlobalShuffleSampler.state_dict``)."""
+        self.sampler.load_state_dict(state)
+
+
+def _sampler_chain(loader: object) -> list[object]:
+    """The samplers and batch samplers reachable from ``loader`` (accelerate nests them two deep)."""
+    found: list[object] = [loader]
+    for obj in found:
+        if len(found) > 16:
+            break
+        for name in ("sampler", "batch_sampler"):
+            child = getattr(obj, name, None)
+            if child is not None and all(child is not f for f in found):
+                found.append(child)
+    return found

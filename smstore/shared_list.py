@@ -14,7 +14,7 @@ from typing import Any, Literal, overload
 from smstore import _core
 from smstore._localjob import Peer, Server, address_for, connect, topology
 from smstore._objects import ContentHash, ObjectStore, encode_objects
-from smstore._pack import build_metadata
+from smstore._pack import build_metadata, human_bytes
 from smstore.errors import DaemonError, SharedListError, SharedListMismatchError, SharedMemoryError
 
 __all__ = ["SharedList"]
@@ -32,14 +32,6 @@ _HELLO_TIMEOUT = 60.0
 _ALIVE_EVERY = 0.2
 
 _sequence = itertools.count()
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def _read_int(path: Path) -> int | None:
@@ -117,8 +109,8 @@ class _RoomCheck:
             return
         gib = -(-needed // (1 << 30))
         msg = (
-            f"{self._label}: not enough memory: the list needs about {_human(needed)} ({needed} bytes, "
-            f"{basis}) of shared memory, but only {_human(data_size + available)} is available "
+            f"{self._label}: not enough memory: the list needs about {human_bytes(needed)} ({needed} bytes, "
+            f"{basis}) of shared memory, but only {human_bytes(data_size + available)} is available "
             f"({source}). A SharedList keeps one copy per node in anonymous shared memory (a memfd): it "
             "counts against the node's memory and the job's memory limit, not against /dev/shm. Make "
             f"room: raise the limit (docker run --memory={gib + gib // 4 + 1}g, Kubernetes "

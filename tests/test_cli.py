@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import pty
+import re
 import select
 import struct
 import subprocess
@@ -62,13 +63,13 @@ def test_pack_output_messages(tmp_path: Path, text_file: Path) -> None:
     assert r.stderr == b""
 
 
-def test_pack_progress_bar_on_a_terminal(tmp_path: Path, text_file: Path) -> None:
+def on_terminal(args: list[str], rows: int, columns: int) -> bytes:
+    """What `smstore ARGS` writes to stderr on a terminal of the given size (it must succeed)."""
     master, slave = pty.openpty()
-    # A fresh pty is 0x0; tqdm would draw a zero-width bar.
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", rows, columns, 0, 0))
     try:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "smstore", "pack", str(text_file), "-o", str(tmp_path / "tty.smst")],
+            [sys.executable, "-m", "smstore", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=slave,
@@ -85,14 +86,31 @@ def test_pack_progress_bar_on_a_terminal(tmp_path: Path, text_file: Path) -> Non
             if not chunk:
                 break
             out += chunk
-        assert proc.wait(timeout=60) == 0
+        assert proc.wait(timeout=60) == 0, out
     finally:
         os.close(master)
         if slave >= 0:
             os.close(slave)
-    assert b"pack:" in out  # the tqdm bar
-    assert b"100%" in out
+    return out
+
+
+# A fresh pty (some CI runners too) reports 0 x 0: tqdm drew nothing there.
+@pytest.mark.parametrize(("rows", "columns"), [(24, 100), (0, 0), (24, 0)])
+@pytest.mark.parametrize("fmt", ["lines", "json-list"])
+def test_pack_progress_bar_on_a_terminal(
+    tmp_path: Path, text_file: Path, rows: int, columns: int, fmt: str
+) -> None:
+    source = text_file
+    if fmt == "json-list":
+        source = tmp_path / "list.json"
+        source.write_text(json.dumps([{"i": i, "text": "x" * (i % 50)} for i in range(3000)]))
+    out = on_terminal(["pack", "--format", fmt, str(source), "-o", str(tmp_path / "tty.smst")], rows, columns)
+    assert re.search(rb"(pack|convert): +0%\|", out), out  # the bar, drawn
+    assert re.search(rb"(pack|convert): 100%\|", out), out
     assert b"packed" in out
+    # Binary units, as in the summary line ("... MiB/s"): tqdm's own rate was decimal (MB/s).
+    assert re.search(rb"\d(B|KiB|MiB|GiB)/s\]", out), out
+    assert not re.search(rb"\d ?(kB|MB|GB)/s", out), out
 
 
 def test_pack_several_inputs_and_meta(tmp_path: Path, text_file: Path) -> None:
@@ -195,6 +213,19 @@ def test_info_bad_file(tmp_path: Path) -> None:
     assert r.stdout == b""
 
 
+def test_info_of_a_directory_or_a_text_file_says_what_to_give(tmp_path: Path, text_file: Path) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    r = run("info", folder)
+    assert r.returncode == 1
+    for text in (f"{folder}: a directory, but not a sharded dataset", "no manifest.json", "smstore join"):
+        assert text.encode() in r.stderr, r.stderr  # was "not a regular file"
+    r = run("info", text_file)
+    assert r.returncode == 1
+    assert f"smstore pack {text_file} -o {tmp_path / 'data.smst'}".encode() in r.stderr, r.stderr
+    assert b"Traceback" not in r.stderr
+
+
 def test_verify_ok(packed: Path) -> None:
     r = run("verify", packed)
     assert r.returncode == 0, r.stderr
@@ -272,6 +303,20 @@ def test_version_and_usage() -> None:
     r = run()
     assert r.returncode == 2
     assert b"usage" in r.stderr
+
+
+def test_help_shows_the_formats_and_examples() -> None:
+    r = run("--help")
+    assert r.returncode == 0
+    out = r.stdout.decode()
+    for fmt in ("jsonl", "npy-lines", "parquet", "arrow", "hf", "webdataset", "megatron", "json-list"):
+        assert fmt in out, fmt  # the converters were hidden behind 'pack --help'
+    assert "examples:" in out
+    assert "smstore pack --format parquet --column text" in out
+    assert "smstore serve" in out
+    r = run("pack", "--help")
+    assert r.returncode == 0
+    assert b"webdataset            sample of WebDataset tar shards" in r.stdout
 
 
 def test_console_script_entry_point(packed: Path) -> None:

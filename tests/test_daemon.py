@@ -73,6 +73,45 @@ def test_serve_attach_status_stop(
     assert "Traceback" not in d.log.read_text()
 
 
+def test_auto_falling_back_from_a_daemon_warns_once_per_process(
+    blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(smstore.client, "_warned_fallback", False, raising=False)  # a fresh process
+    monkeypatch.setattr(smstore.client, "_logged", set())
+    caplog.set_level(logging.INFO, logger="smstore")
+    path, recs = blob
+    other = tmp_path / "other.smst"
+    smstore.pack([b"x", b"y"], other)
+    d = start_daemon()  # serves neither file
+    check_all(open_store(path), recs)
+    assert type(open_store(other)) is smstore.Store
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 1, warned  # once per process, at the first fallback
+    for text in (str(path), "does not serve this file", f"smstore load {path}", str(d.sock), "mode='mmap'"):
+        assert text in warned[0], text
+    assert any(r.levelno == logging.INFO and str(other) in r.getMessage() for r in caplog.records)
+
+
+def test_auto_without_any_daemon_stays_quiet(
+    blob: tuple[Path, list[bytes]],
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No daemon at the per-user default socket is the normal case without one: no warning.
+    monkeypatch.setattr(smstore.client, "_warned_fallback", False, raising=False)
+    monkeypatch.setattr(smstore.client, "_logged", set())
+    monkeypatch.delenv("SMSTORE_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.fspath(tmp_path))
+    caplog.set_level(logging.INFO, logger="smstore")
+    assert type(open_store(blob[0])) is smstore.Store
+    assert [r.levelno for r in caplog.records if "mapping the file" in r.getMessage()] == [logging.INFO]
+
+
 def test_modes(
     blob: tuple[Path, list[bytes]],
     start_daemon: Callable[..., Daemon],
@@ -210,6 +249,13 @@ def test_corrupt_blob_refused(
     res = cli("load", os.fspath(foreign), sock=d.sock, check=False)
     assert res.returncode == 1
     assert "not an smstore blob" in res.stderr
+    # Text given for a blob, short or long: the daemon says how to pack it.
+    for text in (b"one line\n", b"many lines\n" * 1000):
+        notes = tmp_path / "notes.txt"
+        notes.write_bytes(text)
+        res = cli("load", os.fspath(notes), sock=d.sock, check=False)
+        assert res.returncode == 1
+        assert f"smstore pack {notes} -o {tmp_path / 'notes.smst'}" in res.stderr
     assert list_segments(d.pid) == []
     assert d.status()["segments"] == []
     # The daemon serves on.
@@ -354,22 +400,31 @@ def test_core_load_of_a_file_cut_short_meanwhile_fails_cleanly(tmp_path: Path, s
 # ---- /dev/shm too small ---------------------------------------------------------------------
 
 
-def test_shm_too_small_limit(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
+@pytest.mark.parametrize("source", ["--shm-limit", "$SMSTORE_SHM_LIMIT"])
+def test_shm_too_small_limit(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], source: str
+) -> None:
+    # The limit, not /dev/shm, is what refuses: the message says so, and how to raise it.
     path, _ = blob
-    d = start_daemon(args=("--shm-limit", "64K"))
+    if source == "--shm-limit":
+        d = start_daemon(args=("--shm-limit", "64K"))
+    else:
+        d = start_daemon(env={"SMSTORE_SHM_LIMIT": "64K"})
     res = cli("load", os.fspath(path), sock=d.sock, check=False)
     assert res.returncode == 1
     for text in (
         "not enough shared memory",
         "needs",
-        "available",
-        "--shm-size",
-        "--ipc=host",
-        "emptyDir",
-        "sizeLimit",
+        f"{source} is 64.0 KiB (65536 bytes)",
+        "smstore unload",
     ):
         assert text in res.stderr, text
+    for blames_dev_shm in ("--shm-size", "emptyDir", "/dev/shm"):
+        assert blames_dev_shm not in res.stderr, blames_dev_shm
     assert list_segments(d.pid) == []
+    status = cli("status", sock=d.sock)
+    assert f"limit 64.0 KiB ({source}): 0 B used by its segments" in status.stdout
+    assert d.status()["shm"]["limit"] == 65536
     with pytest.raises(SharedMemoryError, match="--shm-size"):
         _core.shm_load(os.fspath(path), f"/smstore-test-{os.getpid()}-small", 0o400, -1, 4096)
     assert not (SHM / f"smstore-test-{os.getpid()}-small").exists()

@@ -137,6 +137,33 @@ def test_missing_or_bad_file(tmp_path: Path) -> None:
         SharedStoreDataset(bad)
 
 
+@pytest.mark.parametrize("mode", ["auto", "mmap"])
+def test_a_directory_or_a_text_file_says_what_to_give(tmp_path: Path, mode: str) -> None:
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    smstore.pack([b"a"], folder / "part-0.smst")  # shards, but no manifest
+    notes = tmp_path / "notes.txt"
+    notes.write_text("first line\nsecond line\n")
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"a": 1}\n')
+    junk = tmp_path / "junk.bin"
+    junk.write_bytes(bytes(range(256)) * 20)
+    for open_it in (smstore.open, lambda p: SharedStoreDataset(p, mode=mode)):
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(folder)
+        for text in (f"{folder}: a directory, but not a sharded dataset", "no manifest.json", "smstore pack"):
+            assert text in str(e.value)  # was "not a regular file"
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(notes)
+        assert f"it looks like text: pack it into a blob first, 'smstore pack {notes} -o " in str(e.value)
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(rows)
+        assert f"'smstore pack --format jsonl {rows} -o {tmp_path / 'rows.smst'}'" in str(e.value)
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(junk)  # no sign of what it is: only the fault
+        assert str(e.value) == f"{junk}: not an smstore blob (bad magic bytes)"
+
+
 # ----------------------------------------------------------------------------- pickling
 
 
@@ -203,6 +230,70 @@ def test_dataloader_numpy_default_collate(make_blob) -> None:
     loader = DataLoader(ds, batch_size=10, num_workers=2, multiprocessing_context="fork")
     batches = list(loader)
     assert all(isinstance(b, torch.Tensor) and b.shape == (10, 4) for b in batches)
+    np.testing.assert_array_equal(torch.cat(batches).numpy(), np.stack(arrays))
+
+
+# The defaults must never give wrong tensors: torch's default collate_fn treats a memoryview as a
+# sequence (one tensor per byte position), and stacks arrays of one shape only.
+
+
+def first_batch_error(loader: DataLoader) -> str:
+    """The CollateError of the loader's first batch; its workers are stopped before this returns."""
+    it = iter(loader)
+    try:
+        batch = next(it)
+    except smstore.CollateError as e:
+        return str(e)  # leaving the handler frees the traceback, whose frames hold the iterator
+    finally:
+        # torch's re-raise leaves the iterator in a reference cycle (frame, exception, traceback):
+        # collect it now, or a worker forked later inherits it and runs its __del__.
+        del it
+        gc.collect()
+    raise AssertionError(f"no error; the first batch was {batch!r}")
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_collate_refuses_record_views(make_blob, workers: int) -> None:
+    path = make_blob([b"A0", b"A1", b"A2", b"A3"])
+    # Before: [tensor([65, 65, 65, 65]), tensor([48, 49, 50, 51])], without a word.
+    message = first_batch_error(DataLoader(SharedStoreDataset(path), batch_size=4, num_workers=workers))
+    for text in (str(path), "one tensor per byte position", "decode=", "'utf8'", "TokenCollator"):
+        assert text in message
+    # What the message offers works.
+    decoded = DataLoader(SharedStoreDataset(path, decode="utf8"), batch_size=4, num_workers=workers)
+    assert list(decoded) == [["A0", "A1", "A2", "A3"]]
+
+
+def test_default_collate_of_other_memoryviews_is_unchanged() -> None:
+    # Only views of an smstore mapping are refused; torch's rule for any other memoryview stands.
+    batch = torch.utils.data.default_collate([memoryview(b"ab"), memoryview(b"cd")])
+    assert [t.tolist() for t in batch] == [[97, 99], [98, 100]]
+
+
+@pytest.mark.filterwarnings("ignore:The given NumPy array is not writable:UserWarning")
+@pytest.mark.parametrize("decode", ["torch", "numpy"])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_collate_of_ragged_arrays_names_token_collator(make_blob, workers: int, decode: str) -> None:
+    # The longest record first: in a worker, torch's collate then fails resizing its output
+    # ("Trying to resize storage that is not resizable"); in the main process, stacking.
+    arrays = [np.arange(n, dtype="<i4") for n in (5, 3, 2, 4)]
+    path = make_blob(arrays, encoding="npy:<i4")
+    ds = SharedStoreDataset(path, decode=decode)
+    message = first_batch_error(DataLoader(ds, batch_size=4, num_workers=workers))
+    for text in (str(path), "records 0 and 1 have shapes (5,) and (3,)", "TokenCollator", "collate_fn"):
+        assert text in message
+    # What the message offers works.
+    loader = DataLoader(ds, batch_size=4, num_workers=workers, collate_fn=smstore.TokenCollator(ds))
+    (batch,) = list(loader)
+    assert batch["lengths"].tolist() == [5, 3, 2, 4]
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_default_collate_stacks_equal_arrays(make_blob, workers: int) -> None:
+    arrays = [np.arange(i, i + 3, dtype="<i4") for i in range(8)]
+    ds = SharedStoreDataset(make_blob(arrays, encoding="npy:<i4"), decode="torch")
+    batches = list(DataLoader(ds, batch_size=4, num_workers=workers))
+    assert [b.shape for b in batches] == [(4, 3), (4, 3)]
     np.testing.assert_array_equal(torch.cat(batches).numpy(), np.stack(arrays))
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -381,9 +382,11 @@ def test_dataloader_resume_from_the_loop_count_with_another_world_size(num_worke
         got = loader_batches(loader, k)
         first.append([x for b in got for x in b])
         if r == 0:
-            # The workers prefetched batches beyond k; the loop's own count is what was trained on.
+            # The workers prefetched batches beyond k: the sampler's own position would be ahead of
+            # the loop, so it refuses to answer; the loop's count is what was trained on.
             if num_workers:
-                assert s.state_dict()["consumed"] > 2 * k * batch
+                with pytest.raises(RuntimeError, match="ahead of the training loop"):
+                    s.state_dict()
             state = s.state_dict(local_consumed=k * batch)
     assert state is not None
     assert state["consumed"] == 2 * k * batch
@@ -427,3 +430,298 @@ def test_stateful_dataloader_carries_the_sampler_state(num_workers: int) -> None
         rest.append([x for b in loader_batches(loader) for x in b])
     consumed = 2 * k * batch
     assert interleave(first) + interleave(rest) == order[:consumed] + order[consumed:]
+
+
+# ---- where a plain DataLoader's pass stands: ResumableLoader -----------------------------------
+
+
+def flat(batches: list[list[int]]) -> list[int]:
+    return [x for b in batches for x in b]
+
+
+def resumed_order(order: list[int], consumed: int, world: int) -> list[int]:
+    """The global order from `consumed` as `world` ranks read it (the padding wraps)."""
+    n = len(order)
+    return [order[p % n] for p in range(consumed, consumed + -(-(n - consumed) // world) * world)]
+
+
+@pytest.mark.parametrize(("num_workers", "prefetch_factor"), [(0, None), (2, 4)])
+def test_resumable_loader_saves_what_the_loop_received(num_workers: int, prefetch_factor: int | None) -> None:
+    from torch.utils.data import DataLoader
+
+    from smstore import ResumableLoader
+
+    n, batch, k = 1000, 16, 7
+    order = reference_order(n, seed=21, epoch=1)
+
+    def loader(sampler: GlobalShuffleSampler) -> ResumableLoader[object]:
+        dl = DataLoader(
+            range(n),
+            batch_size=batch,
+            sampler=sampler,
+            num_workers=num_workers,
+            prefetch_factor=prefetch_factor,
+        )
+        return ResumableLoader(dl)
+
+    first, state = [], None
+    for r in range(2):
+        s = GlobalShuffleSampler(n, seed=21, rank=r, world_size=2)
+        rl = loader(s)
+        rl.set_epoch(1)
+        got = []
+        for i, b in enumerate(rl):  # the workers draw batches beyond the k-th; the loop stops there
+            got.append(b.tolist())
+            if i == k - 1:
+                break
+        first.append(flat(got))
+        if r == 0:
+            state = rl.state_dict()  # after the loop let go of its iterator: the count stands
+    assert state is not None
+    assert (state["epoch"], state["consumed"]) == (1, 2 * k * batch)
+    rest = []
+    for r in range(3):
+        rl = loader(GlobalShuffleSampler(n, seed=0, rank=r, world_size=3))
+        rl.load_state_dict(state)
+        rl.set_epoch(1)  # the loop re-selects the loaded epoch: the position is kept
+        rest.append(flat([b.tolist() for b in rl]))
+        assert rl.state_dict()["consumed"] == n  # the whole pass was received: the epoch is done
+    consumed = state["consumed"]
+    assert interleave(first) + interleave(rest) == order[:consumed] + resumed_order(order, consumed, 3)
+
+
+def test_resumable_loader_with_drop_last_and_a_batch_sampler() -> None:
+    from torch.utils.data import BatchSampler, DataLoader
+
+    from smstore import ResumableLoader
+
+    n, batch = 100, 16  # 50 a rank: 3 full batches, 2 samples dropped
+    s = GlobalShuffleSampler(n, seed=2, rank=1, world_size=2)
+    rl = ResumableLoader(DataLoader(range(n), batch_sampler=BatchSampler(s, batch, drop_last=True)))
+    assert (rl.batch_size, rl.sampler, len(rl)) == (batch, s, 3)
+    batches = [b.tolist() for b in rl]
+    assert flat(batches) == reference_order(n, 2)[1:96:2]
+    assert rl.state_dict()["consumed"] == n  # the pass was received whole: the dropped tail too
+
+
+def test_resumable_loader_refuses_what_it_cannot_count() -> None:
+    from torch.utils.data import DataLoader, SequentialSampler
+
+    from smstore import ResumableLoader
+
+    s = GlobalShuffleSampler(100, seed=0, rank=0, world_size=1)
+    with pytest.raises(TypeError, match="no GlobalShuffleSampler"):
+        ResumableLoader(DataLoader(range(100), sampler=SequentialSampler(range(100))))
+    with pytest.raises(TypeError, match="StatefulDataLoader"):
+        ResumableLoader(DataLoader(range(100), batch_sampler=[[0, 1], [2]]), sampler=s)
+    with pytest.raises(ValueError, match="in_order"):
+        ResumableLoader(DataLoader(range(100), batch_size=4, sampler=s, num_workers=2, in_order=False))
+    empty = GlobalShuffleSampler(0, seed=0, rank=0, world_size=1)  # given, not found: even when empty
+    assert ResumableLoader(DataLoader(range(0), batch_size=4), sampler=empty).sampler is empty
+
+
+def test_state_dict_refuses_to_answer_ahead_of_a_prefetching_loader() -> None:
+    from torch.utils.data import DataLoader
+
+    n, batch, k = 400, 8, 3
+    s = GlobalShuffleSampler(n, seed=5, rank=0, world_size=2)
+    loader = DataLoader(range(n), batch_size=batch, sampler=s, num_workers=2, prefetch_factor=2)
+    for i, _ in enumerate(loader):
+        if i == k - 1:
+            break
+    assert s._live_local() > k * batch  # what the bare position would have said
+    with pytest.raises(
+        RuntimeError, match=r"ahead of the training loop.*ResumableLoader.*StatefulDataLoader"
+    ):
+        s.state_dict()
+    assert s.state_dict(local_consumed=k * batch)["consumed"] == 2 * k * batch
+    for _ in loader:  # a whole pass: the loop may still be behind the sampler, so it still refuses
+        pass
+    with pytest.raises(RuntimeError, match="ahead"):
+        s.state_dict()
+    s.set_epoch(1)  # no pass under way: the position is the start of epoch 1
+    assert (s.state_dict()["epoch"], s.state_dict()["consumed"]) == (1, 0)
+    # A single-process DataLoader draws each batch as the loop asks: its position is exact.
+    for i, _ in enumerate(DataLoader(range(n), batch_size=batch, sampler=s)):
+        if i == k - 1:
+            break
+    assert s.state_dict()["consumed"] == 2 * k * batch
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_state_dict_under_a_stateful_dataloader_with_workers() -> None:
+    sdl = pytest.importorskip("torchdata.stateful_dataloader")
+
+    n, batch, k = 400, 8, 3
+    s = GlobalShuffleSampler(n, seed=5, rank=1, world_size=2)
+    loader = sdl.StatefulDataLoader(range(n), batch_size=batch, sampler=s, num_workers=2)
+    for i, _ in enumerate(loader):
+        if i == k - 1:
+            break
+    with pytest.raises(RuntimeError, match="ahead"):  # the sampler's own answer would be ahead...
+        s.state_dict()
+    state = loader.state_dict()  # ...but the loader's snapshot (it asked the sampler as it drew) is not
+    s2 = GlobalShuffleSampler(n, seed=5, rank=0, world_size=1)
+    loader = sdl.StatefulDataLoader(range(n), batch_size=batch, sampler=s2, num_workers=2)
+    loader.load_state_dict(state)
+    assert flat([b.tolist() for b in loader]) == reference_order(n, 5)[2 * k * batch :]
+
+
+# ---- training frameworks: what they do to a sampler that is split already ----------------------
+
+
+def accelerate_loader(
+    sampler: GlobalShuffleSampler,
+    n: int,
+    rank: int,
+    world: int,
+    batch_sampler: bool = False,
+    **kwargs: object,
+) -> object:
+    """A DataLoader over `sampler` as accelerate's prepare() makes it for process `rank` of `world`."""
+    data_loader = pytest.importorskip("accelerate.data_loader")
+    from torch.utils.data import BatchSampler, DataLoader
+
+    if batch_sampler:
+        loader = DataLoader(range(n), batch_sampler=BatchSampler(sampler, 4, drop_last=False))
+    else:
+        loader = DataLoader(range(n), batch_size=4, sampler=sampler)
+    options = {"put_on_device": False, **kwargs}
+    return data_loader.prepare_data_loader(loader, num_processes=world, process_index=rank, **options)
+
+
+def test_the_sampler_is_a_distributed_sampler() -> None:
+    from torch.utils.data.distributed import DistributedSampler
+
+    s = GlobalShuffleSampler(10, seed=0, rank=1, world_size=3)
+    # What Lightning and Fabric check before they split a sampler across ranks themselves.
+    assert isinstance(s, DistributedSampler)
+    assert (s.num_replicas, s.rank, s.shuffle) == (3, 1, True)
+
+
+@pytest.mark.parametrize("batch_sampler", [False, True])
+def test_accelerate_prepare_keeps_each_rank_its_share(batch_sampler: bool) -> None:
+    n = 90  # 45 a rank: 11 full batches of 4 and one of 1
+    for r in range(2):
+        s = GlobalShuffleSampler(n, seed=0, rank=r, world_size=2)
+        loader = accelerate_loader(s, n, r, 2, batch_sampler)
+        assert len(loader) == 12  # type: ignore[arg-type]  # asked before the first batch (HF Trainer does)
+        assert flat([b.tolist() for b in loader]) == rank_streams(n, 0, 2)[r]  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"split_batches": True}, "split_batches"),
+        ({"dispatch_batches": True, "put_on_device": True}, "dispatch_batches"),
+        ({"num_processes": 4}, "process 1 of 4"),
+    ],
+)
+def test_accelerate_splits_the_sampler_cannot_undo_raise(kwargs: dict[str, object], match: str) -> None:
+    s = GlobalShuffleSampler(90, seed=0, rank=1, world_size=2)
+    world = int(kwargs.pop("num_processes", 2))  # type: ignore[call-overload]
+    loader = accelerate_loader(s, 90, 1, world, **kwargs)
+    with pytest.raises(ValueError, match=match):
+        next(iter(loader))  # type: ignore[call-overload]
+
+
+def test_accelerate_splits_a_world_size_one_sampler_by_batches() -> None:
+    n = 96
+    order = reference_order(n, 0)
+    for r in range(2):
+        loader = accelerate_loader(GlobalShuffleSampler(n, seed=0, rank=0, world_size=1), n, r, 2)
+        # accelerate's own split of the global order: batches r, r + 2, ...
+        assert [b.tolist() for b in loader] == [order[i : i + 4] for i in range(4 * r, n, 8)]  # type: ignore[attr-defined]
+
+
+def test_accelerate_skip_first_batches_resumes_the_epoch_it_was_given() -> None:
+    # The HF Trainer's resume: set_epoch on the prepared loader, then skip_first_batches, whose
+    # loader nests the sampler one level deeper than accelerate's set_epoch reaches.
+    data_loader = pytest.importorskip("accelerate.data_loader")
+
+    n = 90
+    for r in range(2):
+        loader = accelerate_loader(GlobalShuffleSampler(n, seed=0, rank=r, world_size=2), n, r, 2)
+        loader.set_epoch(1)  # type: ignore[attr-defined]
+        skipped = data_loader.skip_first_batches(loader, 3)
+        assert flat([b.tolist() for b in skipped]) == rank_streams(n, 0, 2, epoch=1)[r][12:]
+
+
+def test_accelerate_loader_refuses_to_restart_a_loaded_epoch() -> None:
+    n = 90
+    state = {"seed": 0, "epoch": 1, "consumed": 24, "num_records": n}
+    s = GlobalShuffleSampler(n, seed=0, rank=0, world_size=1)
+    loader = accelerate_loader(s, n, 0, 1)
+    s.load_state_dict(state)
+    # A new prepared loader counts its passes from 0 and sets that epoch as a pass starts.
+    with pytest.raises(ValueError, match=r"set_epoch\(1\) on the prepared DataLoader"):
+        next(iter(loader))  # type: ignore[call-overload]
+    s.load_state_dict(state)
+    loader.set_epoch(1)  # type: ignore[attr-defined]
+    assert flat([b.tolist() for b in loader]) == reference_order(n, 0, epoch=1)[24:]  # type: ignore[attr-defined]
+    s.load_state_dict(state)
+    s.set_epoch(2)  # asked for by name, another epoch drops the loaded position, as anywhere
+    assert s.state_dict()["consumed"] == 0
+
+
+def test_lightning_refuses_to_split_the_sampler_again() -> None:
+    distributed = pytest.importorskip("lightning.fabric.utilities.distributed")
+    from torch.utils.data import Sampler
+
+    class Wrapper(Sampler[int]):  # a user's sampler around ours: Lightning would wrap it to split it
+        def __init__(self, inner: GlobalShuffleSampler) -> None:
+            self.inner = inner
+
+        def __iter__(self):  # type: ignore[no-untyped-def]
+            return iter(self.inner)
+
+        def __len__(self) -> int:
+            return len(self.inner)
+
+    s = GlobalShuffleSampler(90, seed=0, rank=0, world_size=2)
+    with pytest.raises(ValueError, match="use_distributed_sampler=False"):
+        distributed.DistributedSamplerWrapper(Wrapper(s), num_replicas=2, rank=0)
+
+
+def _rank_of_a_sampler_made_before_init(rank: int, store: str, out: object) -> None:
+    import torch.distributed as dist
+
+    s = GlobalShuffleSampler(90, seed=0)  # as in a LightningDataModule's __init__: no group yet
+    before = (s.rank, s.world_size)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        out.put((rank, before, list(s), (s.rank, s.world_size)))  # type: ignore[attr-defined]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_sampler_made_before_the_process_group_takes_its_rank_from_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import multiprocessing
+
+    # Lightning's launcher sets WORLD_SIZE but no RANK before the group exists.
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    ctx = multiprocessing.get_context("fork")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_rank_of_a_sampler_made_before_init, args=(r, str(tmp_path / "store"), out))
+        for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        results = sorted(out.get(timeout=120) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [p.exitcode for p in procs] == [0, 0]
+    streams = rank_streams(90, 0, 2)
+    for rank, before, got, after in results:
+        assert before == (0, 1)
+        assert (got, after) == (streams[rank], (rank, 2))

@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch.utils.data
 from smstore_testlib import SAFE_CWD, ItemsDataset, annotation, identity_collate, report_shared_list
+from squatter import Squatter, python_for_nobody
 
 import smstore
 import smstore._localjob
@@ -309,6 +310,81 @@ def test_no_builder_times_out(job: type[Job]) -> None:
     assert time.monotonic() - start < 30
     assert out["error"] == "SharedListError"
     assert "no local rank 0" in out["message"]
+
+
+# ---- another user on the node ----
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or python_for_nobody() is None, reason="needs root and a Python uid 65534 can run"
+)
+@pytest.mark.parametrize("how", ["accepts", "listens", "binds"])
+def test_another_user_cannot_make_a_job_fail_or_wait(
+    job: type[Job], monkeypatch: pytest.MonkeyPatch, tmp_path: Path, how: str
+) -> None:
+    """uid 65534 takes every name the job's processes could meet at; the job completes all the same.
+
+    The names: the list's abstract socket (derived from the uid, the job key and the list name: all
+    guessable, torchrun's defaults being none/127.0.0.1/29500), private names it might guess, and
+    the per-user daemon directory (here under $XDG_RUNTIME_DIR, standing in for /tmp/smstore-<uid>).
+    A waiter that found no builder would wait for the ranks' timeout (600 s), past the harness's.
+    """
+    name = f"squat-{uuid.uuid4().hex[:8]}"
+    j = job(SL_NAME=name, SL_TIMEOUT="600")
+    monkeypatch.setenv("SMSTORE_JOB_ID", j.env["SMSTORE_JOB_ID"])
+    address = smstore._localjob.address_for(name)
+    guesses = [address + b"-" + (f"{k:x}" * 32)[:32].encode() for k in range(16)]
+    runtime = tmp_path / "runtime"
+    runtime.mkdir()
+    runtime.chmod(0o1777)  # sticky and open to all, like /tmp
+    j.env["XDG_RUNTIME_DIR"] = os.fspath(runtime)
+    j.env.pop("SMSTORE_SOCKET", None)
+    squatter = Squatter(
+        listen=guesses + ([address] if how != "binds" else []),
+        bind_only=[address] if how == "binds" else [],
+        accept=how == "accepts",
+        socket_dir=runtime,
+    )
+    try:
+        r1 = j.start(1, "ok")
+        r0 = j.start(0, "ok")
+        out0, out1 = j.finish(r0), j.finish(r1)
+    finally:
+        accepted = squatter.stop()
+    assert out0.get("role") == "builder", out0
+    assert out1.get("role") == "waiter", out1
+    assert out0["equal"]
+    assert out1["equal"]
+    assert out0["ino"] == out1["ino"]  # one copy: the waiter found the builder
+    # The daemon directory is another user's: nobody connected to the socket in it.
+    assert "daemon socket" not in accepted
+
+
+@pytest.mark.skipif(
+    os.getuid() != 0 or python_for_nobody() is None, reason="needs root and a Python uid 65534 can run"
+)
+def test_a_process_of_this_user_is_found_on_either_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the election of ranks without LOCAL_RANK relies on: a second server of the user is refused."""
+    monkeypatch.setenv("SMSTORE_JOB_ID", f"test-{uuid.uuid4().hex}")
+    lj = smstore._localjob
+    address = lj.address_for("elect")
+    squatter = Squatter(listen=[address], accept=True)
+    try:
+        first = lj.bind_listener(address, "elect")  # another uid holds the name: a private one
+        try:
+            name = first.getsockname()
+            assert name.startswith(address + b"-")
+            with pytest.raises(OSError, match="already serves it"):
+                lj.bind_listener(address, "elect")
+            peer = lj.connect(address, "elect", time.monotonic() + 30)
+            try:
+                assert peer.pid == os.getpid()
+            finally:
+                peer.close()
+        finally:
+            first.close()
+    finally:
+        squatter.stop()
 
 
 def test_sigkill_of_the_whole_job_leaves_nothing(job: type[Job]) -> None:

@@ -8,7 +8,7 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from smstore._pack import PackStats, Writer, dataset_output
+from smstore._pack import PackStats, Writer, byte_bar, dataset_output
 from smstore._shards import ShardedWriter
 from smstore.errors import PackInputError
 
@@ -23,13 +23,16 @@ class _Progress:
             enabled = sys.stderr.isatty()
         self.bar: Any = None
         if enabled:
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+            self.bar = byte_bar(total, desc)
 
     def update(self, done: int) -> None:
         if self.bar is not None:
             self.bar.update(done - self.bar.n)
+
+    def finish(self) -> None:
+        """Show the whole source read (a reader that reports progress in steps may stop short of its end)."""
+        if self.bar is not None and self.bar.total is not None:
+            self.update(self.bar.total)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -121,10 +124,12 @@ def write_records(
             ) as sw:
                 _write(sw, records)
             m = sw.close()
+            bar.finish()
             return PackStats(m.records, input_bytes, m.data_bytes, time.perf_counter() - start, len(m.shards))
         with Writer(output, encoding=encoding, metadata=metadata, source=sources, durable=durable) as w:
             _write(w, records)
             n, size = w.record_count, w.data_size
+        bar.finish()
         return PackStats(n, input_bytes, size, time.perf_counter() - start)
     finally:
         bar.close()
