@@ -12,7 +12,9 @@ import io
 import json
 import os
 import pickle
+import re
 import tarfile
+import tempfile
 import tracemalloc
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -20,6 +22,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import smstore
 from smstore import PackInputError
@@ -183,7 +187,6 @@ DEEP = 100_000
             r"character 1: element 0: Exceeds the limit \(4300 digits\)",
         ),
         # What json.load refuses after the list (accepted before).
-        (b'{"k": [{"a": 1}], "k": [{"b": 2}]}', "k", r"character 18: top-level key 'k' appears twice"),
         (b'{"k": [{"a": 1}],}', "k", r"character 17: expected a key string"),
         (
             b'{"k": [{"a": 1}], "z": [1, 2',
@@ -193,7 +196,7 @@ DEEP = 100_000
         (b'{"k": [{"a": 1}]} {}', "k", r"character 18: data after the end of the top-level object"),
         (b'{"k": [{"a": 1}], "z": ', "k", r"character 23: the top-level object is not closed"),
         # A top-level number or string skipped is checked as json.load checks it.
-        (b'{"x": 01, "k": []}', "k", r"character 7: the value of 'x': extra data after the value"),
+        (b'{"x": 01, "k": []}', "k", r"character 7: expected ',' or '}' in the top-level object"),
         (b'{"x": "a\\qb", "k": []}', "k", r"character 8: the value of 'x': Invalid \\escape"),
         # Faults inside the list.
         (b'[{"a": 1}, ]', None, r"character 11: element 1: expected a value"),
@@ -244,24 +247,33 @@ def test_json_list_element_larger_than_max_element(tmp_path: Path, monkeypatch: 
 
 
 class CountingDecoder(json.JSONDecoder):
-    """A json decoder that counts its calls."""
+    """A json decoder that counts its calls and the characters they read."""
 
     calls = 0
+    chars = 0
 
     def raw_decode(self, s: str, idx: int = 0) -> tuple[Any, int]:
         CountingDecoder.calls += 1
-        return super().raw_decode(s, idx)
+        try:
+            value, end = super().raw_decode(s, idx)
+        except ValueError:
+            CountingDecoder.chars += len(s) - idx  # read up to the fault at most
+            raise
+        CountingDecoder.chars += end - idx
+        return value, end
 
 
-def test_json_list_decodes_each_element_once_and_skips_without_decoding(
+def test_json_list_decodes_each_element_once_and_skips_in_linear_work(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Linear work: the decoder is called about once per element and key, however large the values.
+    """Linear work: each character is decoded about once, however large the values.
 
-    The old reader decoded every skipped value whole and re-decoded a value from its start after
-    each chunk it read: calls grew with the value's size over the chunk size.
+    The first reader decoded every skipped value whole and re-decoded a value from its start after
+    each chunk it read (quadratic). Values skipped are decoded too, to check them as json.loads
+    does, but a piece at a time: a few calls per chunk, each character once.
     """
-    monkeypatch.setattr(jl, "CHUNK", 4096)
+    chunk = 4096
+    monkeypatch.setattr(jl, "CHUNK", chunk)
     monkeypatch.setattr(jl.json, "JSONDecoder", CountingDecoder)
     big = "y" * 300_000
     doc = {
@@ -272,12 +284,14 @@ def test_json_list_decodes_each_element_once_and_skips_without_decoding(
     }
     src = tmp_path / "big.json"
     src.write_text(json.dumps(doc))
-    CountingDecoder.calls = 0
+    size = src.stat().st_size
+    CountingDecoder.calls = CountingDecoder.chars = 0
     got = list(jl.iter_json_list(os.fspath(src), key="annotations"))
     assert pickled(got) == pickled(doc["annotations"])
-    # Each element at most twice (tried inside its chunk, then whole); each key, and a top-level
-    # string of at most 1 MiB (decoded to check it), once.
-    assert CountingDecoder.calls <= 2 * (len(doc["annotations"]) + len(doc))
+    # Each element at most twice (tried inside its chunk, then whole); values skipped a few calls
+    # per chunk (strings are checked without the decoder).
+    assert CountingDecoder.calls <= 2 * len(doc["annotations"]) + 2 * (size // chunk)
+    assert CountingDecoder.chars <= size
 
 
 def test_json_list_memory_does_not_grow_with_values_skipped(
@@ -307,6 +321,262 @@ def test_json_list_reports_progress_while_skipping(tmp_path: Path, monkeypatch: 
     assert len(seen) >= 40
     assert seen == sorted(seen)
     assert seen[-1] <= src.stat().st_size
+
+
+# What json.loads refuses inside a top-level value not selected. All were accepted before (such
+# values were walked for their structure only); the first three are the fuzz target's findings,
+# kept as fuzz/corpus/json_list/regress-* seeds.
+SKIPPED_FAULTS = {
+    "missing comma in a list before the key": (
+        b'{"info": [1 2], "k": [{}]}',
+        r"character 12: the value of 'info': (Expecting ',' delimiter|expected ',' or '\]')",
+    ),
+    "missing comma in a list after the key": (
+        b'{"k": [{}], "after": [1 2]}',
+        r"character 24: the value of 'after': (Expecting ',' delimiter|expected ',' or '\]')",
+    ),
+    "raw NUL in a long key": (
+        b'{"licenses\x00 of the images": [{"id": 1}], "k": [{}]}',
+        r"character 10: a key: Invalid control character",
+    ),
+    "raw control character in a nested string": (
+        b'{"x": [{"s": "a\x1fb"}], "k": [{}]}',
+        r"character 15: the value of 'x': Invalid control character",
+    ),
+    "bad escape in a nested string": (b'{"x": ["a", "\\q"], "k": [{}]}', r"character 13: .*Invalid \\escape"),
+    "bad \\u escape in a nested key": (
+        b'{"x": {"\\u12x4": 1}, "k": [{}]}',
+        r"character 9: .*Invalid \\uXXXX",
+    ),
+    "missing colon": (b'{"x": {"a" 1}, "k": [{}]}', r"character 11: the value of 'x': "),
+    "trailing comma in a list": (b'{"x": [1,], "k": [{}]}', r"character 9: the value of 'x': "),
+    "trailing comma in an object": (b'{"k": [{}], "x": {"a": 1,}}', r"character 25: the value of 'x': "),
+    "a literal misspelled": (
+        b'{"x": [1, tru], "k": [{}]}',
+        r"character 10: the value of 'x': Expecting value",
+    ),
+    "a leading zero": (b'{"x": [[01]], "k": [{}]}', r"character 9: the value of 'x': "),
+    "brackets that do not match": (b'{"x": [{"a": [1}], "k": [{}]}', r"character 15: the value of 'x': "),
+    "a single-quoted string": (b'{"x": {"a": \'b\'}, "k": [{}]}', r"character 12: the value of 'x': "),
+    "an integer int() refuses": (
+        b'{"x": [' + b"7" * 5000 + b'], "k": [{}]}',
+        r"character [67]: the value of 'x': .*(4300 digits)",  # the list or the number
+    ),
+}
+
+
+def _json_loads_refuses(data: bytes) -> bool:
+    try:
+        json.loads(data)
+    except ValueError:  # JSONDecodeError, or an integer of too many digits
+        return True
+    return False
+
+
+@pytest.mark.parametrize("name", SKIPPED_FAULTS)
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 20])
+def test_json_list_values_skipped_are_checked_as_json_loads_checks_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str, chunk: int
+) -> None:
+    data, message = SKIPPED_FAULTS[name]
+    assert _json_loads_refuses(data)
+    monkeypatch.setattr(jl, "CHUNK", chunk)
+    src = tmp_path / "bad.json"
+    src.write_bytes(data)
+    out = tmp_path / "o.smst"
+    with pytest.raises(PackInputError, match=r"bad\.json: " + message):
+        convert_json_list(src, out, key="k", progress=False)
+    assert not out.exists()
+
+
+def test_json_list_values_skipped_hold_what_json_loads_takes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NaN, Infinity, lone surrogates (escaped and raw), huge numbers, nesting to the limit."""
+    deep = b"[" * (jl.MAX_DEPTH - 1) + b"]" * (jl.MAX_DEPTH - 1)  # 512 deep with the top level
+    data = (
+        b'{"x": [NaN, -Infinity, {"a": Infinity, "a": 1e400}, -0, 1E-400], '
+        b'"\\ud800 key": "\\udc00 \xed\xa0\x80 \\ud83d\\ude00", "d": ' + deep + b", "
+        b'"f": 0.' + b"5" * 5000 + b"e-" + b"0" * 3000 + b"1, "
+        b'"i": ' + b"9" * 4300 + b', "k": [{"a": 1}], "after": {"": {"": [true, false, null]}}}'
+    )
+    src = tmp_path / "ok.json"
+    src.write_bytes(data)
+    want = pickled(json.loads(data)["k"])
+    # The 512th '[' of "d" (at depth 513), in characters: the raw surrogate is 3 bytes, 1 character.
+    too_deep = data.decode("utf-8", "surrogatepass").index('"d": ') + 5 + jl.MAX_DEPTH - 1
+    for chunk, piece in [(1, 1 << 18), (5, 4), (64, 16), (1 << 20, 1 << 18)]:
+        monkeypatch.setattr(jl, "CHUNK", chunk)
+        monkeypatch.setattr(jl, "_PIECE", piece)
+        assert pickled(jl.iter_json_list(os.fspath(src), key="k")) == want, (chunk, piece)
+        src.write_bytes(data.replace(b'"d": [', b'"d": [['))  # 513 deep
+        with pytest.raises(
+            PackInputError, match=rf"character {too_deep}: the value of 'd': .* deeper than 512"
+        ):
+            list(jl.iter_json_list(os.fspath(src), key="k"))
+        src.write_bytes(data)
+
+
+def test_json_list_numbers_longer_than_a_piece(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A number skipped across many chunks: checked without holding its digits."""
+    monkeypatch.setattr(jl, "CHUNK", 3)
+    monkeypatch.setattr(jl, "_PIECE", 8)
+    src = tmp_path / "n.json"
+    for number, ok in [
+        (b"1" * 4300, True),
+        (b"-1" + b"0" * 4300, False),  # 4,301 digits: int() refuses
+        (b"-0." + b"0" * 5000 + b"1e+" + b"0" * 900 + b"7", True),
+        (b"1" * 100 + b"." + b"2" * 100 + b"E" + b"3" * 100, True),
+        (b"0" + b"1" * 100, False),
+        (b"1" * 100 + b".", False),
+        (b"1" * 100 + b"e", False),
+        (b"1" * 50 + b"-" + b"1" * 50, False),
+        (b"1" * 50 + b"x" + b"1" * 50, False),
+        (b"-" * 200, False),
+    ]:
+        data = b'{"n": ' + number + b', "k": [{}]}'
+        src.write_bytes(data)
+        assert _json_loads_refuses(data) != ok, number[:20]
+        if ok:
+            assert list(jl.iter_json_list(os.fspath(src), key="k")) == [{}]
+        else:
+            with pytest.raises(PackInputError, match=r"n\.json: character 6: the value of 'n': "):
+                list(jl.iter_json_list(os.fspath(src), key="k"))
+
+
+def test_json_list_key_twice_converts_the_last_list(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """json.load keeps the last value of a key: convert_json_list reads the file again for it."""
+    src = tmp_path / "twice.json"
+    src.write_bytes(b'{"k": [{"a": 1}, {"a": 2}], "x": 0, "k": [{"b": 2}], "k": [{"c": 3}], "z": []}')
+    want = pickled(json.loads(src.read_bytes())["k"])
+    for chunk in (3, 1 << 20):
+        monkeypatch.setattr(jl, "CHUNK", chunk)
+        stats = convert_json_list(src, tmp_path / "o.smst", key="k", progress=False)
+        assert stats.records == 1
+        assert blob_records(tmp_path / "o.smst") == want
+        convert_json_list(src, tmp_path / "ds", key="k", shard_size=1, progress=False)
+        assert [r for shard in shard_records(tmp_path / "ds") for r in shard] == want
+        # A fault after the second list is found before anything is written.
+        src.write_bytes(src.read_bytes()[:-2] + b"[}")
+        with pytest.raises(PackInputError, match=r"twice\.json: character 77: the value of 'z'"):
+            convert_json_list(src, tmp_path / "o.smst", key="k", progress=False)
+        src.write_bytes(src.read_bytes()[:-2] + b"]}")
+    # iter_json_list has given the first list's objects when it meets the second: it refuses.
+    it = jl.iter_json_list(os.fspath(src), key="k")
+    assert [next(it), next(it)] == [{"a": 1}, {"a": 2}]
+    with pytest.raises(PackInputError, match=r"character 36: top-level key 'k' appears twice"):
+        next(it)
+
+
+# Hypothesis: JSON documents (an object holding a list of objects under "k", the key maybe twice),
+# written with varied whitespace and escapes, valid or with one character changed.
+_WS = st.sampled_from(["", " ", "\n  ", "\t", "\r\n"])
+_STRING = st.lists(
+    st.one_of(
+        st.sampled_from(['\\"', "\\\\", "\\/", "\\b\\f\\n\\r\\t", "\\u00e9", "\\ud83d\\ude00", "\\udc00"]),
+        st.sampled_from(["é ☃ 😀", "\ud800", "]},[{:", "x" * 40, "\\\\" * 5 + '\\"']),
+        st.text(st.characters(codec="utf-8", exclude_characters='"\\', min_codepoint=32), max_size=8),
+    ),
+    max_size=5,
+).map(lambda parts: '"' + "".join(parts) + '"')
+_SCALAR = st.one_of(
+    st.sampled_from(["0", "-0", "1.5e-7", "-1E+2", "0.1", "1e400", "123456789012345678901234567890"]),
+    st.sampled_from(["NaN", "Infinity", "-Infinity", "true", "false", "null"]),
+    st.integers().map(str),
+    st.floats(allow_nan=False, allow_infinity=False).map(repr),
+)
+
+
+def _listed(items: list[tuple[str, str]], opener: str) -> str:
+    body = ",".join(f"{a}{b}{c}" for a, b, c in items)
+    return opener + body + ("]" if opener == "[" else "}")
+
+
+_VALUE = st.recursive(
+    st.one_of(_SCALAR, _STRING),
+    lambda inner: st.one_of(
+        st.lists(st.tuples(_WS, inner, _WS), max_size=5).map(lambda items: _listed(items, "[")),
+        st.lists(
+            st.tuples(_WS, st.tuples(_STRING, _WS, inner).map(lambda m: f"{m[0]}:{m[1]}{m[2]}"), _WS),
+            max_size=5,
+        ).map(lambda items: _listed(items, "{")),
+    ),
+    max_leaves=20,
+)
+_OBJECT = st.lists(
+    st.tuples(_WS, st.tuples(_STRING, _VALUE).map(lambda m: f"{m[0]}: {m[1]}"), _WS), max_size=4
+).map(lambda items: _listed(items, "{"))
+_SELECTED = st.lists(st.tuples(_WS, _OBJECT, _WS), max_size=4).map(lambda items: _listed(items, "["))
+
+
+@st.composite
+def _documents(draw: st.DrawFn) -> bytes:
+    members = draw(st.lists(st.tuples(_STRING, _VALUE), max_size=4))
+    for _ in range(draw(st.sampled_from([1, 1, 1, 2]))):
+        members.insert(draw(st.integers(0, len(members))), ('"k"', draw(_SELECTED)))
+    text = "{" + ",".join(f"{draw(_WS)}{k}{draw(_WS)}:{draw(_WS)}{v}" for k, v in members) + "}"
+    change = draw(st.sampled_from(["none", "none", "delete", "insert", "replace"]))
+    if change != "none" and text:
+        at = draw(st.integers(0, len(text) - 1))
+        c = draw(st.sampled_from(list('[]{},:"\\ 0e.-+tuxnN\x00\x1f\ud800')))
+        text = text[:at] + ("" if change == "delete" else c) + text[at + (change != "insert") :]
+    return text.encode("utf-8", "surrogatepass")
+
+
+class _Pairs(list):  # type: ignore[type-arg]
+    """An object as json.loads's object_pairs_hook sees it."""
+
+
+def _json_loads_list(data: bytes) -> tuple[list[Any] | None, bool]:
+    """(json.loads(data)["k"] if it is a list of objects, else None; whether refusing is allowed).
+
+    Refusing a valid file is allowed only where "k" appears more than once and one before the last
+    is not a list of objects: the converter streams the first before it knows of the others.
+    """
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return None, True
+    value = doc.get("k") if isinstance(doc, dict) else None
+    if not isinstance(value, list) or not all(isinstance(e, dict) for e in value):
+        return None, True
+    pairs = json.loads(data, object_pairs_hook=_Pairs)
+    lists = [v for k, v in pairs if k == "k"]
+    earlier_bad = any(
+        not isinstance(v, list) or not all(isinstance(e, _Pairs) for e in v) for v in lists[:-1]
+    )
+    return value, earlier_bad
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=_documents())
+def test_json_list_converts_exactly_what_json_loads_accepts(data: bytes) -> None:
+    """Converted iff json.loads accepts the file (and "k" holds a list of objects), to its records,
+    whatever the chunk and piece sizes (so values skipped straddle windows everywhere)."""
+    want, may_refuse = _json_loads_list(data)
+    saved = jl.CHUNK, jl._PIECE
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp) / "doc.json", Path(tmp) / "o.smst"
+        src.write_bytes(data)
+        try:
+            for jl.CHUNK, jl._PIECE in [(1, 1 << 18), (4, 3), (13, 8), (64, 16), (1 << 20, 1 << 18)]:
+                refused = None
+                try:
+                    convert_json_list(src, out, key="k", durable=False, progress=False)
+                except PackInputError as e:
+                    refused = str(e)
+                if refused is not None:
+                    assert may_refuse, f"CHUNK={jl.CHUNK}: json.loads accepts it: {refused}"
+                    assert not out.exists()
+                    offset = re.search(r"doc\.json: (?:character|byte) (\d+): ", refused)
+                    assert offset, refused
+                    assert int(offset.group(1)) <= len(data), refused
+                    continue
+                assert want is not None, f"CHUNK={jl.CHUNK}: converted, json.loads refuses it"
+                assert blob_records(out) == pickled(want), f"CHUNK={jl.CHUNK}"
+                out.unlink()
+        finally:
+            jl.CHUNK, jl._PIECE = saved
 
 
 # ----------------------------------------------------------------------------- Megatron

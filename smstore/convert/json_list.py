@@ -3,9 +3,11 @@
 The file is decoded a chunk at a time. An element that lies inside the chunk is decoded there
 (``json.JSONDecoder.raw_decode``); one that runs past it is first walked to its end by a scan of
 strings, escapes and bracket depth (vectorised with numpy over the chunk), then its text is
-decoded once, so no element is ever parsed twice. Top-level lists and objects other than the
-selected list are walked by the same scan and never built (their structure is checked, not their
-contents). Memory holds one chunk and the largest element, whatever the size of what is skipped.
+decoded once, so no element is ever parsed twice. Values not selected are checked as ``json.loads``
+checks them but never built whole: runs of their members are decoded a bounded piece at a time
+(where the pieces end is found by the same scan, once per chunk), and what runs past a chunk is
+entered, its strings checked a chunk at a time. Memory holds one chunk and the largest element,
+whatever the size of what is skipped.
 """
 
 from __future__ import annotations
@@ -14,7 +16,8 @@ import codecs
 import json
 import os
 import re
-from collections.abc import Callable, Iterator
+import sys
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -33,10 +36,17 @@ MAX_DEPTH = 512
 # A value's scan starts at a small window, so walking many small values costs no chunk each, and
 # grows to a bound that keeps the scan's temporary arrays small.
 _FIRST_WINDOW, _LAST_WINDOW = 1 << 12, 1 << 18
-_CHECKED = 1 << 20  # a top-level scalar or string value skipped is decoded (checked) up to this size
+# The most characters of a value not selected decoded in one call (to check them): the objects
+# they make are built and dropped together, so this bounds their memory.
+_PIECE = 1 << 18
 _WS = re.compile(r"[ \t\n\r]*")
 _SCALAR = re.compile(r'[^ \t\n\r,:\[\]{}"]*')  # a number or literal runs until one of these
-_OPEN, _CLOSE, _QUOTE, _BACKSLASH = ord("{"), ord("}"), ord('"'), ord("\\")
+_LONG_DIGITS = re.compile(r"[0-9]{3,}")
+_NUMBER = re.compile(r"[0-9+\-.eE]*")  # what a number may hold
+_HEX = frozenset("0123456789abcdefABCDEF")
+_OPEN, _CLOSE, _QUOTE, _BACKSLASH, _COMMA = ord("{"), ord("}"), ord('"'), ord("\\"), ord(",")
+_CLOSER = {"[": "]", "{": "}"}
+_scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
 
 
 def _run_end(run: re.Pattern[str], text: str, pos: int) -> int:
@@ -45,12 +55,36 @@ def _run_end(run: re.Pattern[str], text: str, pos: int) -> int:
     return m.end() if m else pos
 
 
+def _escape_boundary(s: str) -> int:
+    """Where string content `s` (starting where an escape may start) can be cut without cutting an
+    escape: before an escape it ends in the middle of, else its end."""
+    k = s.rfind("\\", max(0, len(s) - 6))
+    if k < 0:
+        return len(s)
+    j = len(s[:k].rstrip("\\"))  # where the run of backslashes ending at k starts
+    rest = s[k + 1 :]
+    if (k + 1 - j) % 2 and (not rest or (rest[0] == "u" and len(rest) < 5 and _HEX.issuperset(rest[1:]))):
+        return k  # an odd run's last backslash starts an escape, and the escape goes on
+    return len(s)
+
+
+def _squeeze(number: str) -> str:
+    """`number` with each run of digits cut to its first two: as valid as `number`, and short."""
+    return _LONG_DIGITS.sub(lambda m: m.group()[:2], number)
+
+
+def _digits(number: str) -> int:
+    """How many digits `number` (of the characters `_NUMBER` takes) holds."""
+    return len(number) - sum(number.count(c) for c in "+-.eE")
+
+
 class _Text:
     """The file's text, decoded a chunk at a time: ``text[pos]`` is character ``base + pos``."""
 
-    def __init__(self, f: BinaryIO, path: str) -> None:
+    def __init__(self, f: BinaryIO, path: str, on_progress: Callable[[int], None] | None) -> None:
         self.f = f
         self.path = path
+        self.on_progress = on_progress
         head = f.read(max(CHUNK, 4))
         # The encodings json.loads accepts for bytes (UTF-8 with or without a BOM, UTF-16, UTF-32).
         self.encoding = json.detect_encoding(head)
@@ -64,6 +98,7 @@ class _Text:
         self.base = 0
         self.eof = False
         self._codes: np.ndarray[Any, Any] | None = None
+        self._index: _Index | None = None
         self._append(head[skip:])
 
     def _decode(self, data: bytes, final: bool) -> str:
@@ -83,7 +118,7 @@ class _Text:
             more = self._decode(data, final=self.eof)
             if more:
                 self.base += len(self.text)
-                self.text, self.pos, self._codes = more, 0, None
+                self.text, self.pos, self._codes, self._index = more, 0, None, None
                 return True
             if self.eof:
                 return False
@@ -91,7 +126,11 @@ class _Text:
 
     def advance(self) -> bool:
         """Drop the current chunk for the next one; False (nothing changed) at the end of the file."""
-        return not self.eof and self._append(self.f.read(CHUNK))
+        if self.eof or not self._append(self.f.read(CHUNK)):
+            return False
+        if self.on_progress is not None:
+            self.on_progress(self.base)
+        return True
 
     def skip_ws(self) -> str:
         """The next character that is not JSON whitespace ("" at the end), moving `pos` to it."""
@@ -109,15 +148,103 @@ class _Text:
                 self._codes = np.frombuffer(self.text.encode("utf-32-le", "surrogatepass"), "<u4")
         return self._codes
 
+    def index(self, pos: int) -> _Index:
+        """The chunk's :class:`_Index` from `pos` (outside any string) or from an earlier place."""
+        if self._index is None or self._index.start > pos:
+            self._index = _Index(self.codes(), pos)
+        return self._index
+
     def error(self, pos: int, what: str) -> PackInputError:
         return PackInputError(f"{self.path}: character {self.base + pos}: {what}")
+
+
+def _unescaped_quotes(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
+    """Where the quotes of `a` (starting outside any escape) are that no backslash escapes."""
+    quotes = np.flatnonzero(a == _QUOTE)
+    if not quotes.size:
+        return quotes
+    bs = a == _BACKSLASH
+    after = np.flatnonzero(bs[quotes - 1] & (quotes > 0))  # quotes just after a backslash
+    if not after.size:
+        return quotes
+    runs = np.flatnonzero(bs & ~np.concatenate(([False], bs[:-1])))  # first backslash of each run
+    q = quotes[after]
+    escaped = np.zeros(quotes.size, bool)
+    escaped[after] = (q - runs[np.searchsorted(runs, q - 1, "right") - 1]) % 2 == 1
+    return quotes[~escaped]
+
+
+class _Index:
+    """The brackets and commas of a chunk that lie outside strings, from `start` (outside any string).
+
+    It tells where a list or object ends within the chunk and where its members are separated, so a
+    run of members can be decoded by one call without cutting a member in two. It is exact for
+    valid JSON; where the text is not, the decoder that reads what it points to refuses it.
+    """
+
+    def __init__(self, codes: np.ndarray[Any, Any], start: int) -> None:
+        a = codes[start:]
+        quotes = _unescaped_quotes(a)
+        folded = a | 32  # '[' -> '{', ']' -> '}': one comparison finds both kinds
+        b = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
+        c = np.flatnonzero(a == _COMMA)
+        if quotes.size:  # outside strings: after an even number of quotes
+            b = b[np.searchsorted(quotes, b) % 2 == 0]
+            c = c[np.searchsorted(quotes, c) % 2 == 0]
+        opens = folded[b] == _OPEN
+        depth = np.cumsum(np.where(opens, 1, -1))  # after each bracket, `start` at 0
+        # A bracket that opens and the one that closes it share a key (the depth between them), and
+        # no bracket of that key lies between them: in key order they are neighbours.
+        key = np.where(opens, depth, depth + 1)
+        order = np.argsort(key, kind="stable")
+        first, second = order[:-1], order[1:]
+        pair = (key[first] == key[second]) & opens[first] & ~opens[second]
+        self.match = np.full(b.size, -1, np.int64)
+        self.match[first[pair]] = second[pair]
+        self.start = start
+        self.brackets = b + start
+        self.depth = depth
+        self._depth_before = np.concatenate(([0], depth))
+        # How far below `start`'s depth the text has been, up to each bracket (never decreasing).
+        self._fallen = -np.minimum.accumulate(depth) if depth.size else depth
+        comma_depth = self._depth_before[np.searchsorted(b, c)]
+        by_depth = np.argsort(comma_depth, kind="stable")
+        self._comma_depth = comma_depth[by_depth]
+        self._commas = c[by_depth] + start  # by depth, then by place
+
+    def depth_at(self, pos: int) -> int:
+        """The depth of the text at `pos` (not a bracket) relative to `start`."""
+        return int(self._depth_before[np.searchsorted(self.brackets, pos)])
+
+    def close(self, pos: int) -> int:
+        """Where the list or object opening at `pos` ends (its closing bracket), or -1: not here."""
+        i = int(np.searchsorted(self.brackets, pos))
+        if i == self.brackets.size or self.brackets[i] != pos or self.match[i] < 0:
+            return -1
+        return int(self.brackets[self.match[i]])
+
+    def close_around(self, pos: int) -> int:
+        """Where the list or object holding `pos`, opened before `start`, ends, or -1: not here."""
+        j = int(np.searchsorted(self._fallen, -self.depth_at(pos), "right"))
+        return int(self.brackets[j]) if j < self.brackets.size else -1
+
+    def last_comma(self, depth: int, lo: int, hi: int) -> int:
+        """The last comma at `depth` after `lo` and before `hi`, or -1."""
+        g0, g1 = np.searchsorted(self._comma_depth, [depth, depth + 1])
+        k = int(g0 + np.searchsorted(self._commas[g0:g1], hi)) - 1
+        return int(self._commas[k]) if k >= g0 and self._commas[k] > lo else -1
+
+    def deepest(self, lo: int, hi: int) -> int:
+        """The greatest depth reached by a bracket from `lo` to before `hi` (-1 if none is there)."""
+        i, j = np.searchsorted(self.brackets, [lo, hi])
+        return int(self.depth[i:j].max()) if j > i else -1
 
 
 class _Scan:
     """Finds where a list, object or string ends, window by window, carrying its state between them.
 
     Brackets inside strings do not count; a quote is escaped after an odd run of backslashes. Only
-    the structure is checked here (what lies between is left to the decoder, or skipped).
+    the structure is checked here (what lies between is left to the decoder).
     """
 
     def __init__(self, string: bool, depth_limit: int) -> None:
@@ -174,29 +301,43 @@ class _Scan:
         return -1, -1
 
 
-class _Reader:
-    """Walks a JSON text: values skipped without being built, elements decoded once each."""
+class _Open:
+    """A list or object a skipped value has entered: its closing bracket, and where it opened."""
 
-    def __init__(self, t: _Text, max_element: int, on_progress: Callable[[int], None] | None) -> None:
+    __slots__ = ("at", "closer", "index", "pos")
+
+    def __init__(self, closer: str, t: _Text) -> None:
+        self.closer = closer
+        self.pos = t.pos
+        self.at = t.base + t.pos
+        self.index = t.index(t.pos)  # the chunk's index it opened under: none other knows `pos`
+
+    def unclosed(self, t: _Text, what: str) -> PackInputError:
+        return PackInputError(f"{t.path}: character {self.at}: {what}: the list or object is not closed")
+
+
+class _Reader:
+    """Walks a JSON text: elements decoded once each, other values checked without being built."""
+
+    def __init__(self, t: _Text, max_element: int) -> None:
         self.t = t
         self.max_element = max_element
-        self.on_progress = on_progress
         self.decoder = json.JSONDecoder()
 
-    def walk(self, keep: int, what: str, depth: int, *, element: bool = False) -> str | None:
-        """Move past the value at ``t.pos``; its text if at most `keep` characters, else None.
+    def walk(self, what: str, depth: int) -> str:
+        """Move past the element at ``t.pos`` (nested `depth` deep); its text.
 
-        `depth` is the nesting around the value. An `element` longer than `keep` raises; any other
-        value is walked to its end in bounded memory (and reports progress: it is being skipped).
+        Raises if it is longer than ``max_element`` characters, unclosed or nested too deep.
         """
         t = self.t
+        keep = self.max_element
         start, first = t.pos, t.text[t.pos]
         begin = t.base + start
         if first == '"':  # most strings end at the next quote: no scan needed
             q = t.text.find('"', start + 1)
-            if q > 0 and t.text[q - 1] != "\\" and (q + 1 - start <= keep or not element):
+            if q > 0 and t.text[q - 1] != "\\" and q + 1 - start <= keep:
                 t.pos = q + 1
-                return t.text[start : q + 1] if q + 1 - start <= keep else None
+                return t.text[start : q + 1]
         pieces: list[str] = []
         kept = 0  # characters of the value in the chunks before this one
         scan = None if first not in '{["' else _Scan(first == '"', MAX_DEPTH - depth)
@@ -223,24 +364,19 @@ class _Reader:
                         break
                     p = stop
             size = kept + (end if end >= 0 else len(t.text)) - start
-            if size <= keep:
-                pieces.append(t.text[start:] if end < 0 else t.text[start:end])
-            elif element:
+            if size > keep:
                 raise PackInputError(f"{t.path}: character {begin}: {what} is larger than {keep} characters")
-            else:
-                pieces.clear()
+            pieces.append(t.text[start:] if end < 0 else t.text[start:end])
             if end >= 0:
                 t.pos = end
-                return "".join(pieces) if size <= keep else None
+                return "".join(pieces)
             kept = size
             if not t.advance():
                 if scan is None:  # a number or literal that ends the file
                     t.pos = len(t.text)
-                    return "".join(pieces) if size <= keep else None
+                    return "".join(pieces)
                 kind = "string" if scan.string else "list or object"
                 raise PackInputError(f"{t.path}: character {begin}: {what}: the {kind} is not closed")
-            if not element and self.on_progress is not None:
-                self.on_progress(t.base)
             start = p = 0
 
     def decode(self, text: str, pos: int, begin: int, what: str) -> tuple[Any, int]:
@@ -264,35 +400,211 @@ class _Reader:
             )
         return value
 
-    def skip(self, what: str) -> None:
-        """Move past a top-level value without building it.
+    def skip(self, what: str, depth: int) -> None:
+        """Move past the value at ``t.pos`` (inside `depth` lists and objects), checked as
+        ``json.loads`` checks it, without building it whole.
 
-        A number, literal or string of at most ``_CHECKED`` characters is decoded, so checked as
-        ``json.load`` checks it; a list, an object or a longer string is walked (its structure
-        checked).
+        A list or object that ends within ``_PIECE`` characters in the chunk is decoded in one call
+        (its objects built and dropped at once); a larger one is entered, and runs of its members
+        that end in the chunk are decoded ``_PIECE`` characters at a time; what is left (a member
+        across the chunk's end) is entered in turn. Strings are checked a chunk at a time, numbers
+        and literals decoded. So memory holds a chunk, however large the value.
         """
         t = self.t
-        if t.text[t.pos] in "[{":
-            self.walk(0, what, 1)
+        stack: list[_Open] = []
+        at_value = True  # t.pos is at a value; else just after one
+        while True:
+            if at_value:
+                c = t.text[t.pos]
+                if c in "[{":
+                    if not self._whole(what, depth + len(stack)):
+                        if depth + len(stack) >= MAX_DEPTH:
+                            raise t.error(t.pos, f"{what}: lists and objects nested deeper than {MAX_DEPTH}")
+                        stack.append(_Open(_CLOSER[c], t))
+                        t.pos += 1
+                        at_value = self._member(stack, what, depth, first=True)
+                        continue
+                elif c == '"':
+                    self.string(what)
+                else:
+                    self.scalar(what)
+            if not stack:
+                return
+            top = stack[-1]
+            c = t.skip_ws()
+            if c == ",":
+                t.pos += 1
+                at_value = self._member(stack, what, depth, first=False)
+            elif c == top.closer:
+                t.pos += 1
+                stack.pop()
+                at_value = False
+            elif c:
+                raise t.error(t.pos, f"{what}: expected ',' or '{top.closer}'")
+            else:
+                raise top.unclosed(t, what)
+
+    def _member(self, stack: list[_Open], what: str, depth: int, *, first: bool) -> bool:
+        """Move to the next member of the list or object entered last (after its opening bracket
+        or a comma): past a run of members checked at once, the list or object itself if it ends
+        (False: after a value), or to the member's value (True)."""
+        t = self.t
+        top = stack[-1]
+        c = t.skip_ws()
+        if not c:
+            raise top.unclosed(t, what)
+        if c == top.closer:
+            if not first:
+                raise t.error(t.pos, f"{what}: expected a {'value' if c == ']' else 'key string'} after ','")
+            t.pos += 1
+            stack.pop()
+            return False
+        if self._run(top, what, depth + len(stack)):
+            return False
+        if top.closer == "}":
+            if c != '"':
+                raise t.error(t.pos, f"{what}: expected a key string")
+            self.string(what)
+            if t.skip_ws() != ":":
+                raise t.error(t.pos, f"{what}: expected ':' after a key")
+            t.pos += 1
+            if not t.skip_ws():
+                raise top.unclosed(t, what)
+        return True
+
+    def _whole(self, what: str, around: int) -> bool:
+        """Decode the list or object at ``t.pos`` in one call, if it ends within ``_PIECE``
+        characters in the chunk and nests no deeper than allowed (`around`: those it lies in)."""
+        t = self.t
+        pos = t.pos
+        ix = t.index(pos)
+        end = ix.close(pos)
+        if end < 0 or end - pos >= _PIECE or around + ix.deepest(pos, end) - ix.depth_at(pos) > MAX_DEPTH:
+            return False
+        t.pos = self.decode(t.text, pos, t.base, what)[1]
+        return True
+
+    def _run(self, top: _Open, what: str, level: int) -> bool:
+        """Decode in one call the members of `top` (nested `level` deep) from ``t.pos`` to the last
+        comma before ``_PIECE`` characters, or to its end if that comes first, if they lie in the
+        chunk; leaves ``t.pos`` at that comma or closing bracket."""
+        t = self.t
+        pos = t.pos
+        ix = t.index(pos)
+        inside = ix.depth_at(pos)
+        close = ix.close(top.pos) if top.index is ix else ix.close_around(pos)
+        if pos < close <= pos + _PIECE:
+            cut = close
+        else:
+            cut = ix.last_comma(inside, pos, min(pos + _PIECE, len(t.text)) if close < 0 else close)
+            if cut < 0:
+                return False
+        if level + ix.deepest(pos, cut) - inside > MAX_DEPTH:
+            return False
+        opener = "[" if top.closer == "]" else "{"
+        self.decode_whole(opener + t.text[pos:cut] + top.closer, t.base + pos - 1, what)
+        t.pos = cut
+        return True
+
+    def string(self, what: str, keep: int = 0) -> str | None:
+        """Move past the string at ``t.pos``, checked as ``json.loads`` checks it; its value if it
+        is at most `keep` characters long in the file, quotes included, else None."""
+        t = self.t
+        start = t.pos
+        try:
+            value, end = _scanstring(t.text, start + 1, True)
+        except json.JSONDecodeError as e:
+            # A string that goes on in the next chunk runs off this one's end, perhaps in an escape.
+            runs_off = e.msg.startswith("Unterminated") or e.pos >= len(t.text) - 6
+            if t.eof or not runs_off:
+                where = start if e.msg.startswith("Unterminated") else e.pos
+                raise t.error(where, f"{what}: {e.msg}") from None
+        else:
+            t.pos = end
+            return value if end - start <= keep else None
+        # A chunk at a time: each one's content, cut where no escape is cut, checked with a quote
+        # added (that quote closes it unless the string closes before).
+        begin = t.base + start
+        seg = t.text[start + 1 :]
+        at = begin + 1  # the character seg[0] is
+        kept: list[str] | None = ['"'] if keep else None
+        size = 1
+        while True:
+            cut = len(seg) if t.eof else _escape_boundary(seg)
+            piece = seg[:cut] + '"'
+            try:
+                _, end = _scanstring(piece, 0, True)
+            except json.JSONDecodeError as e:
+                if e.msg.startswith("Unterminated"):  # the file ends in an escape
+                    raise PackInputError(
+                        f"{t.path}: character {begin}: {what}: the string is not closed"
+                    ) from None
+                raise PackInputError(f"{t.path}: character {at + e.pos}: {what}: {e.msg}") from None
+            if end < len(piece) or t.eof:
+                if end == len(piece):  # closed by the quote added: the file ends in the string
+                    raise PackInputError(f"{t.path}: character {begin}: {what}: the string is not closed")
+                t.pos = at + end - t.base
+                if kept is not None and size + end <= keep:
+                    text = "".join(kept) + seg[:end]
+                    return str(_scanstring(text, 1, True)[0])
+                return None
+            size += cut
+            if kept is not None and size <= keep:
+                kept.append(seg[:cut])
+            else:
+                kept = None
+            tail = seg[cut:]
+            at += cut
+            seg = tail + t.text if t.advance() else tail
+
+    def scalar(self, what: str) -> None:
+        """Move past the number or literal at ``t.pos``, checked as ``json.loads`` checks it (NaN
+        and Infinity too, an integer of more digits than ``int()`` takes refused)."""
+        t = self.t
+        start = t.pos
+        end = _run_end(_SCALAR, t.text, start)
+        if end == start:
+            raise t.error(start, f"{what}: expected a value")
+        if end < len(t.text) or t.eof:
+            t.pos = self.decode(t.text, start, t.base, what)[1]
             return
-        begin = t.base + t.pos
-        text = self.walk(_CHECKED, what, 1)
-        if text is not None:
+        # It goes on in the next chunk. Beyond _PIECE characters only a number is valid: its digits
+        # are counted and its text squeezed (see _squeeze), so memory stays small.
+        begin = t.base + start
+        text, size, digits, integer = t.text[start:], end - start, -1, True
+        while t.advance():
+            end = _run_end(_SCALAR, t.text, 0)
+            piece = t.text[:end]
+            size += end
+            if size > max(_PIECE, 16):  # longer than any literal ("-Infinity")
+                new = piece if digits >= 0 else text + piece  # what is not counted yet
+                if _run_end(_NUMBER, new, 0) < len(new):
+                    raise PackInputError(f"{t.path}: character {begin}: {what}: expected a value")
+                digits = max(digits, 0) + _digits(new)
+                integer = integer and not ("." in new or "e" in new or "E" in new)
+                text = _squeeze(text + piece)
+                if len(text) > 64:  # a number squeezed is a dozen characters: this is none
+                    raise PackInputError(f"{t.path}: character {begin}: {what}: not a valid number")
+            else:
+                text += piece
+            t.pos = end
+            if end < len(t.text):
+                break
+        else:
+            t.pos = len(t.text)
+        if digits < 0:
             self.decode_whole(text, begin, what)
+            return
+        if self.decode(text, 0, begin, what)[1] != len(text):
+            raise PackInputError(f"{t.path}: character {begin}: {what}: not a valid number")
+        limit = getattr(sys, "get_int_max_str_digits", lambda: 0)()
+        if integer and limit and digits > limit:
+            msg = f"an integer of {digits} digits: int() takes at most {limit}"
+            raise PackInputError(f"{t.path}: character {begin}: {what}: {msg}")
 
     def key(self, longest: int) -> str | None:
         """The key string at ``t.pos`` (None if longer than `longest` characters); moves past it."""
-        t = self.t
-        try:
-            name, end = self.decoder.raw_decode(t.text, t.pos)
-        except ValueError:
-            pass  # it runs past the chunk, or is bad: found below
-        else:
-            t.pos = end
-            return str(name)
-        begin = t.base + t.pos
-        text = self.walk(longest, "a key", 1)
-        return None if text is None else str(self.decode(text, 0, begin, "a key")[0])
+        return self.string("a key", longest)
 
     def value(self, what: str, depth: int) -> Any:
         """The value at ``t.pos`` (at most ``max_element`` characters), decoded once; moves past it."""
@@ -306,13 +618,19 @@ class _Reader:
             # At the chunk's end a number may go on in the next one.
             if (end < len(text) or t.eof) and end - pos <= self.max_element:
                 if text.count("[", pos, end) + text.count("{", pos, end) > MAX_DEPTH - depth:
-                    self.walk(self.max_element, what, depth, element=True)  # raises if too deep
+                    self.walk(what, depth)  # raises if too deep
                 t.pos = end
                 return value
         begin = t.base + pos
-        whole = self.walk(self.max_element, what, depth, element=True)
-        assert whole is not None  # walk raises first
-        return self.decode_whole(whole, begin, what)
+        return self.decode_whole(self.walk(what, depth), begin, what)
+
+
+class _KeyAgain(Exception):
+    """The top-level key appears `count` times: ``json.load`` keeps the last list."""
+
+    def __init__(self, count: int) -> None:
+        super().__init__(count)
+        self.count = count
 
 
 def _elements(r: _Reader, depth: int) -> Iterator[tuple[int, Any]]:
@@ -337,8 +655,8 @@ def _elements(r: _Reader, depth: int) -> Iterator[tuple[int, Any]]:
             raise PackInputError(f"{t.path}: character {start}: {msg}")
         yield start, value
         index += 1
-        if r.on_progress is not None and index % 1024 == 0:
-            r.on_progress(t.base + t.pos)
+        if t.on_progress is not None and index % 1024 == 0:
+            t.on_progress(t.base + t.pos)
         c = t.skip_ws()
         if c == "]":
             t.pos += 1
@@ -350,13 +668,17 @@ def _elements(r: _Reader, depth: int) -> Iterator[tuple[int, Any]]:
     raise t.error(t.pos, f"expected ',' or ']' after element {index - 1}" if c else "the list is not closed")
 
 
-def _members(r: _Reader, key: str) -> Iterator[tuple[int, Any]]:
-    """The elements of the list under top-level `key`; the other values are walked, never built."""
+def _members(r: _Reader, key: str, take: int | None) -> Generator[tuple[int, Any], None, int]:
+    """The elements of the list under top-level `key`; the other values are checked, never built.
+
+    `take`: which appearance of `key` to read (the others are checked as values skipped); None:
+    the first, and a second one is refused. Returns how many times `key` appears.
+    """
     t = r.t
     if t.skip_ws() != "{":
         raise t.error(t.pos, f"expected a JSON object holding {key!r}")
     t.pos += 1
-    found = False
+    found = 0
     longest = 12 * len(key) + 2  # `key` spelled in escapes, quotes included: no longer key is it
     unclosed = "the top-level object is not closed"
     c = t.skip_ws()
@@ -371,13 +693,14 @@ def _members(r: _Reader, key: str) -> Iterator[tuple[int, Any]]:
         if not t.skip_ws():
             raise t.error(t.pos, unclosed)
         if name == key:
-            if found:
-                msg = f"top-level key {key!r} appears twice (json.load would keep the last)"
+            found += 1
+            if take is None and found > 1:
+                msg = f"top-level key {key!r} appears twice (json.load would keep the last list)"
                 raise PackInputError(f"{t.path}: character {begin}: {msg}")
-            found = True
+        if name == key and found == (take or 1):
             yield from _elements(r, 1)
         else:
-            r.skip("a value" if name is None else f"the value of {name!r}")
+            r.skip("a value" if name is None else f"the value of {name!r}", 1)
         c = t.skip_ws()
         if c == ",":
             t.pos += 1
@@ -389,6 +712,7 @@ def _members(r: _Reader, key: str) -> Iterator[tuple[int, Any]]:
     if not found:
         raise t.error(t.pos, f"no top-level key {key!r}")
     t.pos += 1
+    return found
 
 
 def iter_json_list(
@@ -400,46 +724,58 @@ def iter_json_list(
 ) -> Iterator[Any]:
     """The objects of the JSON list in `path` (or of the list under top-level `key`), one at a time.
 
-    They are what ``json.loads`` of the file's bytes gives (NaN and Infinity included). The whole
-    file is read: what follows the list is checked too (a second `key` is an error, not a list to
-    prefer as ``json.load`` would). Lists and objects before and after the list are checked only
-    for their structure (strings closed, brackets balanced, nesting), never built; numbers,
-    literals and strings there are decoded up to 1 MiB.
+    They are what ``json.loads`` of the file's bytes gives (NaN and Infinity included), and the
+    file is refused where ``json.loads`` refuses it: the whole file is read and checked, the values
+    before and after the list too, but those are never built whole. A second `key` is refused when
+    it is met (``json.load`` keeps the last list; the objects of the first are given by then; only
+    :func:`convert_json_list` reads the last).
 
     Args:
         path: The file: UTF-8 (or UTF-16/32, as ``json.loads`` takes bytes).
         key: The top-level key whose list to read; None: the file is the list.
         max_element: The most characters one element may have.
-        on_progress: Called now and then with the characters read so far.
+        on_progress: Called with the characters read so far as each chunk is read, and every
+            1,024 elements.
 
     Raises:
-        PackInputError: The file is not a JSON list of objects (or an object holding one under
-            `key`), nests lists and objects deeper than ``MAX_DEPTH``, or is not valid UTF-8,
-            naming the character (or byte) offset.
+        PackInputError: The file is not JSON, not a list of objects (or an object holding one
+            under `key`), nests lists and objects deeper than ``MAX_DEPTH``, or is not valid
+            UTF-8, naming the character (or byte) offset.
     """
-    for _, value in _located(path, key, max_element, on_progress):
+    for _, value in _located(path, key, max_element, on_progress, None):
         yield value
 
 
 def _located(
-    path: str, key: str | None, max_element: int, on_progress: Callable[[int], None] | None
+    path: str,
+    key: str | None,
+    max_element: int,
+    on_progress: Callable[[int], None] | None,
+    take: int | None,
 ) -> Iterator[tuple[int, Any]]:
-    """:func:`iter_json_list`'s objects, each with the character where it starts."""
+    """:func:`iter_json_list`'s objects, each with the character where it starts.
+
+    `take`: which appearance of `key` to read; raises :class:`_KeyAgain`, once the whole file is
+    checked, if `key` appears more often. None: a second `key` is refused.
+    """
     try:
         f = open(path, "rb")  # noqa: SIM115 - closed when the generator ends
     except OSError as e:
         raise PackInputError(f"{path}: cannot read: {e.strerror}") from None
     with f:
-        t = _Text(f, path)
-        r = _Reader(t, max_element, on_progress)
+        t = _Text(f, path, on_progress)
+        r = _Reader(t, max_element)
+        found = 0
         if key is None:
             yield from _elements(r, 0)
         else:
-            yield from _members(r, key)
+            found = yield from _members(r, key, take)
         if t.skip_ws():
             raise t.error(
                 t.pos, "data after the end of the " + ("list" if key is None else "top-level object")
             )
+        if take is not None and found > take:
+            raise _KeyAgain(found)
 
 
 def _records(path: str, elements: Iterator[tuple[int, Any]], encoding: str) -> Iterator[bytes]:
@@ -466,14 +802,18 @@ def convert_json_list(
 ) -> PackStats:
     """Convert a JSON list of objects into a blob of object records (``pickle`` or ``json``).
 
+    The records are the list's elements as ``json.load`` gives them. Where `key` appears more than
+    once at the top level, that is the last list: the file is read a second time for it (the
+    first reading, which stored the first list, is discarded).
+
     Args:
         source: A ``.json`` file holding a list of objects, or (with ``key``) an object holding one,
             as COCO files hold ``"images"`` and ``"annotations"``.
         key: The top-level key whose list to convert.
 
     Raises:
-        PackInputError: Not a list of objects, malformed JSON, nesting deeper than ``MAX_DEPTH``
-            or invalid UTF-8, naming the character (or byte) offset.
+        PackInputError: Malformed JSON anywhere in the file, not a list of objects, nesting deeper
+            than ``MAX_DEPTH`` or invalid UTF-8, naming the character (or byte) offset.
     """
     if encoding not in OBJECT_ENCODINGS:
         raise PackInputError(f"encoding must be one of {', '.join(OBJECT_ENCODINGS)}, not {encoding!r}")
@@ -481,15 +821,20 @@ def convert_json_list(
     if not os.path.isfile(path):
         raise PackInputError(f"{path}: no such file")
     size = os.path.getsize(path)
-    bar = _Progress(size, progress, "convert")
-    return write_records(
-        _records(path, _located(path, key, 1 << 30, bar.update), encoding),
-        output,
-        encoding=encoding,
-        source=[path],
-        metadata=metadata,
-        durable=durable,
-        shard_size=shard_size,
-        input_bytes=size,
-        bar=bar,
-    )
+    take = 1
+    while True:
+        bar = _Progress(size, progress, "convert")
+        try:
+            return write_records(
+                _records(path, _located(path, key, 1 << 30, bar.update, take), encoding),
+                output,
+                encoding=encoding,
+                source=[path],
+                metadata=metadata,
+                durable=durable,
+                shard_size=shard_size,
+                input_bytes=size,
+                bar=bar,
+            )
+        except _KeyAgain as again:  # the whole file is checked; the last list is the one to store
+            take = again.count
