@@ -24,6 +24,7 @@ from smstore.errors import (
     ChecksumMismatchError,
     CollateError,
     DaemonError,
+    MixtureError,
     PackInputError,
     SharedListError,
     SharedListMismatchError,
@@ -44,6 +45,7 @@ if TYPE_CHECKING:
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
+    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
@@ -56,6 +58,10 @@ __all__ = [
     "DaemonError",
     "DaemonStore",
     "GlobalShuffleSampler",
+    "Mixture",
+    "MixtureDataset",
+    "MixtureError",
+    "MixtureSampler",
     "ObjectStore",
     "PackInputError",
     "PackStats",
@@ -103,6 +109,9 @@ _LAZY = {
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
+    "Mixture": "smstore.mixture",
+    "MixtureDataset": "smstore.mixture",
+    "MixtureSampler": "smstore.mixture",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",

@@ -6,6 +6,7 @@ __all__ = [
     "ChecksumMismatchError",
     "CollateError",
     "DaemonError",
+    "MixtureError",
     "PackInputError",
     "SharedListError",
     "SharedListMismatchError",
@@ -79,3 +80,7 @@ class CollateError(StoreError, TypeError):
 
 class DaemonError(StoreError):
     """The smstore daemon is not running, refused a request, or failed."""
+
+
+class MixtureError(StoreError, ValueError):
+    """A mixture that cannot be built (bad weights, empty sources), or a state saved for another mixture."""
