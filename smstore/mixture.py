@@ -243,13 +243,12 @@ class Mixture:
         while active.size:
             nd, mm = node[active], m[active]
             a, q, h = a_[nd], q_[nd], h_[nd]
-            # L(m) = floor((m a + h) / q), split as m = d q + r so that r * a < 2**62.
+            # L(m) = floor((m a + h) / q), split as m = d q + r so that r * a < 2**62; position m
+            # goes left when L(m + 1) > L(m), that is when (m a + h) mod q is at least q - a.
             d, r = np.divmod(mm, q)
-            before = d * a + (r * a + h) // q
-            r1 = r + 1
-            wrap = r1 == q
-            after = np.where(wrap, (d + 1) * a + h // q, d * a + (r1 * a + h) // q)
-            goes_left = after > before
+            y, t = np.divmod(r * a + h, q)
+            before = d * a + y
+            goes_left = t >= q - a
             child = np.where(goes_left, l_[nd], r_[nd])
             m[active] = np.where(goes_left, before, mm - before)
             leaf = child < 0
