@@ -24,6 +24,8 @@ from smstore.errors import (
     ChecksumMismatchError,
     CollateError,
     DaemonError,
+    IndexFileError,
+    IndexStaleError,
     MixtureError,
     PackInputError,
     SharedListError,
@@ -49,15 +51,19 @@ if TYPE_CHECKING:
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
+    from smstore.views import Concat, Repeat, Subset, select
 
 __version__: str = _core.__version__
 
 __all__ = [
     "ChecksumMismatchError",
     "CollateError",
+    "Concat",
     "DaemonError",
     "DaemonStore",
     "GlobalShuffleSampler",
+    "IndexFileError",
+    "IndexStaleError",
     "Mixture",
     "MixtureDataset",
     "MixtureError",
@@ -65,6 +71,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "Repeat",
     "ResumableLoader",
     "ShardResidency",
     "ShardedObjectStore",
@@ -84,6 +91,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreTruncatedError",
     "StoreVersionError",
+    "Subset",
     "TokenCollator",
     "WindowedShuffleSampler",
     "Writer",
@@ -99,6 +107,7 @@ __all__ = [
     "pack_files",
     "pack_npy_lines",
     "pack_objects",
+    "select",
 ]
 
 # These load on first use: `import smstore` (the CLI, the daemon) never imports torch, and numpy
@@ -121,6 +130,10 @@ _LAZY = {
     "collect_garbage": "smstore._segments",
     "list_segments": "smstore._segments",
     "SharedList": "smstore.shared_list",
+    "Subset": "smstore.views",
+    "Repeat": "smstore.views",
+    "Concat": "smstore.views",
+    "select": "smstore.views",
 }
 
 
