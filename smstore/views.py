@@ -85,8 +85,9 @@ def _restore(source: Any) -> Any:
 
 def _fetch(source: Any, indices: Index) -> list[Any]:
     """The records of ``source`` at ``indices``, in one call where the source batches."""
-    if hasattr(source, "__getitems__"):
-        return list(source.__getitems__(indices.tolist()))
+    if hasattr(source, "__getitems__"):  # kept as it is: a SharedStoreDataset's batch names its file
+        batch: list[Any] = source.__getitems__(indices.tolist())
+        return batch
     if isinstance(source, (_core.Store, _core.ShardedStore)):
         return list(source.get_batch(indices))
     return [source[j] for j in indices.tolist()]
