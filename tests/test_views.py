@@ -408,3 +408,23 @@ def test_import_stays_light() -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
     assert out.stdout.split() == ["False", "False", "True", "True", "False"]
+
+
+def test_index_file_that_is_a_fifo_is_refused(blob: tuple[Path, list[bytes]]) -> None:
+    path, _ = blob
+    os.mkfifo(f"{path}.pipe.idx")
+    with pytest.raises(IndexFileError, match="regular file"):
+        open_selection(smstore.open(path), "pipe")  # never waits for a writer
+
+
+def test_view_keeps_the_collate_guard(blob: tuple[Path, list[bytes]]) -> None:
+    """A batch read through a view is the dataset's own batch: torch's default collate_fn still
+    refuses memoryviews, naming the file."""
+    pytest.importorskip("torch")
+    from torch.utils.data import DataLoader
+
+    path, _ = blob
+    ds = smstore.SharedStoreDataset(path, decode=None)
+    loader = DataLoader(Subset(ds, [(0, 20)]), batch_size=4)
+    with pytest.raises(smstore.CollateError, match=str(path)):
+        next(iter(loader))
