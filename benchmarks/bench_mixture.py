@@ -166,9 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     report.notes += [
         (
-            "The mixture's order is computed per chunk in numpy (tree descent, then one C++ Feistel call per "
-            "(source, source epoch) in the chunk); GlobalShuffleSampler's is one C++ call. A C++ kernel for "
-            "the descent (the same integer arithmetic) is what the 2x goal needs where it is missed."
+            "The mixture's order is one C++ call per chunk, like GlobalShuffleSampler's: the tree descent "
+            "(16 positions at a time, without branches, one multiply per division) then the source's "
+            "Feistel permutation for the draw's pass (kept per source while its pass lasts)."
         ),
         (
             "Megatron's index is built once per (blend, size) and cached on disk; its time in C++ is "

@@ -183,13 +183,20 @@ class Mixture:
         self._left, self._right, self._a, self._q = left, right, a, q
         self._bounds = self.deviation_bounds()
         self._h = [(x - 1) // 2 for x in q]
-        self._np = (
-            np.array(a, dtype=np.int64),
-            np.array(q, dtype=np.int64),
-            np.array(self._h, dtype=np.int64),
-            np.array(left, dtype=np.int64),
-            np.array(right, dtype=np.int64),
-        )
+        self._kernel: _core.MixtureTree | None = None
+
+    @property
+    def tree(self) -> _core.MixtureTree:
+        """The tree in C++, which :meth:`locate` and :class:`MixtureOrder` descend (built on first
+        use: a pickled mixture, a DataLoader worker's, carries only the Python lists)."""
+        if self._kernel is None:
+            self._kernel = _core.MixtureTree(
+                self._a, self._q, self._left, self._right, self.root, len(self.shares)
+            )
+        return self._kernel
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_kernel": None}
 
     def _split(self, node: int, m: int) -> int:
         """``L(m)``: of the first ``m`` positions of ``node``, how many go to its left child."""
@@ -229,34 +236,17 @@ class Mixture:
     def locate(
         self, positions: np.ndarray[Any, Any]
     ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
-        """For int64 positions ``p``: the source each draws from, and how many positions before
-        ``p`` drew from that source (its draw number), vectorised over the tree's levels."""
-        p = np.asarray(positions, dtype=np.int64).ravel()
-        src = np.zeros(p.size, dtype=np.int64)
-        m = p.copy()
-        if self.root < 0:
-            src[:] = -self.root - 1
-            return src, m
-        a_, q_, h_, l_, r_ = self._np
-        node = np.full(p.size, self.root, dtype=np.int64)
-        active = np.arange(p.size)
-        while active.size:
-            nd, mm = node[active], m[active]
-            a, q, h = a_[nd], q_[nd], h_[nd]
-            # L(m) = floor((m a + h) / q), split as m = d q + r so that r * a < 2**62; position m
-            # goes left when L(m + 1) > L(m), that is when (m a + h) mod q is at least q - a.
-            d, r = np.divmod(mm, q)
-            y, t = np.divmod(r * a + h, q)
-            before = d * a + y
-            goes_left = t >= q - a
-            child = np.where(goes_left, l_[nd], r_[nd])
-            m[active] = np.where(goes_left, before, mm - before)
-            leaf = child < 0
-            src[active[leaf]] = -child[leaf] - 1
-            inner = ~leaf
-            node[active[inner]] = child[inner]
-            active = active[inner]
-        return src, m
+        """For positions ``p`` (flattened, each in ``[0, 2**63)``): the source each draws from, and
+        how many positions before ``p`` drew from that source (its draw number), computed in C++.
+
+        Raises:
+            IndexError: A position is negative.
+        """
+        p = np.asarray(positions)
+        if p.size and p.dtype.kind == "i" and int(p.min()) < 0:
+            msg = f"position {int(p.min())} is negative"
+            raise IndexError(msg)
+        return self.tree.locate(p.astype(np.uint64, copy=False).ravel())
 
     # -- stopping -------------------------------------------------------------------------------
 
@@ -304,41 +294,41 @@ class MixtureOrder:
     def __init__(self, mixture: Mixture, seed: int, epoch: int) -> None:
         self.mixture = mixture
         self.n = mixture.num_samples
-        self._prefix = f"smstore-mixture-v1:{seed}:{epoch}"
-        self._keys: dict[tuple[int, int], list[int]] = {}
-        self._lengths = np.array(mixture.lengths, dtype=np.int64)
-        self._offsets = np.array(mixture.offsets[:-1], dtype=np.int64)
+        self.prefix = f"smstore-mixture-v1:{seed}:{epoch}"
+        self._kernel: _core.MixtureOrder | None = None
 
-    def _round_keys(self, s: int, e: int) -> list[int]:
-        keys = self._keys.get((s, e))
-        if keys is None:
-            if len(self._keys) > 4096:
-                self._keys.clear()
-            keys = _round_keys(f"{self._prefix}:{s}:{e}:{self.mixture.lengths[s]}".encode())
-            self._keys[(s, e)] = keys
-        return keys
+    @property
+    def kernel(self) -> _core.MixtureOrder:
+        """The order in C++ (built on first use: a pickled order carries only its key prefix)."""
+        if self._kernel is None:
+            prefix, lengths = self.prefix, self.mixture.lengths
+            self._kernel = _core.MixtureOrder(
+                self.mixture.tree,
+                lengths,
+                self.mixture.offsets[:-1],
+                self.n,
+                # Each source pass's round keys, derived when the order first reaches it (the
+                # callable holds the prefix and lengths, not this object: no cycle forms).
+                lambda s, e: _round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
+            )
+        return self._kernel
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_kernel": None}
 
     def pairs(
         self, positions: np.ndarray[Any, Any]
     ) -> tuple[np.ndarray[Any, np.dtype[np.int64]], np.ndarray[Any, np.dtype[np.int64]]]:
-        """``(source, index in source)`` for each position in ``[0, n)``."""
-        src, k = self.mixture.locate(positions)
-        n_s = self._lengths[src]
-        epoch, within = np.divmod(k, n_s)
-        out = np.empty_like(k)
-        if src.size == 0:
-            return src, out
-        # One C++ call per (source, source epoch) present: sort the positions by that pair.
-        group = src * (int(epoch.max()) + 1) + epoch
-        order = np.argsort(group, kind="stable")
-        g_sorted = group[order]
-        bounds = np.flatnonzero(np.diff(g_sorted)) + 1
-        for lo, hi in zip(np.r_[0, bounds], np.r_[bounds, g_sorted.size], strict=True):
-            idx = order[lo:hi]
-            s, e = int(src[idx[0]]), int(epoch[idx[0]])
-            keys = self._round_keys(s, e)
-            out[idx] = _core.feistel_permute(within[idx].astype(np.uint64), self.mixture.lengths[s], keys)
-        return src, out
+        """``(source, index in source)`` for each position in ``[0, n)`` (flattened).
+
+        Raises:
+            IndexError: A position is outside ``[0, n)``.
+        """
+        p = np.asarray(positions)
+        if p.size and p.dtype.kind == "i" and int(p.min()) < 0:
+            msg = f"position {int(p.min())} out of range for a mixture epoch of {self.n}"
+            raise IndexError(msg)
+        return self.kernel.pairs(p.astype(np.uint64, copy=False).ravel())
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Global indices (into the concatenation of the sources) at an array of positions.
@@ -346,24 +336,11 @@ class MixtureOrder:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-
-        def images(flat: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
-            if flat.size and int(flat.max()) >= self.n:
-                msg = f"position {int(flat.max())} out of range for a mixture epoch of {self.n}"
-                raise IndexError(msg)
-            src, local = self.pairs(flat.astype(np.int64))
-            out: np.ndarray[Any, np.dtype[np.int64]] = self._offsets[src] + local
-            return out
-
-        return _map_positions(positions, images, f"a mixture epoch of {self.n}")
+        return _map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
 
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The indices at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
-        if count <= 0:
-            return []
-        p = (first + np.arange(count, dtype=np.int64) * step) % wrap
-        result: list[int] = self(p).tolist()
-        return result
+        return self.kernel.strided(first, step, count, wrap)
 
     def __len__(self) -> int:
         return self.n

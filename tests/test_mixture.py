@@ -10,15 +10,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smstore import MixtureError
+from smstore import MixtureError, _core
 from smstore.mixture import (
     Mixture,
     MixtureDataset,
+    MixtureOrder,
     MixtureSampler,
     from_megatron_blend,
     parse_megatron_blend,
 )
-from smstore.sampler import GlobalShuffleSampler, ResumableLoader
+from smstore.sampler import GlobalShuffleSampler, ResumableLoader, _round_keys
 
 
 def interleave(streams: list[list[int]]) -> list[int]:
@@ -168,6 +169,217 @@ def test_decimal_weights_are_exact_ratios() -> None:
     mix = Mixture([10**9, 10**9], [0.7, 0.3], stop=10)
     assert mix.shares == [7, 3]
     assert mix.counts(10 * 123457) == [7 * 123457, 3 * 123457]
+
+
+# ---- the C++ kernel against the numpy reference -------------------------------------------------
+
+
+def reference_locate(mix: Mixture, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The numpy descent the C++ kernel replaced: one divmod pair a level, in int64."""
+    p = np.asarray(positions, dtype=np.int64).ravel()
+    src = np.zeros(p.size, dtype=np.int64)
+    m = p.copy()
+    if mix.root < 0:
+        src[:] = -mix.root - 1
+        return src, m
+    a_, q_, h_, l_, r_ = (
+        np.array(x, dtype=np.int64) for x in (mix._a, mix._q, mix._h, mix._left, mix._right)
+    )
+    node = np.full(p.size, mix.root, dtype=np.int64)
+    active = np.arange(p.size)
+    while active.size:
+        nd, mm = node[active], m[active]
+        a, q, h = a_[nd], q_[nd], h_[nd]
+        d, r = np.divmod(mm, q)
+        y, t = np.divmod(r * a + h, q)
+        before = d * a + y
+        goes_left = t >= q - a
+        child = np.where(goes_left, l_[nd], r_[nd])
+        m[active] = np.where(goes_left, before, mm - before)
+        leaf = child < 0
+        src[active[leaf]] = -child[leaf] - 1
+        inner = ~leaf
+        node[active[inner]] = child[inner]
+        active = active[inner]
+    return src, m
+
+
+def reference_pairs(
+    mix: Mixture, seed: int, epoch: int, positions: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
+    """(source, record within it): the reference descent, then one Feistel call per source pass."""
+    src, k = reference_locate(mix, positions)
+    lengths = np.array(mix.lengths, dtype=np.int64)
+    passes, within = np.divmod(k, lengths[src])
+    out = np.empty_like(k)
+    for s, e in {(int(s), int(e)) for s, e in zip(src, passes, strict=True)}:
+        at = (src == s) & (passes == e)
+        keys = _round_keys(f"smstore-mixture-v1:{seed}:{epoch}:{s}:{e}:{mix.lengths[s]}".encode())
+        out[at] = _core.feistel_permute(within[at].astype(np.uint64), mix.lengths[s], keys)
+    return src, out
+
+
+TOP = 2**63 - 1  # the largest position (an epoch holds at most 2**63)
+
+
+def extreme_positions(mix: Mixture, rng: np.random.Generator, count: int) -> np.ndarray:
+    """Random positions below 2**63, the ends, and multiples of every node's share (+-1) near both."""
+    picks = [0, 1, 2, TOP, TOP - 1, TOP - 2, 2**62, 2**62 - 1, 2**32, 2**32 - 1]
+    for q in mix._q:
+        top = TOP // q * q
+        picks += [q - 1, q, q + 1, top - 1, top, min(top + 1, TOP)]
+    picks += rng.integers(0, TOP, size=count, dtype=np.int64, endpoint=True).tolist()
+    picks += rng.integers(0, 10**6, size=count, dtype=np.int64).tolist()
+    return np.array(picks, dtype=np.int64)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    weights=st.lists(
+        st.one_of(st.integers(1, 2**31), st.floats(1e-6, 1e6, allow_nan=False, allow_infinity=False)),
+        min_size=1,
+        max_size=40,
+    ),
+    seed=st.integers(0, 2**64),
+    draw=st.integers(0, 2**32 - 1),
+)
+def test_kernel_matches_the_numpy_reference_on_random_trees(
+    weights: list[float], seed: int, draw: int
+) -> None:
+    rng = np.random.default_rng(draw)
+    lengths = [int(x) for x in rng.integers(1, 2**57, size=len(weights))]  # their sum stays below 2**63
+    mix = Mixture(lengths, weights, stop=2**63)
+    assert mix.total <= 2**31
+    p = extreme_positions(mix, rng, 200)
+    src, k = mix.locate(p)
+    ref_src, ref_k = reference_locate(mix, p)
+    assert src.tolist() == ref_src.tolist()
+    assert k.tolist() == ref_k.tolist()
+    # And against exact (unbounded) integer arithmetic: k is the count of the source before p.
+    for i in rng.choice(p.size, size=20, replace=False):
+        assert mix.count(int(src[i]), int(p[i])) == int(k[i])
+        assert mix.count(int(src[i]), int(p[i]) + 1) == int(k[i]) + 1
+    order = MixtureOrder(mix, seed, 3)
+    got_src, got_local = order.pairs(p)
+    want_src, want_local = reference_pairs(mix, seed, 3, p)
+    assert got_src.tolist() == want_src.tolist()
+    assert got_local.tolist() == want_local.tolist()
+    offsets = np.array(mix.offsets[:-1], dtype=np.int64)
+    assert order(p).tolist() == (offsets[want_src] + want_local).tolist()
+
+
+@pytest.mark.parametrize(
+    ("weights", "lengths"),
+    [
+        ([2**31 - 1, 1], [2**62, 2**62]),  # the largest share total, so the largest remainder times share
+        ([1, 2**31 - 1], [3, 2**62]),  # a source of 3 records drawn ~2**32 times over at the end
+        ([2**30, 2**30 - 1, 1], [1, 2, 2**62]),
+        ([1.0] * 100, [10**9] * 100),
+        ([1 / 3, 2**-40, 0.1234567891234], [7, 2**61, 5]),  # rounded to a total of 2**30
+        ([5.0], [2**63 - 1]),  # one source: no tree
+    ],
+)
+def test_kernel_matches_the_reference_at_the_extremes(weights: list[float], lengths: list[int]) -> None:
+    mix = Mixture(lengths, weights, stop=2**63)
+    p = extreme_positions(mix, np.random.default_rng(0), 2000)
+    src, k = mix.locate(p)
+    ref_src, ref_k = reference_locate(mix, p)
+    assert (src == ref_src).all()
+    assert (k == ref_k).all()
+    for i in range(0, p.size, 37):
+        assert mix.count(int(src[i]), int(p[i])) == int(k[i])
+    order = MixtureOrder(mix, 11, 0)
+    for got, want in zip(order.pairs(p), reference_pairs(mix, 11, 0, p), strict=True):
+        assert (got == want).all()
+    # The strided form (what the sampler draws) is the array form at the same positions, wrapped.
+    n = 2**63
+    first, step = n - 5 * 3 + 1, 3
+    strided = order.strided(first, step, 8, n)
+    wrapped = np.array([(first + i * step) % n for i in range(8)], dtype=np.uint64)
+    assert strided == order(wrapped).tolist()
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    q=st.integers(2, 2**31),
+    data=st.data(),
+)
+def test_one_split_is_exact_for_every_share_and_position(q: int, data: st.DataObject) -> None:
+    # The kernel divides by one multiply (a magic reciprocal); check it against Python's integers
+    # where division errors show: multiples of q, +-1, and the top of the range.
+    a = data.draw(st.integers(1, q - 1))
+    top = TOP // q * q
+    m = np.array(
+        sorted(
+            {
+                0,
+                1,
+                q - 1,
+                q,
+                q + 1,
+                top - q,
+                top - 1,
+                top,
+                min(top + 1, TOP),
+                TOP,
+                data.draw(st.integers(0, TOP)),
+            }
+        ),
+        dtype=np.int64,
+    )
+    tree = _core.MixtureTree([a], [q], [-1], [-2], 0, 2)
+    src, before = tree.locate(m.astype(np.uint64))
+    h = (q - 1) // 2
+    for i, x in enumerate(m.tolist()):
+        lo, hi = (x * a + h) // q, ((x + 1) * a + h) // q
+        assert (int(src[i]), int(before[i])) == ((0, lo) if hi > lo else (1, x - lo))
+
+
+def test_kernel_refuses_what_it_cannot_compute_exactly() -> None:
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        _core.MixtureTree([1], [2**31 + 1], [-1], [-2], 0, 2)
+    with pytest.raises(ValueError, match="0 < a < q"):
+        _core.MixtureTree([3], [3], [-1], [-2], 0, 2)
+    with pytest.raises(ValueError, match="out of range"):
+        _core.MixtureTree([1], [2], [0], [-2], 0, 2)  # a node that is its own child
+    with pytest.raises(ValueError, match="out of range"):
+        _core.MixtureTree([1], [2], [-1], [-3], 0, 2)  # a source that does not exist
+    tree = _core.MixtureTree([1], [2], [-1], [-2], 0, 2)
+    with pytest.raises(IndexError, match="2\\*\\*63"):
+        tree.locate(np.array([2**63], dtype=np.uint64))
+    with pytest.raises(ValueError, match="below 2\\*\\*63"):
+        _core.MixtureOrder(tree, [2**62, 2**62 + 1], [0, 2**62], 10, lambda s, e: [1, 2])
+    mix = Mixture([3, 4], [1, 1], stop=10)
+    with pytest.raises(IndexError, match="out of range"):
+        MixtureOrder(mix, 0, 0)(np.array([10]))
+    with pytest.raises(IndexError, match="negative"):
+        mix.locate(np.array([-1]))
+
+
+def test_kernel_is_safe_from_several_threads_without_the_gil() -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    mix = Mixture([5, 7, 1000, 3] * 5, list(range(1, 21)), stop=10**7)
+    order = MixtureOrder(mix, 2, 0)  # one order (one cache of source passes) shared by the threads
+    rng = np.random.default_rng(4)
+    batches = [rng.integers(0, 10**7, size=20000) for _ in range(8)]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(order, batches))
+    for p, g in zip(batches, got, strict=True):
+        src, local = reference_pairs(mix, 2, 0, p)
+        assert g.tolist() == (np.array(mix.offsets[:-1])[src] + local).tolist()
+
+
+def test_a_pickled_sampler_and_dataset_give_the_same_order() -> None:
+    import pickle
+
+    ds = MixtureDataset([list(range(30)), list(range(50))], [0.3, 0.7])
+    s = MixtureSampler(ds, seed=6, rank=1, world_size=2)
+    before = list(s)
+    copy = pickle.loads(pickle.dumps(s))
+    assert list(copy) == before
+    ds2 = pickle.loads(pickle.dumps(ds))
+    assert [ds2[i] for i in before] == [ds[i] for i in before]
 
 
 # ---- ranks and resume ---------------------------------------------------------------------------
