@@ -24,6 +24,9 @@ from smstore.errors import (
     ChecksumMismatchError,
     CollateError,
     DaemonError,
+    IndexFileError,
+    IndexStaleError,
+    MixtureError,
     PackInputError,
     SharedListError,
     SharedListMismatchError,
@@ -44,21 +47,31 @@ if TYPE_CHECKING:
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
+    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
+    from smstore.views import Concat, Repeat, Subset, select
 
 __version__: str = _core.__version__
 
 __all__ = [
     "ChecksumMismatchError",
     "CollateError",
+    "Concat",
     "DaemonError",
     "DaemonStore",
     "GlobalShuffleSampler",
+    "IndexFileError",
+    "IndexStaleError",
+    "Mixture",
+    "MixtureDataset",
+    "MixtureError",
+    "MixtureSampler",
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "Repeat",
     "ResumableLoader",
     "ShardResidency",
     "ShardedObjectStore",
@@ -78,6 +91,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreTruncatedError",
     "StoreVersionError",
+    "Subset",
     "TokenCollator",
     "WindowedShuffleSampler",
     "Writer",
@@ -93,6 +107,7 @@ __all__ = [
     "pack_files",
     "pack_npy_lines",
     "pack_objects",
+    "select",
 ]
 
 # These load on first use: `import smstore` (the CLI, the daemon) never imports torch, and numpy
@@ -103,6 +118,9 @@ _LAZY = {
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
+    "Mixture": "smstore.mixture",
+    "MixtureDataset": "smstore.mixture",
+    "MixtureSampler": "smstore.mixture",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",
@@ -112,6 +130,10 @@ _LAZY = {
     "collect_garbage": "smstore._segments",
     "list_segments": "smstore._segments",
     "SharedList": "smstore.shared_list",
+    "Subset": "smstore.views",
+    "Repeat": "smstore.views",
+    "Concat": "smstore.views",
+    "select": "smstore.views",
 }
 
 

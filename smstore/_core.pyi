@@ -53,6 +53,36 @@ class WindowedOrder:
     def __call__(self, arg0: npt.NDArray[np.uint64], /) -> npt.NDArray[np.int64]: ...
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]: ...
 
+class MixtureTree:
+    def __init__(
+        self,
+        a: Sequence[int],
+        q: Sequence[int],
+        left: Sequence[int],
+        right: Sequence[int],
+        root: int,
+        sources: int,
+    ) -> None: ...
+    def locate(
+        self, positions: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+
+class MixtureOrder:
+    def __init__(
+        self,
+        tree: MixtureTree,
+        lengths: Sequence[int],
+        offsets: Sequence[int],
+        size: int,
+        keys: Callable[[int, int], list[int]],
+    ) -> None: ...
+    def __len__(self) -> int: ...
+    def pairs(
+        self, positions: npt.NDArray[np.uint64]
+    ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+    def __call__(self, positions: npt.NDArray[np.uint64]) -> npt.NDArray[np.int64]: ...
+    def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]: ...
+
 class Store:
     @overload
     def __init__(self, path: str | Any) -> None: ...

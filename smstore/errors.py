@@ -6,6 +6,9 @@ __all__ = [
     "ChecksumMismatchError",
     "CollateError",
     "DaemonError",
+    "IndexFileError",
+    "IndexStaleError",
+    "MixtureError",
     "PackInputError",
     "SharedListError",
     "SharedListMismatchError",
@@ -79,3 +82,15 @@ class CollateError(StoreError, TypeError):
 
 class DaemonError(StoreError):
     """The smstore daemon is not running, refused a request, or failed."""
+
+
+class MixtureError(StoreError, ValueError):
+    """A mixture that cannot be built (bad weights, empty sources), or a state saved for another mixture."""
+
+
+class IndexFileError(StoreFormatError):
+    """A view's index file (see smstore.views.select) is malformed: truncated, foreign or out of range."""
+
+
+class IndexStaleError(StoreChangedError):
+    """A view's index file was made over other data: the data changed since it was selected."""

@@ -12,4 +12,5 @@ PYBIND11_MODULE(_core, m) {  // needs the GIL: stores and writers are not safe w
     smstore::bindings::register_packers(m);
     smstore::bindings::register_shm(m);
     smstore::bindings::register_sampler(m);
+    smstore::bindings::register_mixture(m);
 }

@@ -3,10 +3,12 @@
 
 #include <pybind11/pybind11.h>
 
+#include <cstdint>
 #include <memory>
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 #include "error.hpp"
 
@@ -59,6 +61,9 @@ auto checked(R (*f)(T&, A...)) {
     };
 }
 
+// The DataLoader takes indices one at a time from a sampler: a list of ints is what it wants.
+pybind11::list to_list(const std::vector<int64_t>& values);
+
 void register_errors(pybind11::module_& m);
 void register_store(pybind11::module_& m);
 void register_record_reader(pybind11::module_& m);
@@ -67,5 +72,6 @@ void register_writer(pybind11::module_& m);
 void register_packers(pybind11::module_& m);
 void register_shm(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
+void register_mixture(pybind11::module_& m);
 
 }  // namespace smstore::bindings

@@ -19,17 +19,6 @@ namespace {
 
 using Positions = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 
-// The DataLoader takes indices one at a time from the sampler: a list of ints is what it wants.
-py::list to_list(const std::vector<int64_t>& values) {
-    py::list out(values.size());
-    for (size_t i = 0; i < values.size(); ++i) {
-        PyObject* v = PyLong_FromLongLong(values[i]);
-        if (v == nullptr) throw py::error_already_set();
-        PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i), v);
-    }
-    return out;
-}
-
 py::array_t<int64_t> images(const Positions& positions,
                             const std::function<void(const uint64_t*, int64_t*, size_t)>& f) {
     if (positions.ndim() != 1) throw py::value_error("positions must be a 1-D array");
@@ -40,6 +29,16 @@ py::array_t<int64_t> images(const Positions& positions,
 }
 
 }  // namespace
+
+py::list to_list(const std::vector<int64_t>& values) {
+    py::list out(values.size());
+    for (size_t i = 0; i < values.size(); ++i) {
+        PyObject* v = PyLong_FromLongLong(values[i]);
+        if (v == nullptr) throw py::error_already_set();
+        PyList_SET_ITEM(out.ptr(), static_cast<py::ssize_t>(i), v);
+    }
+    return out;
+}
 
 void register_sampler(py::module_& m) {
     m.def(

@@ -205,7 +205,7 @@ def called_by_stateful_loader(frame: FrameType | None) -> bool:
         module = frame.f_globals.get("__name__", "")
         if module.startswith("torchdata."):
             return True
-        if module != "smstore.sampler":
+        if module not in ("smstore.sampler", "smstore.mixture"):  # the sampler classes live there
             return False
         frame = frame.f_back
     return False
