@@ -27,7 +27,7 @@ from typing import Any
 from contenders import make_dicts
 from procs import descendants, pss_bytes
 
-MODES = ("sharedlist", "mmengine", "list")
+MODES = ("sharedlist-loader", "sharedlist", "mmengine", "list")
 
 
 def touch(d: dict[str, Any]) -> int:
@@ -42,6 +42,12 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
+    def work(d: dict[str, Any]) -> int:
+        # What a real pipeline allocates per sample: a path string and a small tensor of boxes.
+        path = f"{d.get('img_path', '')}|{d.get('caption', '')}".upper()
+        boxes = torch.tensor([inst["bbox"] for inst in d.get("instances", ())] or [[0.0] * 4])
+        return touch(d) + len(path) + int(boxes.sum())
+
     class Items(Dataset[int]):
         def __init__(self, items: Any) -> None:
             self.items = items
@@ -50,16 +56,25 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
             return len(self.items)
 
         def __getitem__(self, i: int) -> int:
-            return touch(self.items[i])
+            return work(self.items[i])
 
     class MMItems(Items):
         def __getitem__(self, i: int) -> int:
-            return touch(self.items.get_data_info(i))
+            return work(self.items.get_data_info(i))
 
     seconds = 0.0
     role = ""
     dataset: Any
-    if mode == "sharedlist":
+    if mode == "sharedlist-loader":
+        import smstore
+
+        # Only a child of local rank 0 parses the file; the other rank attaches.
+        source = os.environ["BENCH_SOURCE_EMPTY" if empty else "BENCH_SOURCE"]
+        lst = smstore.SharedList.from_file(source, "json")
+        role = lst.role
+        seconds = lst.seconds
+        dataset = Items(lst)
+    elif mode == "sharedlist":
         import smstore
 
         lst = smstore.SharedList(make_dicts(n, empty=empty))  # the per-rank dicts are freed on return
@@ -99,6 +114,7 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
 
 def run_job(mode: str, n: int, ranks: int, workers: int, empty: bool) -> dict[str, Any]:
     env = {**os.environ, "LOCAL_WORLD_SIZE": str(ranks), "SMSTORE_JOB_ID": f"bench-{uuid.uuid4().hex}"}
+    env.pop("SMSTORE_SOCKET", None)
     cmd = [sys.executable, __file__, "--rank", mode, "--n", str(n), "--workers", str(workers)]
     if empty:
         cmd.append("--empty")
@@ -139,9 +155,25 @@ def main() -> None:
         return
 
     load = os.getloadavg()[0]
+    import tempfile
+
+    tmp = tempfile.mkdtemp(prefix="bench-objects-")
+    os.environ["BENCH_SOURCE"] = os.path.join(tmp, "ann.json")
+    os.environ["BENCH_SOURCE_EMPTY"] = os.path.join(tmp, "empty.json")
     dicts = make_dicts(args.n)
     copy = sum(len(pickle.dumps(d, protocol=5)) for d in dicts)
+    with open(os.environ["BENCH_SOURCE"], "w") as f:
+        json.dump(dicts, f)
+    with open(os.environ["BENCH_SOURCE_EMPTY"], "w") as f:
+        json.dump(make_dicts(args.n, empty=True), f)
     del dicts
+    # What the loader form's builder is compared with: one json.load of the file and one pickle per object.
+    start = time.perf_counter()
+    with open(os.environ["BENCH_SOURCE"], "rb") as f:
+        loaded = json.load(f)
+    _ = [pickle.dumps(d, protocol=5) for d in loaded]
+    reference = time.perf_counter() - start
+    del loaded, _
     import torch
 
     import smstore
@@ -160,18 +192,23 @@ def main() -> None:
     print()
     print(
         f"R={args.ranks} ranks x K={args.workers} workers (fork), N={args.n} COCO-like dicts, one shuffled epoch "
-        f"reading every field. One serialized copy (pickles of the N dicts) = {copy / 2**20:.1f} MiB."
+        f"reading every field and allocating per sample (a string, a small tensor). One serialized copy "
+        f"(pickles of the N dicts) = {copy / 2**20:.1f} MiB. json.load of the {os.path.getsize(os.environ['BENCH_SOURCE']) / 2**20:.0f} MiB "
+        f"JSON file + one pickle per object: {reference:.2f} s."
     )
     print()
     print(
         "| dataset | summed PSS | same with empty dicts | difference | x one copy | processes | build s (rank 0) | rank 1 s | epoch s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
+    loader_ratio = "-"
     for mode in MODES:
         full = run_job(mode, args.n, args.ranks, args.workers, empty=False)
         base = run_job(mode, args.n, args.ranks, args.workers, empty=True)
         diff = full["pss"] - base["pss"]
         o = full["outs"]
+        if mode == "sharedlist-loader":
+            loader_ratio = f"{o[0]['build_s']:.2f} s / {reference:.2f} s = {o[0]['build_s'] / reference:.2f}x"
         build = f"{o[0]['build_s']:.2f}" if mode != "list" else "-"
         other = f"{o[1]['build_s']:.2f}" if mode != "list" and len(o) > 1 else "-"
         epoch = max(x["epoch_s"] for x in o)
@@ -196,7 +233,12 @@ def main() -> None:
     )
     print(f"| shared copy (blob: header, records, index, metadata) | {lst.nbytes / 2**20:.1f} MiB |")
     print()
+    for path in (os.environ["BENCH_SOURCE"], os.environ["BENCH_SOURCE_EMPTY"]):
+        os.unlink(path)
+    os.rmdir(tmp)
     print(
+        "sharedlist-loader: SharedList.from_file(json) (rank 0: parse, encode and write in a child; time to "
+        f"ready / reference = {loader_ratio}). "
         "build s: rank 0's SharedList (encode, hash, write the memfd, seal) vs mmengine's BaseDataset full_init "
         "with serialize_data=True (pickle protocol 4 and numpy concatenate), per rank. rank 1 s: the other rank's "
         "SharedList (connect, hash its own list to compare, receive the descriptor, map) or its own mmengine "

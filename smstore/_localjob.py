@@ -240,14 +240,16 @@ def _encode(message: dict[str, Any]) -> bytes:
 class Server:
     """Local rank 0's end: accepts waiters from the start of its build, hands them the result.
 
-    Waiters get ``{"pid": ...}`` on connecting, then one final message: the result with the
+    Waiters get ``{"pid": ..., "key": ...}`` on connecting (the key names what is being built, so a
+    waiter that wants something else can say so before the build ends), then one final message: the result with the
     descriptor attached, or ``{"ok": false, "message": ...}`` if the build failed. The listener
     closes once ``expected`` waiters have been served (never, if that number is unknown).
     """
 
-    def __init__(self, address: bytes, name: str, expected: int | None) -> None:
+    def __init__(self, address: bytes, name: str, expected: int | None, key: str | None = None) -> None:
         self._sock = bind_listener(address, name)
         self._name = name
+        self._key = key
         self._expected = expected
         self._served = 0
         self._lock = threading.Lock()
@@ -269,7 +271,7 @@ class Server:
                 if uid != os.getuid():  # abstract sockets have no permissions: check who it is
                     conn.close()
                     continue
-                conn.sendall(_encode({"pid": os.getpid(), "name": self._name}))
+                conn.sendall(_encode({"pid": os.getpid(), "name": self._name, "key": self._key}))
             except OSError:
                 conn.close()
                 continue

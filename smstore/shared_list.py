@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import itertools
 import os
+import pickle
+import signal
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
@@ -15,6 +18,7 @@ from smstore import _core
 from smstore._localjob import Peer, Server, address_for, connect, topology
 from smstore._objects import ContentHash, ObjectStore, encode_objects
 from smstore._pack import build_metadata, human_bytes
+from smstore._sources import daemon_key, file_key, file_loader
 from smstore.errors import DaemonError, SharedListError, SharedListMismatchError, SharedMemoryError
 
 __all__ = ["SharedList"]
@@ -30,6 +34,8 @@ _ROOM_CHECK_EVERY = 8 << 20
 _HELLO_TIMEOUT = 60.0
 # How often a waiter hashing its own list looks whether the builder died meanwhile.
 _ALIVE_EVERY = 0.2
+
+_PR_SET_PDEATHSIG = 1  # prctl(2)
 
 _sequence = itertools.count()
 
@@ -120,15 +126,18 @@ class _RoomCheck:
         raise SharedMemoryError(msg)
 
 
-def _build(objects: Iterable[Any], name: str, encoding: str, room_limit: int) -> tuple[int, dict[str, Any]]:
-    """Encode ``objects`` into a new sealed memfd blob; returns a read-only fd and what waiters need."""
-    label = f"SharedList {name!r}"
+def _new_memfd(name: str) -> int:
     try:
-        fd = os.memfd_create(_MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        return os.memfd_create(_MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as e:
-        msg = f"{label}: memfd_create failed: {e}"
+        msg = f"SharedList {name!r}: memfd_create failed: {e}"
         raise SharedMemoryError(msg) from None
-    writer = _core.Writer.to_fd(fd, label)  # owns fd from here on
+
+
+def _write(fd: int, objects: Iterable[Any], name: str, encoding: str, room_limit: int) -> dict[str, Any]:
+    """Encode ``objects`` into the empty memfd ``fd`` as a complete blob (``fd`` stays the caller's)."""
+    label = f"SharedList {name!r}"
+    writer = _core.Writer.to_fd(os.dup(fd), label)  # owns the duplicate from here on
     content = ContentHash()
     room = _RoomCheck(label, len(objects) if isinstance(objects, Sequence) else None, room_limit)
     try:
@@ -137,17 +146,110 @@ def _build(objects: Iterable[Any], name: str, encoding: str, room_limit: int) ->
             writer.append(record)
             room(content.count, writer.data_size)
         info = {"content": content.hexdigest(), "encoding": encoding, "records": content.count}
-        fd = writer.finish_fd(build_metadata(encoding, shared_list=name, content_hash=info["content"]))
+        done = writer.finish_fd(build_metadata(encoding, shared_list=name, content_hash=info["content"]))
     except BaseException:
         writer.abort()
         raise
+    os.close(done)
+    return info
+
+
+def _seal(fd: int) -> int:
+    """Seal the memfd ``fd`` and close it; returns a read-only descriptor of it."""
     try:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         # Readers get a read-only open of it: no descriptor that could write exists past this point.
-        ro = os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
     finally:
         os.close(fd)
-    return ro, info
+
+
+def _build(objects: Iterable[Any], name: str, encoding: str, room_limit: int) -> tuple[int, dict[str, Any]]:
+    """Encode ``objects`` into a new sealed memfd blob; returns a read-only fd and what waiters need."""
+    fd = _new_memfd(name)
+    try:
+        info = _write(fd, objects, name, encoding, room_limit)
+    except BaseException:
+        os.close(fd)
+        raise
+    return _seal(fd), info
+
+
+def _die_with_parent() -> None:
+    # A loading child whose rank was killed must not go on filling memory nobody will read.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def _build_in_child(
+    load: Callable[[], Iterable[Any]],
+    state: Callable[[], Any] | None,
+    name: str,
+    encoding: str,
+    room_limit: int,
+) -> tuple[int, dict[str, Any], Any]:
+    """Run ``load`` in a short-lived forked child that writes the blob; returns a read-only fd, info, state.
+
+    The loaded objects (and whatever the loader's heap holds) live and die in the child: this
+    process, which will fork DataLoader workers, never holds them.
+    """
+    fd = _new_memfd(name)
+    try:
+        r, w = os.pipe2(os.O_CLOEXEC)
+        parent = os.getpid()
+        try:
+            pid = os.fork()
+        except BaseException:
+            os.close(r)
+            os.close(w)
+            raise
+        if pid == 0:  # the child: never returns
+            code = 1
+            try:
+                os.close(r)
+                _die_with_parent()
+                if os.getppid() != parent:  # it died before prctl took effect
+                    os._exit(1)
+                try:
+                    info = _write(fd, load(), name, encoding, room_limit)
+                    result: tuple[str, Any] = ("ok", (info, state() if state is not None else None))
+                except BaseException as e:  # noqa: BLE001 (reported to the parent, which raises it)
+                    result = ("error", e)
+                try:
+                    payload = pickle.dumps(result, protocol=5)
+                except Exception as e:  # noqa: BLE001 (an exception or state that does not pickle)
+                    payload = pickle.dumps(("error", SharedListError(f"{type(e).__name__}: {e}")), protocol=5)
+                with os.fdopen(w, "wb") as out:
+                    out.write(payload)
+                code = 0
+            finally:
+                os._exit(code)
+        os.close(w)
+        with os.fdopen(r, "rb") as pipe:
+            payload = pipe.read()
+        _pid, status = os.waitpid(pid, 0)
+        if not payload:
+            how = (
+                f"was killed by signal {os.WTERMSIG(status)}"
+                if os.WIFSIGNALED(status)
+                else f"exited with status {os.waitstatus_to_exitcode(status)}"
+            )
+            msg = (
+                f"SharedList {name!r}: the process loading it (pid {pid}) {how} before it finished"
+                " (out of memory? see the kernel log: dmesg)"
+            )
+            raise SharedListError(msg)
+        kind, value = pickle.loads(payload)
+        if kind == "error":
+            raise value
+        info, loaded_state = value
+    except BaseException:
+        os.close(fd)
+        raise
+    return _seal(fd), info, loaded_state
 
 
 def _store_over(fd: int, name: str) -> ObjectStore:
@@ -213,6 +315,104 @@ class SharedList(Sequence[Any]):
         mode: Literal["auto", "daemon", "local"] = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
+        self._open(objects, None, name, encoding, timeout, check, room_limit, mode, socket)
+
+    @classmethod
+    def from_loader(
+        cls,
+        load: Callable[[], Iterable[Any]],
+        *,
+        key: str,
+        state: Callable[[], Any] | None = None,
+        name: str | None = None,
+        encoding: str = "pickle",
+        timeout: float = 1800.0,
+        room_limit: int = 0,
+        mode: Literal["auto", "daemon", "local"] = "auto",
+        socket: str | os.PathLike[str] | None = None,
+    ) -> SharedList:
+        """A SharedList whose objects only one process per node ever holds: ``load()``'s, in a short-lived child.
+
+        Local rank 0 forks a child that calls ``load()`` and streams its objects into the shared
+        copy, then exits: the objects, and the heap that held them, never exist in a rank that
+        forks DataLoader workers. The other local ranks call nothing; they attach. Instead of
+        hashing lists, the ranks compare ``key``: a rank whose key differs from local rank 0's
+        raises :class:`SharedListMismatchError`, and with a daemon the copy is shared under the key.
+
+        Args:
+            load: Returns the objects (any iterable, read once; a generator never holds them all).
+                Called in a forked child of local rank 0 only.
+            key: Names the contents: equal keys must mean equal lists (include a version, the
+                source file's size and mtime, the parameters). :meth:`from_file` makes one for you.
+            state: Called in the child after ``load()``; its result (picklable) is handed to every
+                local rank as ``loader_state`` (e.g. the small tables a loader computes on the way).
+            name, encoding, timeout, room_limit, mode, socket: As for :class:`SharedList`.
+
+        Raises:
+            SharedListError: The loading child died (killed, out of memory), or local rank 0 died
+                or failed; the loader's own exception is raised as is in local rank 0.
+            SharedListMismatchError: This rank's ``key`` differs from local rank 0's.
+        """
+        lst = cls.__new__(cls)
+        lst._open(None, (load, key, state), name, encoding, timeout, True, room_limit, mode, socket)
+        return lst
+
+    @classmethod
+    def from_file(
+        cls,
+        path: str | os.PathLike[str],
+        parser: str | Callable[[str], Iterable[Any]] = "json",
+        *,
+        field: str | None = None,
+        key: str | None = None,
+        name: str | None = None,
+        encoding: str = "pickle",
+        timeout: float = 1800.0,
+        room_limit: int = 0,
+        mode: Literal["auto", "daemon", "local"] = "auto",
+        socket: str | os.PathLike[str] | None = None,
+    ) -> SharedList:
+        """A SharedList of the objects in a file, parsed once per node (see :meth:`from_loader`).
+
+        Args:
+            path: The file.
+            parser: ``"json"`` (a JSON array, or the array at ``field`` of a JSON object: COCO's
+                ``field="annotations"`` or ``"images"``), ``"jsonl"`` (one JSON value per line,
+                streamed), ``"pickle"`` (a pickled list; runs code: your own files only), or a
+                function of the path returning the objects.
+            field: With ``parser="json"``: the top-level key holding the array.
+            key: Names the contents (default: the file's path, device, inode, size and mtime, the
+                parser and ``field``: a changed file is a new key, never a stale copy).
+            name, encoding, timeout, room_limit, mode, socket: As for :class:`SharedList`.
+        """
+        load = file_loader(path, parser, field)
+        if key is None:
+            how = parser if isinstance(parser, str) else f"{parser.__module__}.{parser.__qualname__}"
+            key = file_key(path, how, field, encoding)
+        return cls.from_loader(
+            load,
+            key=key,
+            name=name,
+            encoding=encoding,
+            timeout=timeout,
+            room_limit=room_limit,
+            mode=mode,
+            socket=socket,
+        )
+
+    def _open(
+        self,
+        objects: Iterable[Any] | None,
+        loader: tuple[Callable[[], Iterable[Any]], str, Callable[[], Any] | None] | None,
+        name: str | None,
+        encoding: str,
+        timeout: float,
+        check: bool,
+        room_limit: int,
+        mode: str,
+        socket: str | os.PathLike[str] | None,
+    ) -> None:
+        """Build (local rank 0) or receive the shared copy of ``objects`` or of ``loader = (load, key, state)``."""
         if mode not in ("auto", "daemon", "local"):
             msg = f"mode must be 'auto', 'daemon' or 'local', not {mode!r}"
             raise ValueError(msg)
@@ -223,12 +423,14 @@ class SharedList(Sequence[Any]):
         # How the daemon took part: "attached" (it served this list already: nothing was built),
         # "shared" (built here and handed to it), or None.
         self.via_daemon: str | None = None
+        self.loader_state: Any = None
+        key = loader[1] if loader is not None else None
         topo = topology()
         role = topo.role
         if role in ("builder", "elect"):
             try:
                 expected = topo.local_world_size - 1 if topo.local_world_size else None
-                self._server = Server(address_for(self.name), self.name, expected)
+                self._server = Server(address_for(self.name), self.name, expected, key)
                 role = "builder"
             except OSError as e:
                 if e.errno != errno.EADDRINUSE:
@@ -241,28 +443,82 @@ class SharedList(Sequence[Any]):
                     raise SharedListError(msg) from None
                 role = "waiter"  # another rank won the election
         fd: int
+        own: ContentHash | None = None
         if role == "waiter":
             deadline = time.monotonic() + timeout
-            fd, info, own = self._receive(objects, encoding, deadline, check)
+            fd, info, own = self._receive(objects, encoding, deadline, check, key)
         else:
             try:
-                fd, info = self._from_daemon_or_build(objects, encoding, room_limit, mode, socket)
+                if loader is not None:
+                    fd, info = self._load_or_attach(loader, encoding, room_limit, mode, socket)
+                else:
+                    assert objects is not None
+                    fd, info = self._from_daemon_or_build(objects, encoding, room_limit, mode, socket)
             except BaseException as e:
                 if self._server is not None:
                     self._server.fail(f"{type(e).__name__}: {e}")
                 raise
             if self._server is not None:
                 self._server.publish(info, fd)
-            own = None
+        if "state" in info:
+            self.loader_state = pickle.loads(bytes.fromhex(info["state"]))
         try:
             self._bind(fd, _store_over(fd, self.name))
         except BaseException:
             os.close(fd)
             raise
         if own is not None and own.hexdigest() != info["content"]:
+            assert objects is not None
             self._explain_mismatch(objects, own, info, topo.local_rank)
         self.role = role
         self.seconds = time.perf_counter() - start
+
+    def _load_or_attach(
+        self,
+        loader: tuple[Callable[[], Iterable[Any]], str, Callable[[], Any] | None],
+        encoding: str,
+        room_limit: int,
+        mode: str,
+        sock: str | os.PathLike[str] | None,
+    ) -> tuple[int, dict[str, Any]]:
+        """Local rank 0 of the loader form: the daemon's copy under the key, else a child loads it."""
+        from smstore.client import attach_shared, daemon_request, keep_attached, share_with_daemon
+
+        load, key, state = loader
+        daemon = mode != "local"
+        if daemon:
+            try:
+                daemon_request({"op": "status"}, sock, timeout=5.0)
+            except DaemonError:
+                if mode == "daemon":
+                    raise
+                daemon = False
+        if daemon:
+            found = attach_shared(daemon_key(key), sock)
+            if found is not None:
+                fd, reply, self._conn = found
+                keep_attached(self)
+                self.via_daemon = "attached"
+                # The loader state is not the daemon's to keep: only lists without one are reused.
+                if state is None:
+                    return fd, {"key": key, "encoding": encoding, "content": reply.get("content", "")}
+                os.close(fd)
+                self._drop_connection()
+                self.via_daemon = None
+        fd, info, loaded_state = _build_in_child(load, state, self.name, encoding, room_limit)
+        info["key"] = key
+        if state is not None:
+            info["state"] = pickle.dumps(loaded_state, protocol=5).hex()
+        if daemon:
+            try:
+                _reply, self._conn = share_with_daemon(fd, daemon_key(key), sock)
+                keep_attached(self)
+                self.via_daemon = "shared"
+            except DaemonError:
+                if mode == "daemon":
+                    os.close(fd)
+                    raise
+        return fd, info
 
     def _from_daemon_or_build(
         self,
@@ -316,14 +572,16 @@ class SharedList(Sequence[Any]):
         self._closed = False
 
     def _receive(
-        self, objects: Iterable[Any], encoding: str, deadline: float, check: bool
+        self, objects: Iterable[Any] | None, encoding: str, deadline: float, check: bool, key: str | None
     ) -> tuple[int, dict[str, Any], ContentHash | None]:
         peer: Peer = connect(address_for(self.name), self.name, deadline)
         try:
             self.builder_pid = peer.pid
-            peer.receive(min(deadline, time.monotonic() + _HELLO_TIMEOUT), "answering")
+            hello, _ = peer.receive(min(deadline, time.monotonic() + _HELLO_TIMEOUT), "answering")
+            if key is not None:
+                self._check_key(hello.get("key"), key, peer.pid)
             own = None
-            if check:
+            if check and objects is not None:
                 # Hash our own encoding while local rank 0 builds, and look for its death now and then.
                 own = ContentHash()
                 next_look = time.monotonic() + _ALIVE_EVERY
@@ -343,6 +601,13 @@ class SharedList(Sequence[Any]):
         if fd is None:
             msg = f"SharedList {self.name!r}: local rank 0 (pid {peer.pid}) sent no descriptor"
             raise SharedListError(msg)
+        if key is not None:
+            try:
+                self._check_key(message.get("key"), key, peer.pid)
+            except SharedListMismatchError:
+                if fd is not None:
+                    os.close(fd)
+                raise
         if check and message.get("encoding") != encoding:
             os.close(fd)
             msg = (
@@ -351,6 +616,16 @@ class SharedList(Sequence[Any]):
             )
             raise SharedListMismatchError(msg)
         return fd, message, own
+
+    def _check_key(self, theirs: str | None, key: str, pid: int) -> None:
+        if theirs == key:
+            return
+        what = "a list with no key (SharedList(list))" if theirs is None else f"key {theirs!r}"
+        msg = (
+            f"SharedList {self.name!r}: local rank 0 (pid {pid}) loads {what}, this process asks for "
+            f"key {key!r}: the ranks were given different sources, or the source file changed between them"
+        )
+        raise SharedListMismatchError(msg)
 
     def _explain_mismatch(
         self, objects: Iterable[Any], own: ContentHash, info: dict[str, Any], local_rank: int | None
@@ -479,6 +754,7 @@ def _attach(pid: int, fd_number: int, dev: int, ino: int, checksum: str, name: s
     lst._server = None
     lst._conn = None
     lst.via_daemon = None
+    lst.loader_state = None
     lst._bind(fd, store)
     lst.role = "attached"
     lst.seconds = 0.0

@@ -22,10 +22,13 @@ class Annotations(BaseDataset):
     METAINFO = {"classes": ("cat", "dog", "bus")}
 
     def load_data_list(self) -> list[dict[str, Any]]:
+        # As mmdet's CocoDataset sets cat_ids and cat_img_map: state that filter_data and users read.
+        self.skip_digit = 3
+        self.loaded_by = os.getpid()
         return [annotation(i) for i in range(N)]
 
     def filter_data(self) -> list[dict[str, Any]]:
-        return [d for d in self.data_list if d["img_id"] % 10 != 3]  # mmengine's own step runs
+        return [d for d in self.data_list if d["img_id"] % 10 != self.skip_digit]  # mmengine's own step
 
 
 class SharedAnnotations(SharedDataListMixin, Annotations):
@@ -73,6 +76,9 @@ def main() -> None:
                 "mismatches": mismatches,
                 "in_rank_mismatches": in_rank,
                 "item": shared[5],
+                "pid": os.getpid(),
+                "loaded_by": shared.loaded_by,
+                "ref_loaded_by": ref.loaded_by,
             },
             default=str,
         ),

@@ -37,6 +37,11 @@ def test_shared_data_list_matches_mmengine_serialize_data(method: str) -> None:
                 p.wait(timeout=30)
     assert [p.returncode for p in ranks] == [0, 0]
     assert [o["role"] for o in outs] == ["builder", "waiter"]
+    # load_data_list ran once per node, in neither rank (local rank 0's loading child); what it set
+    # on the dataset reached both ranks.
+    assert outs[0]["loaded_by"] == outs[1]["loaded_by"]
+    assert outs[0]["loaded_by"] not in (outs[0]["pid"], outs[1]["pid"])
+    assert [o["ref_loaded_by"] for o in outs] == [o["pid"] for o in outs]
     for out in outs:
         assert out["len"] == out["ref_len"] == 360  # mmengine's filter_data ran before sharing
         assert out["indices"] == list(range(360))

@@ -387,10 +387,132 @@ def test_a_process_of_this_user_is_found_on_either_name(monkeypatch: pytest.Monk
         squatter.stop()
 
 
-def test_sigkill_of_the_whole_job_leaves_nothing(job: type[Job]) -> None:
+def write_jsonl(path: Path, n: int) -> None:
+    path.write_text("".join(json.dumps(annotation(i)) + "\n" for i in range(n)))
+
+
+# ---- the loader form: one process per node loads ----
+
+
+def test_loader_form_loads_in_one_child_and_every_rank_attaches(job: type[Job], tmp_path: Path) -> None:
+    source = tmp_path / "ann.jsonl"
+    write_jsonl(source, N)
+    j = job(SL_FILE=os.fspath(source))
+    r1, r0 = j.start(1, "ok"), j.start(0, "ok")
+    out0, out1 = j.finish(r0), j.finish(r1)
+    assert (out0["role"], out1["role"]) == ("builder", "waiter")
+    assert out0["equal"]
+    assert out1["equal"]
+    assert out0["ino"] == out1["ino"]
+    # Parsed once, by a process that is neither rank (local rank 0's short-lived child).
+    assert len(out0["loaded_by"]) == 1
+    assert out0["loaded_by"] == out1["loaded_by"]
+    assert out0["loaded_by"][0] not in (out0["pid"], out1["pid"])
+
+
+def test_a_changed_source_file_is_a_new_key(job: type[Job], tmp_path: Path) -> None:
+    # Rank 1 sees the file after it changed (same size, new mtime): it must not attach rank 0's copy.
+    source, gate = tmp_path / "ann.jsonl", tmp_path / "gate"
+    write_jsonl(source, N)
+    os.mkfifo(gate)
+    j = job(SL_FILE=os.fspath(source), SL_GATE=os.fspath(gate))
+    r0 = j.start(0, "file-block")
+    assert j.read(r0)["event"] == "start"
+    assert j.read(r0)["event"] == "loading"  # its key is taken; its child waits at the gate
+    st = source.stat()
+    os.utime(source, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    r1 = j.start(1, "ok")
+    out1 = j.finish(r1)
+    assert out1["error"] == "SharedListMismatchError", out1
+    assert "changed" in out1["message"]
+    assert "mtime_ns" in out1["message"]
+    with open(gate, "w"):
+        pass  # let rank 0 finish
+    out0 = j.finish(r0)
+    assert out0["role"] == "builder"
+    assert out0["equal"]
+
+
+def test_daemon_serves_the_loader_form_by_key_and_a_changed_file_is_loaded_anew(
+    start_daemon: Callable[..., Any], tmp_path: Path
+) -> None:
+    d = start_daemon()
+    source = tmp_path / "ann.jsonl"
+    write_jsonl(source, 300)
+    first = SharedList.from_file(source, "jsonl", name="a", socket=d.sock)
+    assert first.via_daemon == "shared"
+    again = SharedList.from_file(source, "jsonl", name="b", socket=d.sock)
+    assert again.via_daemon == "attached"  # same file, same key: the daemon's copy, nothing loaded
+    assert os.fstat(again._fd).st_ino == os.fstat(first._fd).st_ino
+    source.write_text(source.read_text().replace('"img_id": 7,', '"img_id": 70,'))
+    changed = SharedList.from_file(source, "jsonl", name="c", socket=d.sock)
+    assert changed.via_daemon == "shared"  # a new key: loaded anew, never the stale copy
+    assert os.fstat(changed._fd).st_ino != os.fstat(first._fd).st_ino
+    assert changed[7]["img_id"] == 70
+    assert first[7]["img_id"] == 7
+    for lst in (first, again, changed):
+        lst.close()
+
+
+def test_loader_errors_reach_local_rank_0_as_raised_and_leak_nothing() -> None:
+    fds_before = set(os.listdir("/proc/self/fd"))
+
+    def broken() -> list[int]:
+        raise KeyError("no such field")
+
+    with pytest.raises(KeyError, match="no such field"):
+        SharedList.from_loader(broken, key="broken", name="broken", mode="local")
+    with pytest.raises(smstore.PackInputError, match=r"object 1 \(function\)"):
+        SharedList.from_loader(lambda: [1, lambda: 2, 3], key="bad", name="bad-loader", mode="local")
+    with pytest.raises(smstore.SharedListError, match="killed by signal 9"):
+        SharedList.from_loader(
+            lambda: os.kill(os.getpid(), signal.SIGKILL), key="dies", name="dies", mode="local"
+        )
+    assert set(os.listdir("/proc/self/fd")) <= fds_before
+    assert memfds_named("broken") == memfds_named("bad-loader") == memfds_named("dies") == []
+    lst = SharedList.from_loader(lambda: iter(range(5)), key="ok", state=lambda: {"n": 5}, mode="local")
+    assert (list(lst), lst.loader_state) == ([0, 1, 2, 3, 4], {"n": 5})
+    lst.close()
+
+
+def test_rank_0_killed_while_loading_makes_waiters_raise(
+    job: type[Job], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    name = f"loadkill-{uuid.uuid4().hex[:8]}"
+    gate = tmp_path / "gate"
+    os.mkfifo(gate)  # never opened for writing: the loading child waits there until killed
+    j = job(SL_NAME=name, SL_GATE=os.fspath(gate))
+    monkeypatch.setenv("SMSTORE_JOB_ID", j.env["SMSTORE_JOB_ID"])
+    address = smstore._localjob.address_for(name)
+    r0 = j.start(0, "loader-block", n=100)
+    r1 = j.start(1, "loader-block", n=100)
+    assert j.read(r0)["event"] == "start"
+    loading = j.read(r0)  # printed by the loading child, which now waits at the gate
+    assert loading["event"] == "loading"
+    assert loading["pid"] != r0.pid
+    deadline = time.monotonic() + 60
+    while not connected_waiters(address):  # rank 1 waits on rank 0
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(r0.pid, signal.SIGKILL)  # the rank only: its loading child must die with it
+    out = j.finish(r1)
+    assert out["error"] == "SharedListError"
+    assert "exited" in out["message"]
+    deadline = time.monotonic() + 30
+    while memfds_named(name) or Path(f"/proc/{loading['pid']}").exists():
+        assert time.monotonic() < deadline, "the loading child outlived its rank"
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("form", ["list", "loader"])
+def test_sigkill_of_the_whole_job_leaves_nothing(job: type[Job], tmp_path: Path, form: str) -> None:
     name = f"job-{uuid.uuid4().hex[:8]}"
     shm_before = shm_entries(name)
-    j = job(SL_NAME=name)
+    extra = {}
+    if form == "loader":
+        write_jsonl(tmp_path / "ann.jsonl", N)
+        extra["SL_FILE"] = os.fspath(tmp_path / "ann.jsonl")
+    j = job(SL_NAME=name, **extra)
     r0, r1 = j.start(0, "workers"), j.start(1, "workers")
     for r in (r0, r1):
         out = j.read(r)
