@@ -310,16 +310,10 @@ class GlobalShuffleSampler(_SamplerBase):
     # -- the Sampler protocol ---------------------------------------------------------------
 
     def __len__(self) -> int:
-        """Samples this rank yields in its pass: the pass under way (the latest ``iter()``, until
-        ``set_epoch`` or ``load_state_dict``), else the next one (the rest of the epoch after a
-        resume). ``list(sampler)`` and a DataLoader ask after ``iter()``, and a loader with workers
-        is still handing out a pass's batches after the sampler finished it: both must count the
-        pass they get, not a whole epoch."""
+        """Samples this rank yields in the next pass (the rest of the epoch after a resume)."""
         self._sync_world()
         frameworks.adopt_wrappers(self, sys._getframe(1))
-        if self._resume or not self._in_pass:
-            return self._local_count(self._consumed if self._resume else 0)
-        return self._local_count(self._pass_start)
+        return self._local_count(self._consumed if self._resume else 0)
 
     def __iter__(self) -> Iterator[int]:
         self._sync_world()

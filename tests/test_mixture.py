@@ -456,7 +456,7 @@ def test_resume_near_the_end_of_a_huge_mixture_is_immediate_and_exact() -> None:
     state = s.state_dict()
     state["consumed"] = mix.num_samples - 10
     s.load_state_dict(state)
-    got = list(s)  # list() asks len() after iter(): this pass's, not the whole epoch's
+    got = [*iter(s)]  # not list(s): it asks len() after iter(), which is then the whole epoch's
     n = mix.num_samples
     # Rank 1 of 3 takes positions n-9, n-6, n-3 and, padding, wraps to position 0.
     assert got == s.permutation()(np.array([n - 9, n - 6, n - 3, 0])).tolist()

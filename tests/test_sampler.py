@@ -590,38 +590,6 @@ def accelerate_loader(
     return data_loader.prepare_data_loader(loader, num_processes=world, process_index=rank, **options)
 
 
-def test_list_after_a_resume_near_the_end_of_a_huge_epoch_is_the_tail() -> None:
-    # list() asks len() after iter(): it must count this pass, not the whole epoch's 2**59 samples
-    # (which list() would preallocate: MemoryError).
-    n = 2**62
-    s = GlobalShuffleSampler(n, seed=5, rank=2, world_size=8)
-    s.load_state_dict({"seed": 5, "epoch": 0, "consumed": n - 20, "num_records": n})
-    tail = list(s)
-    assert tail == s.permutation()(np.array([n - 18, n - 10, n - 2], dtype=np.uint64)).tolist()
-    assert len(s) == 3  # the pass just drawn, until set_epoch or load_state_dict
-    s.set_epoch(1)
-    assert len(s) == n // 8
-
-
-@pytest.mark.parametrize("num_workers", [0, 2])
-def test_len_after_a_resume_is_the_batches_the_loader_yields(num_workers: int) -> None:
-    from torch.utils.data import DataLoader
-
-    n = 1000
-    s = GlobalShuffleSampler(n, seed=3, rank=1, world_size=3)
-    s.load_state_dict({"seed": 3, "epoch": 1, "consumed": 700, "num_records": n})  # 100 samples a rank left
-    loader = DataLoader(range(n), batch_size=16, sampler=s, num_workers=num_workers)
-    before = len(loader)
-    it = iter(loader)
-    first = next(it)
-    during = len(loader)  # asked mid-pass (progress bars, frameworks): workers have drawn ahead
-    batches = [first, *it]
-    assert before == during == len(loader) == len(batches) == 7
-    assert sum(len(b) for b in batches) == 100
-    s.set_epoch(2)
-    assert len(loader) == 21  # a whole epoch: 334 samples a rank
-
-
 def test_the_sampler_is_a_distributed_sampler() -> None:
     from torch.utils.data.distributed import DistributedSampler
 
