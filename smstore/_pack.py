@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
+import secrets
 import stat
 import sys
 import time
@@ -26,9 +28,11 @@ __all__ = [
     "byte_bar",
     "check_output",
     "dataset_output",
+    "fsync_dir",
     "human_bytes",
     "pack",
     "pack_files",
+    "publish_file",
 ]
 
 Record = bytes | bytearray | memoryview | str
@@ -122,6 +126,64 @@ def check_output(path: str | os.PathLike[str], *, directory: bool = False) -> No
         "give another output path"
     )
     raise StoreIOError(errno.EEXIST, msg)
+
+
+def fsync_dir(directory: str) -> None:
+    """Make a rename in `directory` durable (best effort: the rename itself already happened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def publish_file(path: str, chunks: Sequence[bytes], *, what: str, durable: bool) -> None:
+    """Write a small file atomically: a temporary file beside `path`, renamed over it.
+
+    The one way smstore publishes the small files it writes whole (manifests, index files): the
+    output is checked by :func:`check_output` before and again just before the rename (it may have
+    changed meanwhile), a replaced file's permission bits are kept, and nothing is left behind on
+    any error.
+
+    Args:
+        path: The file to publish.
+        chunks: Its bytes, written in order.
+        what: What the file is, for messages ("the manifest").
+        durable: fsync the file and its directory.
+
+    Raises:
+        StoreIOError: `path` is not a file smstore may replace, or writing failed.
+    """
+    check_output(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    tmp = os.path.join(
+        directory, f".{os.path.basename(path)}.smstore-tmp-{os.getpid()}-{secrets.token_hex(5)}"
+    )
+    try:
+        with open(tmp, "xb") as f:
+            f.writelines(chunks)
+            if durable:
+                f.flush()
+                os.fsync(f.fileno())
+        check_output(path)  # again: the path may have changed since we looked
+        if os.path.exists(path):
+            os.chmod(tmp, os.stat(path).st_mode & 0o777)
+        os.rename(tmp, path)
+    except OSError as e:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        if isinstance(e, StoreIOError):
+            raise
+        raise StoreIOError(e.errno or errno.EIO, f"{path}: cannot write {what}: {e.strerror}") from None
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    if durable:
+        fsync_dir(directory)
 
 
 def build_metadata(

@@ -26,7 +26,7 @@ from typing import Any, BinaryIO
 
 from smstore import _core
 from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
-from smstore._pack import Transaction, check_output, dataset_output
+from smstore._pack import Transaction, check_output, dataset_output, publish_file
 from smstore.errors import (
     PackInputError,
     StoreChangedError,
@@ -240,17 +240,6 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return manifest
 
 
-def _fsync_dir(directory: str) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_manifest(
     path: str | os.PathLike[str],
     encoding: str,
@@ -266,7 +255,6 @@ def write_manifest(
     they lie inside it, absolute otherwise).
     """
     p = os.fspath(path)
-    check_output(p)
     doc: dict[str, Any] = {
         "format": MANIFEST_FORMAT,
         "version": MANIFEST_VERSION,
@@ -285,30 +273,7 @@ def write_manifest(
     except (TypeError, ValueError) as e:
         msg = f"metadata must be JSON-serializable: {e}"
         raise TypeError(msg) from None
-    directory = os.path.dirname(os.path.abspath(p))
-    tmp = os.path.join(directory, f".{os.path.basename(p)}.smstore-tmp-{os.getpid()}-{secrets.token_hex(5)}")
-    try:
-        with open(tmp, "x", encoding="utf-8") as f:
-            f.write(text + "\n")
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        check_output(p)  # again: the path may have changed since we looked
-        if os.path.exists(p):
-            os.chmod(tmp, os.stat(p).st_mode & 0o777)
-        os.rename(tmp, p)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, StoreIOError):
-            raise
-        raise StoreIOError(e.errno or 5, f"{p}: cannot write the manifest: {e.strerror}") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        _fsync_dir(directory)
+    publish_file(p, [(text + "\n").encode()], what="the manifest", durable=durable)
     return read_manifest(p)
 
 

@@ -11,13 +11,11 @@ by :func:`select`.
 from __future__ import annotations
 
 import bisect
-import contextlib
 import hashlib
 import json
 import math
 import os
 import re
-import secrets
 import stat
 import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -29,8 +27,8 @@ import numpy as np
 
 from smstore import _core
 from smstore._decode import Decoder, make_decoder
-from smstore._pack import check_output
-from smstore._shards import MANIFEST_NAME, _fsync_dir
+from smstore._pack import check_output, publish_file
+from smstore._shards import MANIFEST_NAME
 from smstore.errors import (
     IndexFileError,
     IndexStaleError,
@@ -475,32 +473,9 @@ def write_index(
     }
     text = json.dumps(header, sort_keys=True).encode()
     text += b"\0" * (-(_PREFIX.size + len(text)) % 8)
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = os.path.join(
-        directory, f".{os.path.basename(path)}.smstore-tmp-{os.getpid()}-{secrets.token_hex(5)}"
+    publish_file(
+        path, [_PREFIX.pack(_MAGIC, _VERSION, len(text)), text, body], what="the index file", durable=durable
     )
-    try:
-        with open(tmp, "xb") as f:
-            f.write(_PREFIX.pack(_MAGIC, _VERSION, len(text)))
-            f.write(text)
-            f.write(body)
-            if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        check_output(path)  # again: the path may have changed since we looked
-        os.rename(tmp, path)
-    except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        if isinstance(e, StoreIOError):
-            raise
-        raise StoreIOError(e.errno or 5, f"{path}: cannot write the index file: {e.strerror}") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    if durable:
-        _fsync_dir(directory)
 
 
 def read_index(
