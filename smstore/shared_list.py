@@ -707,8 +707,12 @@ class SharedList(Sequence[Any]):
             return
         self._closed = True
         self._store.close()
-        os.close(self._fd)
+        self._close_fd(self._fd)
         self._drop_connection()
+
+    # Held by the class: a SharedList still alive at interpreter exit is closed by __del__ after
+    # the module's globals (``os`` among them) may already be None.
+    _close_fd = staticmethod(os.close)
 
     def __del__(self) -> None:
         self.close()

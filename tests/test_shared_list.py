@@ -566,3 +566,16 @@ def test_daemon_mode_without_a_daemon_is_an_error(tmp_path: Path) -> None:
     assert lst.via_daemon is None
     assert list(lst) == [1, 2, 3]
     lst.close()
+
+
+def test_a_shared_list_alive_at_interpreter_exit_closes_quietly() -> None:
+    """A SharedList kept in a module global is closed by __del__ during interpreter shutdown, after
+    the modules' globals may be cleared: it must not print "Exception ignored in __del__" (it did,
+    with torch imported: 'NoneType' object has no attribute 'close')."""
+    code = "import torch, smstore; KEPT = smstore.SharedList([{'a': 1}, {'b': 2}]); print(len(KEPT))"
+    r = subprocess.run(
+        [sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=120, cwd=SAFE_CWD
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "2"
+    assert "Exception ignored" not in r.stderr, r.stderr
