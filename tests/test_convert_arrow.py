@@ -597,3 +597,20 @@ def test_message_lengths_beyond_the_file_are_refused_before_reading(tmp_path: Pa
             f"{path}: unreadable at record batch 0: its message at byte"
         ), res
         assert want in res["refused"], res
+
+
+@pytest.mark.parametrize("kind", ["parquet", "ipc-file"])
+def test_rows_with_a_column_name_twice_are_what_pyarrow_reads(tmp_path: Path, kind: str) -> None:
+    """A name given to two columns of different types: the rows are to_pylist's (the last wins),
+    not a refusal comparing the file with itself (fuzz_arrow found it)."""
+    table = pa.Table.from_arrays([pa.array([1, 2], pa.int32()), pa.array(["a", "b"])], names=["date", "date"])
+    src = tmp_path / ("t.parquet" if kind == "parquet" else "t.arrow")
+    if kind == "parquet":
+        pq.write_table(table, src)
+    else:
+        with pa.ipc.new_file(src, table.schema) as w:
+            w.write_table(table)
+    out = tmp_path / "out.smst"
+    convert_arrow(src, out, progress=False, durable=False)
+    with smstore.open(out) as s:
+        assert list(s) == table.to_pylist()

@@ -537,16 +537,24 @@ def _check_schemas(files: list[str], column: str | None) -> str | None:
                     f"{path}: column {column!r} is {t}, not binary or string; omit --column to store rows"
                 )
             kind = k
+        elif path is files[0]:
+            continue  # rows: the first file is what the others are compared with
         elif sorted(schema.names) != sorted(first.names):  # the order of a row's keys does not matter
             raise PackInputError(
                 f"{path}: columns {schema.names} differ from {first.names} in {files[0]}; every file must agree"
             )
         else:
-            types = dict(zip(first.names, first.types, strict=True))
+            # A name may stand twice (a row's dict keeps the last, as to_pylist does): compare the
+            # n-th column of a name with the n-th of that name in the first file.
+            types: dict[str, list[pa.DataType]] = {}
+            for f in first:
+                types.setdefault(f.name, []).append(f.type)
+            seen: dict[str, int] = {}
             for f in schema:
-                if not _agree(f.type, types[f.name]):
+                n = seen[f.name] = seen.get(f.name, -1) + 1
+                if not _agree(f.type, types[f.name][n]):
                     raise PackInputError(
-                        f"{path}: column {f.name!r} is {f.type}, but in {files[0]} it is {types[f.name]}; "
+                        f"{path}: column {f.name!r} is {f.type}, but in {files[0]} it is {types[f.name][n]}; "
                         "every file must agree"
                     )
     return kind
