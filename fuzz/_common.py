@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 import tempfile
 import zlib
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import atheris
@@ -91,3 +93,23 @@ def difference(records: list[Any], expected: list[Any]) -> str:
 def main(test_one_input: Callable[[bytes], None]) -> None:
     atheris.Setup(sys.argv, test_one_input)
     atheris.Fuzz()
+
+
+_DIGITS = re.compile(r"\d+")
+
+
+def check_refusal(error: Exception, source: Path, output: Path, *, must_convert: bool, instead: str) -> None:
+    """What every converter target holds a PackInputError to: it labels coverage by its wording,
+    leaves no output, names the input file, and comes only where a refusal is allowed.
+
+    Raises:
+        Finding: One of these does not hold; `instead` says what the library reads (``"pyarrow
+            reads 3 records"``) for a refusal where the input must convert.
+    """
+    feature(_DIGITS.sub("", str(error).replace(str(source), ""))[:70])
+    if output.exists():
+        raise Finding("a refused conversion left its output") from error
+    if str(source) not in str(error):
+        raise Finding(f"the refusal does not name the file: {error}") from error
+    if must_convert:
+        raise Finding(f"{instead}, but: {error}") from error
