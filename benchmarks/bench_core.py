@@ -19,6 +19,7 @@ import mmap
 import os
 import platform
 import random
+import re
 import shutil
 import struct
 import subprocess
@@ -132,10 +133,31 @@ class Report:
         return "\n".join(out)
 
 
+def portable(text: str) -> str:
+    """`text` without the absolute paths of this machine: the repository's root becomes relative and
+    temporary directories become `$TMPDIR`, so a results file says nothing of where it ran."""
+    root = str(Path(__file__).resolve().parent.parent)
+    text = text.replace(root + os.sep, "").replace(root, ".")
+    return re.sub(re.escape(tempfile.gettempdir().rstrip(os.sep)) + r"(?=/|\b)", "$TMPDIR", text)
+
+
 def write_results(out: Path, title: str, intro: list[str], header: list[str], report: Report) -> None:
     """Write a results page: title, how it was run, the machine, the table and its notes; print it too."""
-    text = "\n".join(
-        [f"# {title}", "", *intro, "", *header, "", report.table(), "", *[f"- {n}" for n in report.notes], ""]
+    text = portable(
+        "\n".join(
+            [
+                f"# {title}",
+                "",
+                *intro,
+                "",
+                *header,
+                "",
+                report.table(),
+                "",
+                *[f"- {n}" for n in report.notes],
+                "",
+            ]
+        )
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(text)
@@ -706,7 +728,7 @@ def machine_info(tmp: Path) -> list[str]:
     return [
         f"- machine: {cpus}, CPU `{model}`, {ram:.0f} GiB RAM, Linux {platform.release()}",
         f"- software: {versions}, smstore {smstore.__version__} (git {commit})",
-        f"- temp dir: {tmp} ({fs})",
+        f"- temp files: {fs} (the system temp dir unless --tmpdir names another)",
     ]
 
 
@@ -808,7 +830,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         *[f"- {n}" for n in report.notes],
         "",
     ]
-    text = "\n".join(doc)
+    text = portable("\n".join(doc))
     print(text)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -83,3 +84,28 @@ def test_cpp_warning_free(source: Path) -> None:
         source,
     )
     assert result.returncode == 0, result.stderr
+
+
+# An absolute path of the machine a benchmark ran on: /tmp/..., /work/..., /home/..., and so on.
+MACHINE_PATH = re.compile(
+    r"(?:^|[\s`'\"(=:])(/(?:tmp|work|home|root|mnt|var|opt|srv|scratch|Users)/[^\s`'\")]*)"
+)
+
+
+def machine_paths(text: str) -> list[str]:
+    return MACHINE_PATH.findall(text)
+
+
+def test_machine_paths_are_found() -> None:
+    assert machine_paths("- temp dir: /tmp/smstore-bench-x1 (ext4)") == ["/tmp/smstore-bench-x1"]
+    assert machine_paths("`python b.py --out /work/main/r.md`") == ["/work/main/r.md"]
+    assert machine_paths("- temp files: ext4; `--out $TMPDIR/r.md`; see benchmarks/results/r.md") == []
+
+
+def test_results_files_name_no_path_of_the_machine() -> None:
+    """A results file says what ran and on what, never where: no temp dir, checkout or home path."""
+    found = {
+        str(f.relative_to(ROOT)): machine_paths(f.read_text())
+        for f in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+    }
+    assert {f: p for f, p in found.items() if p} == {}
