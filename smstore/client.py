@@ -483,11 +483,14 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
             conn.close()
         if fd is not None:
             os.close(fd)
-        if reply.get("error") == "not_served":
+        why = str(reply.get("message", ""))
+        if reply.get("error") == "not_served" and why == f"no segment holds {checksum}":
             reason = (
                 f"the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
                 f"load it with 'smstore load {spath}'"
             )
+        elif reply.get("error") == "not_served":  # a held shard whose load failed, or unloaded
+            reason = f"the smstore daemon on {sock_at} does not serve this file: {why}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
         if mode == "daemon":

@@ -38,7 +38,7 @@ from smstore._segments import (
 )
 from smstore._shards import Manifest, manifest_file, read_manifest
 from smstore._store import explain_not_a_blob, read_checksum
-from smstore.errors import DaemonError, SharedMemoryError, StoreError, StoreFormatError
+from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
 
 __all__ = ["Daemon", "Limits", "serve"]
 
@@ -47,6 +47,17 @@ log = logging.getLogger("smstore.daemon")
 # What the loader thread hands back: a new segment (name, fd, checksum, seconds), the checksum of
 # one already loaded, or the error.
 LoadResult = tuple[str, int, str, float] | str | Exception
+
+# A file's identity as stat sees it: a failed held load is retried only once this changes.
+FileIdentity = tuple[int, int, int, int]
+
+
+def _identity(path: str) -> FileIdentity | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _peer_groups(pid: int) -> set[int]:
@@ -101,6 +112,12 @@ def _path_value(value: object) -> str:
         # rather than in the loader thread.
         raise ProtocolError("bad_request", f"'path' is not valid UTF-8: {value!r}") from None
     return value
+
+
+def _not_served(what: str, why: str | None = None) -> dict[str, Any]:
+    """The one refusal of an attach the daemon cannot serve (now, and not later either)."""
+    message = f"no segment holds {what}" + (f": {why}" if why else "")
+    return {"ok": False, "error": "not_served", "message": message}
 
 
 def _sized(size: int) -> str:
@@ -208,18 +225,26 @@ class Daemon(Server):
         # the ranks to claim when they hold again, released when the holds need their room or
         # release a window (the job has moved past them).
         self.unclaimed: set[str] = set()
-        self.hold_loads: set[str] = set()  # paths being loaded because a rank held them
+        self.hold_loads: dict[str, str] = {}  # paths being loaded because a rank held them -> checksum
         self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
         # Held segments released while readers still map them (they count against --shm-limit
         # until every reader detaches or disconnects): checksum -> (pages, connection ids).
         self.released: dict[str, tuple[int, set[int]]] = {}
         # Parsed manifests by the path a hold names, with the file's identity when it was read.
         self.manifests: dict[str, tuple[tuple[int, int, int, int], Manifest, list[str]]] = {}
-        self.hold_failed: set[str] = set()  # held paths whose load failed: not retried until the next hold
+        # Held paths whose load failed: path -> (the checksum held, the file's identity then, why).
+        # Not loaded again (and a hold naming them is refused) until the file changes.
+        self.hold_failed: dict[str, tuple[str, FileIdentity | None, str]] = {}
+        # Held checksums the owner unloaded: not loaded again while a hold still names them.
+        self.unloaded: set[str] = set()
+        # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
+        self.waiting_room: set[str] = set()
+        self.loads = 0  # loads finished (or failed) since the start
         self.stopping = False
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
-        # The loader thread's work, in order: a path to load, a released segment to free, or None (stop).
-        self.jobs: queue.Queue[str | Segment | None] = queue.Queue()
+        # The loader thread's work, in order: a path to load (with the checksum a hold expects of
+        # it, if any), a released segment to free, or None (stop).
+        self.jobs: queue.Queue[tuple[str, str | None] | Segment | None] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -406,18 +431,19 @@ class Daemon(Server):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
         while True:
-            path = self.jobs.get()
-            if path is None:
+            job = self.jobs.get()
+            if job is None:
                 return
-            if isinstance(path, Segment):
+            if isinstance(job, Segment):
                 # Freeing a released segment's pages takes milliseconds a 10 MiB: here, at the
                 # loader's priority, before any load queued after it counts on the room.
                 with contextlib.suppress(OSError, StoreError):
-                    path.close()
+                    job.close()
                 time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
                 continue
+            path, expected = job
             try:
-                result: LoadResult = self._load_one(path)
+                result: LoadResult = self._load_one(path, expected)
             except Exception as e:  # noqa: BLE001 - every load gets an answer (the error); none ends the thread
                 result = e
             if self.stopping and isinstance(result, tuple):
@@ -428,8 +454,18 @@ class Daemon(Server):
             with contextlib.suppress(OSError):
                 self.wake_w.send(b"x")
 
-    def _load_one(self, path: str) -> tuple[str, int, str, float] | str:
+    def _load_one(self, path: str, expected: str | None) -> tuple[str, int, str, float] | str:
         checksum = read_checksum(path)
+        if expected is not None and checksum != expected:
+            # Loading it would serve no rank (they read the manifest's contents): refused before
+            # a byte is copied, and not tried again until the file changes.
+            what = f"checksum {checksum}" if checksum is not None else "no smstore blob"
+            msg = (
+                f"{path}: holds {what}, but the manifest held records {expected}: the shard was "
+                "re-packed or overwritten since its manifest was written. Pack the dataset again "
+                "(or restore the shard), then start the job again"
+            )
+            raise StoreChangedError(msg)
         if checksum is not None and checksum in self.segments:
             return checksum  # same contents already loaded (under this or another path)
         used = self._shm_used()
@@ -478,14 +514,16 @@ class Daemon(Server):
         """Bytes of our segments, for --shm-limit (the loader thread calls it too: copy the values)."""
         return sum(s.size for s in list(self.segments.values()))
 
-    def _queue_load(self, path: str, cid: int | None, *, quiet: bool = False) -> None:
+    def _queue_load(
+        self, path: str, cid: int | None, *, quiet: bool = False, expected: str | None = None
+    ) -> None:
         first = path not in self.loading
         waiters = self.loading.setdefault(path, [])
         if cid is not None:
             waiters.append(cid)
             self.set_busy(cid, True)
         if first:
-            self.jobs.put(path)
+            self.jobs.put((path, expected))
             if not quiet:
                 log.info("loading %s", path)
 
@@ -496,13 +534,18 @@ class Daemon(Server):
             except queue.Empty:
                 return
             waiters = self.loading.pop(path, [])
+            self.loads += 1
             for_hold = path in self.hold_loads
-            self.hold_loads.discard(path)
+            expected = self.hold_loads.pop(path, None)
             reply: dict[str, Any]
+            failure: str | None = None
             if isinstance(result, Exception):
                 log.error("failed to load %s: %s", path, result)
-                self.hold_failed.add(path)
-                reply = {"ok": False, "error": type(result).__name__, "message": str(result)[:1000]}
+                failure = str(result)[:1000]
+                held = expected or next((ck for ck, p in self._wanted().items() if p == path), None)
+                if held is not None:
+                    self.hold_failed[path] = (held, _identity(path), failure)
+                reply = {"ok": False, "error": type(result).__name__, "message": failure}
             else:
                 checksum = result if isinstance(result, str) else result[2]
                 fresh = checksum not in self.segments
@@ -526,9 +569,7 @@ class Daemon(Server):
                 self.set_busy(cid, False)
                 seg_now = self.segments.get(checksum)
                 if seg_now is None:
-                    self.reply(
-                        cid, {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"}
-                    )
+                    self.reply(cid, _not_served(checksum, failure))
                 else:
                     self._attach(cid, conn, seg_now)
                 self.parse(cid)
@@ -590,16 +631,17 @@ class Daemon(Server):
             else:
                 seg = self.segments.get(checksum) if checksum is not None else None
             path = _path_arg(req, required=False)
-            held = checksum is not None and path is not None and self._wanted().get(checksum) == path
-            if seg is None and checksum is not None and path is not None and (path in self.loading or held):
+            if seg is None and checksum is not None and path is not None and self._on_its_way(path, checksum):
                 # A held shard on its way (loading, or waiting for room): answer when its load ends.
                 # No file is read for this that a rank did not ask for.
                 self.attach_waiting.setdefault(path, []).append((cid, checksum))
                 self.set_busy(cid, True)
                 return
             if seg is None:
-                what = key or checksum
-                self.reply(cid, {"ok": False, "error": "not_served", "message": f"no segment holds {what}"})
+                why = (
+                    self._why_not_held(path, checksum) if path is not None and checksum is not None else None
+                )
+                self.reply(cid, _not_served(str(key or checksum), why))
                 return
             self._attach(cid, conn, seg)
         elif op == "held":
@@ -656,7 +698,11 @@ class Daemon(Server):
                         f"{self.shm_limit} bytes; raise the limit or pack smaller shards"
                     )
                     raise ProtocolError("no_room", msg)
-        self.hold_failed.clear()
+        for path, checksum in shards:
+            why = self._failed(path, checksum)
+            if why is not None:
+                # Every rank holding it hears so at its next hold: no load, release, reload loop.
+                raise ProtocolError("load_failed", f"a held shard cannot be loaded: {why}")
         if shards:
             self.holds[cid] = shards
         else:
@@ -666,6 +712,29 @@ class Daemon(Server):
             self.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
             self.flush(cid)  # the rank goes on at once; releases and loads follow
         self._reconcile()
+
+    def _on_its_way(self, path: str, checksum: str) -> bool:
+        """Whether the shard at `path` holding `checksum` is loading, or held and waiting for room."""
+        if path in self.loading:
+            return True
+        return path in self.waiting_room and self._wanted().get(checksum) == path
+
+    def _why_not_held(self, path: str, checksum: str) -> str | None:
+        """Why a held shard is not served (its load failed, or the owner unloaded it), if it is one."""
+        if checksum in self.unloaded:
+            return f"{path} was unloaded ('smstore unload') while held"
+        return self._failed(path, checksum)
+
+    def _failed(self, path: str, checksum: str) -> str | None:
+        """Why the held load of `path` (holding `checksum`) failed, while the file is still the one that failed."""
+        entry = self.hold_failed.get(path)
+        if entry is None:
+            return None
+        held, identity, why = entry
+        if held == checksum and identity is not None and identity == _identity(path):
+            return why
+        del self.hold_failed[path]  # the file changed (or another checksum is held): try again
+        return None
 
     def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
         """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
@@ -740,6 +809,7 @@ class Daemon(Server):
         wanted = self._wanted()
         # (_drop and _release, the only ways out of self.segments, keep both sets to segments we have.)
         claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
+        self.unloaded &= wanted.keys()  # unloaded shards are loaded again once a hold names them anew
         self.unclaimed -= claimed
         self.managed |= claimed
         dropped = [self._release(self.segments[ck]) for ck in self.managed - wanted.keys()]
@@ -747,39 +817,41 @@ class Daemon(Server):
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
             dropped += [self._release(self.segments[ck]) for ck in list(self.unclaimed)]
-        for path in list(self.attach_waiting):
-            if path not in self.loading and path not in wanted.values():
-                # No longer held and not on its way: the readers waiting for it hear so.
-                for cid, checksum in self.attach_waiting.pop(path):
-                    if cid in self.conns:
-                        self.set_busy(cid, False)
-                        self.reply(
-                            cid,
-                            {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"},
-                        )
-                        self.parse(cid)
         used = sum(_pages(seg.size) for seg in list(self.segments.values()))
         used += sum(pages for pages, _ in self.released.values())
         queued: list[str] = []
+        self.waiting_room = set()
+        full = False
         for checksum, path in wanted.items():
-            if checksum in self.segments or path in self.hold_failed:
+            if checksum in self.segments or checksum in self.unloaded or self._failed(path, checksum):
                 continue
             try:
                 size = _pages(os.stat(path).st_size)
             except OSError:
                 continue  # the load would fail: the reader falls back to (and reports) the file
-            while self.shm_limit and used + size > self.shm_limit and self.unclaimed:
+            while not full and self.shm_limit and used + size > self.shm_limit and self.unclaimed:
                 # Room for a held shard comes first: the oldest unclaimed adopted segment goes.
                 seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
                 dropped.append(self._release(seg))
                 used -= _pages(seg.size)
-            if self.shm_limit and used + size > self.shm_limit:
-                break  # later shards wait until earlier ones are released
+            if full or (self.shm_limit and used + size > self.shm_limit):
+                full = True  # later shards wait until earlier ones are released
+                if path not in self.loading:
+                    self.waiting_room.add(path)
+                continue
             used += size
             if path not in self.loading:
-                self._queue_load(path, None, quiet=True)
-                self.hold_loads.add(path)
+                self._queue_load(path, None, quiet=True, expected=checksum)
+                self.hold_loads[path] = checksum
                 queued.append(path)
+        for path in list(self.attach_waiting):
+            if path not in self.loading and path not in self.waiting_room:
+                # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
+                for cid, checksum in self.attach_waiting.pop(path):
+                    if cid in self.conns:
+                        self.set_busy(cid, False)
+                        self.reply(cid, _not_served(checksum, self._why_not_held(path, checksum)))
+                        self.parse(cid)
         if dropped:
             log.info("releasing %d shard(s) no rank holds: %s", len(dropped), "; ".join(dropped))
             self._save_state()
@@ -790,8 +862,11 @@ class Daemon(Server):
         """Stop serving a held segment no rank holds; its pages count until every reader unmaps it."""
         self.managed.discard(seg.checksum)
         self.unclaimed.discard(seg.checksum)
-        if seg.clients:
-            self.released[seg.checksum] = (_pages(seg.size), set(seg.clients))
+        # Only the owner's processes pin a released segment's pages in the budget: a group member
+        # who keeps a segment mapped must never stall the owner's loads (docs/daemon.md, "Groups").
+        pinning = {c for c in seg.clients if (conn := self.conns.get(c)) is not None and conn.owner}
+        if pinning:
+            self.released[seg.checksum] = (_pages(seg.size), pinning)
         self.segments.pop(seg.checksum, None)
         self.jobs.put(seg)  # unlinked and freed by the loader thread, off this loop
         return f"{', '.join(seg.paths)} ({seg.checksum})"
@@ -849,6 +924,8 @@ class Daemon(Server):
         if seg is None:
             raise ProtocolError("not_served", f"{path or checksum} is not loaded")
         info = self._describe(seg)
+        if seg.checksum in self._wanted():
+            self.unloaded.add(seg.checksum)  # not loaded again for the holds naming it now
         self._drop(seg)
         self._save_state()
         log.info(
@@ -858,6 +935,7 @@ class Daemon(Server):
             len(info["clients"]),
         )
         self.reply(cid, {"ok": True, **info})
+        self._reconcile()  # readers waiting for it hear at once
 
     def _describe(self, seg: Segment) -> dict[str, Any]:
         pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
@@ -894,6 +972,11 @@ class Daemon(Server):
             "held": sorted(self.managed),  # checksums loaded because a rank holds them
             "unclaimed": sorted(self.unclaimed),  # adopted, held by a dead predecessor, not since
             "released": sorted(self.released),  # released held segments readers still map
+            # Held shards whose load failed, not tried again until their file changes.
+            "failed": [
+                {"path": p, "checksum": ck, "message": why} for p, (ck, _i, why) in self.hold_failed.items()
+            ],
+            "loads": self.loads,
             "connections": len(self.conns),
         }
 

@@ -1,0 +1,240 @@
+"""Daemon defects of issue 22, each held to the behaviour that fixed it (each test failed before)."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import json
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smstore
+from smstore._shards import read_manifest
+from smstore.errors import DaemonError
+from smstore.residency import ShardResidency
+
+from . import daemon_testlib as tl
+from .daemon_testlib import IS_ROOT, Daemon
+
+PAGE = os.sysconf("SC_PAGESIZE")
+
+
+def dataset(tmp_path: Path, name: str = "ds", shards: int = 4, seed: int = 7) -> Path:
+    """A sharded dataset of `shards` shards of ~50 KB (records differ with `seed`)."""
+    rng = np.random.default_rng(seed)
+    src = tmp_path / f"{name}.txt"
+    src.write_bytes(
+        b"".join(bytes(rng.integers(32, 127, size=200, dtype=np.uint8)) + b"\n" for _ in range(1000))
+    )
+    out = tmp_path / name
+    smstore.pack_files([src], out, shard_size=1000 * 201 // shards, progress=False, durable=False)
+    assert len(read_manifest(out).shards) == shards
+    return out
+
+
+def shard(out: Path, k: int) -> tuple[str, str]:
+    """The absolute path and manifest checksum of shard k."""
+    m = read_manifest(out)
+    return os.path.abspath(m.shard_path(k)), m.shards[k].checksum
+
+
+def wait_for(d: Daemon, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not predicate(status := d.status()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return status
+
+
+def ask(sock: Path, message: dict[str, Any], timeout: float = 20) -> dict[str, Any] | None:
+    """One request on a new raw connection; a reply that does not come within `timeout` fails the test."""
+    s = tl.raw(sock)
+    s.settimeout(timeout)
+    try:
+        s.sendall(tl.frame(json.dumps(message).encode()))
+        return tl.read_reply(s)
+    finally:
+        s.close()
+
+
+def test_a_held_shard_changed_since_its_manifest_is_loaded_once_and_its_hold_refused(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """It used to be loaded, released and loaded again without end (the ranks never heard why)."""
+    out = dataset(tmp_path)
+    other = dataset(tmp_path, "other", seed=8)
+    path1, ck1 = shard(out, 1)
+    original = tmp_path / "shard1.orig"
+    shutil.copyfile(path1, original)
+    shutil.copyfile(shard(other, 1)[0], path1)  # re-packed in place: a valid blob, other contents
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    try:
+        rank.hold([0, 1], wait=True)
+        status = wait_for(d, lambda st: bool(st["failed"]) and not st["loading"])
+        assert [f["path"] for f in status["failed"]] == [path1]
+        assert "re-packed or overwritten" in status["failed"][0]["message"]
+        assert [s["checksum"] for s in status["segments"]] == [shard(out, 0)[1]]
+        # Another rank holding it is refused with the reason, and nothing is loaded again.
+        with pytest.raises(DaemonError, match="re-packed or overwritten"):
+            ShardResidency(out, mode="daemon").hold([1, 0], wait=True)
+        # A reader asking for it hears at once, with the reason.
+        reply = ask(d.sock, {"op": "attach", "checksum": ck1, "path": path1})
+        assert reply is not None
+        assert reply["error"] == "not_served"
+        assert "re-packed or overwritten" in reply["message"]
+        assert d.status()["loads"] == 2  # shard 0, and one try of shard 1
+        # Restored, it is loaded at the next hold.
+        shutil.copyfile(original, path1)
+        rank.hold([1], wait=True)
+        status = wait_for(d, lambda st: [s["checksum"] for s in st["segments"]] == [ck1])
+        assert [s["checksum"] for s in status["segments"]] == [ck1]
+        assert status["failed"] == []
+    finally:
+        rank.close()
+
+
+def test_a_reader_asking_for_a_held_shard_whose_load_failed_hears_not_served_at_once(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """It used to wait for the 300 s load timeout (a socket timeout of 20 s bounds the test)."""
+    out = dataset(tmp_path)
+    path2, ck2 = shard(out, 2)
+    Path(path2).write_bytes(b"not a blob\n" * 1000)
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    try:
+        rank.hold([2], wait=True)
+        wait_for(d, lambda st: not st["loading"])
+        reply = ask(d.sock, {"op": "attach", "checksum": ck2, "path": path2})
+        assert reply is not None
+        assert reply["error"] == "not_served"
+        assert "no smstore blob" in reply["message"]
+        # The dataset's reader in mode "daemon" says so too, naming the file.
+        store = smstore.open_store(out, mode="daemon")
+        try:
+            first = sum(s.records for s in read_manifest(out).shards[:2])
+            with pytest.raises(DaemonError, match="no smstore blob"):
+                store[first]
+        finally:
+            store.close()
+    finally:
+        rank.close()
+
+
+def test_a_reader_asking_for_a_held_shard_that_was_unloaded_hears_not_served_at_once(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    out = dataset(tmp_path)
+    path0, ck0 = shard(out, 0)
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    try:
+        rank.hold([0], wait=True)
+        wait_for(d, lambda st: [s["checksum"] for s in st["segments"]] == [ck0])
+        tl.cli("unload", path0, sock=d.sock)
+        reply = ask(d.sock, {"op": "attach", "checksum": ck0, "path": path0})
+        assert reply is not None
+        assert reply["error"] == "not_served"
+        assert "unloaded" in reply["message"]
+        assert d.status()["segments"] == []  # not loaded again while the hold names it
+        rank.hold([0, 1], wait=True)  # a hold naming it anew (after a window without it) loads it
+        rank.hold([1], wait=True)
+        rank.hold([0, 1], wait=True)
+        status = wait_for(d, lambda st: len(st["segments"]) == 2)
+        assert {s["checksum"] for s in status["segments"]} == {ck0, shard(out, 1)[1]}
+    finally:
+        rank.close()
+
+
+def test_a_hold_naming_a_fifo_never_blocks_the_daemon(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """Opening the FIFO used to wait for a writer on the event loop: no one was answered any more."""
+    fifo = tmp_path / "manifest.json"
+    os.mkfifo(fifo)
+    d = start_daemon(loaded=0)
+    holder = tl.raw(d.sock)
+    try:
+        holder.sendall(
+            tl.frame(json.dumps({"op": "hold", "manifest": os.fspath(fifo), "shards": "0"}).encode())
+        )
+        status = ask(d.sock, {"op": "status"}, timeout=10)  # a socket timeout, not a clock: it answers
+        assert status is not None
+        assert status["ok"] is True
+        reply = tl.read_reply(holder)
+        assert reply is not None
+        assert reply["error"] == "bad_request"
+        assert "not a regular file" in reply["message"]
+    finally:
+        holder.close()
+        # Before the fix the daemon waits in open(): a writer lets it go, so that it stops cleanly.
+        with contextlib.suppress(OSError):
+            os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_a_group_member_mapping_released_shards_never_stalls_the_owner(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """Released shards a member still mapped used to count against --shm-limit until it let go."""
+    try:
+        group = grp.getgrnam("users")
+    except KeyError:
+        pytest.skip("no 'users' group")
+    out = dataset(tmp_path)
+    m = read_manifest(out)
+    limit = 2 * max(-(-s.file_size // PAGE) * PAGE for s in m.shards) + PAGE  # two shards, not three
+    sock = tl.public_rundir(request, group.gr_gid) / "smstore.sock"
+    d = start_daemon(args=("--group", "users", "--shm-limit", str(limit)), at=sock, loaded=0)
+    ck = [s.checksum for s in m.shards]
+    rank = ShardResidency(out, mode="daemon", socket=sock)
+    ready_r, ready_w = os.pipe()
+    go_r, go_w = os.pipe()
+    member = -1
+    try:
+        rank.hold([0, 1], wait=True)
+        wait_for(d, lambda st: {s["checksum"] for s in st["segments"]} == {ck[0], ck[1]})
+        member = os.fork()
+        if member == 0:  # pragma: no cover - child: a group member that maps both shards and stays
+            try:
+                os.setgroups([group.gr_gid])
+                os.setgid(65534)
+                os.setuid(65534)
+                conns = []
+                for checksum in ck[:2]:
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.connect(os.fspath(sock))
+                    s.sendall(tl.frame(json.dumps({"op": "attach", "checksum": checksum}).encode()))
+                    reply, fds = tl.read_reply_fds(s)
+                    if reply is None or not reply["ok"] or len(fds) != 1:
+                        raise RuntimeError(f"attach failed: {reply}")
+                    conns.append(s)
+                os.write(ready_w, b"y")
+            except BaseException as e:  # noqa: BLE001 - reported to the parent
+                os.write(ready_w, f"n{e}".encode())
+            os.read(go_r, 1)
+            os._exit(0)
+        assert os.read(ready_r, 4096) == b"y"
+        rank.hold([2], wait=True)  # the owner's next window: 0 and 1 released, 2 loaded
+        status = wait_for(d, lambda st: {s["checksum"] for s in st["segments"]} == {ck[2]})
+        assert {s["checksum"] for s in status["segments"]} == {ck[2]}
+        assert status["released"] == []  # the member's mappings pin nothing in the budget
+    finally:
+        rank.close()
+        os.write(go_w, b"x")
+        if member > 0:
+            os.waitpid(member, 0)
+        for fd in (ready_r, ready_w, go_r, go_w):
+            os.close(fd)
+    assert d.proc.poll() is None
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(timeout=15)
