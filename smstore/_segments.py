@@ -23,10 +23,12 @@ __all__ = [
     "SHM_DIR",
     "DaemonLock",
     "Segment",
+    "SegmentTable",
     "collect_garbage",
     "daemon_alive",
     "list_segments",
     "new_segment_name",
+    "pages",
     "read_state",
     "segment_prefix",
     "state_path",
@@ -202,6 +204,64 @@ class Segment:
             _core.shm_unlink("/" + self.name)
         self.store.close()
         os.close(self.fd)
+
+
+def pages(size: int) -> int:
+    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
+    return -(-size // _PAGE) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGESIZE")
+
+
+class SegmentTable(dict[str, Segment]):
+    """The daemon's segments by checksum, with their totals and a path index kept as they change.
+
+    A load, a hold and `status` need the bytes in use and the segment serving a path: summing or
+    scanning the whole table each time made loading N blobs O(N**2). Segments enter with
+    ``table[checksum] = seg`` and leave with ``pop``; a segment's paths change through
+    :meth:`add_path` and :meth:`remove_path` only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0  # bytes of the segments
+        self.pages = 0  # ... in whole pages, as /dev/shm counts them
+        self._by_path: dict[str, str] = {}
+
+    def __setitem__(self, checksum: str, seg: Segment) -> None:
+        self.pop(checksum)
+        super().__setitem__(checksum, seg)
+        self.size += seg.size
+        self.pages += pages(seg.size)
+        for path in seg.paths:
+            self._by_path[path] = checksum
+
+    def pop(self, checksum: str, default: Segment | None = None) -> Segment | None:  # type: ignore[override]
+        seg = super().pop(checksum, None)
+        if seg is None:
+            return default
+        self.size -= seg.size
+        self.pages -= pages(seg.size)
+        for path in seg.paths:
+            if self._by_path.get(path) == checksum:
+                del self._by_path[path]
+        return seg
+
+    def serving(self, path: str) -> Segment | None:
+        """The segment a load of `path` registered last, if it is still here."""
+        checksum = self._by_path.get(path)
+        return None if checksum is None else self.get(checksum)
+
+    def add_path(self, seg: Segment, path: str) -> None:
+        if path not in seg.paths:
+            seg.paths.append(path)
+        self._by_path[path] = seg.checksum
+
+    def remove_path(self, seg: Segment, path: str) -> None:
+        seg.paths.remove(path)
+        if self._by_path.get(path) == seg.checksum:
+            del self._by_path[path]
 
 
 # ---- the state file: which segments a daemon holds, so that a successor can adopt them ---------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import itertools
+import json
 import logging
 import os
 import queue
@@ -27,10 +29,12 @@ from smstore._segments import (
     SHM_DIR,
     DaemonLock,
     Segment,
+    SegmentTable,
     adopt_segment,
     daemon_alive,
     list_segments,
     new_segment_name,
+    pages,
     read_state,
     state_path,
     unlink_quietly,
@@ -120,23 +124,38 @@ def _not_served(what: str, why: str | None = None) -> dict[str, Any]:
     return {"ok": False, "error": "not_served", "message": message}
 
 
+def _page_arg(req: dict[str, Any]) -> tuple[int, int]:
+    """A 'status' request's page of segments: (offset, limit)."""
+    offset, limit = req.get("offset", 0), req.get("limit", STATUS_PAGE)
+    if type(offset) is not int or type(limit) is not int or offset < 0 or not 0 <= limit <= STATUS_PAGE:
+        msg = f"'offset' must be an integer >= 0 and 'limit' one from 0 to {STATUS_PAGE}"
+        raise ProtocolError("bad_request", msg)
+    return offset, limit
+
+
 def _sized(size: int) -> str:
     """A byte count for a message: ``64.0 KiB (65536 bytes)``."""
     return f"{size} bytes" if size < 1024 else f"{human_bytes(size)} ({size} bytes)"
 
 
-def _pages(size: int) -> int:
-    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
-    return -(-size // _PAGE) * _PAGE
-
-
-_PAGE = os.sysconf("SC_PAGESIZE")
+_pages = pages
 
 # The loader thread's nice value (relative to 0): below the training processes.
 LOADER_NICENESS = 10
 
 # Seconds the loader thread rests after freeing a released segment.
 FREE_PAUSE = 0.005
+
+# The state file is written once the changes reach 1/STATE_FRACTION of its segments, or after
+# STATE_DELAY seconds without a change.
+STATE_FRACTION = 8
+STATE_DELAY = 1.0
+
+# A status reply lists at most this many segments, in at most STATUS_BYTES of JSON (a page: the
+# request's "offset" asks for the next), and at most STATUS_LIST entries of each other list.
+STATUS_PAGE = 1000
+STATUS_BYTES = 256 << 10
+STATUS_LIST = 20
 
 # Manifests kept parsed (one per dataset a job holds shards of; more only from a hostile client).
 MAX_MANIFESTS = 64
@@ -214,7 +233,7 @@ class Daemon(Server):
         self.shm_limit = shm_limit
         self.shm_limit_from = shm_limit_from
         self.read_rate = read_rate
-        self.segments: dict[str, Segment] = {}
+        self.segments = SegmentTable()
         self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
         # Residency: what each connection (a rank's sampler) holds, in the order to load it; the
         # segments loaded for holds (dropped when no connection holds them); the readers waiting
@@ -240,6 +259,10 @@ class Daemon(Server):
         # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
         self.waiting_room: set[str] = set()
         self.loads = 0  # loads finished (or failed) since the start
+        # The state file: segments it lists, changes since it was written, and when the last came.
+        self._state_rows = 0
+        self._state_changes = 0
+        self._state_changed_at = 0.0
         self.stopping = False
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
         # The loader thread's work, in order: a path to load (with the checksum a hold expects of
@@ -357,20 +380,43 @@ class Daemon(Server):
     def _segment_name(self, checksum: str) -> str:
         return new_segment_name(self.uid, self.pid, self.start_time, checksum)
 
+    def _state_changed(self) -> None:
+        """Note a change of the segments for the state file, and write it if enough changed.
+
+        Writing the whole file at every load made loading N blobs O(N**2) (5,000 took 126 s). It
+        is written when the changes since the last write reach an eighth of what it lists (at
+        once while it lists under 8 segments), else once no change came for `STATE_DELAY`
+        seconds (`flush_state`): N loads write O(N) bytes in all. A daemon killed meanwhile
+        leaves those latest segments out; its successor removes them as leftovers.
+        """
+        self._state_changes += 1
+        self._state_changed_at = time.monotonic()
+        if self._state_changes >= max(1, self._state_rows // STATE_FRACTION):
+            self._save_state()
+
+    def flush_state(self) -> None:
+        """Write the changes the state file is missing once the segments stopped changing."""
+        if self._state_changes and time.monotonic() - self._state_changed_at >= STATE_DELAY:
+            self._save_state()
+
     def _save_state(self) -> None:
         """Record our segments for a successor; a failure (a full disk) costs only that, never the daemon."""
+        entries = [  # a memfd cannot be adopted
+            s.state_entry(held=s.checksum in self.managed or s.checksum in self.unclaimed)
+            for s in self.segments.values()
+            if not s.shared
+        ]
         state = {
             "pid": self.pid,
             "start_time": self.start_time,
             "socket": os.fspath(self.sock_path),
-            "segments": [  # a memfd cannot be adopted
-                s.state_entry(held=s.checksum in self.managed or s.checksum in self.unclaimed)
-                for s in self.segments.values()
-                if not s.shared
-            ],
+            "segments": entries,
         }
+        self._state_changes = 0
+        self._state_rows = len(entries)
         try:
             write_state(self.state_path, state)
+            log.debug("state file written: %d segment(s)", self._state_rows)
         except OSError as e:
             log.error(
                 "cannot write the state file %s (%s): a restarted daemon will not adopt the segments",
@@ -511,8 +557,8 @@ class Daemon(Server):
         raise SharedMemoryError(msg)
 
     def _shm_used(self) -> int:
-        """Bytes of our segments, for --shm-limit (the loader thread calls it too: copy the values)."""
-        return sum(s.size for s in list(self.segments.values()))
+        """Bytes of our segments, for --shm-limit (the loader thread calls it too)."""
+        return self.segments.size
 
     def _queue_load(
         self, path: str, cid: int | None, *, quiet: bool = False, expected: str | None = None
@@ -576,18 +622,18 @@ class Daemon(Server):
             self._reconcile()
 
     def _register(self, path: str, result: tuple[str, int, str, float] | str) -> Segment:
+        # The generation this path held before (if other contents): no longer served by this path.
+        previous = self.segments.serving(path)
         if isinstance(result, str):
             seg = self.segments[result]
-            if path not in seg.paths:
-                seg.paths.append(path)
+            self.segments.add_path(seg, path)
         elif result[2] in self.segments:
             # Another path with the same contents finished loading first: keep one copy.
             name, fd, ck, _seconds = result
             unlink_quietly(name)
             os.close(fd)
             seg = self.segments[ck]
-            if path not in seg.paths:
-                seg.paths.append(path)
+            self.segments.add_path(seg, path)
         else:
             name, fd, ck, seconds = result
             store = _core.Store._from_fd(fd, path, False)
@@ -602,14 +648,12 @@ class Daemon(Server):
                 seg.size / max(seconds, 1e-9) / 2**20,
                 name,
             )
-        # A path now holds new contents: its previous generation is no longer served by this path.
-        for other in list(self.segments.values()):
-            if other is not seg and path in other.paths:
-                other.paths.remove(path)
-                if not other.paths:
-                    log.info("%s was rewritten: unloading the old generation %s", path, other.checksum)
-                    self._drop(other)
-        self._save_state()
+        if previous is not None and previous is not seg and path in previous.paths:
+            self.segments.remove_path(previous, path)
+            if not previous.paths:
+                log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
+                self._drop(previous)
+        self._state_changed()
         return seg
 
     # ---- requests -----------------------------------------------------------------------------
@@ -650,7 +694,7 @@ class Daemon(Server):
         elif op == "detach":
             self._detach(cid, conn, _checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
-            self.reply(cid, self._status())
+            self.reply(cid, self._status(*_page_arg(req)))
         elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError("permission_denied", f"only uid {self.uid} may {op}")
@@ -817,8 +861,7 @@ class Daemon(Server):
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
             dropped += [self._release(self.segments[ck]) for ck in list(self.unclaimed)]
-        used = sum(_pages(seg.size) for seg in list(self.segments.values()))
-        used += sum(pages for pages, _ in self.released.values())
+        used = self.segments.pages + sum(n for n, _ in self.released.values())
         queued: list[str] = []
         self.waiting_room = set()
         full = False
@@ -854,7 +897,7 @@ class Daemon(Server):
                         self.parse(cid)
         if dropped:
             log.info("releasing %d shard(s) no rank holds: %s", len(dropped), "; ".join(dropped))
-            self._save_state()
+            self._state_changed()
         if queued:
             log.info("loading %d held shard(s): %s", len(queued), ", ".join(queued))
 
@@ -920,14 +963,14 @@ class Daemon(Server):
     def _unload(self, cid: int, checksum: str | None, path: str | None) -> None:
         seg = self.segments.get(checksum) if checksum is not None else None
         if seg is None and path is not None:
-            seg = next((s for s in self.segments.values() if path in s.paths), None)
+            seg = self.segments.serving(path)
         if seg is None:
             raise ProtocolError("not_served", f"{path or checksum} is not loaded")
         info = self._describe(seg)
         if seg.checksum in self._wanted():
             self.unloaded.add(seg.checksum)  # not loaded again for the holds naming it now
         self._drop(seg)
-        self._save_state()
+        self._state_changed()
         log.info(
             "unloaded %s (%s); %d client(s) still map it",
             ", ".join(seg.paths),
@@ -952,8 +995,27 @@ class Daemon(Server):
             "clients": pids,
         }
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self, offset: int, limit: int) -> dict[str, Any]:
+        """A summary, and a page of `limit` segments from `offset` (in load order) with every list capped.
+
+        Every reply fits a message, whatever the daemon holds (100,000 segments, paths of 4 KiB):
+        ``next_offset`` is where the next page starts (None after the last), and the lists other
+        than ``segments`` hold their first entries (their lengths are in ``counts``).
+        """
         available, total = _core.shm_space(os.fspath(SHM_DIR))
+        page: list[dict[str, Any]] = []
+        size = 0
+        next_offset: int | None = None
+        for k, seg in enumerate(itertools.islice(self.segments.values(), offset, None)):
+            if len(page) == limit or size > STATUS_BYTES:
+                next_offset = offset + k
+                break
+            entry = self._describe(seg)
+            size += len(json.dumps(entry))
+            page.append(entry)
+        failed = [
+            {"path": p, "checksum": ck, "message": why} for p, (ck, _i, why) in self.hold_failed.items()
+        ]
         return {
             "ok": True,
             "pid": self.pid,
@@ -967,15 +1029,25 @@ class Daemon(Server):
                 "limit_from": self.shm_limit_from,
                 "used": self._shm_used(),
             },
-            "segments": [self._describe(s) for s in self.segments.values()],
-            "loading": sorted(self.loading),
-            "held": sorted(self.managed),  # checksums loaded because a rank holds them
-            "unclaimed": sorted(self.unclaimed),  # adopted, held by a dead predecessor, not since
-            "released": sorted(self.released),  # released held segments readers still map
+            "counts": {
+                "segments": len(self.segments),
+                "loading": len(self.loading),
+                "held": len(self.managed),
+                "unclaimed": len(self.unclaimed),
+                "released": len(self.released),
+                "failed": len(failed),
+            },
+            "segments": page,
+            "offset": offset,
+            "next_offset": next_offset,
+            "loading": sorted(self.loading)[:STATUS_LIST],
+            "held": sorted(self.managed)[:STATUS_PAGE],  # checksums loaded because a rank holds them
+            "unclaimed": sorted(self.unclaimed)[
+                :STATUS_PAGE
+            ],  # adopted, held by a dead predecessor, not since
+            "released": sorted(self.released)[:STATUS_PAGE],  # released held segments readers still map
             # Held shards whose load failed, not tried again until their file changes.
-            "failed": [
-                {"path": p, "checksum": ck, "message": why} for p, (ck, _i, why) in self.hold_failed.items()
-            ],
+            "failed": failed[:STATUS_LIST],
             "loads": self.loads,
             "connections": len(self.conns),
         }
@@ -1012,6 +1084,7 @@ class Daemon(Server):
             else:
                 self.dispatch(key, events)
         self.expire()
+        self.flush_state()
 
     def run(self) -> None:
         """Serve until `stop`, SIGTERM or SIGINT."""

@@ -238,3 +238,46 @@ def test_a_group_member_mapping_released_shards_never_stalls_the_owner(
     assert d.proc.poll() is None
     d.proc.send_signal(signal.SIGTERM)
     d.proc.wait(timeout=15)
+
+
+def test_loading_many_blobs_writes_the_state_file_rarely_and_status_pages_them(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The state file was written whole after every load (O(N**2)), and status of all the segments
+    in one reply exceeded the message limit ("message of 1441932 bytes exceeds...")."""
+    deep = tmp_path
+    while len(os.fspath(deep)) < 3300:  # paths of ~3.4 KB: 300 segments describe in ~1 MB
+        deep /= "d" * 200
+    deep.mkdir(parents=True)
+    n = 300
+    src = tmp_path / "lines.txt"
+    src.write_bytes(b"".join(b"%05d:" % i + b"x" * 60 + b"\n" for i in range(n)))
+    out = deep / "ds"
+    smstore.pack_files([src], out, shard_size=60, progress=False, durable=False)
+    m = read_manifest(out)
+    assert len(m.shards) == n
+    d = start_daemon(args=("--verbose",), loaded=0)
+    tl.cli("load", os.fspath(out), sock=d.sock, timeout=300)
+    status = d.status()
+    assert status["counts"]["segments"] == n
+    assert 0 < len(status["segments"]) < n  # one page
+    seen: list[str] = []
+    offset: int | None = 0
+    while offset is not None:
+        page = smstore.client.daemon_request({"op": "status", "offset": offset}, d.sock)
+        seen += [s["checksum"] for s in page["segments"]]
+        offset = page["next_offset"]
+    assert sorted(seen) == sorted(s.checksum for s in m.shards)
+    summary = tl.cli("status", sock=d.sock).stdout
+    assert f"{n} segment(s)" in summary
+    assert "smstore status --detail" in summary
+    detail = tl.cli("status", "--detail", sock=d.sock).stdout
+    assert all(os.path.abspath(m.shard_path(k)) in detail for k in range(n))
+    # Every segment reaches the state file (once the loads stopped), in a few writes.
+    state = d.sock.with_name(d.sock.name + ".state")
+    deadline = time.monotonic() + 20
+    while len(json.loads(state.read_text())["segments"]) < n and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(json.loads(state.read_text())["segments"]) == n
+    writes = d.log.read_text().count("state file written")
+    assert 1 <= writes <= n // 4, writes
