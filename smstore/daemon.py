@@ -36,6 +36,7 @@ from smstore._segments import (
     new_segment_name,
     pages,
     read_state,
+    set_aside,
     state_path,
     unlink_quietly,
     write_state,
@@ -341,7 +342,7 @@ class Daemon(Server):
         try:
             state = read_state(self.state_path)
         except ValueError as e:
-            log.warning("ignoring %s", e)
+            set_aside(self.state_path, e)  # a successor of ours must not trip over it either
             return
         if state is None:
             return
@@ -356,7 +357,7 @@ class Daemon(Server):
                     msg = "a duplicate"
                     raise ValueError(msg)
                 seg = adopt_segment(entry, self.uid, self._segment_name(checksum))
-            except (OSError, StoreError, ValueError, KeyError, TypeError) as e:
+            except (OSError, StoreError, ValueError, KeyError, TypeError, OverflowError) as e:
                 name = entry.get("name") if isinstance(entry, dict) else entry
                 log.warning("could not adopt segment %s: %s; removing it", name, e)
                 if isinstance(name, str):

@@ -281,3 +281,34 @@ def test_loading_many_blobs_writes_the_state_file_rarely_and_status_pages_them(
     assert len(json.loads(state.read_text())["segments"]) == n
     writes = d.log.read_text().count("state file written")
     assert 1 <= writes <= n // 4, writes
+
+
+BAD_STATE_FILES: dict[str, Callable[[Path], None]] = {
+    "infinity": lambda p: p.write_text('{"pid": Infinity, "start_time": 1, "segments": []}'),
+    "garbage": lambda p: p.write_bytes(os.urandom(3000)),
+    "symlink to /dev/zero": lambda p: p.symlink_to("/dev/zero"),
+    "fifo": lambda p: os.mkfifo(p),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_STATE_FILES))
+def test_a_bad_state_file_is_set_aside_by_serve_and_gc(
+    kind: str, tmp_path: Path, start_daemon: Callable[..., Daemon], blob: tuple[Path, list[bytes]]
+) -> None:
+    """`Infinity` or a symlink to /dev/zero stopped serve and gc with a traceback (or read forever)."""
+    sock = Path(os.environ["SMSTORE_SOCKET"])
+    state = sock.with_name(sock.name + ".state")
+    bad = state.with_name(state.name + ".bad")
+    BAD_STATE_FILES[kind](state)
+    res = tl.cli("gc", sock=sock, timeout=60)
+    assert "Traceback" not in res.stderr
+    assert f"set aside as {bad}" in res.stderr
+    assert not os.path.lexists(state)
+    os.replace(bad, state)
+    path, recs = blob
+    d = start_daemon(path)  # serves, with the file it was asked to load
+    assert f"set aside as {bad}" in d.log.read_text()
+    with smstore.open_store(path, mode="daemon") as store:
+        tl.check_all(store, recs)
+    assert json.loads(state.read_text())["pid"] == d.pid  # its own state file now
+    bad.unlink()
