@@ -146,7 +146,18 @@ def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
     try:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+    except ConnectionRefusedError as e:
+        sock.close()
+        # The socket is there and no one listens: its daemon died (kill -9, out of memory).
+        msg = (
+            f"cannot reach an smstore daemon on {path} ({e.strerror}): the daemon that made it is gone. "
+            f"Restart it on the same socket ('smstore serve --socket {path}', with its --shm-limit and "
+            "--group): it adopts the segments the dead one loaded, and readers attach them again. Then "
+            "resume: a training job from its last checkpoint (the samplers' state_dict resumes "
+            "mid-epoch), or with mode='auto' to read the files while no daemon runs"
+        )
+        raise DaemonError(msg) from None
+    except (FileNotFoundError, PermissionError) as e:
         sock.close()
         msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
         raise DaemonError(msg) from None

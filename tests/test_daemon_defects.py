@@ -312,3 +312,33 @@ def test_a_bad_state_file_is_set_aside_by_serve_and_gc(
         tl.check_all(store, recs)
     assert json.loads(state.read_text())["pid"] == d.pid  # its own state file now
     bad.unlink()
+
+
+def test_after_kill_9_ranks_hear_which_socket_and_how_to_resume(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The advice was "start one with 'smstore serve FILE'": no socket, no word of adoption or resuming."""
+    out = dataset(tmp_path)
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    try:
+        rank.hold([0, 1], wait=True)
+        wait_for(d, lambda st: len(st["segments"]) == 2)
+        d.proc.send_signal(signal.SIGKILL)
+        d.proc.wait()
+        for fails in (
+            lambda: rank.hold([1, 2], wait=True),
+            lambda: smstore.open_store(shard(out, 0)[0], mode="daemon"),
+        ):
+            with pytest.raises(DaemonError) as e:
+                fails()
+            message = str(e.value)
+            assert f"smstore serve --socket {d.sock}" in message
+            assert "adopts the segments" in message
+            assert "resume" in message
+        # As it says: a daemon restarted on the socket adopts the dead one's segments, and the rank goes on.
+        d = start_daemon(loaded=0)
+        assert len(d.status()["unclaimed"]) == 2
+        rank.hold([1, 2], wait=True)
+    finally:
+        rank.close()
