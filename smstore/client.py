@@ -127,10 +127,12 @@ class DaemonSession:
     def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         for attempt in (1, 2):
             reused = self._conn is not None
-            if self._conn is None:
-                self._conn = connect(self.path)
+            timeout = LOAD_WAIT if "path" in message else 10.0
+            if self._conn is None:  # a new connection: refused as busy, it tries again a while
+                reply, fd, self._conn = request(message, self.path, timeout=timeout)
+                return reply, fd
             try:
-                self._conn.settimeout(LOAD_WAIT if "path" in message else 10.0)
+                self._conn.settimeout(timeout)
                 return exchange(self._conn, message, self.path)
             except DaemonError:
                 self._drop_connection()

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import _LEN, connect, encode, exchange, socket_path
+from smstore._ipc import _LEN, connect, encode, exchange, request, socket_path
 from smstore._shards import read_manifest
 from smstore.client import DaemonSession, Mode
 from smstore.errors import DaemonError
@@ -156,8 +156,9 @@ class ShardResidency:
             reused = self._conn is not None
             try:
                 if self._conn is None:  # dropped in a forked child, or after a failed exchange
-                    self._conn = connect(self.socket)
-                reply, fd = exchange(self._conn, message, self.socket)
+                    reply, fd, self._conn = request(message, self.socket)  # tries again while busy
+                else:
+                    reply, fd = exchange(self._conn, message, self.socket)
                 break
             except DaemonError as e:
                 self._drop_connection()

@@ -342,3 +342,21 @@ def test_after_kill_9_ranks_hear_which_socket_and_how_to_resume(
         rank.hold([1, 2], wait=True)
     finally:
         rank.close()
+
+
+def test_an_owner_refused_as_busy_tries_again_until_stalled_connections_are_dropped(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """It failed at once, though the daemon drops the connections in its way within the I/O timeout."""
+    d = start_daemon(args=("--max-connections", "8", "--io-timeout", "3"), loaded=0)
+    hogs = [tl.raw(d.sock) for _ in range(7)]  # connected, silent: dropped after 3 s
+    try:
+        assert d.status()["connections"] == 8  # the seven and this one
+        hogs.append(tl.raw(d.sock))  # all eight in use: the next connection is refused
+        status = smstore.client.daemon_request({"op": "status"}, d.sock)
+        assert status["ok"] is True
+        assert "refused connection from pid" in d.log.read_text()  # it was refused, then got through
+        assert all(h.recv(10) == b"" for h in hogs)  # the silent ones were dropped
+    finally:
+        for h in hogs:
+            h.close()
