@@ -280,7 +280,9 @@ def state_path(sock: Path) -> Path:
 def write_state(path: Path, state: dict[str, Any]) -> None:
     """Replace the state file atomically (a reader never sees half of it)."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    # O_NONBLOCK: a FIFO put in its place fails the write (logged) instead of blocking the daemon.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(tmp, flags, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
             # dumps, not dump: dump streams through the pure-Python encoder (a millisecond for a

@@ -508,7 +508,7 @@ class Daemon(Server):
             # a byte is copied, and not tried again until the file changes.
             what = f"checksum {checksum}" if checksum is not None else "no smstore blob"
             msg = (
-                f"{path}: holds {what}, but the manifest held records {expected}: the shard was "
+                f"{path}: holds {what}, but the manifest it was held by records {expected}: the shard was "
                 "re-packed or overwritten since its manifest was written. Pack the dataset again "
                 "(or restore the shard), then start the job again"
             )
