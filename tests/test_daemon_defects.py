@@ -6,6 +6,7 @@ import contextlib
 import grp
 import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -86,6 +87,14 @@ def test_a_held_shard_changed_since_its_manifest_is_loaded_once_and_its_hold_ref
         # Another rank holding it is refused with the reason, and nothing is loaded again.
         with pytest.raises(DaemonError, match="re-packed or overwritten"):
             ShardResidency(out, mode="daemon").hold([1, 0], wait=True)
+        # The first rank's next window (a hold sent without a reply, as the sampler sends it) is
+        # refused: the refusal waits on its connection, and its next hold raises it.
+        rank.hold([1, 0])
+        conn = rank._conn
+        assert conn is not None
+        assert select.select([conn], [], [], 20)[0] == [conn]  # bounded by 20 s, not a timing goal
+        with pytest.raises(DaemonError, match="re-packed or overwritten"):
+            rank.hold([1, 0])
         # A reader asking for it hears at once, with the reason.
         reply = ask(d.sock, {"op": "attach", "checksum": ck1, "path": path1})
         assert reply is not None
