@@ -15,8 +15,8 @@ from _common import Finding, main, scratch_dir
 
 with atheris.instrument_imports():
     import smstore
-    from smstore._segments import Segment, unlink_quietly
-    from smstore.daemon import Daemon
+    from smstore.daemon.segments import Segment, unlink_quietly
+    from smstore.daemon.server import Daemon
 
 # Input byte 0 holds these flags, byte 1 the chunk size (0: one write); the rest is what the client sends.
 NOT_OWNER = 1  # the client is another uid the daemon admitted (a group member): no load/unload/stop
@@ -61,7 +61,7 @@ def serve_one_segment() -> tuple[Daemon, Segment, int]:
     daemon = Daemon(WORK / "d.sock")
     blob = WORK / "served.smst"
     smstore.pack([b"zero", b"", b"two"], blob, durable=False)
-    seg = daemon._register(os.fspath(blob), daemon._load_one(os.fspath(blob)))
+    seg = daemon._register(os.fspath(blob), daemon.loader._load_one(os.fspath(blob), None))
     unlink_quietly(seg.name)
     return daemon, seg, os.dup(seg.fd)
 

@@ -34,7 +34,7 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
-from smstore._segments import list_segments
+from smstore.daemon.segments import list_segments
 from smstore.client import DaemonStore, daemon_request, open_store
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
 
@@ -194,7 +194,7 @@ def test_readers_do_not_import_the_daemon(
         "first = bytes(ds[0])\n"
         f"c = pickle.loads(pickle.dumps(TokenCollator({os.fspath(path)!r}, mode='daemon', socket={os.fspath(d.sock)!r})))\n"
         "c([0, 1]); list(GlobalShuffleSampler(len(ds), seed=0, rank=0, world_size=1))\n"
-        "print(first.hex(), sorted(m for m in sys.modules if m in ('smstore.daemon', 'smstore._segments', 'smstore.cli')))\n"
+        "print(first.hex(), sorted(m for m in sys.modules if m in ('smstore.daemon', 'smstore.daemon.segments', 'smstore.cli')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [recs[0].hex(), "[]"]

@@ -19,7 +19,7 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler, _core
-from smstore._segments import list_segments
+from smstore.daemon.segments import list_segments
 from smstore.client import daemon_request
 from smstore.errors import DaemonError
 

@@ -1,12 +1,10 @@
-"""The daemon's shared-memory segments on disk: names, listing, state file, adoption, garbage collection."""
+"""The daemon's shared-memory segments on disk: names, listing, lock, the segment table, adoption, `gc`."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
-import json
-import logging
 import os
 import re
 import secrets
@@ -18,9 +16,8 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import process_alive, socket_path
+from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
-
-log = logging.getLogger("smstore.daemon")
 
 __all__ = [
     "SEGMENT_RE",
@@ -33,11 +30,7 @@ __all__ = [
     "list_segments",
     "new_segment_name",
     "pages",
-    "read_state",
     "segment_prefix",
-    "set_aside",
-    "state_path",
-    "write_state",
 ]
 
 SHM_DIR = Path(_core.SHM_DIR)
@@ -267,93 +260,6 @@ class SegmentTable(dict[str, Segment]):
         seg.paths.remove(path)
         if self._by_path.get(path) == seg.checksum:
             del self._by_path[path]
-
-
-# ---- the state file: which segments a daemon holds, so that a successor can adopt them ---------
-
-
-def state_path(sock: Path) -> Path:
-    """The state file beside a daemon's socket."""
-    return sock.with_name(sock.name + ".state")
-
-
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Replace the state file atomically (a reader never sees half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    # O_NONBLOCK: a FIFO put in its place fails the write (logged) instead of blocking the daemon.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            # dumps, not dump: dump streams through the pure-Python encoder (a millisecond for a
-            # few dozen segments, on the daemon's loop at every window switch); dumps runs in C.
-            f.write(json.dumps(state))
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-# A state file larger than this is not one (100,000 segments under long paths take ~50 MB).
-MAX_STATE_BYTES = 256 << 20
-
-
-def _no_constant(name: str) -> None:
-    msg = f"{name} is not a number a state file holds"
-    raise ValueError(msg)
-
-
-def read_state(path: Path) -> dict[str, Any] | None:
-    """The state file's contents, or None if there is none.
-
-    Only a regular file is opened (a symlink, a FIFO or a device never is), and only up to
-    `MAX_STATE_BYTES`.
-
-    Raises:
-        ValueError: It exists but is not a state file (not a regular file, too large, unreadable,
-            not JSON, fields missing or of the wrong type).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # ELOOP: a symlink
-        msg = f"{path}: not a valid state file (cannot open it as a regular file: {e.strerror})"
-        raise ValueError(msg) from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STATE_BYTES:
-                msg = (
-                    f"{path}: not a valid state file (not a regular file of at most {MAX_STATE_BYTES} bytes)"
-                )
-                raise ValueError(msg)
-            state = json.loads(f.read(MAX_STATE_BYTES + 1), parse_constant=_no_constant)
-        if not (
-            isinstance(state, dict)
-            and all(type(state.get(k)) is int for k in ("pid", "start_time"))
-            and isinstance(state.get("segments"), list)
-        ):
-            msg = "not an object with integer 'pid' and 'start_time' and a 'segments' list"
-            raise ValueError(msg)
-    except (OSError, ValueError, RecursionError) as e:
-        if str(e).startswith(f"{path}: "):
-            raise
-        msg = f"{path}: not a valid state file ({e})"
-        raise ValueError(msg) from None
-    return state
-
-
-def set_aside(path: Path, why: object) -> Path | None:
-    """Move a bad state file out of the way (to ``<name>.bad``) with a warning; the new path, or None."""
-    bad = path.with_name(path.name + ".bad")
-    try:
-        os.replace(path, bad)
-    except OSError as e:
-        log.warning("%s; cannot set it aside (%s): remove it", why, e.strerror)
-        return None
-    log.warning("%s; set aside as %s, going on without it", why, bad)
-    return bad
 
 
 def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
