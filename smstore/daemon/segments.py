@@ -5,11 +5,13 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import re
 import secrets
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,12 +21,15 @@ from smstore._ipc import process_alive, socket_path
 from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
 
+log = logging.getLogger("smstore.daemon")
+
 __all__ = [
     "SEGMENT_RE",
     "SHM_DIR",
     "DaemonLock",
     "Segment",
     "SegmentTable",
+    "adopt_previous",
     "collect_garbage",
     "daemon_alive",
     "list_segments",
@@ -306,6 +311,57 @@ def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
         0.0,
         adopted=True,
     )
+
+
+def adopt_previous(
+    state_file: Path, uid: int, segment_name: Callable[[str], str]
+) -> list[tuple[Segment, bool]]:
+    """Take over the segments a dead daemon's state file lists; unlink what cannot be adopted, and its leftovers.
+
+    A bad state file is set aside with a warning. Returns each adopted segment, and whether it was
+    loaded because a rank held it.
+
+    Raises:
+        DaemonError: The daemon that wrote the state file is alive.
+    """
+    try:
+        state = read_state(state_file)
+    except ValueError as e:
+        set_aside(state_file, e)  # a successor of ours must not trip over it either
+        return []
+    if state is None:
+        return []
+    old_pid, old_start = int(state["pid"]), int(state["start_time"])
+    if daemon_alive(uid, old_pid, old_start):
+        msg = f"the smstore daemon pid {old_pid} still owns {state_file}; stop it first"
+        raise DaemonError(msg)
+    adopted: dict[str, tuple[Segment, bool]] = {}
+    for entry in state["segments"]:
+        try:
+            checksum = str(entry["checksum"])
+            if checksum in adopted:
+                msg = "a duplicate"
+                raise ValueError(msg)
+            seg = adopt_segment(entry, uid, segment_name(checksum))
+        except (OSError, StoreError, ValueError, KeyError, TypeError, OverflowError) as e:
+            name = entry.get("name") if isinstance(entry, dict) else entry
+            log.warning("could not adopt segment %s: %s; removing it", name, e)
+            if isinstance(name, str):
+                unlink_quietly(name)
+            continue
+        adopted[seg.checksum] = (seg, entry.get("held") is True)
+        log.info(
+            "adopted %s (%s, %d bytes) from dead daemon",
+            ", ".join(seg.paths) or seg.name,
+            seg.checksum,
+            seg.size,
+        )
+    # Whatever else the dead daemon left (a load it did not finish, its lock) goes.
+    for name in list_segments(old_pid, old_start):
+        log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
+        unlink_quietly(name)
+    DaemonLock.remove_stale(uid, old_pid, old_start)
+    return list(adopted.values())
 
 
 def unlink_quietly(name: str) -> None:

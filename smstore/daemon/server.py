@@ -37,14 +37,13 @@ from smstore.daemon.segments import (
     DaemonLock,
     Segment,
     SegmentTable,
-    adopt_segment,
-    daemon_alive,
+    adopt_previous,
     list_segments,
     new_segment_name,
     unlink_quietly,
 )
-from smstore.daemon.state import StateFile, read_state, set_aside, state_path
-from smstore.errors import DaemonError, StoreError
+from smstore.daemon.state import StateFile, state_path
+from smstore.errors import DaemonError
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
 
@@ -82,6 +81,27 @@ def set_background_scheduling() -> bool:
         log.info("SCHED_BATCH is not available (%s): the daemon runs under the default policy", e)
         return False
     return True
+
+
+def claim_socket(sock_path: Path) -> None:
+    """Remove a dead daemon's socket at `sock_path`; refuse if a live one listens there."""
+    if not os.path.lexists(sock_path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(os.fspath(sock_path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale socket %s", sock_path)
+        sock_path.unlink(missing_ok=True)
+        return
+    except OSError as e:
+        msg = f"{sock_path}: exists and cannot be probed ({e}); remove it if no daemon uses it"
+        raise DaemonError(msg) from None
+    finally:
+        probe.close()
+    msg = f"another smstore daemon is already listening on {sock_path}; 'smstore stop' it first"
+    raise DaemonError(msg)
 
 
 class Daemon(Server):
@@ -151,7 +171,7 @@ class Daemon(Server):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         parent = self.sock_path.parent
         ensure_private_dir(parent, create=not parent.exists(), group_gid=self.gid)
-        self._claim_socket()
+        claim_socket(self.sock_path)
         # Held for our whole life: `smstore gc` in another PID namespace, where our pid means
         # nothing, sees that our segments are alive.
         self.lock = DaemonLock.acquire(self.uid, self.pid, self.start_time)
@@ -181,65 +201,12 @@ class Daemon(Server):
         for f in files:
             self._queue_load(os.fspath(Path(f).absolute()), None)
 
-    def _claim_socket(self) -> None:
-        if not os.path.lexists(self.sock_path):
-            return
-        probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        try:
-            probe.settimeout(2.0)
-            probe.connect(os.fspath(self.sock_path))
-        except (ConnectionRefusedError, FileNotFoundError):
-            log.info("removing stale socket %s", self.sock_path)
-            self.sock_path.unlink(missing_ok=True)
-            return
-        except OSError as e:
-            msg = f"{self.sock_path}: exists and cannot be probed ({e}); remove it if no daemon uses it"
-            raise DaemonError(msg) from None
-        finally:
-            probe.close()
-        msg = f"another smstore daemon is already listening on {self.sock_path}; 'smstore stop' it first"
-        raise DaemonError(msg)
-
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
-        try:
-            state = read_state(self.state.path)
-        except ValueError as e:
-            set_aside(self.state.path, e)  # a successor of ours must not trip over it either
-            return
-        if state is None:
-            return
-        old_pid, old_start = int(state["pid"]), int(state["start_time"])
-        if daemon_alive(self.uid, old_pid, old_start):
-            msg = f"the smstore daemon pid {old_pid} still owns {self.state.path}; stop it first"
-            raise DaemonError(msg)
-        for entry in state["segments"]:
-            try:
-                checksum = str(entry["checksum"])
-                if checksum in self.segments:
-                    msg = "a duplicate"
-                    raise ValueError(msg)
-                seg = adopt_segment(entry, self.uid, self._segment_name(checksum))
-            except (OSError, StoreError, ValueError, KeyError, TypeError, OverflowError) as e:
-                name = entry.get("name") if isinstance(entry, dict) else entry
-                log.warning("could not adopt segment %s: %s; removing it", name, e)
-                if isinstance(name, str):
-                    unlink_quietly(name)
-                continue
+        for seg, held in adopt_previous(self.state.path, self.uid, self._segment_name):
             self.segments[seg.checksum] = seg
-            if entry.get("held") is True:
+            if held:
                 self.planner.adopted(seg.checksum)
-            log.info(
-                "adopted %s (%s, %d bytes) from dead daemon",
-                ", ".join(seg.paths) or seg.name,
-                seg.checksum,
-                seg.size,
-            )
-        # Whatever else the dead daemon left (a load it did not finish, its lock) goes.
-        for name in list_segments(old_pid, old_start):
-            log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
-            unlink_quietly(name)
-        DaemonLock.remove_stale(self.uid, old_pid, old_start)
 
     def _segment_name(self, checksum: str) -> str:
         return new_segment_name(self.uid, self.pid, self.start_time, checksum)
