@@ -8,7 +8,6 @@ is record ``i - starts[k]`` of the shard ``k`` whose range holds it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import hashlib
 import itertools
@@ -18,15 +17,14 @@ import re
 import secrets
 import stat
 import struct
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any, BinaryIO
+from typing import Any
 
 from smstore import _core
 from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
-from smstore._pack import Transaction, check_output, dataset_output, publish_file
+from smstore._pack import Transaction, build_metadata, check_output, dataset_output, item_size, publish_file
 from smstore.errors import (
     PackInputError,
     StoreChangedError,
@@ -43,8 +41,11 @@ __all__ = [
     "ShardedObjectStore",
     "ShardedStore",
     "ShardedWriter",
+    "dataset_dir",
+    "describe_shard",
     "is_manifest",
     "join",
+    "publish_manifest",
     "read_manifest",
     "write_manifest",
 ]
@@ -513,7 +514,7 @@ def _stored_path(shard: str, manifest_dir: str) -> str:
     return a if rel == ".." or rel.startswith("../") else rel
 
 
-def _publish(
+def publish_manifest(
     manifest_path: str,
     encoding: str,
     shards: Sequence[ShardInfo],
@@ -622,8 +623,6 @@ class ShardedWriter(Transaction):
         durable: bool = True,
         check_every: int = 1024,
     ) -> None:
-        from smstore._pack import _item_size, build_metadata
-
         if shard_size is not None and shard_size <= 0:
             msg = f"shard_size must be positive, not {shard_size}"
             raise ValueError(msg)
@@ -635,7 +634,7 @@ class ShardedWriter(Transaction):
         self._user = metadata
         self._source = list(source)
         self._meta = build_metadata(encoding, source=self._source, user=metadata)
-        self._item_size = _item_size(encoding, self.directory)
+        self._item_size = item_size(encoding, self.directory)
         self._durable = durable
         self._shard_size = (
             shard_size if shard_size is not None else (1 << 30) if shard_records is None else None
@@ -783,7 +782,7 @@ class ShardedWriter(Transaction):
                 self._written.pop()
                 self._writer = None
             path = os.path.join(self.directory, MANIFEST_NAME)
-            self.manifest = _publish(
+            self.manifest = publish_manifest(
                 path, self.encoding, self._done, source=self._source, user=self._user, durable=self._durable
             )
         return self.manifest
@@ -867,7 +866,7 @@ def join(
             shards.append(info)
             sources.append(os.path.abspath(spath))
     assert encoding is not None
-    return _publish(
+    return publish_manifest(
         out, encoding, shards, source=sources, user=metadata, durable=durable, remove_replaced=False
     )
 
@@ -880,175 +879,3 @@ def _shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
             yield m.shard_path(k)
     else:
         yield p
-
-
-# ----------------------------------------------------------------------------- parallel packing
-
-Part = list[tuple[str, int, int]]
-
-
-def _open_splittable(name: str) -> tuple[BinaryIO, int]:
-    """`name` opened for cutting into parts, and its size; it must be a regular file."""
-    if name == "-":
-        msg = "stdin cannot be split into parts: give files to pack in parallel or in shards"
-        raise PackInputError(msg)
-    try:
-        # O_NONBLOCK: looking at a FIFO must not wait for a writer.
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise StoreNotFoundError(2, f"{name}: no such file") from None
-    except OSError as e:
-        raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        msg = (
-            f"{name}: not a regular file (a FIFO, device or directory), so it cannot be cut into parts: "
-            "pack it with -j 1 and no --shard-size, or copy it to a file first"
-        )
-        raise PackInputError(msg)
-    return os.fdopen(fd, "rb"), st.st_size
-
-
-def _line_start_at_or_after(f: BinaryIO, pos: int, size: int) -> int:
-    """The first position >= pos where a line starts (just after a newline), or `size`."""
-    if pos <= 0:
-        return 0
-    f.seek(pos - 1)
-    at = pos - 1
-    while at < size:
-        block = f.read(1 << 16)
-        if not block:
-            break
-        nl = block.find(b"\n")
-        if nl >= 0:
-            return at + nl + 1
-        at += len(block)
-    return size
-
-
-def plan_parts(inputs: Sequence[str], part_size: int) -> list[Part]:
-    """Cut text inputs, in order, into parts of about `part_size` bytes that end at line ends.
-
-    Packing the parts one after another gives the records of packing the inputs whole: each part
-    is a list of ``(file, start, end)`` ranges, and a range ends at a newline or at its file's end.
-    """
-    parts: list[Part] = []
-    current: Part = []
-    filled = 0
-    for name in inputs:
-        f, size = _open_splittable(name)
-        with f:
-            pos = 0
-            while pos < size:
-                cut = (
-                    size
-                    if size - pos <= part_size - filled
-                    else _line_start_at_or_after(f, pos + part_size - filled, size)
-                )
-                current.append((name, pos, cut))
-                filled += cut - pos
-                pos = cut
-                if filled >= part_size:
-                    parts.append(current)
-                    current, filled = [], 0
-    if current or not parts:
-        parts.append(current)
-    return parts
-
-
-PackRun = Callable[[_core.Writer, list[Any], Callable[[int], None] | None], int]
-
-
-def pack_parts(
-    inputs: Sequence[str],
-    output: str,
-    encoding: str,
-    run: PackRun,
-    *,
-    jobs: int,
-    shard_size: int | None,
-    item_size: int,
-    metadata: dict[str, Any] | None,
-    progress: Callable[[int], None] | None,
-    durable: bool,
-) -> tuple[Manifest, int, float]:
-    """Pack text inputs into a sharded dataset, `jobs` shards at a time; (manifest, bytes read, seconds).
-
-    The packers run in C++ without the GIL, so threads pack in parallel. Shard ``k`` holds part ``k``
-    of :func:`plan_parts`: the dataset's records are those of a one-process pack, in order. One job
-    and no `shard_size` make one shard of the inputs whole, so stdin and FIFOs can be packed too.
-    """
-    from smstore._pack import build_metadata
-
-    if jobs < 1:
-        msg = f"jobs must be at least 1, not {jobs}"
-        raise ValueError(msg)
-    start = time.perf_counter()
-    parts: list[list[Any]]
-    if jobs == 1 and shard_size is None:
-        parts = [list(inputs)]
-    else:
-        if shard_size is None:
-            total = 0
-            for name in inputs:
-                f, size = _open_splittable(name)
-                f.close()
-                total += size
-            shard_size = max(1, -(-total // jobs))
-        parts = [list(part) for part in plan_parts(inputs, shard_size)]
-    directory = dataset_dir(output)
-    names = ShardNames(directory)
-    sources = [n if n == "-" else os.path.abspath(n) for n in inputs]
-    meta = build_metadata(encoding, source=sources, user=metadata)
-    paths = [names.name(k) for k in range(len(parts))]
-    published = [False] * len(parts)  # what this run wrote, and so may remove
-    done_bytes = [0] * len(parts)
-
-    def pack_one(k: int) -> int:
-        writer = _core.Writer(paths[k], durable, item_size)
-
-        def bar(n: int) -> None:
-            done_bytes[k] = n
-            if progress is not None:
-                progress(sum(done_bytes))
-
-        try:
-            read = run(writer, list(parts[k]), bar if progress is not None else None)
-            writer.finish(meta)
-            published[k] = True
-        finally:
-            writer.abort()
-        return read
-
-    read = 0
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(pack_one, k) for k in range(len(parts))]
-            try:
-                for fut in futures:
-                    read += fut.result()
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
-        shards = [describe_shard(p, stored_path=os.path.basename(p))[0] for p in paths]
-        manifest = _publish(
-            os.path.join(directory, MANIFEST_NAME),
-            encoding,
-            shards,
-            source=sources,
-            user=metadata,
-            durable=durable,
-        )
-    except BaseException:
-        for k, p in enumerate(paths):
-            if published[k]:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
-        raise
-    return manifest, read, time.perf_counter() - start

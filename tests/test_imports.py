@@ -281,55 +281,54 @@ class Room:
     may_import: set[str]
 
 
-def _doc_module(token: str, directory: str) -> tuple[str, str | None]:
-    """A path written in the table (`smstore/_pack.py`, `_store.py`, `convert/`, `_core`) as a
-    module name; relative names are under the directory of the path before them in the cell."""
-    if "/" in token.rstrip("/") or token.startswith("smstore/"):
-        directory = ""
-    path = (directory + token).rstrip("/")
-    for suffix in (".py", ".pyi"):
-        path = path.removesuffix(suffix)
-    if not path.startswith("smstore"):
-        return directory, None
-    name = path.replace("/", ".")
-    return (path.rpartition("/")[0] + "/" if "/" in path else directory), name
+def doc_modules(path: str) -> set[str]:
+    """The modules a path of the table names, relative to ``smstore/``: ``_pack.py`` or ``_core`` (one
+    module), ``__init__.py`` (the package ``smstore``), ``convert/`` (a package and all under it)."""
+    subtree = path.endswith("/")
+    stem = path.rstrip("/").removesuffix(".pyi").removesuffix(".py")
+    parts = ["smstore", *(p for p in stem.split("/") if p)]
+    if parts[-1] == "__init__":
+        parts.pop()
+    name = ".".join(parts)
+    assert name in MODULES, f"CONTRIBUTING's table names {path!r}, which is not a module of smstore"
+    return {m for m in MODULES if m == name or (subtree and m.startswith(name + "."))}
 
 
 @functools.cache
 def layering_table() -> list[Room]:
+    """The rows of CONTRIBUTING's "Where things live" that hold modules of smstore.
+
+    A room is a list of paths: ``smstore/...`` starts one, and a bare file name after it is in the
+    same folder (```smstore/_store.py`, `_decode.py```). The "may import" column names modules
+    relative to ``smstore/`` in backquotes; the rest of its text (libraries) is prose.
+    """
     text = CONTRIBUTING.read_text()
     section = text.split("## Where things live", 1)[1].split("\n## ", 1)[0]
     rows = [line for line in section.splitlines() if line.startswith("|")]
     header = [c.strip() for c in rows[0].strip("|").split("|")]
     assert header[0] == "room", header
     column = next(i for i, c in enumerate(header) if c.startswith("may import"))
-    assert "`errors`" in header[column], (
+    assert f"`{EVERYONE_MAY_IMPORT.removeprefix('smstore.')}`" in header[column], (
         f"CONTRIBUTING's table header should say every module may import `errors`: {header[column]!r}"
     )
     rooms = []
     for row in rows[2:]:
         cells = [c.strip() for c in row.strip("|").split("|")]
-        directory = "smstore/"
+        folder: str | None = None  # inside smstore/, or None: not a room of the package
         modules: set[str] = set()
         for token in re.findall(r"`([^`]+)`", cells[0]):
-            if not token.startswith("smstore/") and "/" in token.rstrip("/"):
-                directory = ""  # csrc/..., tests/: not Python modules of the package
+            if token.startswith("smstore/"):
+                path = token.removeprefix("smstore/")
+                folder = path[: path.rstrip("/").rfind("/") + 1]
+            elif folder is None or "/" in token.rstrip("/"):
+                folder = None  # csrc/..., tests/: not modules of the package
                 continue
-            directory, name = _doc_module(token, directory)
-            if name is None:
-                continue
-            assert name in MODULES, f"CONTRIBUTING's table names {token!r}, which is not a module of smstore"
-            modules.update(m for m in MODULES if m == name or m.startswith(name + "."))
-        if not modules:
-            continue
-        may_import: set[str] = set()
-        for token in re.findall(r"`([^`]+)`", cells[column]):
-            _, name = _doc_module(token, "smstore/")
-            assert name in MODULES, (
-                f"CONTRIBUTING's table row {cells[0]} may import {token!r}, which is not a module of smstore"
-            )
-            may_import.update(m for m in MODULES if m == name or m.startswith(name + "."))
-        rooms.append(Room(cells[0], modules, may_import))
+            else:
+                path = folder + token
+            modules |= doc_modules(path)
+        if modules:
+            may_import = {m for token in re.findall(r"`([^`]+)`", cells[column]) for m in doc_modules(token)}
+            rooms.append(Room(cells[0], modules, may_import))
     return rooms
 
 
