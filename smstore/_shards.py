@@ -55,7 +55,7 @@ MANIFEST_FORMAT = "smstore-manifest"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shards: a larger file is not a manifest we wrote
 
-_BLOB_MAGIC = b"\x89SMST\r\n\x1a"
+BLOB_MAGIC = b"\x89SMST\r\n\x1a"
 _HEADER = struct.Struct("<8sIIQQQQQQQQQIIQ")  # docs/format.md, "Header"
 _HEX16 = re.compile(r"[0-9a-f]{16}\Z")
 
@@ -154,7 +154,7 @@ def is_manifest(path: str | os.PathLike[str]) -> bool:
         return False
     finally:
         os.close(fd)
-    return not head.startswith(_BLOB_MAGIC) and head.lstrip()[:1] == b"{" and MANIFEST_FORMAT.encode() in head
+    return not head.startswith(BLOB_MAGIC) and head.lstrip()[:1] == b"{" and MANIFEST_FORMAT.encode() in head
 
 
 def _bad(path: str, what: str) -> StoreFormatError:
@@ -297,7 +297,7 @@ def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = No
             head = f.read(_HEADER.size)
             size = st.st_size
             fields = _HEADER.unpack(head) if len(head) == _HEADER.size else None
-            if fields is None or fields[0] != _BLOB_MAGIC:
+            if fields is None or fields[0] != BLOB_MAGIC:
                 raise StoreFormatError(f"{p}: not an smstore blob (no magic bytes)")
             (
                 _,
@@ -361,6 +361,8 @@ class ShardedStore(_core.ShardedStore):
         opener: ``opener(path, shard_info) -> Store`` opens one shard (default: a file mapping).
         check_files: Check up front that every shard exists with the size the manifest records
             (one ``stat`` each). Off when shards are served by the daemon.
+        keep_alive: Objects that live as long as the store (the daemon connection its shards are
+            attached through, what attaches held shards before they are read).
 
     Raises:
         StoreNotFoundError: The manifest, or (with ``check_files``) a shard, is missing.
@@ -369,9 +371,6 @@ class ShardedStore(_core.ShardedStore):
         StoreFormatError: The manifest is malformed.
     """
 
-    _session: Any = None  # the daemon connection its shards were attached through, if any
-    _ahead: Any = None  # what attaches held shards before they are read (client._Preattacher)
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -379,8 +378,10 @@ class ShardedStore(_core.ShardedStore):
         opener: ShardOpener | None = None,
         check_files: bool = True,
         manifest: Manifest | None = None,
+        keep_alive: Sequence[object] = (),
     ) -> None:
         self.manifest = manifest if manifest is not None else read_manifest(path)
+        self.keep_alive = tuple(keep_alive)
         self._opener = opener or _map_shard
         if check_files:
             self.check_files()
@@ -496,12 +497,13 @@ def open_sharded(
     opener: ShardOpener | None = None,
     check_files: bool = True,
     raw: bool = False,
+    keep_alive: Sequence[object] = (),
 ) -> ShardedStore:
     """A ShardedStore, or (unless `raw`) a ShardedObjectStore for a dataset of object records."""
     manifest = read_manifest(path)
     objects = manifest.encoding in OBJECT_ENCODINGS and not raw
     cls = ShardedObjectStore if objects else ShardedStore
-    return cls(path, opener=opener, check_files=check_files, manifest=manifest)
+    return cls(path, opener=opener, check_files=check_files, manifest=manifest, keep_alive=keep_alive)
 
 
 # ----------------------------------------------------------------------------- writing
@@ -572,7 +574,7 @@ def _our_old_shard(directory: str, shard: ShardInfo) -> bool:
     fields = _HEADER.unpack(head)
     magic, file_size, checksum = fields[0], fields[4], fields[14]
     return (
-        magic == _BLOB_MAGIC
+        magic == BLOB_MAGIC
         and file_size == st.st_size == shard.file_size
         and f"{checksum:016x}" == shard.checksum
     )

@@ -406,6 +406,91 @@ def test_imports_follow_the_layering_table() -> None:
     assert not wrong, "imports CONTRIBUTING.md's table does not allow:\n  " + "\n  ".join(wrong)
 
 
+# The compiled module's names that start with "_" are the package's, not the user's: _core is
+# private to smstore as a whole, and these two are used across it (checked by stubtest).
+CORE_PRIVATE_USED_BY_THE_PACKAGE = {"smstore._core._DataExport", "smstore._core.Store._from_fd"}
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def private_reach_ins(module: str, source: str | None = None) -> list[str]:
+    """``from smstore.x import _name`` and ``x._name`` (x an imported smstore module) in ``module``
+    (or in ``source`` as if it were that module), where ``_name`` is not a module: another
+    module's private names, used from outside."""
+    if source is None:
+        if MODULES[module].suffix == ".pyi":
+            return []
+        source = MODULES[module].read_text()
+    tree = ast.parse(source)
+    found: list[str] = []
+    aliases: dict[str, str] = {}  # local name -> the smstore module it is bound to
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "smstore":
+                    local = alias.asname or alias.name.split(".")[0]
+                    aliases[local] = alias.name if alias.asname else "smstore"
+        elif (
+            isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").startswith("smstore")
+        ):
+            for alias in node.names:
+                target = f"{node.module}.{alias.name}"
+                if target in MODULES:
+                    aliases[alias.asname or alias.name] = target
+                elif (
+                    _private(alias.name)
+                    and node.module != module
+                    and target not in CORE_PRIVATE_USED_BY_THE_PACKAGE
+                ):
+                    found.append(
+                        f"{module_file(module)}:{node.lineno}: from {node.module} import {alias.name}"
+                    )
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute):
+            continue
+        chain = [node.attr]
+        value = node.value
+        while isinstance(value, ast.Attribute):
+            chain.insert(0, value.attr)
+            value = value.value
+        if not isinstance(value, ast.Name) or value.id not in aliases:
+            continue
+        dotted = aliases[value.id]
+        for attr in chain:
+            dotted = f"{dotted}.{attr}"
+            if dotted in MODULES:
+                continue
+            if _private(attr) and dotted not in CORE_PRIVATE_USED_BY_THE_PACKAGE:
+                found.append(f"{module_file(module)}:{node.lineno}: {dotted}")
+            break
+    return sorted(set(found))
+
+
+def test_no_private_names_of_other_modules() -> None:
+    """A module uses another's public names only: no ``_ipc._LEN``, ``from smstore.sampler import
+    _round_keys``; what another module needs gets a name without the underscore (or a method)."""
+    found = [line for module in sorted(MODULES) for line in private_reach_ins(module)]
+    assert not found, "private names used from another module:\n  " + "\n  ".join(found)
+
+
+def test_private_reach_ins_are_found() -> None:
+    assert private_reach_ins("smstore.dataset") == []
+    module = "smstore.views"
+    source = (
+        "import smstore\n"
+        "from smstore import _core, _ipc\n"
+        "from smstore.sampler import _round_keys, GlobalShuffleSampler\n"
+        "x = _ipc._LEN, smstore._core.Store._from_fd, _core._DataExport, smstore._ipc.encode\n"
+    )
+    found = private_reach_ins(module, source)
+    assert [line.split(": ", 1)[1] for line in found] == [
+        "from smstore.sampler import _round_keys",
+        "smstore._ipc._LEN",
+    ]
+
+
 def _server_side(name: str) -> bool:
     return any(name == p or name.startswith(p + ".") for p in SERVER_SIDE_PREFIXES)
 
