@@ -8,8 +8,9 @@ import stat
 
 from smstore import _core
 from smstore._core import Store
+from smstore._manifest import BLOB_MAGIC, MANIFEST_NAME, is_manifest
 from smstore._objects import OBJECT_ENCODINGS, ObjectStore
-from smstore._shards import BLOB_MAGIC, MANIFEST_NAME, ShardedStore, is_manifest, open_sharded
+from smstore._shards import ShardedStore, open_sharded
 from smstore.errors import StoreFormatError
 
 __all__ = ["ShardedStore", "Store", "explain_not_a_blob", "open", "open_blob", "read_checksum"]

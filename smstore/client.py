@@ -13,7 +13,8 @@ from typing import Any, Literal
 
 from smstore import _core
 from smstore._ipc import connect, default_socket_path, encode, exchange, request, socket_path
-from smstore._shards import ShardedStore, ShardInfo, is_manifest, open_sharded, read_manifest
+from smstore._manifest import ShardInfo, is_manifest, read_manifest
+from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
 

@@ -22,6 +22,7 @@ from typing import Any
 from smstore import _core
 from smstore._connections import Conn, Limits, ProtocolError, Server
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
+from smstore._manifest import Manifest, manifest_file, read_manifest
 from smstore._pack import human_bytes
 from smstore._segments import (
     SHM_DIR,
@@ -36,7 +37,6 @@ from smstore._segments import (
     unlink_quietly,
     write_state,
 )
-from smstore._shards import Manifest, manifest_file, read_manifest
 from smstore._store import explain_not_a_blob, read_checksum
 from smstore.errors import DaemonError, SharedMemoryError, StoreError, StoreFormatError
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from smstore._ipc import connect, encode, exchange, socket_path
 from smstore._ipc import frame as framed
-from smstore._shards import read_manifest
+from smstore._manifest import read_manifest
 from smstore.client import DaemonSession, Mode
 from smstore.errors import DaemonError
 

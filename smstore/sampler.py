@@ -633,7 +633,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         Raises:
             ValueError: The budget cannot hold two of the largest shards.
         """
-        from smstore._shards import read_manifest
+        from smstore._manifest import read_manifest
 
         sizes = [s.file_size for s in read_manifest(getattr(dataset, "path", dataset)).shards]
         largest = max(sizes, default=0)
@@ -732,7 +732,7 @@ def _residency_for(dataset: Any) -> Any:
     path = getattr(dataset, "path", None)
     if not isinstance(path, str) or getattr(dataset, "shard_sizes", None) is None:
         return None
-    from smstore._shards import is_manifest
+    from smstore._manifest import is_manifest
     from smstore.residency import ShardResidency
 
     if not is_manifest(path):

@@ -28,9 +28,10 @@ from typing import Any
 from ray.data import Datasink
 from ray.data.block import Block, BlockAccessor
 
+from smstore._manifest import MANIFEST_NAME, ShardNames, describe_shard, publish_manifest
 from smstore._objects import encode_objects
 from smstore._pack import Writer
-from smstore._shards import MANIFEST_NAME, ShardNames, dataset_dir, describe_shard, publish_manifest
+from smstore._shards import dataset_dir
 
 __all__ = ["SmstoreDatasink"]
 
