@@ -178,9 +178,14 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """
     p = manifest_file(path)
     try:
-        with open(p, "rb") as f:
+        # O_NONBLOCK: a FIFO named as a manifest must not wait for a writer (the daemon reads
+        # manifests on its event loop); anything but a regular file is refused below.
+        with open(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise _bad(p, "not a regular file")
             # Sized by the file: read(MAX + 1) would allocate the whole limit for every manifest.
-            raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_MANIFEST_BYTES) + 1)
+            raw = f.read(min(st.st_size, MAX_MANIFEST_BYTES) + 1)
     except FileNotFoundError:
         raise StoreNotFoundError(2, f"{p}: no such manifest") from None
     except OSError as e:

@@ -132,10 +132,12 @@ class DaemonSession:
     def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         for attempt in (1, 2):
             reused = self.conn is not None
-            if self.conn is None:
-                self.conn = connect(self.path)
+            timeout = LOAD_WAIT if "path" in message else 10.0
+            if self.conn is None:  # a new connection: refused as busy, it tries again a while
+                reply, fd, self.conn = request(message, self.path, timeout=timeout)
+                return reply, fd
             try:
-                self.conn.settimeout(LOAD_WAIT if "path" in message else 10.0)
+                self.conn.settimeout(timeout)
                 return exchange(self.conn, message, self.path)
             except DaemonError:
                 self._drop_connection()
@@ -487,11 +489,14 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
             conn.close()
         if fd is not None:
             os.close(fd)
-        if reply.get("error") == "not_served":
+        why = str(reply.get("message", ""))
+        if reply.get("error") == "not_served" and why == f"no segment holds {checksum}":
             reason = (
                 f"the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
                 f"load it with 'smstore load {spath}'"
             )
+        elif reply.get("error") == "not_served":  # a held shard whose load failed, or unloaded
+            reason = f"the smstore daemon on {sock_at} does not serve this file: {why}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
         if mode == "daemon":

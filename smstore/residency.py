@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import connect, encode, exchange, socket_path
+from smstore._ipc import connect, encode, exchange, request, socket_path
 from smstore._ipc import frame as framed
 from smstore._manifest import read_manifest
 from smstore.client import DaemonSession, Mode
@@ -153,13 +153,20 @@ class ShardResidency:
 
     def _hold_in_daemon(self, wanted: tuple[int, ...]) -> None:
         message = {"op": "hold", "manifest": os.path.abspath(self.path), "shards": ",".join(map(str, wanted))}
-        try:
-            if self._conn is None:  # dropped in a forked child, or after a failed exchange
-                self._conn = connect(self.socket)
-            reply, fd = exchange(self._conn, message, self.socket)
-        except DaemonError as e:
-            self._drop_connection()
-            raise _Unreachable(str(e)) from None
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            try:
+                if self._conn is None:  # dropped in a forked child, or after a failed exchange
+                    reply, fd, self._conn = request(message, self.socket)  # tries again while busy
+                else:
+                    reply, fd = exchange(self._conn, message, self.socket)
+                break
+            except DaemonError as e:
+                self._drop_connection()
+                if not reused or attempt == 2:
+                    raise _Unreachable(str(e)) from None
+                # The daemon this connection went to is gone: a new connection says whether one
+                # replaced it (and if not, what to do), rather than "closed the connection".
         if fd is not None:
             os.close(fd)
         if not reply.get("ok"):
