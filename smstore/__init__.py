@@ -17,7 +17,8 @@ except ImportError as err:  # pragma: no cover - only without a built extension
     ) from err
 
 from smstore._objects import ObjectStore, pack_objects
-from smstore._pack import PackStats, Writer, pack, pack_files
+from smstore._pack import PackStats, Writer, pack
+from smstore._packfiles import pack_files
 from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
 from smstore._store import Store, open
 from smstore.errors import (
@@ -43,9 +44,9 @@ from smstore.errors import (
 
 if TYPE_CHECKING:
     from smstore._arrays import pack_arrays, pack_npy_lines
-    from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
+    from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.dataset import SharedStoreDataset
     from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
     from smstore.residency import ShardResidency

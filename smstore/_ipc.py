@@ -23,6 +23,7 @@ __all__ = [
     "encode",
     "ensure_private_dir",
     "exchange",
+    "frame",
     "process_alive",
     "process_start_time",
     "request",
@@ -115,6 +116,11 @@ def encode(message: dict[str, Any]) -> bytes:
     if len(body) > MAX_MESSAGE:
         msg = f"message of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte limit"
         raise DaemonError(msg)
+    return frame(body)
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` as one frame: its 4-byte big-endian length, then the body."""
     return _LEN.pack(len(body)) + body
 
 

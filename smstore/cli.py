@@ -521,7 +521,7 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 def _blob_files(path: str) -> list[str]:
     """The blobs behind `path`: itself, or the shards of a sharded dataset, in order."""
-    from smstore._shards import is_manifest, read_manifest
+    from smstore._manifest import is_manifest, read_manifest
 
     if not is_manifest(path):
         return [path]

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import _LEN, connect, encode, exchange, request, socket_path
-from smstore._shards import read_manifest
+from smstore._ipc import connect, encode, exchange, request, socket_path
+from smstore._ipc import frame as framed
+from smstore._manifest import read_manifest
 from smstore.client import DaemonSession, Mode
 from smstore.errors import DaemonError
 
@@ -194,7 +195,7 @@ class ShardResidency:
             self._apply(wanted)
             return
         body = b"%s%s%s" % (self._frame_head, ",".join(map(str, wanted)).encode(), self._frame_tail)
-        frame = _LEN.pack(len(body)) + body
+        frame = framed(body)
         try:
             sent = os.write(fd, frame)
             if sent < len(frame):  # a full socket buffer: the rest with the socket's own timeout
@@ -243,11 +244,11 @@ class ShardResidency:
 
     @property
     def _conn(self) -> socket_module.socket | None:
-        return self._daemon._conn
+        return self._daemon.conn
 
     @_conn.setter
     def _conn(self, conn: socket_module.socket | None) -> None:
-        self._daemon._conn = conn
+        self._daemon.conn = conn
 
     def _drop_connection(self) -> None:
         self._daemon.close()

@@ -34,8 +34,8 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
-from smstore.daemon.segments import list_segments
 from smstore.client import DaemonStore, daemon_request, open_store
+from smstore.daemon.segments import list_segments
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
 
 # ---- basics -----------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
-from smstore._shards import Manifest, manifest_file, read_manifest
+from smstore._manifest import Manifest, manifest_file, read_manifest
 from smstore.daemon.connections import ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.errors import StoreError
