@@ -431,3 +431,34 @@ def test_a_load_or_share_counts_the_budget_as_the_holds_do(
             reader.close()
         for conn in taken:
             conn.close()
+
+
+def test_not_served_has_one_wording_and_the_reason_apart(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """`attach` and `unload` of what no segment holds said it two ways ("no segment holds X", "X is
+    not loaded"), and a reader told a held shard's failure from a plain refusal by its wording."""
+    out = dataset(tmp_path)
+    path2, ck2 = shard(out, 2)
+    Path(path2).write_bytes(b"not a blob\n" * 1000)
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    try:
+        missing = "0123456789abcdef"
+        for message in ({"op": "attach", "checksum": missing}, {"op": "unload", "checksum": missing}):
+            reply = ask(d.sock, message)
+            assert reply is not None
+            assert (reply["error"], reply["message"], reply["reason"]) == (
+                "not_served",
+                f"no segment holds {missing}",
+                None,
+            )
+        rank.hold([2], wait=True)
+        wait_for(d, lambda st: not st["loading"])
+        reply = ask(d.sock, {"op": "attach", "checksum": ck2, "path": path2})
+        assert reply is not None
+        assert reply["error"] == "not_served"
+        assert "no smstore blob" in reply["reason"]
+        assert reply["message"] == f"no segment holds {ck2}: {reply['reason']}"
+    finally:
+        rank.close()

@@ -3,11 +3,11 @@
 The package stays light: importing ``smstore.daemon.segments`` (for `list_segments` and
 `collect_garbage`) runs no server code; `serve`, `Daemon` and `Limits` load on first use.
 
-- `server`: lifecycle, the segment table, the dispatch of requests, `serve`
+- `server`: lifecycle, the segment table, the dispatch of requests, `status`, `serve`
+- `serving`: what is done with the segments for clients (loads, attach, detach, share, unload, holds)
 - `planner`: residency (holds, releases, unclaimed segments) and the one --shm-limit budget
 - `loader`: the loader thread (copies files into segments, frees released ones)
 - `connections`: accepting, framing, backpressure and timeouts of client connections
-- `requests`: the arguments a request may hold, checked
 - `segments`: segment names, listing, lock, the segment table, adoption, `gc`
 - `state`: the state file a successor adopts segments from
 """

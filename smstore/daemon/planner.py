@@ -15,7 +15,7 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 
 from smstore._manifest import Manifest, manifest_file, read_manifest
-from smstore.daemon.connections import ProtocolError
+from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.errors import StoreError
 
@@ -120,26 +120,26 @@ class Planner:
         try:
             manifest, paths = self._manifest(manifest_path)
         except StoreError as e:
-            raise ProtocolError("bad_request", str(e)[:1000]) from None
+            raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
         if any(k >= len(manifest.shards) for k in indices):
-            raise ProtocolError("bad_request", f"{manifest_path} has {len(manifest.shards)} shards")
+            raise ProtocolError(BAD_REQUEST, f"{manifest_path} has {len(manifest.shards)} shards")
         shards = [(paths[k], manifest.shards[k].checksum) for k in indices]
         if self.shm_limit:
             for path, _checksum in shards:
                 try:
                     size = os.stat(path).st_size
                 except OSError as e:
-                    raise ProtocolError("not_found", f"{path}: {e.strerror}") from None
+                    raise ProtocolError(NOT_FOUND, f"{path}: {e.strerror}") from None
                 if not self.fits(size, used=0):
                     msg = (
                         f"{path}: a shard of {size} bytes does not fit the daemon's --shm-limit of "
                         f"{self.shm_limit} bytes; raise the limit or pack smaller shards"
                     )
-                    raise ProtocolError("no_room", msg)
+                    raise ProtocolError(NO_ROOM, msg)
         for path, checksum in shards:
             why = self.failed(path, checksum)
             if why is not None:
-                raise ProtocolError("load_failed", f"a held shard cannot be loaded: {why}")
+                raise ProtocolError(LOAD_FAILED, f"a held shard cannot be loaded: {why}")
         if shards:
             self.holds[cid] = shards
         else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import grp
 import itertools
 import json
@@ -13,43 +12,38 @@ import resource
 import selectors
 import signal
 import socket
-import stat
-import time
 from pathlib import Path
 from typing import Any
 
 from smstore import _core
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
-from smstore.daemon.connections import Conn, Limits, ProtocolError, Server
-from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
-from smstore.daemon.planner import Planner
-from smstore.daemon.requests import (
+from smstore._protocol import (
+    BAD_REQUEST,
+    PERMISSION_DENIED,
     STATUS_PAGE,
+    ProtocolError,
     checksum_arg,
     hold_arg,
-    key_arg,
-    not_served,
     page_arg,
     path_arg,
 )
+from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.segments import (
     SHM_DIR,
     DaemonLock,
-    Segment,
     SegmentTable,
     adopt_previous,
     list_segments,
     new_segment_name,
     unlink_quietly,
 )
+from smstore.daemon.serving import Serving, describe
 from smstore.daemon.state import StateFile, state_path
 from smstore.errors import DaemonError
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
 
 log = logging.getLogger("smstore.daemon")
-
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
 
 # A status reply lists at most STATUS_PAGE segments, in at most STATUS_BYTES of JSON, and at most
 # STATUS_LIST entries of each other list.
@@ -105,10 +99,11 @@ def claim_socket(sock_path: Path) -> None:
 
 
 class Daemon(Server):
-    """The daemon's segments, its requests and its event loop. See docs/daemon.md.
+    """The daemon: its lifecycle, its segment table, its requests' dispatch and its event loop. See docs/daemon.md.
 
-    Residency (what the ranks hold, and the budget) is the planner's; loads run in the loader's
-    thread; the state file is written by `StateFile`; connections are the `Server`'s.
+    What is done with the segments for clients is `Serving`'s (residency and the budget its
+    planner's, loads its loader thread's); the state file is written by `StateFile`; connections
+    are the `Server`'s.
 
     Args:
         sock_path: Where to listen.
@@ -140,21 +135,17 @@ class Daemon(Server):
         self.start_time = start
         self.gid: int | None = grp.getgrnam(group).gr_gid if group else None
         self.segments = SegmentTable()
-        self.planner = Planner(
+        self.state = StateFile(state_path(sock_path), self._state)
+        self.serving = Serving(
+            self,
             self.segments,
+            self.state,
             shm_limit=shm_limit,
             shm_limit_from=shm_limit_from,
-            is_owner=lambda cid: (conn := self.conns.get(cid)) is not None and conn.owner,
-            release=self._release,
+            segment_name=self._segment_name,
+            gid=self.gid,
+            read_rate=read_rate,
         )
-        self.loader = Loader(
-            self.segments, self.planner, self._segment_name, gid=self.gid, read_rate=read_rate
-        )
-        self.state = StateFile(state_path(sock_path), self._state)
-        self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
-        # Readers waiting for a held shard still on its way (connection id, checksum), by path.
-        self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
-        self.loads = 0  # loads finished (or failed) since the start
         self.stopping = False
         self.lock: DaemonLock | None = None
         # shutdown() removes only what start() made: a second daemon refused on a live socket
@@ -193,20 +184,20 @@ class Daemon(Server):
         listener.listen(128)
         listener.setblocking(False)
         self.sel.register(listener, selectors.EVENT_READ, "listen")
-        self.sel.register(self.loader.wake_r, selectors.EVENT_READ, "wake")
+        self.sel.register(self.serving.loader.wake_r, selectors.EVENT_READ, "wake")
         self._owns_state = True
         self.state.save()
-        self.loader.start()
+        self.serving.loader.start()
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
         for f in files:
-            self._queue_load(os.fspath(Path(f).absolute()), None)
+            self.serving.queue_load(os.fspath(Path(f).absolute()), None)
 
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
         for seg, held in adopt_previous(self.state.path, self.uid, self._segment_name):
             self.segments[seg.checksum] = seg
             if held:
-                self.planner.adopted(seg.checksum)
+                self.serving.planner.adopted(seg.checksum)
 
     def _segment_name(self, checksum: str) -> str:
         return new_segment_name(self.uid, self.pid, self.start_time, checksum)
@@ -214,7 +205,7 @@ class Daemon(Server):
     def _state(self) -> tuple[dict[str, Any], int]:
         """What the state file records: our segments (a memfd cannot be adopted), for a successor."""
         entries = [
-            s.state_entry(held=self.planner.is_held(s.checksum))
+            s.state_entry(held=self.serving.planner.is_held(s.checksum))
             for s in self.segments.values()
             if not s.shared
         ]
@@ -231,7 +222,7 @@ class Daemon(Server):
         self.stopping = True
         try:
             for seg in list(self.segments.values()):
-                self._drop(seg)
+                self.serving.drop(seg)
             self.close_all()
             if self.listener is not None:
                 self.listener.close()
@@ -239,7 +230,7 @@ class Daemon(Server):
                 self.sock_path.unlink(missing_ok=True)
             if self._owns_state:
                 self.state.path.unlink(missing_ok=True)
-            self.loader.stop()
+            self.serving.loader.stop()
         finally:
             # Whatever failed above (a descriptor short for listing /dev/shm), the segments and the
             # lock still go: a successor or `smstore gc` would otherwise find them.
@@ -253,99 +244,6 @@ class Daemon(Server):
                 self.lock = None
         log.info("stopped")
 
-    def _drop(self, seg: Segment) -> None:
-        """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
-        seg.close()
-        self.segments.pop(seg.checksum, None)
-        self.planner.dropped(seg.checksum)
-
-    def _release(self, seg: Segment) -> None:
-        """The planner released a held segment: out of the table, freed by the loader thread, off this loop."""
-        self.segments.pop(seg.checksum, None)
-        self.loader.free(seg)
-
-    # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
-
-    def _queue_load(
-        self, path: str, cid: int | None, *, quiet: bool = False, expected: str | None = None
-    ) -> None:
-        first = path not in self.loading
-        waiters = self.loading.setdefault(path, [])
-        if cid is not None:
-            waiters.append(cid)
-            self.set_busy(cid, True)
-        if first:
-            self.loader.load(path, expected)
-            if not quiet:
-                log.info("loading %s", path)
-
-    def _finish_loads(self) -> None:
-        for path, result in self.loader.finished():
-            waiters = self.loading.pop(path, [])
-            self.loads += 1
-            reply: dict[str, Any]
-            failure: str | None = None
-            if isinstance(result, Failed):
-                log.error("failed to load %s: %s", path, result.error)
-                failure = str(result.error)[:1000]
-                self.planner.load_failed(path, failure)
-                reply = {"ok": False, "error": type(result.error).__name__, "message": failure}
-            else:
-                # Marked before _register writes the state file, which records it as held.
-                self.planner.load_done(path, result.checksum, asked=bool(waiters))
-                seg = self._register(path, result)
-                reply = {"ok": True, **describe(seg)}
-            for cid in waiters:
-                self.set_busy(cid, False)
-                self.reply(cid, reply)
-                self.parse(cid)
-            for cid, checksum in self.attach_waiting.pop(path, []):
-                conn = self.conns.get(cid)
-                if conn is None:
-                    continue
-                self.set_busy(cid, False)
-                seg_now = self.segments.get(checksum)
-                if seg_now is None:
-                    self.reply(cid, not_served(checksum, failure))
-                else:
-                    self._attach(cid, conn, seg_now)
-                self.parse(cid)
-            self._reconcile()
-
-    def _register(self, path: str, result: Loaded | AlreadyLoaded) -> Segment:
-        # The generation this path held before (if other contents): no longer served by this path.
-        previous = self.segments.serving(path)
-        if isinstance(result, AlreadyLoaded):
-            seg = self.segments[result.checksum]
-            self.segments.add_path(seg, path)
-        elif result.checksum in self.segments:
-            # Another path with the same contents finished loading first: keep one copy.
-            unlink_quietly(result.name)
-            os.close(result.fd)
-            seg = self.segments[result.checksum]
-            self.segments.add_path(seg, path)
-        else:
-            name, fd, ck, seconds = result.name, result.fd, result.checksum, result.seconds
-            store = _core.Store._from_fd(fd, path, False)
-            seg = Segment(name, ck, fd, store, store.file_size, len(store), [path], time.time(), seconds)
-            self.segments[seg.checksum] = seg
-            log.info(
-                "loaded %s: %d records, %d bytes in %.2f s (%.0f MiB/s) as /dev/shm/%s",
-                path,
-                seg.records,
-                seg.size,
-                seconds,
-                seg.size / max(seconds, 1e-9) / 2**20,
-                name,
-            )
-        if previous is not None and previous is not seg and path in previous.paths:
-            self.segments.remove_path(previous, path)
-            if not previous.paths:
-                log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
-                self._drop(previous)
-        self.state.changed()
-        return seg
-
     def allowed(self, conn: Conn) -> str | None:
         if conn.owner:
             return None
@@ -357,198 +255,37 @@ class Daemon(Server):
     def handle(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
         op = req.get("op")
         if op == "attach":
-            self._attach_request(cid, conn, req)
+            self.serving.attach_request(cid, conn, req)
         elif op == "held":
             # What the ranks hold, so that readers attach it before they read it.
-            self.reply(cid, {"ok": True, "shards": [[p, c] for c, p in self.planner.wanted().items()]})
+            self.reply(
+                cid, {"ok": True, "shards": [[p, c] for c, p in self.serving.planner.wanted().items()]}
+            )
         elif op == "detach":
-            self._detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
+            self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
         elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
-            raise ProtocolError("permission_denied", f"only uid {self.uid} may {op}")
+            raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
             path = path_arg(req, required=True)
             assert path is not None
-            self._queue_load(path, cid)
+            self.serving.queue_load(path, cid)
         elif op == "unload":
-            self._unload(cid, checksum_arg(req), path_arg(req, required=False))
+            self.serving.unload(cid, checksum_arg(req), path_arg(req, required=False))
         elif op == "share":
-            self._share(cid, conn, req)
+            self.serving.share(cid, conn, req)
         elif op == "hold":
-            self._hold(cid, *hold_arg(req), reply=req.get("noreply") is not True)
+            self.serving.hold(cid, *hold_arg(req), reply=req.get("noreply") is not True)
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
         else:
-            raise ProtocolError("bad_request", f"unknown op {str(op)[:100]!r}")
-
-    def _attach_request(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
-        checksum, key = checksum_arg(req), key_arg(req, required=False)
-        if key is not None:
-            seg = next((s for s in self.segments.values() if s.key == key), None)
-        else:
-            seg = self.segments.get(checksum) if checksum is not None else None
-        path = path_arg(req, required=False)
-        if (
-            seg is None
-            and path is not None
-            and checksum is not None
-            and self.planner.on_its_way(path, checksum, self.loading)
-        ):
-            # A held shard on its way (loading, or waiting for room): answer when its load ends.
-            # No file is read for this that a rank did not ask for.
-            self.attach_waiting.setdefault(path, []).append((cid, checksum))
-            self.set_busy(cid, True)
-            return
-        if seg is None:
-            why = (
-                self.planner.why_not_held(path, checksum)
-                if path is not None and checksum is not None
-                else None
-            )
-            self.reply(cid, not_served(str(key or checksum), why))
-            return
-        self._attach(cid, conn, seg)
-
-    # ---- residency: the planner decides, the server replies and queues ------------------------
-
-    def _hold(self, cid: int, manifest_path: str, indices: list[int], *, reply: bool) -> None:
-        """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
-
-        The reply comes at once (none with ``"noreply": true``, unless the request is refused):
-        loads run in the background, in the order given (the window being read first, then the
-        next). A shard larger than the whole --shm-limit is refused here.
-        """
-        shards = self.planner.hold(cid, manifest_path, indices)
-        if reply:
-            resident = [ck for _p, ck in shards if ck in self.segments]
-            self.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
-            self.flush(cid)  # the rank goes on at once; releases and loads follow
-        self._reconcile()
-
-    def _reconcile(self) -> None:
-        """Carry out the planner's plan: queue its loads, and answer readers waiting for what will not come."""
-        plan = self.planner.plan(self.loading)
-        for path, checksum in plan.loads:
-            self._queue_load(path, None, quiet=True, expected=checksum)
-        for path in list(self.attach_waiting):
-            if path not in self.loading and path not in self.planner.waiting_room:
-                # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
-                for cid, checksum in self.attach_waiting.pop(path):
-                    if cid in self.conns:
-                        self.set_busy(cid, False)
-                        self.reply(cid, not_served(checksum, self.planner.why_not_held(path, checksum)))
-                        self.parse(cid)
-        # One log line for each kind of change, however many shards: a window switch releases and
-        # loads a window's worth on the daemon's loop, inside the switch (a line costs ~35 us).
-        if plan.released:
-            log.info("releasing %d shard(s) no rank holds: %s", len(plan.released), "; ".join(plan.released))
-            self.state.changed()
-        if plan.loads:
-            log.info("loading %d held shard(s): %s", len(plan.loads), ", ".join(p for p, _ in plan.loads))
-
-    def _detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
-        """A reader unmapped a segment (it stays attached through its connection otherwise).
-
-        With ``"noreply": true`` nothing is sent back: a reader releasing shards never waits.
-        """
-        if checksum is None:
-            raise ProtocolError("bad_request", "'detach' needs a checksum")
-        # Any connection of the process speaks for all of them: a reader blocked waiting on one
-        # connection detaches through another.
-        cids = [c for c, other in self.conns.items() if other.pid == conn.pid and other.uid == conn.uid]
-        seg = self.segments.get(checksum)
-        freed = False
-        for c in cids:
-            self.conns[c].attached.discard(checksum)
-            if seg is not None:
-                seg.clients.pop(c, None)
-            freed = self.planner.unmapped(c, checksum) or freed
-        if freed:
-            self._reconcile()
-        if reply:
-            self.reply(cid, {"ok": True})
-
-    def _attach(self, cid: int, conn: Conn, seg: Segment) -> None:
-        seg.clients[cid] = conn.pid
-        conn.attached.add(seg.checksum)
-        self.reply(cid, {"ok": True, **describe(seg)}, fd=seg.fd)
-
-    def _share(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
-        """Serve a blob a client built in a sealed memfd (sent with the request) under its content key.
-
-        The daemon holds it while any client is attached (the sharer included) and drops it after.
-        """
-        key = key_arg(req, required=True)
-        fd = conn.take_fd()
-        if fd is None:
-            raise ProtocolError("bad_request", "'share' needs the blob's descriptor sent with the request")
-        try:
-            st = os.fstat(fd)
-            try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            except OSError:  # EINVAL: a file that cannot be sealed at all
-                seals = 0
-            if not stat.S_ISREG(st.st_mode) or seals & _SEALS != _SEALS:
-                raise ProtocolError(
-                    "bad_request", "'share' takes a sealed memfd (write, grow and shrink seals)"
-                )
-            if not self.planner.fits(st.st_size):
-                msg = f"a shared blob of {st.st_size} bytes does not fit the daemon's --shm-limit"
-                raise ProtocolError("no_room", msg)
-            # Sealed: its bytes can no longer change, so validating the index once makes every read safe.
-            store = _core.Store._from_fd(fd, f"shared {key}", True)
-        except BaseException:
-            os.close(fd)
-            raise
-        seg = self.segments.get(store.checksum)
-        if seg is None:
-            seg = Segment(
-                "", store.checksum, fd, store, store.file_size, len(store), [], time.time(), 0.0, key=key
-            )
-            self.segments[seg.checksum] = seg
-            log.info(
-                "serving shared blob %s (%s, %d bytes) from pid %d", key, seg.checksum, seg.size, conn.pid
-            )
-        else:
-            store.close()
-            os.close(fd)
-        self._attach(cid, conn, seg)
-
-    def _unload(self, cid: int, checksum: str | None, path: str | None) -> None:
-        seg = self.segments.get(checksum) if checksum is not None else None
-        if seg is None and path is not None:
-            seg = self.segments.serving(path)
-        if seg is None:
-            raise ProtocolError("not_served", f"{path or checksum} is not loaded")
-        info = describe(seg)
-        self.planner.unload(seg.checksum)
-        self._drop(seg)
-        self.state.changed()
-        log.info(
-            "unloaded %s (%s); %d client(s) still map it",
-            ", ".join(seg.paths),
-            seg.checksum,
-            len(info["clients"]),
-        )
-        self.reply(cid, {"ok": True, **info})
-        self._reconcile()  # readers waiting for it hear at once
+            raise ProtocolError(BAD_REQUEST, f"unknown op {str(op)[:100]!r}")
 
     def on_close(self, cid: int, conn: Conn) -> None:
-        if self.planner.disconnect(cid):
-            self._reconcile()
-        for checksum in conn.attached:
-            seg = self.segments.get(checksum)
-            if seg is not None:
-                seg.clients.pop(cid, None)
-                if seg.shared and not seg.clients:
-                    log.info("dropping shared blob %s: no client left", seg.key)
-                    self._drop(seg)
-        for waiters in self.loading.values():
-            if cid in waiters:
-                waiters.remove(cid)
+        self.serving.closed(cid, conn)
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -561,7 +298,7 @@ class Daemon(Server):
                 except OSError as e:
                     log.error("accept failed: %s", e)
             elif key.data == "wake":
-                self._finish_loads()
+                self.serving.finish_loads()
             else:
                 self.dispatch(key, events)
         self.expire()
@@ -571,23 +308,6 @@ class Daemon(Server):
         """Serve until `stop`, SIGTERM or SIGINT."""
         while not self.stopping:
             self.run_once(min(1.0, self.limits.io_timeout / 2))
-
-
-def describe(seg: Segment) -> dict[str, Any]:
-    """What a reply says of a segment."""
-    pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
-    return {
-        "checksum": seg.checksum,
-        "segment": f"memfd:{seg.key}" if seg.shared else "/" + seg.name,
-        "key": seg.key,
-        "paths": seg.paths,
-        "size": seg.size,
-        "records": seg.records,
-        "loaded_at": seg.loaded_at,
-        "load_seconds": seg.load_seconds,
-        "adopted": seg.adopted,
-        "clients": pids,
-    }
 
 
 def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
@@ -609,7 +329,8 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         size += len(json.dumps(entry))
         page.append(entry)
     failed = [
-        {"path": p, "checksum": ck, "message": why} for p, (ck, _i, why) in daemon.planner.hold_failed.items()
+        {"path": p, "checksum": ck, "message": why}
+        for p, (ck, _i, why) in daemon.serving.planner.hold_failed.items()
     ]
     return {
         "ok": True,
@@ -620,30 +341,34 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "shm": {
             "available": available,
             "total": total,
-            "limit": daemon.planner.shm_limit,
-            "limit_from": daemon.planner.shm_limit_from,
-            "used": daemon.planner.used(),
+            "limit": daemon.serving.planner.shm_limit,
+            "limit_from": daemon.serving.planner.shm_limit_from,
+            "used": daemon.serving.planner.used(),
         },
         "counts": {
             "segments": len(daemon.segments),
-            "loading": len(daemon.loading),
-            "held": len(daemon.planner.managed),
-            "unclaimed": len(daemon.planner.unclaimed),
-            "released": len(daemon.planner.released),
+            "loading": len(daemon.serving.loading),
+            "held": len(daemon.serving.planner.managed),
+            "unclaimed": len(daemon.serving.planner.unclaimed),
+            "released": len(daemon.serving.planner.released),
             "failed": len(failed),
         },
         "segments": page,
         "offset": offset,
         "next_offset": next_offset,
-        "loading": sorted(daemon.loading)[:STATUS_LIST],
-        "held": sorted(daemon.planner.managed)[:STATUS_PAGE],  # checksums loaded because a rank holds them
-        "unclaimed": sorted(daemon.planner.unclaimed)[
+        "loading": sorted(daemon.serving.loading)[:STATUS_LIST],
+        "held": sorted(daemon.serving.planner.managed)[
+            :STATUS_PAGE
+        ],  # checksums loaded because a rank holds them
+        "unclaimed": sorted(daemon.serving.planner.unclaimed)[
             :STATUS_PAGE
         ],  # adopted, held by a dead predecessor, not since
-        "released": sorted(daemon.planner.released)[:STATUS_PAGE],  # released held segments readers still map
+        "released": sorted(daemon.serving.planner.released)[
+            :STATUS_PAGE
+        ],  # released held segments readers still map
         # Held shards whose load failed, not tried again until their file changes.
         "failed": failed[:STATUS_LIST],
-        "loads": daemon.loads,
+        "loads": daemon.serving.loads,
         "connections": len(daemon.conns),
     }
 
@@ -684,7 +409,7 @@ def serve(
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     # Wakes select() when a signal arrives, so stopping never waits for the timeout.
-    signal.set_wakeup_fd(daemon.loader.wake_w.fileno(), warn_on_full_buffer=False)
+    signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
     try:
         daemon.start(files)
         daemon.run()
