@@ -36,13 +36,8 @@ struct Fd {
                                          ")");
 }
 
-}  // namespace
-
-Mapping::~Mapping() {
-    if (size_) unmap_later(const_cast<unsigned char*>(data_), size_);
-}
-
-std::shared_ptr<const Mapping> Mapping::map_fd(int fd, const std::string& label) {
+// The size of the regular file at `fd`, at least a header long; the faults of every open otherwise.
+uint64_t blob_file_size(int fd, const std::string& label) {
     struct stat st;
     if (::fstat(fd, &st) != 0) throw_errno(label, errno);
     if (!S_ISREG(st.st_mode)) {
@@ -50,6 +45,17 @@ std::shared_ptr<const Mapping> Mapping::map_fd(int fd, const std::string& label)
     }
     auto size = static_cast<uint64_t>(st.st_size);
     if (size < kHeaderSize) reject_short_file(fd, size, label);
+    return size;
+}
+
+}  // namespace
+
+Mapping::~Mapping() {
+    if (size_) unmap_later(const_cast<unsigned char*>(data_), size_);
+}
+
+std::shared_ptr<const Mapping> Mapping::map_fd(int fd, const std::string& label) {
+    uint64_t size = blob_file_size(fd, label);
     void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) throw_errno(label + ": mmap", errno);
     return std::make_shared<const Mapping>(static_cast<const unsigned char*>(p), size);
@@ -74,6 +80,25 @@ std::optional<uint64_t> peek_checksum(const std::string& path) {
         return std::nullopt;
     }
     return h.checksum;
+}
+
+Header read_header_fd(int fd, const std::string& label) {
+    uint64_t size = blob_file_size(fd, label);
+    Header h;
+    ssize_t got = ::pread(fd, &h, sizeof h, 0);
+    if (got < 0) throw_errno(label, errno);
+    if (got != static_cast<ssize_t>(sizeof h)) {  // shrunk since fstat
+        throw Error(Error::Kind::Truncated, label + ": truncated: the header could not be read in full");
+    }
+    validate_header(h, size, label);
+    return h;
+}
+
+Header read_header(const std::string& path) {
+    // O_NONBLOCK: opening a FIFO must not wait for a writer; it is then refused as not regular.
+    Fd f{::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK)};
+    if (f.fd < 0) throw_errno(path, errno);
+    return read_header_fd(f.fd, path);
 }
 
 Store::Store(std::shared_ptr<const Mapping> mapping, std::string label, bool full_index)

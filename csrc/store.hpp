@@ -38,6 +38,14 @@ private:
 // it is not a regular file that starts with the magic bytes. Throws Error if it cannot be opened.
 std::optional<uint64_t> peek_checksum(const std::string& path);
 
+// The header of the blob open at `fd`, validated against the file's size with the faults and words
+// of every open (a foreign or short file, validate_header()); neither the index nor the records are
+// read. The one header parser: Python reads headers only through this (docs/format.md, "Header").
+// Throws Error naming `label`.
+Header read_header_fd(int fd, const std::string& label);
+// read_header_fd() of the file at `path`, opened O_NONBLOCK (a FIFO is refused, never waited on).
+Header read_header(const std::string& path);
+
 class Store {
 public:
     // Validates the header and the whole offsets index (O(records), data untouched). With

@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import stat
-import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -24,10 +23,9 @@ from typing import Any
 
 from smstore import _core
 from smstore._pack import publish_file
-from smstore.errors import StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
+from smstore.errors import StoreError, StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
 
 __all__ = [
-    "BLOB_MAGIC",
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
@@ -49,8 +47,6 @@ MANIFEST_FORMAT = "smstore-manifest"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shards: a larger file is not a manifest we wrote
 
-BLOB_MAGIC = b"\x89SMST\r\n\x1a"
-_HEADER = struct.Struct("<8sIIQQQQQQQQQIIQ")  # docs/format.md, "Header"
 _HEX16 = re.compile(r"[0-9a-f]{16}\Z")
 
 
@@ -148,7 +144,11 @@ def is_manifest(path: str | os.PathLike[str]) -> bool:
         return False
     finally:
         os.close(fd)
-    return not head.startswith(BLOB_MAGIC) and head.lstrip()[:1] == b"{" and MANIFEST_FORMAT.encode() in head
+    return (
+        not head.startswith(_core.BLOB_MAGIC)
+        and head.lstrip()[:1] == b"{"
+        and MANIFEST_FORMAT.encode() in head
+    )
 
 
 def _bad(path: str, what: str) -> StoreFormatError:
@@ -280,8 +280,8 @@ def write_manifest(
 def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = None) -> tuple[ShardInfo, str]:
     """(ShardInfo, encoding) of a blob from its header and metadata block: two small reads, O(1).
 
-    The structure is validated in full when the shard is opened; this checks what the manifest
-    records: the magic, the sizes, and that the file is as long as its header says.
+    The header is read and validated by the core (``_core.read_header_fd``), in the words of every
+    open; the offsets index and the records are checked when the shard is opened.
 
     Raises:
         StoreNotFoundError, StoreFormatError: Not a readable blob.
@@ -289,44 +289,17 @@ def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = No
     p = os.fspath(path)
     try:
         fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block us
-        with open(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StoreIOError(22, f"{p}: not a regular file; a shard is an .smst blob")
-            head = f.read(_HEADER.size)
-            size = st.st_size
-            fields = _HEADER.unpack(head) if len(head) == _HEADER.size else None
-            if fields is None or fields[0] != BLOB_MAGIC:
-                raise StoreFormatError(f"{p}: not an smstore blob (no magic bytes)")
-            (
-                _,
-                version,
-                _,
-                _,
-                file_size,
-                records,
-                _,
-                data_size,
-                _,
-                _,
-                meta_off,
-                meta_size,
-                _,
-                _,
-                checksum,
-            ) = fields
-            if version != 1:
-                raise StoreVersionError(f"{p}: blob format version {version}; this smstore reads version 1")
-            if file_size != size:
-                raise StoreFormatError(f"{p}: the header says {file_size} bytes, the file has {size}")
-            if meta_size > 1 << 30 or meta_off + meta_size > size:
-                raise StoreFormatError(f"{p}: the metadata block lies outside the file")
-            f.seek(meta_off)
-            meta_raw = f.read(meta_size)
     except FileNotFoundError:
         raise StoreNotFoundError(2, f"{p}: no such shard") from None
-    except IsADirectoryError:
-        raise StoreIOError(21, f"{p}: is a directory, not a shard") from None
+    except OSError as e:
+        raise StoreIOError(e.errno, f"{p}: {e.strerror}") from None
+    try:
+        header = _core.read_header_fd(fd, p)
+        meta_raw = os.pread(fd, header.meta_size, header.meta_offset) if header.meta_size <= 1 << 30 else b""
+    except OSError as e:
+        raise StoreIOError(e.errno, f"{p}: {e.strerror}") from None
+    finally:
+        os.close(fd)
     try:
         meta = json.loads(meta_raw)
         encoding = str(meta.get("encoding", "bytes")) if isinstance(meta, dict) else None
@@ -334,7 +307,9 @@ def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = No
         encoding = None
     if encoding is None:
         raise StoreFormatError(f"{p}: corrupt metadata block (not a JSON object); run 'smstore verify' on it")
-    info = ShardInfo(stored_path or p, records, data_size, size, f"{checksum:016x}")
+    info = ShardInfo(
+        stored_path or p, header.record_count, header.data_size, header.file_size, header.checksum
+    )
     return info, encoding
 
 
@@ -411,18 +386,9 @@ def _our_old_shard(directory: str, shard: ShardInfo) -> bool:
     except OSError:
         return False
     try:
-        st = os.fstat(fd)
-        head = os.pread(fd, _HEADER.size, 0) if stat.S_ISREG(st.st_mode) else b""
-    except OSError:
+        header = _core.read_header_fd(fd, shard.path)
+    except StoreError:
         return False
     finally:
         os.close(fd)
-    if len(head) != _HEADER.size:
-        return False
-    fields = _HEADER.unpack(head)
-    magic, file_size, checksum = fields[0], fields[4], fields[14]
-    return (
-        magic == BLOB_MAGIC
-        and file_size == st.st_size == shard.file_size
-        and f"{checksum:016x}" == shard.checksum
-    )
+    return header.file_size == shard.file_size and header.checksum == shard.checksum

@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import smstore_testlib as tl
@@ -482,3 +483,83 @@ def test_deeply_nested_metadata_is_a_format_error(tmp_path: Path) -> None:
     w.finish("[" * 200_000 + "]" * 200_000)
     with smstore.Store(path) as s, pytest.raises(StoreFormatError, match="corrupt metadata block"):
         _ = s.metadata
+
+
+# ----------------------------------------------------------------------------- one header parser
+
+
+def _header_faults(tmp_path: Path, blob: bytes) -> dict[str, Path]:
+    """Files whose header (or kind of file) is at fault, one per fault the core words."""
+    contents: dict[str, bytes | bytearray] = {
+        "bad-magic": b"\x89SMST\r\n\x1b" + blob[8:],
+        "empty": b"",
+        "short-blob": blob[:100],
+        "version": tl.reseal(tl.set_field(blob, "version", 2)),
+        "flags": tl.reseal(tl.set_field(blob, "flags", 1)),
+        "algo": tl.reseal(tl.set_field(blob, "checksum_algo", 7)),
+        "truncated": blob[:-3],
+        "longer": blob + b"\0",
+        "meta-outside": tl.reseal(tl.set_field(blob, "meta_offset", len(blob) + 8)),
+    }
+    paths = {}
+    for name, content in contents.items():
+        paths[name] = tmp_path / f"{name}.smst"
+        paths[name].write_bytes(content)
+    paths["fifo"] = tmp_path / "fifo.smst"
+    os.mkfifo(paths["fifo"])
+    paths["directory"] = tmp_path / "dir.smst"
+    paths["directory"].mkdir()
+    return paths
+
+
+def _error(call: Any) -> tuple[type[BaseException], str]:
+    with pytest.raises(StoreError) as ei:
+        call()
+    return type(ei.value), str(ei.value)
+
+
+def test_one_header_parser_one_wording(tmp_path: Path, awkward_blob: Path) -> None:
+    """A bad header gives the same class and message through the reader, the core's read_header
+    (path and fd), a shard's description for a manifest, and join: one parser, in C++."""
+    from smstore import _core
+    from smstore._manifest import describe_shard
+
+    for name, path in _header_faults(tmp_path, awkward_blob.read_bytes()).items():
+        p = os.fspath(path)
+
+        def by_fd(p: str = p) -> None:
+            fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)
+            try:
+                _core.read_header_fd(fd, p)
+            finally:
+                os.close(fd)
+
+        want = _error(lambda p=p: smstore.Store(p))  # type: ignore[misc]
+        assert want[1].startswith(f"{p}: "), want
+        assert issubclass(want[0], StoreFormatError), (name, want)
+        got = {
+            "read_header": _error(lambda p=p: _core.read_header(p)),  # type: ignore[misc]
+            "read_header_fd": _error(by_fd),
+            "describe_shard": _error(lambda p=p: describe_shard(p)),  # type: ignore[misc]
+            "join": _error(lambda p=p: smstore.join([p], tmp_path / "m.json")),  # type: ignore[misc]
+        }
+        assert got == dict.fromkeys(got, want), name
+    assert not (tmp_path / "m.json").exists()
+
+
+def test_read_header_fields(awkward_blob: Path, awkward_records: list[bytes]) -> None:
+    """read_header gives the header's fields as docs/format.md lays them out (an independent parse)."""
+    from smstore import _core
+
+    blob = awkward_blob.read_bytes()
+    want = tl.parse_header(blob)
+    h = _core.read_header(os.fspath(awkward_blob))
+    assert _core.BLOB_MAGIC == tl.MAGIC
+    assert h.version == want["version"] == 1
+    assert h.record_count == len(awkward_records)
+    assert h.data_size == len(b"".join(awkward_records))
+    for field in ("file_size", "data_offset", "index_offset", "index_size", "meta_offset", "meta_size"):
+        assert getattr(h, field) == want[field], field
+    assert h.checksum == f"{want['checksum']:016x}" == smstore.Store(awkward_blob).checksum
+    with pytest.raises(TypeError):
+        _core.BlobHeader()

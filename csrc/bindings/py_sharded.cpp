@@ -39,43 +39,14 @@ Py_ssize_t sharded_length(PyObject* self) {
 }  // namespace
 
 PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, std::string label)
-    : starts_(std::move(starts)), opener_(std::move(opener)), label_(std::move(label)) {
-    if (starts_.empty() || starts_.front() != 0) throw py::value_error("starts must begin with 0");
-    size_ = starts_.back();
-    for (size_t k = 1; k < starts_.size(); ++k) {
-        if (starts_[k] < starts_[k - 1]) throw py::value_error("starts must not decrease");
-    }
+    : index_(std::move(starts)), opener_(std::move(opener)), label_(std::move(label)) {
     if (!PyCallable_Check(opener_.ptr())) throw py::type_error("opener must be callable");
-    if (starts_.size() - 1 > UINT32_MAX) throw py::value_error("too many shards");
-    // Shards of one size but the last (no larger than them): locate() divides, with no table.
-    size_t count = starts_.size() - 1;
-    uint64_t per = count ? starts_[1] : 0;
-    bool uniform = per > 0 && starts_[count] - starts_[count - 1] <= per;
-    for (size_t k = 1; uniform && k + 1 < count; ++k)
-        uniform = starts_[k + 1] - starts_[k] == per;
-    per_shard_ = uniform ? per : 0;
-    if (uniform) reciprocal_ = UINT64_MAX / per;
-    if (!uniform) {
-        // About four buckets a shard: a bucket of 2^shift_ records, the smallest power of two that
-        // keeps the table within 4 * shards + 1 entries.
-        uint64_t n = size(), want = 4 * uint64_t{count} + 1;
-        shift_ = 0;
-        while (shift_ < 63 && (n >> shift_) >= want)
-            ++shift_;
-        bucket_shard_.resize(static_cast<size_t>((n >> shift_) + 1));
-        size_t k = 0;
-        for (size_t b = 0; b < bucket_shard_.size(); ++b) {
-            uint64_t first = static_cast<uint64_t>(b) << shift_;
-            while (k + 2 < starts_.size() && starts_[k + 1] <= first)
-                ++k;
-            bucket_shard_[b] = static_cast<uint32_t>(k);
-        }
-    }
-    shards_.assign(starts_.size() - 1, py::none());
-    cores_.assign(starts_.size() - 1, nullptr);
-    lines_.resize(starts_.size() - 1);
-    index_of_.assign(starts_.size() - 1, nullptr);
-    stores_.resize(starts_.size() - 1);
+    size_t count = index_.shard_count();
+    shards_.assign(count, py::none());
+    cores_.assign(count, nullptr);
+    lines_.resize(count);
+    index_of_.assign(count, nullptr);
+    stores_.resize(count);
 }
 
 bool PyShardedStore::check_open() const {
@@ -94,10 +65,10 @@ PyStore* PyShardedStore::shard_core(size_t k) {
     PyStore* core = py_store_from(store.ptr());
     if (!core || !core->check_open()) return nullptr;
     if (!check_open()) return nullptr;
-    if (core->size() != starts_[k + 1] - starts_[k]) {
+    if (core->size() != index_.shard_size(k)) {
         set_python_error(Error(Error::Kind::Format, label_ + ": shard " + std::to_string(k) + " has " +
                                                         std::to_string(core->size()) + " records, the manifest says " +
-                                                        std::to_string(starts_[k + 1] - starts_[k])));
+                                                        std::to_string(index_.shard_size(k))));
         return nullptr;
     }
     if (!cores_[k]) {
@@ -264,7 +235,7 @@ py::tuple PyShardedStore::gather(py::handle indices) {
 
 py::list PyShardedStore::starts() const {
     py::list out;
-    for (uint64_t s : starts_)
+    for (uint64_t s : index_.starts())
         out.append(s);
     return out;
 }

@@ -3,12 +3,12 @@
 
 #include <pybind11/pybind11.h>
 
-#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
 
 #include "py_store.hpp"
+#include "shard_index.hpp"
 
 namespace smstore::bindings {
 
@@ -20,40 +20,14 @@ class PyShardedStore {
 public:
     PyShardedStore(std::vector<uint64_t> starts, pybind11::object opener, std::string label);
 
-    uint64_t size() const noexcept { return size_; }
+    uint64_t size() const noexcept { return index_.size(); }
     size_t shard_count() const noexcept { return cores_.size(); }
     const std::string& label() const noexcept { return label_; }
     bool closed() const noexcept { return closed_; }
     bool check_open() const;  // false with StoreClosedError set
 
-    // (shard, index within it) of global record i < size(). When every shard but the last holds
-    // per_shard_ records (what ShardedWriter and pack -j write), a multiply by a precomputed
-    // reciprocal finds the shard, with no table to load on the way to the record's offsets.
-    // Otherwise a table maps each run of 2^shift_ records to the shard holding its first record;
-    // with shards of similar sizes, that shard or the next holds i. Lopsided shards fall back to a
-    // binary search.
-    std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept {
-        if (per_shard_) {
-            // reciprocal_ = floor((2^64 - 1) / per_shard_) undershoots i / per_shard_ by less than
-            // 2, so the estimate is the quotient or one below it: one step corrects it.
-            uint64_t k = static_cast<uint64_t>((static_cast<unsigned __int128>(i) * reciprocal_) >> 64);
-            uint64_t j = i - k * per_shard_;
-            if (j >= per_shard_) {
-                ++k;
-                j -= per_shard_;
-            }
-            return {static_cast<size_t>(k), j};
-        }
-        size_t k = bucket_shard_[i >> shift_];
-        for (int step = 0; starts_[k + 1] <= i; ++k) {
-            if (++step == 4) {
-                auto it = std::upper_bound(starts_.begin() + static_cast<std::ptrdiff_t>(k) + 1, starts_.end(), i);
-                k = static_cast<size_t>(it - starts_.begin() - 1);
-                break;
-            }
-        }
-        return {k, i - starts_[k]};
-    }
+    // (shard, index within it) of global record i < size(): the core's ShardIndex::locate().
+    std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept { return index_.locate(i); }
     // The open shard k (opening it through the opener on first use), or nullptr with an error set.
     PyStore* shard_core(size_t k);
     pybind11::object shard(size_t k);  // the Store object of shard k (opened on first use)
@@ -99,8 +73,7 @@ public:
 private:
     std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
 
-    std::vector<uint64_t> starts_;          // shard_count() + 1 cumulative record counts
-    uint64_t size_ = 0;                     // starts_.back(), one load nearer
+    ShardIndex index_;                      // which shard holds a global record
     std::vector<pybind11::object> shards_;  // the Store objects opened so far (None until then)
     std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
     void rebuild_arena();
@@ -131,12 +104,8 @@ private:
     pybind11::object opener_;
     std::string label_;
     bool closed_ = false;
-    unsigned shift_ = 63;
-    std::vector<uint32_t> bucket_shard_;  // see locate(); empty when per_shard_ is set
-    uint64_t per_shard_ = 0;              // records of every shard but the last, if they all hold as many (else 0)
-    uint64_t reciprocal_ = 0;             // floor((2^64 - 1) / per_shard_), see locate()
-    uint64_t tick_ = 0;                   // reads so far
-    uint64_t next_sweep_ = UINT64_MAX;    // tick_ at which release_idle() runs next
+    uint64_t tick_ = 0;                 // reads so far
+    uint64_t next_sweep_ = UINT64_MAX;  // tick_ at which release_idle() runs next
     size_t open_count_ = 0;
     bool auto_release_ = false;
 };

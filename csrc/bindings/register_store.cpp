@@ -84,6 +84,28 @@ Args:
         },
         py::arg("path"),
         "The checksum in a blob's header (one small read, nothing validated), or None if it is no blob.");
+    py::class_<Header> header(m, "BlobHeader", "A blob's validated header (read_header); the sizes are in bytes.");
+    // Only read_header creates these: one made by BlobHeader.__new__ would hold no header.
+    reinterpret_cast<PyTypeObject*>(header.ptr())->tp_new = nullptr;
+    header.def_readonly("version", &Header::version)
+        .def_readonly("file_size", &Header::file_size)
+        .def_readonly("record_count", &Header::record_count)
+        .def_readonly("data_offset", &Header::data_offset)
+        .def_readonly("data_size", &Header::data_size)
+        .def_readonly("index_offset", &Header::index_offset)
+        .def_readonly("index_size", &Header::index_size)
+        .def_readonly("meta_offset", &Header::meta_offset)
+        .def_readonly("meta_size", &Header::meta_size)
+        .def_property_readonly("checksum", [](const Header& h) { return checksum_hex(h.checksum); })
+        .def("__repr__", [](const Header& h) {
+            return "<BlobHeader version " + std::to_string(h.version) + ", " + std::to_string(h.record_count) +
+                   " records, " + std::to_string(h.file_size) + " bytes, checksum " + checksum_hex(h.checksum) + ">";
+        });
+    m.attr("BLOB_MAGIC") = py::bytes(reinterpret_cast<const char*>(kMagic), sizeof kMagic);
+    m.def("read_header", &read_header, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
+          "The validated header of the blob at `path` (one small read; the index and records are not read).");
+    m.def("read_header_fd", &read_header_fd, py::arg("fd"), py::arg("label"), py::call_guard<py::gil_scoped_release>(),
+          "read_header() of an open descriptor (the caller keeps it); errors name `label`.");
     m.def(
         "wait_for_unmaps", [] { wait_for_unmaps(); }, py::call_guard<py::gil_scoped_release>(),
         "Wait until every mapping released so far is unmapped (large ones are unmapped by a background thread).");
