@@ -355,6 +355,33 @@ def json_list_seeds() -> dict[str, bytes]:
     }
 
 
+def shard_index_seeds() -> dict[str, bytes]:
+    """fuzz_shard_index.cpp's input: a flags byte, then shard sizes (a byte < 0xf0, or 0xff and a u64)."""
+
+    def sizes(*values: int) -> bytes:
+        return b"".join(bytes([v]) if v < 0xF0 else b"\xff" + struct.pack("<Q", v) for v in values)
+
+    def uniform(per: int, count: int, last: int) -> bytes:
+        return b"\x01" + sizes(per) + bytes([count]) + sizes(last)
+
+    def raw(*starts: int) -> bytes:
+        return b"\x02" + b"".join(struct.pack("<Q", v) for v in starts)
+
+    return {
+        "sizes-similar": b"\x00" + sizes(100, 98, 101, 100, 99, 100),
+        "sizes-with-empty": b"\x00" + sizes(5, 0, 0, 7, 0, 3, 0),
+        "sizes-lopsided": b"\x00" + sizes(1, 200, 1, 1, 1 << 40, 2),
+        "sizes-near-2-64": b"\x00" + sizes((1 << 64) - 1),
+        "uniform-small": uniform(7, 10, 3),
+        "uniform-last-empty": uniform(5, 4, 0),
+        "uniform-one-record": uniform(1, 200, 1),
+        "uniform-huge": uniform((1 << 62) + 3, 2, (1 << 62) + 1),
+        "raw-valid": raw(0, 3, 3, 10),
+        "raw-decreasing": raw(0, 5, 4),
+        "raw-not-from-zero": raw(1, 2),
+    }
+
+
 def main() -> None:
     for target, seeds in [
         ("blob", blob_seeds()),
@@ -364,6 +391,7 @@ def main() -> None:
         ("arrow", arrow_seeds()),
         ("tar", tar_seeds()),
         ("json_list", json_list_seeds()),
+        ("shard_index", shard_index_seeds()),
     ]:
         folder = CORPUS / target
         folder.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,11 @@ ROOT = Path(__file__).resolve().parent.parent
 FUZZ = ROOT / "fuzz"
 VENV = ROOT / ".venv-fuzz"
 PYTHON = VENV / "bin" / "python"
-TARGETS = ["blob", "jsonl", "npy_lines", "daemon", "arrow", "tar", "json_list"]
+TARGETS = ["blob", "jsonl", "npy_lines", "daemon", "arrow", "tar", "json_list", "shard_index"]
+# C++ targets: fuzz/fuzz_<target>.cpp linked by clang with libFuzzer and the core sources it tests
+# (no Python, no pybind11), built into build/fuzz/. The others are atheris scripts run by .venv-fuzz.
+NATIVE = {"shard_index": ["csrc/shard_index.cpp"]}
+NATIVE_FLAGS = ["-std=c++17", "-O1", "-g", "-fsanitize=fuzzer,address,undefined", "-fno-sanitize-recover=all"]
 # Longer inputs than libFuzzer's default 4096 where seeds are longer: blobs with a full 4096-byte
 # header, Parquet files with their footer, tar files of a few 512-byte blocks. libFuzzer cuts a
 # seed longer than this, so make_corpus.py keeps the seeds under it.
@@ -59,6 +63,27 @@ def build_extension(pip: list[str | Path]) -> None:
     subprocess.run([*pip, ".", *build], check=True, cwd=ROOT, env=env)
 
 
+def build_native(target: str, rebuild: bool) -> Path:
+    """The libFuzzer binary of a C++ target, built when missing, older than its sources, or asked to."""
+    binary = ROOT / "build" / "fuzz" / f"fuzz_{target}"
+    sources = [FUZZ / f"fuzz_{target}.cpp", *(ROOT / s for s in NATIVE[target])]
+    inputs = [*sources, *(ROOT / "csrc").glob("*.hpp")]
+    if not rebuild and binary.exists() and all(p.stat().st_mtime <= binary.stat().st_mtime for p in inputs):
+        return binary
+    if not shutil.which("clang++"):
+        sys.exit("fuzz/run.py needs clang++ (Debian: apt-get install clang libclang-rt-14-dev)")
+    binary.parent.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["clang++", *NATIVE_FLAGS, "-I", ROOT / "csrc", *sources, "-o", binary], check=True)
+    return binary
+
+
+def target_command(target: str) -> list[str | Path]:
+    """How a target runs: its libFuzzer binary, or its atheris script under .venv-fuzz's Python."""
+    if target in NATIVE:
+        return [ROOT / "build" / "fuzz" / f"fuzz_{target}"]
+    return [PYTHON, FUZZ / f"fuzz_{target}.py"]
+
+
 def imports(modules: str) -> bool:
     """Whether .venv-fuzz's Python imports these modules (with the fuzzing runtime preloaded)."""
     probe = f"import {modules}"
@@ -71,11 +96,12 @@ def imports(modules: str) -> bool:
     )
 
 
-def fuzz_env(scratch: Path | None) -> dict[str, str]:
-    """Preload atheris's ASan+libFuzzer runtime, which the instrumented extension links against."""
+def fuzz_env(scratch: Path | None, native: bool = False) -> dict[str, str]:
+    """Preload atheris's ASan+libFuzzer runtime, which the instrumented extension links against
+    (a C++ target carries its own runtime: nothing is preloaded for it)."""
     runtime = next((VENV / "lib").glob("python3*/site-packages/asan_with_fuzzer.so"), None)
     env = dict(os.environ)
-    if runtime is not None:
+    if runtime is not None and not native:
         env["LD_PRELOAD"] = str(runtime)
     # Python itself leaks by design at exit; UBSan reports are fatal (built -fno-sanitize-recover).
     env["ASAN_OPTIONS"] = "detect_leaks=0:allocator_may_return_null=1"
@@ -112,8 +138,7 @@ def run_target(target: str, seconds: int, corpus: Path, work: Path) -> Result:
     scratch.mkdir(parents=True)
     log = work / f"{target}.log"
     cmd = [
-        PYTHON,
-        FUZZ / f"fuzz_{target}.py",
+        *target_command(target),
         corpus,
         f"-max_total_time={seconds}",
         "-rss_limit_mb=2048",
@@ -132,7 +157,7 @@ def run_target(target: str, seconds: int, corpus: Path, work: Path) -> Result:
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 cwd=scratch,
-                env=fuzz_env(scratch),
+                env=fuzz_env(scratch, target in NATIVE),
                 timeout=seconds + 120,
             ).returncode
         except subprocess.TimeoutExpired:
@@ -169,13 +194,17 @@ def main() -> int:
         parser.error(f"unknown target among {targets}: the targets are {TARGETS}")
     if not 1 <= args.seconds <= 7 * 24 * 3600 or not 1 <= args.jobs <= 64:
         parser.error("--seconds must be in [1, 604800] and --jobs in [1, 64]")
-    prepare_venv(args.rebuild)
+    if set(targets) - NATIVE.keys():
+        prepare_venv(args.rebuild)
+    for t in set(targets) & NATIVE.keys():
+        build_native(t, args.rebuild)
     if args.reproduce is not None:
         if len(targets) != 1:
             parser.error("--reproduce needs exactly one target")
-        cmd = [PYTHON, FUZZ / f"fuzz_{targets[0]}.py", args.reproduce.resolve()]
+        cmd = [*target_command(targets[0]), args.reproduce.resolve()]
         with tempfile.TemporaryDirectory(prefix="smstore-fuzz-") as tmp:
-            return subprocess.run(cmd, check=False, cwd=tmp, env=fuzz_env(Path(tmp)), timeout=600).returncode
+            env = fuzz_env(Path(tmp), targets[0] in NATIVE)
+            return subprocess.run(cmd, check=False, cwd=tmp, env=env, timeout=600).returncode
 
     shm_before = smstore_shm()
     work = Path(tempfile.mkdtemp(prefix="smstore-fuzz-"))

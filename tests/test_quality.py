@@ -13,7 +13,12 @@ import pybind11
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-CPP = sorted((ROOT / "csrc").rglob("*.cpp")) + sorted((ROOT / "csrc").rglob("*.hpp"))
+# The core, the bindings, and the C++ fuzz targets (fuzz/*.cpp, which include only the core).
+CPP = (
+    sorted((ROOT / "csrc").rglob("*.cpp"))
+    + sorted((ROOT / "csrc").rglob("*.hpp"))
+    + sorted((ROOT / "fuzz").glob("*.cpp"))
+)
 
 
 def run(*cmd: str | Path, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:

@@ -249,6 +249,35 @@ def test_locate_by_reciprocal_is_exact_at_every_scale(per: int) -> None:
             assert s.locate(i) == divmod(i, per), i
 
 
+def test_shard_index_fuzz_target_replays_its_seeds(tmp_path: Path) -> None:
+    """The core's ShardIndex alone (no Python, no pybind11): fuzz/fuzz_shard_index.cpp, built with
+    the plain compiler and ASan/UBSan where it has them, checks locate() against a binary search
+    over the prefix sums on every seed (the fuzz run proper needs clang's libFuzzer)."""
+    root = Path(__file__).resolve().parent.parent
+    compiler = shutil.which("c++") or pytest.fail("no C++ compiler")
+    sources = [
+        root / "fuzz" / "fuzz_shard_index.cpp",
+        root / "fuzz" / "standalone_main.cpp",
+        root / "csrc" / "shard_index.cpp",
+    ]
+    binary = tmp_path / "fuzz_shard_index"
+    flags = ["-std=c++17", "-O1", "-g", "-Wall", "-Wextra", "-Werror", f"-I{root / 'csrc'}"]
+    sanitize = ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    built = subprocess.run(
+        [compiler, *flags, *sanitize, *sources, "-o", binary], check=False, capture_output=True, text=True
+    )
+    if built.returncode != 0:  # a toolchain without the sanitizer runtimes
+        built = subprocess.run(
+            [compiler, *flags, *sources, "-o", binary], check=False, capture_output=True, text=True
+        )
+    assert built.returncode == 0, built.stderr
+    seeds = sorted((root / "fuzz" / "corpus" / "shard_index").iterdir())
+    assert len(seeds) >= 10
+    r = subprocess.run([binary, *seeds], capture_output=True, text=True, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"{len(seeds)} inputs ran\n"
+
+
 def test_shards_open_lazily(tmp_path: Path, corpus: tuple[list[Path], list[bytes]]) -> None:
     inputs, expected = corpus
     smstore.pack_files(inputs, tmp_path / "ds", shard_size=10_000, progress=False, durable=False)
