@@ -30,8 +30,7 @@ struct Input {
     }
 };
 
-[[noreturn]] void finding(const char* what, uint64_t i, size_t got_k, uint64_t got_j, size_t want_k,
-                          uint64_t want_j) {
+[[noreturn]] void finding(const char* what, uint64_t i, size_t got_k, uint64_t got_j, size_t want_k, uint64_t want_j) {
     std::fprintf(stderr, "Finding: %s: locate(%llu) = (%zu, %llu), binary search says (%zu, %llu)\n", what,
                  static_cast<unsigned long long>(i), got_k, static_cast<unsigned long long>(got_j), want_k,
                  static_cast<unsigned long long>(want_j));

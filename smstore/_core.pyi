@@ -36,6 +36,7 @@ def peek_checksum(path: str) -> str | None: ...
 BLOB_MAGIC: bytes
 
 class BlobHeader:
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...  # pybind11's: raises TypeError
     @property
     def version(self) -> int: ...
     @property
