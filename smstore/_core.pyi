@@ -68,6 +68,7 @@ class MixtureTree:
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
 
 class MixtureOrder:
+    @overload
     def __init__(
         self,
         tree: MixtureTree,
@@ -75,6 +76,16 @@ class MixtureOrder:
         offsets: Sequence[int],
         size: int,
         keys: Callable[[int, int], list[int]],
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        tree: MixtureTree,
+        lengths: Sequence[int],
+        offsets: Sequence[int],
+        size: int,
+        *,
+        windows: Callable[[int, int], WindowedOrder],
     ) -> None: ...
     def __len__(self) -> int: ...
     def pairs(

@@ -513,6 +513,11 @@ class WindowedOrder:
         self._shard_list: list[int] = self.shard_order.tolist()
 
     @property
+    def kernel(self) -> _core.WindowedOrder:
+        """The order's tables in C++ (what a windowed mixture's order evaluates each source with)."""
+        return self._core
+
+    @property
     def window_count(self) -> int:
         return len(self.window_starts) - 1
 
@@ -727,16 +732,23 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         )
 
 
-def _residency_for(dataset: Any) -> Any:
-    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+def _manifest_of(dataset: Any) -> str | None:
+    """The manifest's path of a SharedStoreDataset of a sharded dataset, else None."""
     path = getattr(dataset, "path", None)
     if not isinstance(path, str) or getattr(dataset, "shard_sizes", None) is None:
         return None
     from smstore._shards import is_manifest
+
+    return path if is_manifest(path) else None
+
+
+def _residency_for(dataset: Any) -> Any:
+    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+    path = _manifest_of(dataset)
+    if path is None:
+        return None
     from smstore.residency import ShardResidency
 
-    if not is_manifest(path):
-        return None
     return ShardResidency(
         path, mode=getattr(dataset, "mode", "auto"), socket=getattr(dataset, "socket", None)
     )
