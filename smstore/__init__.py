@@ -47,7 +47,7 @@ if TYPE_CHECKING:
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
-    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
+    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
@@ -93,6 +93,7 @@ __all__ = [
     "StoreVersionError",
     "Subset",
     "TokenCollator",
+    "WindowedMixtureSampler",
     "WindowedShuffleSampler",
     "Writer",
     "__version__",
@@ -121,6 +122,7 @@ _LAZY = {
     "Mixture": "smstore.mixture",
     "MixtureDataset": "smstore.mixture",
     "MixtureSampler": "smstore.mixture",
+    "WindowedMixtureSampler": "smstore.mixture",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",

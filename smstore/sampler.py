@@ -485,7 +485,7 @@ class WindowedOrder:
         key: Derives every permutation of the epoch (the seed and epoch are in it).
     """
 
-    def __init__(self, shard_sizes: Sequence[int], window: int, key: str) -> None:
+    def __init__(self, shard_sizes: Sequence[int] | np.ndarray[Any, Any], window: int, key: str) -> None:
         sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.window = window
         self.n = int(sizes.sum())
