@@ -595,7 +595,9 @@ class WindowedMixtureOrder(MixtureOrder):
         top = min(c, total - 1)
         current = self.window_of_draw(source, top)
         after, after_start = self._next_window(source, current)
-        change = mix.positions_for(source, after_start)
+        # The next draw's window moves when the draws reach the next one (never, once the source
+        # has drawn all it draws this epoch).
+        change = self.n if c >= total else mix.positions_for(source, after_start)
         shards = list(self.window_shards(source, current))
         if c < total and after_start < total:
             shards += self.window_shards(source, after)
@@ -701,8 +703,9 @@ class WindowedMixtureSampler(MixtureSampler):
         self.lag = int(lag)
         self.residencies = self._residencies(residency, sources, len(lengths))
         self._last_holds: list[tuple[int, ...] | None] = [None] * len(lengths)
-        # Per source, the positions [since, change) of the pass over which its holds stand.
-        self._plans: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+        # The held sources by the next position of the pass where their holds may change.
+        self._plans: list[tuple[int, int]] = []
+        self._planned_at: int | None = None  # the position the plans were made at
         self._windowed_cache: tuple[tuple[int, int], WindowedMixtureOrder] | None = None
         self._layout = _sizes_digest(np.concatenate([self.windows, *(self.shard_sizes)]))
         if any(r is not None for r in self.residencies):
@@ -795,24 +798,28 @@ class WindowedMixtureSampler(MixtureSampler):
         order = self.permutation()
         g = start + self.rank + done * self.world_size
         at = g % n  # the padding wraps to the start of the order
-        nxt = n
-        for s, residency in enumerate(self.residencies):
-            if residency is None:
-                continue
-            since, change = self._plans[s]
-            if not since <= at < change:  # only the sources whose windows may have moved
-                held, change = order.holds(s, at, self.lag * self.world_size)
-                self._plans[s] = (at, change)
-                if held != self._last_holds[s]:
-                    residency.hold(held, wait=self._last_holds[s] is None)  # the first: errors up front
-                    self._last_holds[s] = held
-            nxt = min(nxt, change)
+        plans = self._plans  # (position where a source's holds may change, source): a heap
+        if self._planned_at is None or at < self._planned_at:  # a new pass, or the padding wrapped
+            plans.clear()
+            due = [s for s, r in enumerate(self.residencies) if r is not None]
+        else:
+            due = []
+            while plans and plans[0][0] <= at:
+                due.append(heapq.heappop(plans)[1])
+        for s in due:  # only the sources whose windows may have moved
+            held, change = order.holds(s, at, self.lag * self.world_size)
+            heapq.heappush(plans, (change, s))
+            if held != self._last_holds[s]:
+                self.residencies[s].hold(held, wait=self._last_holds[s] is None)  # the first: errors up front
+                self._last_holds[s] = held
+        self._planned_at = at
+        nxt = min(n, plans[0][0])
         nxt += g - at  # back in the pass's (possibly wrapped) positions
         return done + max(1, -(-(nxt - g) // self.world_size))
 
     def __iter__(self) -> Iterator[int]:
         self._last_holds = [None] * len(self.residencies)
-        self._plans = [(0, 0)] * len(self.residencies)
+        self._planned_at = None
         return super().__iter__()
 
     def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
