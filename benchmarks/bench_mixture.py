@@ -299,7 +299,8 @@ def main(argv: list[str] | None = None) -> None:
             "The windowed mixture is the same C++ call per chunk, with each source pass's windowed order "
             "(window, Feistel permutation within it, shard) in place of its permutation. With residency, "
             f"chunks are at most 4096 indices and each source's windows move every {SHARD_RECORDS * WINDOW} "
-            f"of its draws (holds sent in the row with residency: {sum(h.holds for h in holders)}); the "
+            f"of its draws ({sum(h.holds for h in holders) // args.repeats} holds sent in each run of "
+            f"{args.indices} indices of the row with residency); the "
             "first index builds no table of the epoch: each source's shard order is computed when its pass "
             "is first reached."
         ),
