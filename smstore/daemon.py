@@ -760,6 +760,13 @@ class Daemon(Server):
                         self.parse(cid)
         used = sum(_pages(seg.size) for seg in list(self.segments.values()))
         used += sum(pages for pages, _ in self.released.values())
+        # A load still under way for a hold that moved on fills its pages all the same (and a
+        # reader that waited for it may map it when it lands): it counts until it lands and is dropped.
+        held_paths = set(wanted.values())
+        for path in self.loading:
+            if path not in held_paths:
+                with contextlib.suppress(OSError):
+                    used += _pages(os.stat(path).st_size)
         queued: list[str] = []
         for checksum, path in wanted.items():
             if checksum in self.segments or path in self.hold_failed:
