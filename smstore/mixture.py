@@ -25,10 +25,10 @@ from smstore.errors import MixtureError
 from smstore.sampler import (
     GlobalShuffleSampler,
     WindowedOrder,
-    _manifest_of,
-    _map_positions,
-    _residency_for,
-    _round_keys,
+    manifest_of,
+    map_positions,
+    residency_for,
+    round_keys,
 )
 
 __all__ = [
@@ -325,7 +325,7 @@ class MixtureOrder:
                 self.n,
                 # Each source pass's round keys, derived when the order first reaches it (the
                 # callable holds the prefix and lengths, not this object: no cycle forms).
-                lambda s, e: _round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
+                lambda s, e: round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
             )
         return self._kernel
 
@@ -352,7 +352,7 @@ class MixtureOrder:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-        return _map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
+        return map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
 
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The indices at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
@@ -717,7 +717,7 @@ class WindowedMixtureSampler(MixtureSampler):
         if residency is False:
             return [None] * count
         if residency is None:
-            return [_residency_for(x) for x in sources] if sources else [None] * count
+            return [residency_for(x) for x in sources] if sources else [None] * count
         given = list(residency)
         if len(given) != count:
             msg = f"{len(given)} residencies for {count} sources: give one per source (None for none)"
@@ -756,11 +756,11 @@ class WindowedMixtureSampler(MixtureSampler):
         Raises:
             ValueError: The budget cannot hold two of the largest shards of every sharded source.
         """
-        from smstore._shards import read_manifest
+        from smstore._manifest import read_manifest
 
         largest: dict[int, tuple[int, int]] = {}  # source -> (largest shard, shards)
         for s, source in enumerate(dataset.sources):
-            path = _manifest_of(source)
+            path = manifest_of(source)
             if path is not None:
                 sizes = [x.file_size for x in read_manifest(path).shards]
                 largest[s] = (max(sizes, default=0), len(sizes))

@@ -17,7 +17,7 @@ import pytest
 
 import smstore
 from smstore import MixtureError
-from smstore._shards import read_manifest
+from smstore._manifest import read_manifest
 from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
 from smstore.residency import ShardResidency
 from smstore.sampler import ResumableLoader
