@@ -23,6 +23,7 @@ from smstore.residency import ShardResidency
 from smstore.sampler import ResumableLoader
 
 from .daemon_testlib import Daemon
+from .smstore_testlib import interleave, loader_batches
 
 # Three sources: two sharded (uneven shards, an empty one), one without shards.
 SHARDS = [[30, 25, 0, 40, 35, 20, 30], [12, 15, 10, 14, 9, 11, 13, 8, 12, 16], None]
@@ -41,11 +42,6 @@ def epoch_order(mix: Mixture, window: int | list[int] = 2, seed: int = 3, epoch:
     s = sampler(mix, window, seed=seed)
     s.set_epoch(epoch)
     return list(s)
-
-
-def interleave(streams: list[list[int]]) -> list[int]:
-    """Rank r's i-th sample sits at global position r + i*W."""
-    return [x for row in itertools.zip_longest(*streams) for x in row if x is not None]
 
 
 def split(mix: Mixture, indices: list[int]) -> list[tuple[int, int]]:
@@ -231,10 +227,6 @@ def test_a_state_of_other_windows_or_shards_is_refused() -> None:
             other.load_state_dict(state)
     with pytest.raises(MixtureError, match="other windows or shards"):
         sampler(mix, 2).load_state_dict(MixtureSampler(mix, seed=3, rank=0, world_size=1).state_dict())
-
-
-def loader_batches(loader: object, k: int | None = None) -> list[int]:
-    return [x for batch in itertools.islice(loader, k) for x in batch.tolist()]  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
