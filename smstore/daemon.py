@@ -863,19 +863,20 @@ class Daemon(Server):
             # since belongs to a window behind it.
             dropped += [self._release(self.segments[ck]) for ck in list(self.unclaimed)]
         used = self.segments.pages + sum(n for n, _ in self.released.values())
-        # A load still under way for a hold that moved on fills its pages all the same (and a
-        # reader that waited for it may map it when it lands): it counts until it lands and is dropped.
-        held_paths = set(wanted.values())
+        # A load under way fills its pages whatever the holds say now (one for a hold that moved
+        # on, or one that the shards before it in the holders' order would now leave no room
+        # for): it counts until it lands.
         for path in self.loading:
-            if path not in held_paths:
-                with contextlib.suppress(OSError):
-                    used += _pages(os.stat(path).st_size)
+            with contextlib.suppress(OSError):
+                used += _pages(os.stat(path).st_size)
         queued: list[str] = []
         self.waiting_room = set()
         full = False
         for checksum, path in wanted.items():
             if checksum in self.segments or checksum in self.unloaded or self._failed(path, checksum):
                 continue
+            if path in self.loading:
+                continue  # on its way, and counted above
             try:
                 size = _pages(os.stat(path).st_size)
             except OSError:
@@ -887,14 +888,12 @@ class Daemon(Server):
                 used -= _pages(seg.size)
             if full or (self.shm_limit and used + size > self.shm_limit):
                 full = True  # later shards wait until earlier ones are released
-                if path not in self.loading:
-                    self.waiting_room.add(path)
+                self.waiting_room.add(path)
                 continue
             used += size
-            if path not in self.loading:
-                self._queue_load(path, None, quiet=True, expected=checksum)
-                self.hold_loads[path] = checksum
-                queued.append(path)
+            self._queue_load(path, None, quiet=True, expected=checksum)
+            self.hold_loads[path] = checksum
+            queued.append(path)
         for path in list(self.attach_waiting):
             if path not in self.loading and path not in self.waiting_room:
                 # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
