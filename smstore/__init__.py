@@ -28,6 +28,7 @@ from smstore.errors import (
     IndexStaleError,
     MixtureError,
     PackInputError,
+    RecordIndexError,
     SharedListError,
     SharedListMismatchError,
     SharedMemoryError,
@@ -47,6 +48,7 @@ if TYPE_CHECKING:
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
     from smstore.dataset import SharedStoreDataset
+    from smstore.loader import Loader
     from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
@@ -64,6 +66,7 @@ __all__ = [
     "GlobalShuffleSampler",
     "IndexFileError",
     "IndexStaleError",
+    "Loader",
     "Mixture",
     "MixtureDataset",
     "MixtureError",
@@ -71,6 +74,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "RecordIndexError",
     "Repeat",
     "ResumableLoader",
     "ShardResidency",
@@ -115,6 +119,7 @@ __all__ = [
 _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
+    "Loader": "smstore.loader",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
