@@ -105,7 +105,18 @@ void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* ind
     auto* lengths = reinterpret_cast<int64_t*>(out + l.lengths_at);
     const Out pad = static_cast<Out>(spec.pad_value);
     uint64_t pos = 0;  // pack: tokens written so far
+    // Records lie at random places: without prefetching, the widening loop of one record fills the
+    // core's window before the next record's cache misses start (4x slower into int64 than with).
+    constexpr size_t kAheadIndex = 16, kAheadData = 8;
+    for (size_t k = 0; k < std::min(n, kAheadIndex); ++k) __builtin_prefetch(offsets + indices[k]);
     for (size_t k = 0; k < n; ++k) {
+        if (k + kAheadIndex < n) __builtin_prefetch(offsets + indices[k + kAheadIndex]);
+        if (k + kAheadData < n) {
+            const unsigned char* ahead = data + offsets[indices[k + kAheadData]];
+            uint64_t ahead_end = offsets[indices[k + kAheadData] + 1];
+            const unsigned char* last = data + ahead_end;
+            for (const unsigned char* p = ahead; p < last && p < ahead + 1024; p += 64) __builtin_prefetch(p);
+        }
         uint64_t b = offsets[indices[k]], e = offsets[indices[k] + 1];
         uint64_t items = (e - b) / sizeof(In);
         uint64_t kept = std::min(items, spec.max_length);
@@ -182,6 +193,7 @@ BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64
     const uint64_t* offsets = store.offsets();
     uint64_t longest = 0, total = 0;
     for (size_t k = 0; k < n; ++k) {
+        if (k + 16 < n && indices[k + 16] < count) __builtin_prefetch(offsets + indices[k + 16]);
         uint64_t i = indices[k];
         if (i >= count) {
             throw Error(Error::Kind::Index, store.label() + ": record index " + std::to_string(i) +
