@@ -283,7 +283,7 @@ Block::~Block() {
 
 Batcher::Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned)
     : store_(std::move(store)), spec_(spec), depth_(std::max<size_t>(depth, 1)), pinned_(pinned),
-      slots_(depth_ + 1), fork_generation_(fork_generation()) {
+      slots_(depth_ + 2), fork_generation_(fork_generation()) {
     threads = std::max<size_t>(threads, 1);
     threads_.reserve(threads);
     try {

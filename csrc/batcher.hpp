@@ -81,9 +81,10 @@ struct ReadyBatch {
 };
 
 // Batches in submission order, prepared by `threads` threads at most `depth` ahead of the
-// consumer. Slot s of depth + 1 holds batch s, s + depth + 1, ...: the batch the consumer holds
-// while it asks for the next is never the one being refilled. A slot whose block is still held
-// elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
+// consumer. Slot s of depth + 2 holds batch s, s + depth + 2, ...: when next() hands out batch k
+// the threads may start batch k + depth, whose slot last held k - 2, so the batch the consumer
+// still holds (k - 1) is not the one they refill. A slot whose block is still held elsewhere (a
+// shared_ptr besides the slot's) gets a new block instead of being overwritten.
 class Batcher {
 public:
     Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned);
@@ -121,7 +122,7 @@ private:
     CollateSpec spec_;
     size_t depth_;
     bool pinned_;
-    std::vector<Slot> slots_;  // depth_ + 1
+    std::vector<Slot> slots_;  // depth_ + 2
     std::deque<std::vector<uint64_t>> queue_;  // submitted batches not yet taken by a thread
     uint64_t submitted_ = 0, taken_ = 0, received_ = 0;
     bool stop_ = false;

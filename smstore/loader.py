@@ -31,7 +31,7 @@ class Loader:
     yields them, made by C++ threads instead of worker processes.
 
     The threads gather each batch's records straight from the store's mapping and pad or pack them
-    (TokenCollator's options, widening included) into a ring of ``depth + 1`` reused buffers, at
+    (TokenCollator's options, widening included) into a ring of ``depth + 2`` reused buffers, at
     most ``depth`` batches ahead of the loop, with the GIL released. The indices come from the
     sampler's iterator in chunks, so any sampler works (``GlobalShuffleSampler``,
     ``WindowedShuffleSampler``, ``MixtureSampler``, a list); each ``iter(loader)`` is a new pass of
@@ -48,7 +48,7 @@ class Loader:
     refilled only once nothing refers to it any more: while any tensor of a batch (or a view of
     one) is alive, its buffer is left alone and the ring takes a new one in its place. So a
     yielded batch is valid for as long as you hold it, and when the loop drops each batch before
-    it takes the next but one (as ``for batch in loader`` does), the memory stays ``depth + 1``
+    it takes the next but one (as ``for batch in loader`` does), the memory stays ``depth + 2``
     buffers. One exception: a copy to a GPU with ``non_blocking=True`` reads the buffer after
     Python has let go of it; keep the batch referenced until that copy is done (a loop that reads
     ``loss.item()`` each step has synchronized long before the buffer comes round again,
