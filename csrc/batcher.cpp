@@ -27,14 +27,14 @@ void count_fork_in_child() {
 }
 
 uint64_t fork_generation() {
-    static const bool registered = [] {
-        return ::pthread_atfork(nullptr, nullptr, count_fork_in_child) == 0;
-    }();
+    static const bool registered = [] { return ::pthread_atfork(nullptr, nullptr, count_fork_in_child) == 0; }();
     (void)registered;
     return g_forks.load(std::memory_order_relaxed);
 }
 
-uint64_t align_up(uint64_t v) { return (v + kAlign - 1) & ~(kAlign - 1); }
+uint64_t align_up(uint64_t v) {
+    return (v + kAlign - 1) & ~(kAlign - 1);
+}
 
 uint64_t mul_checked(uint64_t a, uint64_t b, const std::string& label) {
     uint64_t r;
@@ -83,7 +83,8 @@ void copy_widen(Out* dst, const unsigned char* src, uint64_t count) noexcept {
         while (count) {
             uint64_t m = std::min<uint64_t>(count, 256);
             std::memcpy(buf, src, m * sizeof(In));
-            for (uint64_t j = 0; j < m; ++j) dst[j] = static_cast<Out>(buf[j]);
+            for (uint64_t j = 0; j < m; ++j)
+                dst[j] = static_cast<Out>(buf[j]);
             dst += m;
             src += m * sizeof(In);
             count -= m;
@@ -108,14 +109,16 @@ void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* ind
     // Records lie at random places: without prefetching, the widening loop of one record fills the
     // core's window before the next record's cache misses start (4x slower into int64 than with).
     constexpr size_t kAheadIndex = 16, kAheadData = 8;
-    for (size_t k = 0; k < std::min(n, kAheadIndex); ++k) __builtin_prefetch(offsets + indices[k]);
+    for (size_t k = 0; k < std::min(n, kAheadIndex); ++k)
+        __builtin_prefetch(offsets + indices[k]);
     for (size_t k = 0; k < n; ++k) {
         if (k + kAheadIndex < n) __builtin_prefetch(offsets + indices[k + kAheadIndex]);
         if (k + kAheadData < n) {
             const unsigned char* ahead = data + offsets[indices[k + kAheadData]];
             uint64_t ahead_end = offsets[indices[k + kAheadData] + 1];
             const unsigned char* last = data + ahead_end;
-            for (const unsigned char* p = ahead; p < last && p < ahead + 1024; p += 64) __builtin_prefetch(p);
+            for (const unsigned char* p = ahead; p < last && p < ahead + 1024; p += 64)
+                __builtin_prefetch(p);
         }
         uint64_t b = offsets[indices[k]], e = offsets[indices[k] + 1];
         uint64_t items = (e - b) / sizeof(In);
@@ -140,16 +143,19 @@ void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* ind
         if (l.cu_int64) {
             auto* cu = reinterpret_cast<int64_t*>(out + l.cu_at);
             cu[0] = 0;
-            for (size_t k = 0; k < n; ++k) cu[k + 1] = cu[k] + lengths[k];
+            for (size_t k = 0; k < n; ++k)
+                cu[k + 1] = cu[k] + lengths[k];
         } else {
             auto* cu = reinterpret_cast<int32_t*>(out + l.cu_at);
             cu[0] = 0;
-            for (size_t k = 0; k < n; ++k) cu[k + 1] = cu[k] + static_cast<int32_t>(lengths[k]);
+            for (size_t k = 0; k < n; ++k)
+                cu[k + 1] = cu[k] + static_cast<int32_t>(lengths[k]);
         }
     }
     if (spec.with_indices) {
         auto* idx = reinterpret_cast<int64_t*>(out + l.indices_at);
-        for (size_t k = 0; k < n; ++k) idx[k] = static_cast<int64_t>(indices[k]);
+        for (size_t k = 0; k < n; ++k)
+            idx[k] = static_cast<int64_t>(indices[k]);
     }
 }
 
@@ -157,16 +163,26 @@ template <typename In>
 void fill_from(const Store& s, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
                unsigned char* out) noexcept {
     switch (spec.out) {
-        case Dtype::U8: return fill_typed<In, uint8_t>(s, spec, i, n, l, out);
-        case Dtype::I8: return fill_typed<In, int8_t>(s, spec, i, n, l, out);
-        case Dtype::U16: return fill_typed<In, uint16_t>(s, spec, i, n, l, out);
-        case Dtype::I16: return fill_typed<In, int16_t>(s, spec, i, n, l, out);
-        case Dtype::U32: return fill_typed<In, uint32_t>(s, spec, i, n, l, out);
-        case Dtype::I32: return fill_typed<In, int32_t>(s, spec, i, n, l, out);
-        case Dtype::U64: return fill_typed<In, uint64_t>(s, spec, i, n, l, out);
-        case Dtype::I64: return fill_typed<In, int64_t>(s, spec, i, n, l, out);
-        case Dtype::F32: return fill_typed<In, float>(s, spec, i, n, l, out);
-        case Dtype::F64: return fill_typed<In, double>(s, spec, i, n, l, out);
+        case Dtype::U8:
+            return fill_typed<In, uint8_t>(s, spec, i, n, l, out);
+        case Dtype::I8:
+            return fill_typed<In, int8_t>(s, spec, i, n, l, out);
+        case Dtype::U16:
+            return fill_typed<In, uint16_t>(s, spec, i, n, l, out);
+        case Dtype::I16:
+            return fill_typed<In, int16_t>(s, spec, i, n, l, out);
+        case Dtype::U32:
+            return fill_typed<In, uint32_t>(s, spec, i, n, l, out);
+        case Dtype::I32:
+            return fill_typed<In, int32_t>(s, spec, i, n, l, out);
+        case Dtype::U64:
+            return fill_typed<In, uint64_t>(s, spec, i, n, l, out);
+        case Dtype::I64:
+            return fill_typed<In, int64_t>(s, spec, i, n, l, out);
+        case Dtype::F32:
+            return fill_typed<In, float>(s, spec, i, n, l, out);
+        case Dtype::F64:
+            return fill_typed<In, double>(s, spec, i, n, l, out);
     }
 }
 
@@ -175,15 +191,19 @@ void fill_from(const Store& s, const CollateSpec& spec, const uint64_t* i, size_
 size_t dtype_size(Dtype d) noexcept {
     switch (d) {
         case Dtype::U8:
-        case Dtype::I8: return 1;
+        case Dtype::I8:
+            return 1;
         case Dtype::U16:
-        case Dtype::I16: return 2;
+        case Dtype::I16:
+            return 2;
         case Dtype::U32:
         case Dtype::I32:
-        case Dtype::F32: return 4;
+        case Dtype::F32:
+            return 4;
         case Dtype::U64:
         case Dtype::I64:
-        case Dtype::F64: return 8;
+        case Dtype::F64:
+            return 8;
     }
     return 1;
 }
@@ -242,16 +262,26 @@ BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64
 void fill_batch(const Store& s, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
                 unsigned char* out) noexcept {
     switch (spec.in) {
-        case Dtype::U8: return fill_from<uint8_t>(s, spec, i, n, l, out);
-        case Dtype::I8: return fill_from<int8_t>(s, spec, i, n, l, out);
-        case Dtype::U16: return fill_from<uint16_t>(s, spec, i, n, l, out);
-        case Dtype::I16: return fill_from<int16_t>(s, spec, i, n, l, out);
-        case Dtype::U32: return fill_from<uint32_t>(s, spec, i, n, l, out);
-        case Dtype::I32: return fill_from<int32_t>(s, spec, i, n, l, out);
-        case Dtype::U64: return fill_from<uint64_t>(s, spec, i, n, l, out);
-        case Dtype::I64: return fill_from<int64_t>(s, spec, i, n, l, out);
-        case Dtype::F32: return fill_from<float>(s, spec, i, n, l, out);
-        case Dtype::F64: return fill_from<double>(s, spec, i, n, l, out);
+        case Dtype::U8:
+            return fill_from<uint8_t>(s, spec, i, n, l, out);
+        case Dtype::I8:
+            return fill_from<int8_t>(s, spec, i, n, l, out);
+        case Dtype::U16:
+            return fill_from<uint16_t>(s, spec, i, n, l, out);
+        case Dtype::I16:
+            return fill_from<int16_t>(s, spec, i, n, l, out);
+        case Dtype::U32:
+            return fill_from<uint32_t>(s, spec, i, n, l, out);
+        case Dtype::I32:
+            return fill_from<int32_t>(s, spec, i, n, l, out);
+        case Dtype::U64:
+            return fill_from<uint64_t>(s, spec, i, n, l, out);
+        case Dtype::I64:
+            return fill_from<int64_t>(s, spec, i, n, l, out);
+        case Dtype::F32:
+            return fill_from<float>(s, spec, i, n, l, out);
+        case Dtype::F64:
+            return fill_from<double>(s, spec, i, n, l, out);
     }
 }
 
@@ -282,12 +312,17 @@ Block::~Block() {
 }
 
 Batcher::Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned)
-    : store_(std::move(store)), spec_(spec), depth_(std::max<size_t>(depth, 1)), pinned_(pinned),
-      slots_(depth_ + 2), fork_generation_(fork_generation()) {
+    : store_(std::move(store)),
+      spec_(spec),
+      depth_(std::max<size_t>(depth, 1)),
+      pinned_(pinned),
+      slots_(depth_ + 2),
+      fork_generation_(fork_generation()) {
     threads = std::max<size_t>(threads, 1);
     threads_.reserve(threads);
     try {
-        for (size_t t = 0; t < threads; ++t) threads_.emplace_back([this] { work(); });
+        for (size_t t = 0; t < threads; ++t)
+            threads_.emplace_back([this] { work(); });
     } catch (...) {
         close();
         throw;
@@ -304,8 +339,9 @@ bool Batcher::forked() const noexcept {
 
 static void refuse_if_forked(const Batcher& b, const std::string& label) {
     if (b.forked()) {
-        throw Error(Error::Kind::Closed, label + ": this loader was started before fork(); its threads are in the "
-                                                 "parent process: start a new pass in this one");
+        throw Error(Error::Kind::Closed, label +
+                                             ": this loader was started before fork(); its threads are in the "
+                                             "parent process: start a new pass in this one");
     }
 }
 

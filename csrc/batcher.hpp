@@ -23,15 +23,15 @@ size_t dtype_size(Dtype d) noexcept;
 // TokenCollator's options, resolved.
 struct CollateSpec {
     bool pack = false;
-    Dtype in = Dtype::U8;             // a record is a run of these
-    Dtype out = Dtype::U8;            // the tokens tensor's type (float records never go to integers)
-    int64_t pad_value = 0;            // checked by the caller to fit `out`
+    Dtype in = Dtype::U8;              // a record is a run of these
+    Dtype out = Dtype::U8;             // the tokens tensor's type (float records never go to integers)
+    int64_t pad_value = 0;             // checked by the caller to fit `out`
     uint64_t max_length = UINT64_MAX;  // records are cut to this many items
-    bool truncate_left = false;       // keep the last max_length items instead of the first
+    bool truncate_left = false;        // keep the last max_length items instead of the first
     bool pad_left = false;
-    bool fixed_length = false;        // pad to max_length, not to the longest record
-    uint64_t multiple = 1;            // the padded width is rounded up to a multiple of this
-    bool with_indices = false;        // also write the batch's record indices (int64)
+    bool fixed_length = false;  // pad to max_length, not to the longest record
+    uint64_t multiple = 1;      // the padded width is rounded up to a multiple of this
+    bool with_indices = false;  // also write the batch's record indices (int64)
 };
 
 // Where the parts of one collated batch lie in its buffer (byte offsets, each 64-byte aligned).
@@ -122,7 +122,7 @@ private:
     CollateSpec spec_;
     size_t depth_;
     bool pinned_;
-    std::vector<Slot> slots_;  // depth_ + 2
+    std::vector<Slot> slots_;                  // depth_ + 2
     std::deque<std::vector<uint64_t>> queue_;  // submitted batches not yet taken by a thread
     uint64_t submitted_ = 0, taken_ = 0, received_ = 0;
     bool stop_ = false;

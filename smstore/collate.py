@@ -202,11 +202,11 @@ class TokenCollator:
 
         indices = _as_indices(batch, torch)
         if indices is not None:
-            spec = self.batch_spec()
-            if spec is not None:
+            spec, store = self.batch_spec(), self.store
+            if spec is not None and isinstance(store, _core.Store):
                 pinned = self._pin()
                 if not pinned or _core.pinned_blocks_available():
-                    arrays = _core.collate_batch(spec, self.store, indices, pinned)
+                    arrays = _core.collate_batch(spec, store, indices, pinned)
                     return batch_tensors(arrays, self.layout, torch)
         return self._collate_numpy(batch, indices, torch)
 
@@ -371,7 +371,8 @@ def _numpy_of(dtype: Any) -> np.dtype[Any] | None:
     import torch
 
     try:
-        return torch.empty(0, dtype=dtype).numpy().dtype  # type: ignore[no-any-return]
+        dtype_: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
+        return dtype_
     except (TypeError, RuntimeError):
         return None
 

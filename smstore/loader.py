@@ -109,8 +109,8 @@ class Loader:
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 msg = f"{name} must be an integer >= 1, not {value!r}"
                 raise ValueError(msg)
-        spec = collate.batch_spec()
-        if spec is None:
+        spec, store = collate.batch_spec(), collate.store
+        if spec is None or not isinstance(store, _core.Store):
             msg = (
                 f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
                 f"{collate.dtype}, store {type(collate.store).__name__}): it reads one blob of integer or "
@@ -118,7 +118,7 @@ class Loader:
             )
             raise ValueError(msg)
         self.collate = collate
-        self.store = collate.store
+        self.store = store
         self.sampler: Iterable[int] = sampler if sampler is not None else range(len(collate))
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)

@@ -6,7 +6,6 @@ import gc
 import os
 import select
 import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,8 +13,8 @@ import numpy as np
 import pytest
 
 import smstore
-from smstore._pack import build_metadata
 from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
+from smstore._pack import build_metadata
 from smstore.mixture import Mixture
 
 torch = pytest.importorskip("torch")
@@ -42,7 +41,9 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return out
 
 
-def reference(path: Path, sampler: Any, batch_size: int, drop_last: bool, **options: Any) -> list[dict[str, Any]]:
+def reference(
+    path: Path, sampler: Any, batch_size: int, drop_last: bool, **options: Any
+) -> list[dict[str, Any]]:
     """The DataLoader's batches, collated by TokenCollator's numpy path (independent of the C++ batcher)."""
     collate = TokenCollator(path, **options)
     loader = DataLoader(
@@ -80,14 +81,18 @@ OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default")
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default"
+)
 @pytest.mark.parametrize(("batch_size", "drop_last"), [(7, False), (7, True), (32, False)])
 def test_identical_to_the_dataloader(
     stores: dict[str, Path], options: dict[str, Any], batch_size: int, drop_last: bool
 ) -> None:
     sampler = GlobalShuffleSampler(N, seed=3, rank=0, world_size=1)
     expected = reference(stores["u2"], sampler, batch_size, drop_last, **options)
-    with Loader(stores["u2"], sampler=sampler, batch_size=batch_size, drop_last=drop_last, **options) as loader:
+    with Loader(
+        stores["u2"], sampler=sampler, batch_size=batch_size, drop_last=drop_last, **options
+    ) as loader:
         got = list(loader)
     assert_same_batches(got, expected)
     assert len(loader) == len(expected)
@@ -99,7 +104,9 @@ def test_record_dtypes(stores: dict[str, Path], name: str, dtype: Any) -> None:
     if name != "f4" or dtype is not torch.long:  # float records to integer tokens: refused below
         sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
         expected = reference(stores[name], sampler, 16, False, dtype=dtype, max_length=9)
-        with Loader(stores[name], sampler=sampler, batch_size=16, dtype=dtype, max_length=9, threads=3) as loader:
+        with Loader(
+            stores[name], sampler=sampler, batch_size=16, dtype=dtype, max_length=9, threads=3
+        ) as loader:
             assert_same_batches(list(loader), expected)
 
 
@@ -117,7 +124,9 @@ def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size
         if kind == "global":
             return GlobalShuffleSampler(N, seed=5, rank=rank, world_size=world_size)
         if kind == "windowed":
-            return WindowedShuffleSampler([60, 60, 70, 50], window=2, seed=5, rank=rank, world_size=world_size)
+            return WindowedShuffleSampler(
+                [60, 60, 70, 50], window=2, seed=5, rank=rank, world_size=world_size
+            )
         return MixtureSampler(Mixture([100, 140], [0.7, 0.3]), seed=5, rank=rank, world_size=world_size)
 
     for rank in range(world_size):
@@ -129,7 +138,9 @@ def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size
 def test_default_sampler_is_sequential(stores: dict[str, Path]) -> None:
     with Loader(stores["u2"], batch_size=50) as loader:
         batches = list(loader)
-    assert [b["indices"].tolist() for b in batches] == [list(range(i, min(i + 50, N))) for i in range(0, N, 50)]
+    assert [b["indices"].tolist() for b in batches] == [
+        list(range(i, min(i + 50, N))) for i in range(0, N, 50)
+    ]
 
 
 def test_collate_argument_and_dataset_source(stores: dict[str, Path]) -> None:
@@ -158,7 +169,9 @@ def test_a_held_batch_is_never_overwritten(stores: dict[str, Path]) -> None:
 
 
 def test_buffers_are_reused_when_dropped(stores: dict[str, Path]) -> None:
-    with Loader(stores["u2"], batch_size=8, dtype=torch.long, depth=2, fixed_length=True, max_length=30) as loader:
+    with Loader(
+        stores["u2"], batch_size=8, dtype=torch.long, depth=2, fixed_length=True, max_length=30
+    ) as loader:
         addresses = {b["tokens"].data_ptr() for b in loader}
     assert len(addresses) == 4  # depth + 2 buffers, for 30 batches
 
@@ -228,7 +241,10 @@ def test_state_of_other_data_is_refused(stores: dict[str, Path]) -> None:
     sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
     with Loader(stores["u2"], sampler=sampler, batch_size=7) as loader:
         state = loader.state_dict()
-    with Loader(stores["i4"], sampler=sampler, batch_size=7) as other, pytest.raises(smstore.StoreChangedError):
+    with (
+        Loader(stores["i4"], sampler=sampler, batch_size=7) as other,
+        pytest.raises(smstore.StoreChangedError),
+    ):
         other.load_state_dict(state)
     with Loader(stores["u2"], batch_size=7) as plain, pytest.raises(TypeError, match="no state_dict"):
         plain.state_dict()
@@ -253,8 +269,11 @@ def test_records_of_partial_items(tmp_path: Path) -> None:
     w = smstore._core.Writer(str(ragged), False)
     w.extend([b"\x01\x00", b"\x01\x00\x02"])
     w.finish(build_metadata("npy:<u2"))
-    with Loader(ragged, batch_size=2) as loader, pytest.raises(
-        smstore.StoreFormatError, match=r"ragged\.smst: record 1 of 3 bytes is not a whole number"
+    with (
+        Loader(ragged, batch_size=2) as loader,
+        pytest.raises(
+            smstore.StoreFormatError, match=r"ragged\.smst: record 1 of 3 bytes is not a whole number"
+        ),
     ):
         list(loader)
 
@@ -359,4 +378,3 @@ def test_fork_after_start_does_not_deadlock(stores: dict[str, Path]) -> None:
     rest = [next(it)["indices"].tolist() for _ in range(3)]
     assert rest == [b["indices"].tolist() for b in expected[1:4]]
     loader.close()
-

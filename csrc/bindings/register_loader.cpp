@@ -55,8 +55,8 @@ py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
     py::array lengths(py::dtype::of<int64_t>(), {rows}, {}, base + l.lengths_at, owner);
     py::object cu = py::none(), indices = py::none();
     if (spec.pack) {
-        cu = py::array(l.cu_int64 ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>(), {rows + 1}, {},
-                       base + l.cu_at, owner);
+        cu = py::array(l.cu_int64 ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>(), {rows + 1}, {}, base + l.cu_at,
+                       owner);
     }
     if (spec.with_indices) indices = py::array(py::dtype::of<int64_t>(), {rows}, {}, base + l.indices_at, owner);
     return py::make_tuple(std::move(tokens), std::move(lengths), std::move(cu), std::move(indices));
@@ -84,8 +84,7 @@ py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle in
 // What Python holds: the Batcher and the record count its indices are checked against.
 class PyBatcher {
 public:
-    PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
-        : spec_(spec) {
+    PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned) : spec_(spec) {
         std::shared_ptr<const Store> s = store_of(store);
         count_ = s->size();
         label_ = s->label();
