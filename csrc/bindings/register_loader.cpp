@@ -100,8 +100,25 @@ public:
         std::vector<uint64_t> indices;
         indices.reserve(batch_size * max_batches);
         bool exhausted = false;
+        // Our samplers' iterators are generators that `yield from` a list of indices per chunk:
+        // resuming the generator per index costs more than the rest of the batch's work on this
+        // thread. `yield from` hands the list iterator's items on unchanged, so take them from it
+        // directly (the generator, suspended at its `yield from`, sees its list run out and moves
+        // on when next resumed: the same items in the same order, its bookkeeping intact).
+        py::object inner;
         while (indices.size() < batch_size * max_batches) {
-            PyObject* item = PyIter_Next(iterator.ptr());
+            PyObject* item = inner ? PyIter_Next(inner.ptr()) : nullptr;
+            if (!item) {
+                if (PyErr_Occurred()) throw py::error_already_set();
+                inner = py::object();
+                item = PyIter_Next(iterator.ptr());
+                if (item && PyGen_Check(iterator.ptr())) {
+                    PyObject* sub = PyObject_GetAttrString(iterator.ptr(), "gi_yieldfrom");
+                    if (!sub) throw py::error_already_set();
+                    if (Py_TYPE(sub) == &PyListIter_Type) inner = py::reinterpret_borrow<py::object>(sub);
+                    Py_DECREF(sub);
+                }
+            }
             if (!item) {
                 if (PyErr_Occurred()) throw py::error_already_set();
                 exhausted = true;
