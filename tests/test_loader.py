@@ -378,3 +378,22 @@ def test_fork_after_start_does_not_deadlock(stores: dict[str, Path]) -> None:
     rest = [next(it)["indices"].tolist() for _ in range(3)]
     assert rest == [b["indices"].tolist() for b in expected[1:4]]
     loader.close()
+
+
+def test_generator_samplers_give_their_items_in_order(stores: dict[str, Path]) -> None:
+    # The Loader takes a generator's items from the list it yields from (gi_yieldfrom): the
+    # items around, between and inside such lists must come out as the generator yields them.
+    class Sampler:
+        def __iter__(self) -> Any:
+            yield 3
+            yield from [5, 6, 7]
+            yield from (i * 2 for i in range(4))  # a generator, not a list
+            yield from []
+            yield 9
+            yield from list(range(100, 131))
+            yield 1
+
+    expected = list(Sampler())
+    for batch_size in (1, 4, 7, 64):
+        with Loader(stores["u2"], sampler=Sampler(), batch_size=batch_size) as loader:
+            assert flat_indices(list(loader)) == expected
