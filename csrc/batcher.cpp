@@ -392,26 +392,30 @@ void Batcher::fill(Slot& slot, const std::vector<uint64_t>& indices) {
     slot.layout = l;
 }
 
+void Batcher::make_next(std::unique_lock<std::mutex>& lock) noexcept {
+    uint64_t seq = taken_++;
+    std::vector<uint64_t> indices = std::move(queue_.front());
+    queue_.pop_front();
+    Slot& slot = slots_[seq % slots_.size()];
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+        fill(slot, indices);
+    } catch (...) {
+        error = std::current_exception();
+    }
+    lock.lock();
+    slot.error = error;
+    slot.filled = static_cast<int64_t>(seq);
+    ready_cv_.notify_all();
+}
+
 void Batcher::work() noexcept {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
         work_cv_.wait(lock, [this] { return stop_ || (!queue_.empty() && taken_ < received_ + depth_); });
         if (stop_) return;
-        uint64_t seq = taken_++;
-        std::vector<uint64_t> indices = std::move(queue_.front());
-        queue_.pop_front();
-        Slot& slot = slots_[seq % slots_.size()];
-        lock.unlock();
-        std::exception_ptr error;
-        try {
-            fill(slot, indices);
-        } catch (...) {
-            error = std::current_exception();
-        }
-        lock.lock();
-        slot.error = error;
-        slot.filled = static_cast<int64_t>(seq);
-        ready_cv_.notify_all();
+        make_next(lock);
     }
 }
 
@@ -422,6 +426,11 @@ ReadyBatch Batcher::next() {
         throw Error(Error::Kind::Closed, store_->label() + ": no batch is pending (submit some first)");
     }
     Slot& slot = slots_[received_ % slots_.size()];
+    if (taken_ == received_ && !stop_) {
+        // No thread has started the batch asked for (they are behind, or still waking up): make
+        // it here rather than wait idle, exactly as a thread would.
+        make_next(lock);
+    }
     ready_cv_.wait(lock, [&] { return stop_ || slot.filled == static_cast<int64_t>(received_); });
     if (stop_) throw Error(Error::Kind::Closed, store_->label() + ": this loader is closed");
     ++received_;

@@ -81,10 +81,10 @@ struct ReadyBatch {
 };
 
 // Batches in submission order, prepared by `threads` threads at most `depth` ahead of the
-// consumer. Slot s of depth + 2 holds batch s, s + depth + 2, ...: when next() hands out batch k
-// the threads may start batch k + depth, whose slot last held k - 2, so the batch the consumer
-// still holds (k - 1) is not the one they refill. A slot whose block is still held elsewhere (a
-// shared_ptr besides the slot's) gets a new block instead of being overwritten.
+// consumer (and by the consumer itself when it asks for a batch no thread has started). Slot s of depth + 2 holds batch
+// s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last held k -
+// 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still held
+// elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
 class Batcher {
 public:
     Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned);
@@ -116,6 +116,9 @@ private:
         int64_t filled = -1;  // the sequence number of the batch it holds, once written
     };
     void work() noexcept;
+    // Takes the next queued batch and makes it into its slot: `lock` is held on entry and on
+    // return, released meanwhile. The caller has checked that one is queued.
+    void make_next(std::unique_lock<std::mutex>& lock) noexcept;
     void fill(Slot& slot, const std::vector<uint64_t>& indices);
 
     std::shared_ptr<const Store> store_;

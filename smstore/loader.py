@@ -30,7 +30,8 @@ class Loader:
     """Batches exactly as ``DataLoader(range(n), sampler=S, batch_size=B, collate_fn=TokenCollator(...))``
     yields them, made by C++ threads instead of worker processes.
 
-    The threads gather each batch's records straight from the store's mapping and pad or pack them
+    The threads (and the loop's thread, when it would otherwise wait) gather each batch's
+    records straight from the store's mapping and pad or pack them
     (TokenCollator's options, widening included) into a ring of ``depth + 2`` reused buffers, at
     most ``depth`` batches ahead of the loop, with the GIL released. The indices come from the
     sampler's iterator in chunks, so any sampler works (``GlobalShuffleSampler``,
@@ -75,7 +76,9 @@ class Loader:
             ``socket``).
         drop_last: Drop the last, short batch of a pass.
         depth: Batches prepared ahead of the loop.
-        threads: C++ threads preparing them.
+        threads: C++ threads preparing them, besides the loop's own thread, which makes the batch
+            it asks for itself when no thread has started it. One keeps up with a training loop
+            for short records on a small machine; give more for long records or many cores.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
     Raises:
@@ -93,7 +96,7 @@ class Loader:
         collate: TokenCollator | None = None,
         drop_last: bool = False,
         depth: int = 4,
-        threads: int = 2,
+        threads: int = 1,
         pin_memory: bool = False,
         **collate_options: Any,
     ) -> None:
