@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         (
             "The old collator's cost is numpy per row (a slice copy per record into a fresh tensor); with "
             "workers each batch is also a new shared-memory tensor handed over per batch. The Loader's threads "
-            "write each batch into a reused buffer in one pass per record (prefetching the records ahead), and "
+            "(and the loop's thread, for a batch no thread has started) write each batch into a reused buffer in one pass per record (prefetching the records ahead), and "
             "the loop receives views of it: no copy, no process boundary."
         ),
         (
