@@ -228,6 +228,16 @@ def test_resume_is_exact(stores: dict[str, Path], kind: str, world_before: int, 
     assert len(seen) - m < world_after  # the last step's padding
 
 
+def test_the_sampler_alone_refuses_to_answer_ahead_of_the_loop(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    with Loader(stores["u2"], sampler=sampler, batch_size=7, depth=4) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(RuntimeError, match="ahead of the training loop"):
+            sampler.state_dict()  # it has handed out more than the loop received
+        assert loader.state_dict()["consumed"] == 7
+
+
 def test_state_after_a_whole_pass_and_before_any(stores: dict[str, Path]) -> None:
     sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
     loader = Loader(stores["u2"], sampler=sampler, batch_size=7)
