@@ -159,53 +159,38 @@ void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* ind
     }
 }
 
-template <typename In>
-void fill_from(const Store& s, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
-               unsigned char* out) noexcept {
-    switch (spec.out) {
+// Calls f with a value of the C++ type that d names (the one table from Dtype to types).
+template <typename F>
+decltype(auto) with_type(Dtype d, F&& f) {
+    switch (d) {
         case Dtype::U8:
-            return fill_typed<In, uint8_t>(s, spec, i, n, l, out);
+            return f(uint8_t{});
         case Dtype::I8:
-            return fill_typed<In, int8_t>(s, spec, i, n, l, out);
+            return f(int8_t{});
         case Dtype::U16:
-            return fill_typed<In, uint16_t>(s, spec, i, n, l, out);
+            return f(uint16_t{});
         case Dtype::I16:
-            return fill_typed<In, int16_t>(s, spec, i, n, l, out);
+            return f(int16_t{});
         case Dtype::U32:
-            return fill_typed<In, uint32_t>(s, spec, i, n, l, out);
+            return f(uint32_t{});
         case Dtype::I32:
-            return fill_typed<In, int32_t>(s, spec, i, n, l, out);
+            return f(int32_t{});
         case Dtype::U64:
-            return fill_typed<In, uint64_t>(s, spec, i, n, l, out);
+            return f(uint64_t{});
         case Dtype::I64:
-            return fill_typed<In, int64_t>(s, spec, i, n, l, out);
+            return f(int64_t{});
         case Dtype::F32:
-            return fill_typed<In, float>(s, spec, i, n, l, out);
+            return f(float{});
         case Dtype::F64:
-            return fill_typed<In, double>(s, spec, i, n, l, out);
+            return f(double{});
     }
+    return f(uint8_t{});  // not reached: every Dtype is listed
 }
 
 }  // namespace
 
 size_t dtype_size(Dtype d) noexcept {
-    switch (d) {
-        case Dtype::U8:
-        case Dtype::I8:
-            return 1;
-        case Dtype::U16:
-        case Dtype::I16:
-            return 2;
-        case Dtype::U32:
-        case Dtype::I32:
-        case Dtype::F32:
-            return 4;
-        case Dtype::U64:
-        case Dtype::I64:
-        case Dtype::F64:
-            return 8;
-    }
-    return 1;
+    return with_type(d, [](auto v) { return sizeof(v); });
 }
 
 BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n) {
@@ -261,28 +246,9 @@ BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64
 
 void fill_batch(const Store& s, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
                 unsigned char* out) noexcept {
-    switch (spec.in) {
-        case Dtype::U8:
-            return fill_from<uint8_t>(s, spec, i, n, l, out);
-        case Dtype::I8:
-            return fill_from<int8_t>(s, spec, i, n, l, out);
-        case Dtype::U16:
-            return fill_from<uint16_t>(s, spec, i, n, l, out);
-        case Dtype::I16:
-            return fill_from<int16_t>(s, spec, i, n, l, out);
-        case Dtype::U32:
-            return fill_from<uint32_t>(s, spec, i, n, l, out);
-        case Dtype::I32:
-            return fill_from<int32_t>(s, spec, i, n, l, out);
-        case Dtype::U64:
-            return fill_from<uint64_t>(s, spec, i, n, l, out);
-        case Dtype::I64:
-            return fill_from<int64_t>(s, spec, i, n, l, out);
-        case Dtype::F32:
-            return fill_from<float>(s, spec, i, n, l, out);
-        case Dtype::F64:
-            return fill_from<double>(s, spec, i, n, l, out);
-    }
+    with_type(spec.in, [&](auto in) {
+        with_type(spec.out, [&](auto to) { fill_typed<decltype(in), decltype(to)>(s, spec, i, n, l, out); });
+    });
 }
 
 bool pinned_blocks_available() noexcept {

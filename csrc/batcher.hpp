@@ -17,6 +17,7 @@
 namespace smstore {
 
 // The element types a batch reads and writes (native byte order).
+// (register_loader.cpp names them by numpy code in this order.)
 enum class Dtype : uint8_t { U8, I8, U16, I16, U32, I32, U64, I64, F32, F64 };
 size_t dtype_size(Dtype d) noexcept;
 

@@ -2,6 +2,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <iterator>
 #include <optional>
 #include <string>
 #include <vector>
@@ -16,13 +17,12 @@ namespace py = pybind11;
 namespace smstore::bindings {
 namespace {
 
+// numpy's codes for the batcher's types, in Dtype's order: the one table between the two.
+constexpr const char* kDtypeCodes[] = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8"};
+
 Dtype parse_dtype(const std::string& code) {
-    static const std::pair<const char*, Dtype> table[] = {
-        {"u1", Dtype::U8},  {"i1", Dtype::I8},  {"u2", Dtype::U16}, {"i2", Dtype::I16}, {"u4", Dtype::U32},
-        {"i4", Dtype::I32}, {"u8", Dtype::U64}, {"i8", Dtype::I64}, {"f4", Dtype::F32}, {"f8", Dtype::F64},
-    };
-    for (const auto& [name, d] : table) {
-        if (code == name) return d;
+    for (size_t k = 0; k < std::size(kDtypeCodes); ++k) {
+        if (code == kDtypeCodes[k]) return static_cast<Dtype>(k);
     }
     throw py::value_error("unsupported batch dtype " + code + " (u1 i1 u2 i2 u4 i4 u8 i8 f4 f8 are)");
 }
@@ -44,8 +44,7 @@ py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
     py::object owner = py::cast(BlockExport{ready.block, l.bytes});
     unsigned char* base = ready.block->data();
     auto rows = static_cast<py::ssize_t>(l.rows), width = static_cast<py::ssize_t>(l.width);
-    static const char* const names[] = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8"};
-    py::dtype out(std::string("=") + names[static_cast<int>(spec.out)]);
+    py::dtype out(std::string("=") + kDtypeCodes[static_cast<int>(spec.out)]);
     py::array tokens;
     if (spec.pack) {
         tokens = py::array(out, {width}, {}, base + l.tokens_at, owner);
