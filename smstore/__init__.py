@@ -17,7 +17,8 @@ except ImportError as err:  # pragma: no cover - only without a built extension
     ) from err
 
 from smstore._objects import ObjectStore, pack_objects
-from smstore._pack import PackStats, Writer, pack, pack_files
+from smstore._pack import PackStats, Writer, pack
+from smstore._packfiles import pack_files
 from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
 from smstore._store import Store, open
 from smstore.errors import (

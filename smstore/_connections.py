@@ -209,7 +209,12 @@ class Server:
         why = self._over_limits(conn)
         if why is not None:
             log.warning("refused connection from pid %d uid %d: %s", pid, uid, why)
-            self.reply(cid, {"ok": False, "error": "busy", "message": why}, close=True)
+            refusal: dict[str, Any] = {"ok": False, "error": "busy", "message": why}
+            if conn.owner:
+                # Even the owner's reserve is in use: connections that stall are dropped within
+                # the I/O timeout, so the owner's client tries again for that long (_ipc.request).
+                refusal["retry_within"] = self.limits.io_timeout
+            self.reply(cid, refusal, close=True)
             return cid
         why = self.allowed(conn)
         if why is not None:

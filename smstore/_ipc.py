@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,15 @@ __all__ = [
     "encode",
     "ensure_private_dir",
     "exchange",
+    "frame",
     "process_alive",
     "process_start_time",
     "request",
     "socket_path",
 ]
+
+# The longest an owner's client refused as busy keeps trying (the daemon says how long is worth it).
+MAX_BUSY_WAIT = 60.0
 
 # Requests and replies are tiny (a status of thousands of segments fits); anything larger is hostile.
 MAX_MESSAGE = 1 << 20
@@ -111,6 +116,11 @@ def encode(message: dict[str, Any]) -> bytes:
     if len(body) > MAX_MESSAGE:
         msg = f"message of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte limit"
         raise DaemonError(msg)
+    return frame(body)
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` as one frame: its 4-byte big-endian length, then the body."""
     return _LEN.pack(len(body)) + body
 
 
@@ -146,7 +156,18 @@ def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
     try:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+    except ConnectionRefusedError as e:
+        sock.close()
+        # The socket is there and no one listens: its daemon died (kill -9, out of memory).
+        msg = (
+            f"cannot reach an smstore daemon on {path} ({e.strerror}): the daemon that made it is gone. "
+            f"Restart it on the same socket ('smstore serve --socket {path}', with its --shm-limit and "
+            "--group): it adopts the segments the dead one loaded, and readers attach them again. Then "
+            "resume: a training job from its last checkpoint (the samplers' state_dict resumes "
+            "mid-epoch), or with mode='auto' to read the files while no daemon runs"
+        )
+        raise DaemonError(msg) from None
+    except (FileNotFoundError, PermissionError) as e:
         sock.close()
         msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
         raise DaemonError(msg) from None
@@ -214,13 +235,25 @@ def request(
     Raises:
         DaemonError: No daemon listens at ``path``, it broke the connection, or it timed out.
     """
-    sock = connect(path, timeout)
-    try:
-        reply, got = exchange(sock, message, path, fd=fd)
-    except BaseException:
+    delay, waited = 0.02, 0.0
+    while True:
+        sock = connect(path, timeout)
+        try:
+            reply, got = exchange(sock, message, path, fd=fd)
+        except BaseException:
+            sock.close()
+            raise
+        retry_within = reply.get("retry_within") if reply.get("error") == "busy" else None
+        if not isinstance(retry_within, (int, float)) or waited >= min(2.0 * retry_within, MAX_BUSY_WAIT):
+            return reply, got, sock
+        # Refused as busy though ours (every connection in use): the daemon drops stalled ones
+        # within its I/O timeout, so try again, backing off, for up to twice that.
         sock.close()
-        raise
-    return reply, got, sock
+        if got is not None:
+            os.close(got)
+        time.sleep(delay)
+        waited += delay
+        delay = min(2 * delay, 0.5)
 
 
 def process_start_time(pid: int) -> int | None:

@@ -6,9 +6,11 @@ import contextlib
 import errno
 import fcntl
 import json
+import logging
 import os
 import re
 import secrets
+import socket
 import stat
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,17 +20,22 @@ from smstore import _core
 from smstore._ipc import process_alive, socket_path
 from smstore.errors import DaemonError, StoreError
 
+log = logging.getLogger("smstore.daemon")
+
 __all__ = [
     "SEGMENT_RE",
     "SHM_DIR",
     "DaemonLock",
     "Segment",
+    "SegmentTable",
     "collect_garbage",
     "daemon_alive",
     "list_segments",
     "new_segment_name",
+    "pages",
     "read_state",
     "segment_prefix",
+    "set_aside",
     "state_path",
     "write_state",
 ]
@@ -204,6 +211,64 @@ class Segment:
         os.close(self.fd)
 
 
+def pages(size: int) -> int:
+    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
+    return -(-size // _PAGE) * _PAGE
+
+
+_PAGE = os.sysconf("SC_PAGESIZE")
+
+
+class SegmentTable(dict[str, Segment]):
+    """The daemon's segments by checksum, with their totals and a path index kept as they change.
+
+    A load, a hold and `status` need the bytes in use and the segment serving a path: summing or
+    scanning the whole table each time made loading N blobs O(N**2). Segments enter with
+    ``table[checksum] = seg`` and leave with ``pop``; a segment's paths change through
+    :meth:`add_path` and :meth:`remove_path` only.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0  # bytes of the segments
+        self.pages = 0  # ... in whole pages, as /dev/shm counts them
+        self._by_path: dict[str, str] = {}
+
+    def __setitem__(self, checksum: str, seg: Segment) -> None:
+        self.pop(checksum)
+        super().__setitem__(checksum, seg)
+        self.size += seg.size
+        self.pages += pages(seg.size)
+        for path in seg.paths:
+            self._by_path[path] = checksum
+
+    def pop(self, checksum: str, default: Segment | None = None) -> Segment | None:  # type: ignore[override]
+        seg = super().pop(checksum, None)
+        if seg is None:
+            return default
+        self.size -= seg.size
+        self.pages -= pages(seg.size)
+        for path in seg.paths:
+            if self._by_path.get(path) == checksum:
+                del self._by_path[path]
+        return seg
+
+    def serving(self, path: str) -> Segment | None:
+        """The segment a load of `path` registered last, if it is still here."""
+        checksum = self._by_path.get(path)
+        return None if checksum is None else self.get(checksum)
+
+    def add_path(self, seg: Segment, path: str) -> None:
+        if path not in seg.paths:
+            seg.paths.append(path)
+        self._by_path[path] = seg.checksum
+
+    def remove_path(self, seg: Segment, path: str) -> None:
+        seg.paths.remove(path)
+        if self._by_path.get(path) == seg.checksum:
+            del self._by_path[path]
+
+
 # ---- the state file: which segments a daemon holds, so that a successor can adopt them ---------
 
 
@@ -215,7 +280,9 @@ def state_path(sock: Path) -> Path:
 def write_state(path: Path, state: dict[str, Any]) -> None:
     """Replace the state file atomically (a reader never sees half of it)."""
     tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    # O_NONBLOCK: a FIFO put in its place fails the write (logged) instead of blocking the daemon.
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+    fd = os.open(tmp, flags, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
             # dumps, not dump: dump streams through the pure-Python encoder (a millisecond for a
@@ -227,22 +294,66 @@ def write_state(path: Path, state: dict[str, Any]) -> None:
         raise
 
 
+# A state file larger than this is not one (100,000 segments under long paths take ~50 MB).
+MAX_STATE_BYTES = 256 << 20
+
+
+def _no_constant(name: str) -> None:
+    msg = f"{name} is not a number a state file holds"
+    raise ValueError(msg)
+
+
 def read_state(path: Path) -> dict[str, Any] | None:
     """The state file's contents, or None if there is none.
 
+    Only a regular file is opened (a symlink, a FIFO or a device never is), and only up to
+    `MAX_STATE_BYTES`.
+
     Raises:
-        ValueError: It exists but is not a state file (unreadable, not JSON, fields missing).
+        ValueError: It exists but is not a state file (not a regular file, too large, unreadable,
+            not JSON, fields missing or of the wrong type).
     """
     try:
-        state: dict[str, Any] = json.loads(path.read_text())
-        # Indexing a list, string or number raises TypeError: only an object with these fields passes.
-        int(state["pid"]), int(state["start_time"]), list(state["segments"])
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
+    except OSError as e:  # ELOOP: a symlink
+        msg = f"{path}: not a valid state file (cannot open it as a regular file: {e.strerror})"
+        raise ValueError(msg) from None
+    try:
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STATE_BYTES:
+                msg = (
+                    f"{path}: not a valid state file (not a regular file of at most {MAX_STATE_BYTES} bytes)"
+                )
+                raise ValueError(msg)
+            state = json.loads(f.read(MAX_STATE_BYTES + 1), parse_constant=_no_constant)
+        if not (
+            isinstance(state, dict)
+            and all(type(state.get(k)) is int for k in ("pid", "start_time"))
+            and isinstance(state.get("segments"), list)
+        ):
+            msg = "not an object with integer 'pid' and 'start_time' and a 'segments' list"
+            raise ValueError(msg)
+    except (OSError, ValueError, RecursionError) as e:
+        if str(e).startswith(f"{path}: "):
+            raise
         msg = f"{path}: not a valid state file ({e})"
         raise ValueError(msg) from None
     return state
+
+
+def set_aside(path: Path, why: object) -> Path | None:
+    """Move a bad state file out of the way (to ``<name>.bad``) with a warning; the new path, or None."""
+    bad = path.with_name(path.name + ".bad")
+    try:
+        os.replace(path, bad)
+    except OSError as e:
+        log.warning("%s; cannot set it aside (%s): remove it", why, e.strerror)
+        return None
+    log.warning("%s; set aside as %s, going on without it", why, bad)
+    return bad
 
 
 def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
@@ -300,6 +411,19 @@ def unlink_quietly(name: str) -> None:
 # ---- garbage collection --------------------------------------------------------------------------
 
 
+def _answers(sock: Path) -> bool:
+    """Whether something listens on the socket `sock`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(os.fspath(sock))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
+
+
 def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
     """Unlink the segments (and stale socket and state files) of this user's daemons that died.
 
@@ -340,8 +464,12 @@ def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
     try:
         info = read_state(state_file)
         dead = info is not None and not daemon_alive(uid, int(info["pid"]), int(info["start_time"]))
-    except ValueError:
-        dead = True
+    except ValueError as e:
+        # Not a state file: it says nothing of a daemon, so the socket goes only if none answers.
+        bad = set_aside(state_file, e)
+        if bad is not None:
+            removed.append(os.fspath(state_file))
+        dead = not _answers(path)
     if dead:
         for p in (path, state_file):
             if p.exists() or p.is_socket():

@@ -9,7 +9,8 @@ from typing import Any, Literal
 import numpy as np
 
 from smstore import _core
-from smstore._decode import numpy_dtype, partial_items_error, torch_dtype
+from smstore._decode import partial_items_error, torch_dtype
+from smstore._pack import numpy_dtype
 from smstore._store import ShardedStore, Store
 from smstore.client import Mode, open_store
 

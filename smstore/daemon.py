@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import grp
+import itertools
+import json
 import logging
 import os
 import queue
@@ -22,23 +24,26 @@ from typing import Any
 from smstore import _core
 from smstore._connections import Conn, Limits, ProtocolError, Server
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
+from smstore._manifest import Manifest, manifest_file, read_manifest
 from smstore._pack import human_bytes
 from smstore._segments import (
     SHM_DIR,
     DaemonLock,
     Segment,
+    SegmentTable,
     adopt_segment,
     daemon_alive,
     list_segments,
     new_segment_name,
+    pages,
     read_state,
+    set_aside,
     state_path,
     unlink_quietly,
     write_state,
 )
-from smstore._shards import Manifest, manifest_file, read_manifest
 from smstore._store import explain_not_a_blob, read_checksum
-from smstore.errors import DaemonError, SharedMemoryError, StoreError, StoreFormatError
+from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
 
 __all__ = ["Daemon", "Limits", "serve"]
 
@@ -47,6 +52,17 @@ log = logging.getLogger("smstore.daemon")
 # What the loader thread hands back: a new segment (name, fd, checksum, seconds), the checksum of
 # one already loaded, or the error.
 LoadResult = tuple[str, int, str, float] | str | Exception
+
+# A file's identity as stat sees it: a failed held load is retried only once this changes.
+FileIdentity = tuple[int, int, int, int]
+
+
+def _identity(path: str) -> FileIdentity | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
 def _peer_groups(pid: int) -> set[int]:
@@ -103,23 +119,44 @@ def _path_value(value: object) -> str:
     return value
 
 
+def _not_served(what: str, why: str | None = None) -> dict[str, Any]:
+    """The one refusal of an attach the daemon cannot serve (now, and not later either)."""
+    message = f"no segment holds {what}" + (f": {why}" if why else "")
+    return {"ok": False, "error": "not_served", "message": message}
+
+
+def _page_arg(req: dict[str, Any]) -> tuple[int, int]:
+    """A 'status' request's page of segments: (offset, limit)."""
+    offset, limit = req.get("offset", 0), req.get("limit", STATUS_PAGE)
+    if type(offset) is not int or type(limit) is not int or offset < 0 or not 0 <= limit <= STATUS_PAGE:
+        msg = f"'offset' must be an integer >= 0 and 'limit' one from 0 to {STATUS_PAGE}"
+        raise ProtocolError("bad_request", msg)
+    return offset, limit
+
+
 def _sized(size: int) -> str:
     """A byte count for a message: ``64.0 KiB (65536 bytes)``."""
     return f"{size} bytes" if size < 1024 else f"{human_bytes(size)} ({size} bytes)"
 
 
-def _pages(size: int) -> int:
-    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
-    return -(-size // _PAGE) * _PAGE
-
-
-_PAGE = os.sysconf("SC_PAGESIZE")
+_pages = pages
 
 # The loader thread's nice value (relative to 0): below the training processes.
 LOADER_NICENESS = 10
 
 # Seconds the loader thread rests after freeing a released segment.
 FREE_PAUSE = 0.005
+
+# The state file is written once the changes reach 1/STATE_FRACTION of its segments, or after
+# STATE_DELAY seconds without a change.
+STATE_FRACTION = 8
+STATE_DELAY = 1.0
+
+# A status reply lists at most this many segments, in at most STATUS_BYTES of JSON (a page: the
+# request's "offset" asks for the next), and at most STATUS_LIST entries of each other list.
+STATUS_PAGE = 1000
+STATUS_BYTES = 256 << 10
+STATUS_LIST = 20
 
 # Manifests kept parsed (one per dataset a job holds shards of; more only from a hostile client).
 MAX_MANIFESTS = 64
@@ -197,7 +234,7 @@ class Daemon(Server):
         self.shm_limit = shm_limit
         self.shm_limit_from = shm_limit_from
         self.read_rate = read_rate
-        self.segments: dict[str, Segment] = {}
+        self.segments = SegmentTable()
         self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
         # Residency: what each connection (a rank's sampler) holds, in the order to load it; the
         # segments loaded for holds (dropped when no connection holds them); the readers waiting
@@ -208,18 +245,30 @@ class Daemon(Server):
         # the ranks to claim when they hold again, released when the holds need their room or
         # release a window (the job has moved past them).
         self.unclaimed: set[str] = set()
-        self.hold_loads: set[str] = set()  # paths being loaded because a rank held them
+        self.hold_loads: dict[str, str] = {}  # paths being loaded because a rank held them -> checksum
         self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
         # Held segments released while readers still map them (they count against --shm-limit
         # until every reader detaches or disconnects): checksum -> (pages, connection ids).
         self.released: dict[str, tuple[int, set[int]]] = {}
         # Parsed manifests by the path a hold names, with the file's identity when it was read.
         self.manifests: dict[str, tuple[tuple[int, int, int, int], Manifest, list[str]]] = {}
-        self.hold_failed: set[str] = set()  # held paths whose load failed: not retried until the next hold
+        # Held paths whose load failed: path -> (the checksum held, the file's identity then, why).
+        # Not loaded again (and a hold naming them is refused) until the file changes.
+        self.hold_failed: dict[str, tuple[str, FileIdentity | None, str]] = {}
+        # Held checksums the owner unloaded: not loaded again while a hold still names them.
+        self.unloaded: set[str] = set()
+        # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
+        self.waiting_room: set[str] = set()
+        self.loads = 0  # loads finished (or failed) since the start
+        # The state file: segments it lists, changes since it was written, and when the last came.
+        self._state_rows = 0
+        self._state_changes = 0
+        self._state_changed_at = 0.0
         self.stopping = False
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
-        # The loader thread's work, in order: a path to load, a released segment to free, or None (stop).
-        self.jobs: queue.Queue[str | Segment | None] = queue.Queue()
+        # The loader thread's work, in order: a path to load (with the checksum a hold expects of
+        # it, if any), a released segment to free, or None (stop).
+        self.jobs: queue.Queue[tuple[str, str | None] | Segment | None] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -293,7 +342,7 @@ class Daemon(Server):
         try:
             state = read_state(self.state_path)
         except ValueError as e:
-            log.warning("ignoring %s", e)
+            set_aside(self.state_path, e)  # a successor of ours must not trip over it either
             return
         if state is None:
             return
@@ -308,7 +357,7 @@ class Daemon(Server):
                     msg = "a duplicate"
                     raise ValueError(msg)
                 seg = adopt_segment(entry, self.uid, self._segment_name(checksum))
-            except (OSError, StoreError, ValueError, KeyError, TypeError) as e:
+            except (OSError, StoreError, ValueError, KeyError, TypeError, OverflowError) as e:
                 name = entry.get("name") if isinstance(entry, dict) else entry
                 log.warning("could not adopt segment %s: %s; removing it", name, e)
                 if isinstance(name, str):
@@ -332,20 +381,43 @@ class Daemon(Server):
     def _segment_name(self, checksum: str) -> str:
         return new_segment_name(self.uid, self.pid, self.start_time, checksum)
 
+    def _state_changed(self) -> None:
+        """Note a change of the segments for the state file, and write it if enough changed.
+
+        Writing the whole file at every load made loading N blobs O(N**2) (5,000 took 126 s). It
+        is written when the changes since the last write reach an eighth of what it lists (at
+        once while it lists under 8 segments), else once no change came for `STATE_DELAY`
+        seconds (`flush_state`): N loads write O(N) bytes in all. A daemon killed meanwhile
+        leaves those latest segments out; its successor removes them as leftovers.
+        """
+        self._state_changes += 1
+        self._state_changed_at = time.monotonic()
+        if self._state_changes >= max(1, self._state_rows // STATE_FRACTION):
+            self._save_state()
+
+    def flush_state(self) -> None:
+        """Write the changes the state file is missing once the segments stopped changing."""
+        if self._state_changes and time.monotonic() - self._state_changed_at >= STATE_DELAY:
+            self._save_state()
+
     def _save_state(self) -> None:
         """Record our segments for a successor; a failure (a full disk) costs only that, never the daemon."""
+        entries = [  # a memfd cannot be adopted
+            s.state_entry(held=s.checksum in self.managed or s.checksum in self.unclaimed)
+            for s in self.segments.values()
+            if not s.shared
+        ]
         state = {
             "pid": self.pid,
             "start_time": self.start_time,
             "socket": os.fspath(self.sock_path),
-            "segments": [  # a memfd cannot be adopted
-                s.state_entry(held=s.checksum in self.managed or s.checksum in self.unclaimed)
-                for s in self.segments.values()
-                if not s.shared
-            ],
+            "segments": entries,
         }
+        self._state_changes = 0
+        self._state_rows = len(entries)
         try:
             write_state(self.state_path, state)
+            log.debug("state file written: %d segment(s)", self._state_rows)
         except OSError as e:
             log.error(
                 "cannot write the state file %s (%s): a restarted daemon will not adopt the segments",
@@ -406,18 +478,19 @@ class Daemon(Server):
         with contextlib.suppress(OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
         while True:
-            path = self.jobs.get()
-            if path is None:
+            job = self.jobs.get()
+            if job is None:
                 return
-            if isinstance(path, Segment):
+            if isinstance(job, Segment):
                 # Freeing a released segment's pages takes milliseconds a 10 MiB: here, at the
                 # loader's priority, before any load queued after it counts on the room.
                 with contextlib.suppress(OSError, StoreError):
-                    path.close()
+                    job.close()
                 time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
                 continue
+            path, expected = job
             try:
-                result: LoadResult = self._load_one(path)
+                result: LoadResult = self._load_one(path, expected)
             except Exception as e:  # noqa: BLE001 - every load gets an answer (the error); none ends the thread
                 result = e
             if self.stopping and isinstance(result, tuple):
@@ -428,8 +501,18 @@ class Daemon(Server):
             with contextlib.suppress(OSError):
                 self.wake_w.send(b"x")
 
-    def _load_one(self, path: str) -> tuple[str, int, str, float] | str:
+    def _load_one(self, path: str, expected: str | None) -> tuple[str, int, str, float] | str:
         checksum = read_checksum(path)
+        if expected is not None and checksum != expected:
+            # Loading it would serve no rank (they read the manifest's contents): refused before
+            # a byte is copied, and not tried again until the file changes.
+            what = f"checksum {checksum}" if checksum is not None else "no smstore blob"
+            msg = (
+                f"{path}: holds {what}, but the manifest it was held by records {expected}: the shard was "
+                "re-packed or overwritten since its manifest was written. Pack the dataset again "
+                "(or restore the shard), then start the job again"
+            )
+            raise StoreChangedError(msg)
         if checksum is not None and checksum in self.segments:
             return checksum  # same contents already loaded (under this or another path)
         used = self._shm_used()
@@ -475,17 +558,19 @@ class Daemon(Server):
         raise SharedMemoryError(msg)
 
     def _shm_used(self) -> int:
-        """Bytes of our segments, for --shm-limit (the loader thread calls it too: copy the values)."""
-        return sum(s.size for s in list(self.segments.values()))
+        """Bytes of our segments, for --shm-limit (the loader thread calls it too)."""
+        return self.segments.size
 
-    def _queue_load(self, path: str, cid: int | None, *, quiet: bool = False) -> None:
+    def _queue_load(
+        self, path: str, cid: int | None, *, quiet: bool = False, expected: str | None = None
+    ) -> None:
         first = path not in self.loading
         waiters = self.loading.setdefault(path, [])
         if cid is not None:
             waiters.append(cid)
             self.set_busy(cid, True)
         if first:
-            self.jobs.put(path)
+            self.jobs.put((path, expected))
             if not quiet:
                 log.info("loading %s", path)
 
@@ -496,13 +581,18 @@ class Daemon(Server):
             except queue.Empty:
                 return
             waiters = self.loading.pop(path, [])
+            self.loads += 1
             for_hold = path in self.hold_loads
-            self.hold_loads.discard(path)
+            expected = self.hold_loads.pop(path, None)
             reply: dict[str, Any]
+            failure: str | None = None
             if isinstance(result, Exception):
                 log.error("failed to load %s: %s", path, result)
-                self.hold_failed.add(path)
-                reply = {"ok": False, "error": type(result).__name__, "message": str(result)[:1000]}
+                failure = str(result)[:1000]
+                held = expected or next((ck for ck, p in self._wanted().items() if p == path), None)
+                if held is not None:
+                    self.hold_failed[path] = (held, _identity(path), failure)
+                reply = {"ok": False, "error": type(result).__name__, "message": failure}
             else:
                 checksum = result if isinstance(result, str) else result[2]
                 fresh = checksum not in self.segments
@@ -526,27 +616,25 @@ class Daemon(Server):
                 self.set_busy(cid, False)
                 seg_now = self.segments.get(checksum)
                 if seg_now is None:
-                    self.reply(
-                        cid, {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"}
-                    )
+                    self.reply(cid, _not_served(checksum, failure))
                 else:
                     self._attach(cid, conn, seg_now)
                 self.parse(cid)
             self._reconcile()
 
     def _register(self, path: str, result: tuple[str, int, str, float] | str) -> Segment:
+        # The generation this path held before (if other contents): no longer served by this path.
+        previous = self.segments.serving(path)
         if isinstance(result, str):
             seg = self.segments[result]
-            if path not in seg.paths:
-                seg.paths.append(path)
+            self.segments.add_path(seg, path)
         elif result[2] in self.segments:
             # Another path with the same contents finished loading first: keep one copy.
             name, fd, ck, _seconds = result
             unlink_quietly(name)
             os.close(fd)
             seg = self.segments[ck]
-            if path not in seg.paths:
-                seg.paths.append(path)
+            self.segments.add_path(seg, path)
         else:
             name, fd, ck, seconds = result
             store = _core.Store._from_fd(fd, path, False)
@@ -561,14 +649,12 @@ class Daemon(Server):
                 seg.size / max(seconds, 1e-9) / 2**20,
                 name,
             )
-        # A path now holds new contents: its previous generation is no longer served by this path.
-        for other in list(self.segments.values()):
-            if other is not seg and path in other.paths:
-                other.paths.remove(path)
-                if not other.paths:
-                    log.info("%s was rewritten: unloading the old generation %s", path, other.checksum)
-                    self._drop(other)
-        self._save_state()
+        if previous is not None and previous is not seg and path in previous.paths:
+            self.segments.remove_path(previous, path)
+            if not previous.paths:
+                log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
+                self._drop(previous)
+        self._state_changed()
         return seg
 
     # ---- requests -----------------------------------------------------------------------------
@@ -590,16 +676,17 @@ class Daemon(Server):
             else:
                 seg = self.segments.get(checksum) if checksum is not None else None
             path = _path_arg(req, required=False)
-            held = checksum is not None and path is not None and self._wanted().get(checksum) == path
-            if seg is None and checksum is not None and path is not None and (path in self.loading or held):
+            if seg is None and checksum is not None and path is not None and self._on_its_way(path, checksum):
                 # A held shard on its way (loading, or waiting for room): answer when its load ends.
                 # No file is read for this that a rank did not ask for.
                 self.attach_waiting.setdefault(path, []).append((cid, checksum))
                 self.set_busy(cid, True)
                 return
             if seg is None:
-                what = key or checksum
-                self.reply(cid, {"ok": False, "error": "not_served", "message": f"no segment holds {what}"})
+                why = (
+                    self._why_not_held(path, checksum) if path is not None and checksum is not None else None
+                )
+                self.reply(cid, _not_served(str(key or checksum), why))
                 return
             self._attach(cid, conn, seg)
         elif op == "held":
@@ -608,7 +695,7 @@ class Daemon(Server):
         elif op == "detach":
             self._detach(cid, conn, _checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
-            self.reply(cid, self._status())
+            self.reply(cid, self._status(*_page_arg(req)))
         elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError("permission_denied", f"only uid {self.uid} may {op}")
@@ -656,7 +743,11 @@ class Daemon(Server):
                         f"{self.shm_limit} bytes; raise the limit or pack smaller shards"
                     )
                     raise ProtocolError("no_room", msg)
-        self.hold_failed.clear()
+        for path, checksum in shards:
+            why = self._failed(path, checksum)
+            if why is not None:
+                # Every rank holding it hears so at its next hold: no load, release, reload loop.
+                raise ProtocolError("load_failed", f"a held shard cannot be loaded: {why}")
         if shards:
             self.holds[cid] = shards
         else:
@@ -666,6 +757,29 @@ class Daemon(Server):
             self.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
             self.flush(cid)  # the rank goes on at once; releases and loads follow
         self._reconcile()
+
+    def _on_its_way(self, path: str, checksum: str) -> bool:
+        """Whether the shard at `path` holding `checksum` is loading, or held and waiting for room."""
+        if path in self.loading:
+            return True
+        return path in self.waiting_room and self._wanted().get(checksum) == path
+
+    def _why_not_held(self, path: str, checksum: str) -> str | None:
+        """Why a held shard is not served (its load failed, or the owner unloaded it), if it is one."""
+        if checksum in self.unloaded:
+            return f"{path} was unloaded ('smstore unload') while held"
+        return self._failed(path, checksum)
+
+    def _failed(self, path: str, checksum: str) -> str | None:
+        """Why the held load of `path` (holding `checksum`) failed, while the file is still the one that failed."""
+        entry = self.hold_failed.get(path)
+        if entry is None:
+            return None
+        held, identity, why = entry
+        if held == checksum and identity is not None and identity == _identity(path):
+            return why
+        del self.hold_failed[path]  # the file changed (or another checksum is held): try again
+        return None
 
     def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
         """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
@@ -740,6 +854,7 @@ class Daemon(Server):
         wanted = self._wanted()
         # (_drop and _release, the only ways out of self.segments, keep both sets to segments we have.)
         claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
+        self.unloaded &= wanted.keys()  # unloaded shards are loaded again once a hold names them anew
         self.unclaimed -= claimed
         self.managed |= claimed
         dropped = [self._release(self.segments[ck]) for ck in self.managed - wanted.keys()]
@@ -747,42 +862,43 @@ class Daemon(Server):
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
             dropped += [self._release(self.segments[ck]) for ck in list(self.unclaimed)]
-        for path in list(self.attach_waiting):
-            if path not in self.loading and path not in wanted.values():
-                # No longer held and not on its way: the readers waiting for it hear so.
-                for cid, checksum in self.attach_waiting.pop(path):
-                    if cid in self.conns:
-                        self.set_busy(cid, False)
-                        self.reply(
-                            cid,
-                            {"ok": False, "error": "not_served", "message": f"no segment holds {checksum}"},
-                        )
-                        self.parse(cid)
-        used = sum(_pages(seg.size) for seg in list(self.segments.values()))
-        used += sum(pages for pages, _ in self.released.values())
+        used = self.segments.pages + sum(n for n, _ in self.released.values())
         queued: list[str] = []
+        self.waiting_room = set()
+        full = False
         for checksum, path in wanted.items():
-            if checksum in self.segments or path in self.hold_failed:
+            if checksum in self.segments or checksum in self.unloaded or self._failed(path, checksum):
                 continue
             try:
                 size = _pages(os.stat(path).st_size)
             except OSError:
                 continue  # the load would fail: the reader falls back to (and reports) the file
-            while self.shm_limit and used + size > self.shm_limit and self.unclaimed:
+            while not full and self.shm_limit and used + size > self.shm_limit and self.unclaimed:
                 # Room for a held shard comes first: the oldest unclaimed adopted segment goes.
                 seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
                 dropped.append(self._release(seg))
                 used -= _pages(seg.size)
-            if self.shm_limit and used + size > self.shm_limit:
-                break  # later shards wait until earlier ones are released
+            if full or (self.shm_limit and used + size > self.shm_limit):
+                full = True  # later shards wait until earlier ones are released
+                if path not in self.loading:
+                    self.waiting_room.add(path)
+                continue
             used += size
             if path not in self.loading:
-                self._queue_load(path, None, quiet=True)
-                self.hold_loads.add(path)
+                self._queue_load(path, None, quiet=True, expected=checksum)
+                self.hold_loads[path] = checksum
                 queued.append(path)
+        for path in list(self.attach_waiting):
+            if path not in self.loading and path not in self.waiting_room:
+                # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
+                for cid, checksum in self.attach_waiting.pop(path):
+                    if cid in self.conns:
+                        self.set_busy(cid, False)
+                        self.reply(cid, _not_served(checksum, self._why_not_held(path, checksum)))
+                        self.parse(cid)
         if dropped:
             log.info("releasing %d shard(s) no rank holds: %s", len(dropped), "; ".join(dropped))
-            self._save_state()
+            self._state_changed()
         if queued:
             log.info("loading %d held shard(s): %s", len(queued), ", ".join(queued))
 
@@ -790,8 +906,11 @@ class Daemon(Server):
         """Stop serving a held segment no rank holds; its pages count until every reader unmaps it."""
         self.managed.discard(seg.checksum)
         self.unclaimed.discard(seg.checksum)
-        if seg.clients:
-            self.released[seg.checksum] = (_pages(seg.size), set(seg.clients))
+        # Only the owner's processes pin a released segment's pages in the budget: a group member
+        # who keeps a segment mapped must never stall the owner's loads (docs/daemon.md, "Groups").
+        pinning = {c for c in seg.clients if (conn := self.conns.get(c)) is not None and conn.owner}
+        if pinning:
+            self.released[seg.checksum] = (_pages(seg.size), pinning)
         self.segments.pop(seg.checksum, None)
         self.jobs.put(seg)  # unlinked and freed by the loader thread, off this loop
         return f"{', '.join(seg.paths)} ({seg.checksum})"
@@ -845,12 +964,14 @@ class Daemon(Server):
     def _unload(self, cid: int, checksum: str | None, path: str | None) -> None:
         seg = self.segments.get(checksum) if checksum is not None else None
         if seg is None and path is not None:
-            seg = next((s for s in self.segments.values() if path in s.paths), None)
+            seg = self.segments.serving(path)
         if seg is None:
             raise ProtocolError("not_served", f"{path or checksum} is not loaded")
         info = self._describe(seg)
+        if seg.checksum in self._wanted():
+            self.unloaded.add(seg.checksum)  # not loaded again for the holds naming it now
         self._drop(seg)
-        self._save_state()
+        self._state_changed()
         log.info(
             "unloaded %s (%s); %d client(s) still map it",
             ", ".join(seg.paths),
@@ -858,6 +979,7 @@ class Daemon(Server):
             len(info["clients"]),
         )
         self.reply(cid, {"ok": True, **info})
+        self._reconcile()  # readers waiting for it hear at once
 
     def _describe(self, seg: Segment) -> dict[str, Any]:
         pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
@@ -874,8 +996,27 @@ class Daemon(Server):
             "clients": pids,
         }
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self, offset: int, limit: int) -> dict[str, Any]:
+        """A summary, and a page of `limit` segments from `offset` (in load order) with every list capped.
+
+        Every reply fits a message, whatever the daemon holds (100,000 segments, paths of 4 KiB):
+        ``next_offset`` is where the next page starts (None after the last), and the lists other
+        than ``segments`` hold their first entries (their lengths are in ``counts``).
+        """
         available, total = _core.shm_space(os.fspath(SHM_DIR))
+        page: list[dict[str, Any]] = []
+        size = 0
+        next_offset: int | None = None
+        for k, seg in enumerate(itertools.islice(self.segments.values(), offset, None)):
+            if len(page) == limit or size > STATUS_BYTES:
+                next_offset = offset + k
+                break
+            entry = self._describe(seg)
+            size += len(json.dumps(entry))
+            page.append(entry)
+        failed = [
+            {"path": p, "checksum": ck, "message": why} for p, (ck, _i, why) in self.hold_failed.items()
+        ]
         return {
             "ok": True,
             "pid": self.pid,
@@ -889,11 +1030,26 @@ class Daemon(Server):
                 "limit_from": self.shm_limit_from,
                 "used": self._shm_used(),
             },
-            "segments": [self._describe(s) for s in self.segments.values()],
-            "loading": sorted(self.loading),
-            "held": sorted(self.managed),  # checksums loaded because a rank holds them
-            "unclaimed": sorted(self.unclaimed),  # adopted, held by a dead predecessor, not since
-            "released": sorted(self.released),  # released held segments readers still map
+            "counts": {
+                "segments": len(self.segments),
+                "loading": len(self.loading),
+                "held": len(self.managed),
+                "unclaimed": len(self.unclaimed),
+                "released": len(self.released),
+                "failed": len(failed),
+            },
+            "segments": page,
+            "offset": offset,
+            "next_offset": next_offset,
+            "loading": sorted(self.loading)[:STATUS_LIST],
+            "held": sorted(self.managed)[:STATUS_PAGE],  # checksums loaded because a rank holds them
+            "unclaimed": sorted(self.unclaimed)[
+                :STATUS_PAGE
+            ],  # adopted, held by a dead predecessor, not since
+            "released": sorted(self.released)[:STATUS_PAGE],  # released held segments readers still map
+            # Held shards whose load failed, not tried again until their file changes.
+            "failed": failed[:STATUS_LIST],
+            "loads": self.loads,
             "connections": len(self.conns),
         }
 
@@ -929,6 +1085,7 @@ class Daemon(Server):
             else:
                 self.dispatch(key, events)
         self.expire()
+        self.flush_state()
 
     def run(self) -> None:
         """Serve until `stop`, SIGTERM or SIGINT."""

@@ -20,7 +20,7 @@ import numpy as np
 
 from smstore import _core
 from smstore.errors import MixtureError
-from smstore.sampler import GlobalShuffleSampler, _map_positions, _round_keys
+from smstore.sampler import GlobalShuffleSampler, map_positions, round_keys
 
 __all__ = [
     "Mixture",
@@ -309,7 +309,7 @@ class MixtureOrder:
                 self.n,
                 # Each source pass's round keys, derived when the order first reaches it (the
                 # callable holds the prefix and lengths, not this object: no cycle forms).
-                lambda s, e: _round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
+                lambda s, e: round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
             )
         return self._kernel
 
@@ -336,7 +336,7 @@ class MixtureOrder:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-        return _map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
+        return map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
 
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The indices at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""

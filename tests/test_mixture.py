@@ -19,7 +19,7 @@ from smstore.mixture import (
     from_megatron_blend,
     parse_megatron_blend,
 )
-from smstore.sampler import GlobalShuffleSampler, ResumableLoader, _round_keys
+from smstore.sampler import GlobalShuffleSampler, ResumableLoader, round_keys
 
 
 def interleave(streams: list[list[int]]) -> list[int]:
@@ -214,7 +214,7 @@ def reference_pairs(
     out = np.empty_like(k)
     for s, e in {(int(s), int(e)) for s, e in zip(src, passes, strict=True)}:
         at = (src == s) & (passes == e)
-        keys = _round_keys(f"smstore-mixture-v1:{seed}:{epoch}:{s}:{e}:{mix.lengths[s]}".encode())
+        keys = round_keys(f"smstore-mixture-v1:{seed}:{epoch}:{s}:{e}:{mix.lengths[s]}".encode())
         out[at] = _core.feistel_permute(within[at].astype(np.uint64), mix.lengths[s], keys)
     return src, out
 

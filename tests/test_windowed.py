@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import smstore
-from smstore._shards import read_manifest
+from smstore._manifest import read_manifest
 from smstore.errors import DaemonError
 from smstore.residency import ShardResidency
 from smstore.sampler import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
