@@ -309,21 +309,29 @@ def test_wrong_store(tmp_path: Path) -> None:
 # -- shutdown and fork ------------------------------------------------------------------------
 
 
-def threads_and_fds() -> tuple[int, int]:
+def tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def left_behind(before: tuple[set[str], set[str]]) -> tuple[set[str], set[str]]:
+    """The threads and descriptors of this process now that were not there `before` (as sets: a
+    thread of something else that ends meanwhile does not count)."""
     gc.collect()
-    return len(os.listdir("/proc/self/task")), len(os.listdir("/proc/self/fd"))
+    return tasks() - before[0], set(os.listdir("/proc/self/fd")) - before[1]
 
 
 def test_clean_shutdown_mid_epoch(stores: dict[str, Path]) -> None:
     sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
     smstore.Store(stores["u2"]).close()  # the unmap thread, if any, starts before the count
-    before = threads_and_fds()
+    gc.collect()
+    before = tasks(), set(os.listdir("/proc/self/fd"))
+    nothing: tuple[set[str], set[str]] = (set(), set())
     loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=3, depth=3)
     it = iter(loader)
     next(it)
-    assert len(os.listdir("/proc/self/task")) >= before[0] + 3
+    assert len(tasks() - before[0]) == 3
     loader.close()
-    assert threads_and_fds() == before
+    assert left_behind(before) == nothing
     with pytest.raises(StopIteration):
         next(it)
     # Stopping by dropping the loader, or leaving a with block, does the same.
@@ -331,19 +339,19 @@ def test_clean_shutdown_mid_epoch(stores: dict[str, Path]) -> None:
     it = iter(loader)
     next(it)
     del loader, it
-    assert threads_and_fds() == before
+    assert left_behind(before) == nothing
     with Loader(stores["u2"], sampler=sampler, batch_size=4) as loader:
         next(iter(loader))
-    assert threads_and_fds() == before
+    assert left_behind(before) == nothing
     # A new pass ends the one before it, threads included.
     loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2)
     old = iter(loader)
     next(old)
     new = iter(loader)
     next(new)
-    assert len(os.listdir("/proc/self/task")) == before[0] + 2
+    assert len(tasks() - before[0]) == 2
     loader.close()
-    assert threads_and_fds() == before
+    assert left_behind(before) == nothing
 
 
 def test_fork_after_start_does_not_deadlock(stores: dict[str, Path]) -> None:
