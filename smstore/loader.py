@@ -45,9 +45,10 @@ class Loader:
             for batch in loader:   # {"tokens", "lengths", "indices"}, as TokenCollator gives
                 ...
 
-    **Buffer lifetime.** A batch's tensors are views of a ring buffer, not copies. The buffer is
-    refilled only once nothing refers to it any more: while any tensor of a batch (or a view of
-    one) is alive, its buffer is left alone and the ring takes a new one in its place. So a
+    **Buffer lifetime.** A batch's ``tokens`` are a view of a ring buffer, not a copy (its
+    ``lengths``, ``cu_seqlens`` and ``indices`` are small copies: keeping them holds no buffer). The buffer is
+    refilled only once nothing refers to it any more: while the tokens of a batch (or a view of
+    them) are alive, its buffer is left alone and the ring takes a new one in its place. So a
     yielded batch is valid for as long as you hold it, and when the loop drops each batch before
     it takes the next but one (as ``for batch in loader`` does), the memory stays ``depth + 2``
     buffers. One exception: a copy to a GPU with ``non_blocking=True`` reads the buffer after

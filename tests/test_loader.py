@@ -168,6 +168,16 @@ def test_a_held_batch_is_never_overwritten(stores: dict[str, Path]) -> None:
     assert [r.tolist() for r in rows] == [e["tokens"][0].tolist() for e in expected]
 
 
+def test_kept_lengths_hold_no_buffer(stores: dict[str, Path]) -> None:
+    # A loop that keeps every batch's lengths (for logging) must not keep every batch's buffer.
+    with Loader(
+        stores["u2"], batch_size=8, dtype=torch.long, depth=2, fixed_length=True, max_length=30
+    ) as loader:
+        kept = [(b["lengths"], b["indices"], b["tokens"].data_ptr()) for b in loader]
+    assert len({ptr for _, _, ptr in kept}) == 4  # depth + 2 buffers, for 30 batches
+    assert [i for _, idx, _ in kept for i in idx.tolist()] == list(range(N))
+
+
 def test_buffers_are_reused_when_dropped(stores: dict[str, Path]) -> None:
     with Loader(
         stores["u2"], batch_size=8, dtype=torch.long, depth=2, fixed_length=True, max_length=30

@@ -38,7 +38,8 @@ struct BlockExport {
     uint64_t bytes;
 };
 
-// The batch as numpy arrays over its block: (tokens, lengths, cu_seqlens or None, indices or None).
+// The batch as numpy arrays: (tokens over its block, then copies of lengths, cu_seqlens or None,
+// indices or None).
 py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
     const BatchLayout& l = ready.layout;
     py::object owner = py::cast(BlockExport{ready.block, l.bytes});
@@ -51,13 +52,15 @@ py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
     } else {
         tokens = py::array(out, {rows, width}, {}, base + l.tokens_at, owner);
     }
-    py::array lengths(py::dtype::of<int64_t>(), {rows}, {}, base + l.lengths_at, owner);
+    // The small outputs are copies (no base: pybind11 copies the data), so that keeping them (the
+    // lengths, for logging) does not keep the whole block out of the ring's reuse.
+    py::array lengths(py::dtype::of<int64_t>(), {rows}, {}, base + l.lengths_at);
     py::object cu = py::none(), indices = py::none();
     if (spec.pack) {
-        cu = py::array(l.cu_int64 ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>(), {rows + 1}, {}, base + l.cu_at,
-                       owner);
+        cu =
+            py::array(l.cu_int64 ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>(), {rows + 1}, {}, base + l.cu_at);
     }
-    if (spec.with_indices) indices = py::array(py::dtype::of<int64_t>(), {rows}, {}, base + l.indices_at, owner);
+    if (spec.with_indices) indices = py::array(py::dtype::of<int64_t>(), {rows}, {}, base + l.indices_at);
     return py::make_tuple(std::move(tokens), std::move(lengths), std::move(cu), std::move(indices));
 }
 
