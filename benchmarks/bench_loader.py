@@ -11,7 +11,7 @@ batches of 256 padded to int64, the order from `GlobalShuffleSampler`:
    `DataLoader(range(n), sampler=S, batch_size=256, collate_fn=...)` with it at 0, 1 and 2 workers
    (timed from the first batch on: worker start-up is left out).
 2. **The new paths**: TokenCollator called in-process (one C++ call a batch), and `smstore.Loader`
-   (depth 4, 1 C++ thread, the default, and 2), each checked against the baseline's bytes first. The rows of 1 and 2
+   (depth 4, 1 C++ thread, the default, and 2; and 0 threads, each batch made on the loop's thread), each checked against the baseline's bytes first. The rows of 1 and 2
    take turns over `--rounds` rounds of `--seconds` each and keep their best, so a burst of load
    from elsewhere on the machine hits them all alike.
 3. **4,096-token records** (16k records, batches of 256 = 2 MiB of uint16): the Loader without
@@ -194,6 +194,7 @@ def main(argv: list[str] | None = None) -> None:
             "dl2_new": lambda t: rate_of(dataloader(collate, 2), 2000, t),
             "loader": lambda t: loader_rate(path, sampler, t, threads=1, depth=4),
             "loader2": lambda t: loader_rate(path, sampler, t, threads=2, depth=4),
+            "loader0": lambda t: loader_rate(path, sampler, t, threads=0),
         }
         best = dict.fromkeys(variants, 0.0)
         for _ in range(args.rounds):
@@ -219,6 +220,12 @@ def main(argv: list[str] | None = None) -> None:
                 baseline="old collator",
                 ratio=f"{rate / base:.2f}x",
             )
+        report.add(
+            "smstore.Loader, 0 threads (each batch made on the loop's thread when asked for)",
+            f"{best['loader0'] / 1e6:.2f} M records/s",
+            baseline="old collator",
+            ratio=f"{best['loader0'] / base:.2f}x",
+        )
         report.add(
             "smstore.Loader, 2 threads, depth 4",
             f"{best['loader2'] / 1e6:.2f} M records/s",

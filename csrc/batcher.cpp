@@ -284,7 +284,6 @@ Batcher::Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t th
       pinned_(pinned),
       slots_(depth_ + 2),
       fork_generation_(fork_generation()) {
-    threads = std::max<size_t>(threads, 1);
     threads_.reserve(threads);
     try {
         for (size_t t = 0; t < threads; ++t)

@@ -82,7 +82,8 @@ struct ReadyBatch {
 };
 
 // Batches in submission order, prepared by `threads` threads at most `depth` ahead of the
-// consumer (and by the consumer itself when it asks for a batch no thread has started). Slot s of depth + 2 holds batch
+// consumer (and by the consumer itself when it asks for a batch no thread has started: with no
+// threads, every batch is made in next()). Slot s of depth + 2 holds batch
 // s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last held k -
 // 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still held
 // elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.

@@ -79,7 +79,9 @@ class Loader:
         depth: Batches prepared ahead of the loop.
         threads: C++ threads preparing them, besides the loop's own thread, which makes the batch
             it asks for itself when no thread has started it. One keeps up with a training loop
-            for short records on a small machine; give more for long records or many cores.
+            for short records on a small machine; give more for long records or many cores. With
+            0, each batch is made on the loop's thread when asked for (no prefetch, no hand-over):
+            the fastest where nothing else would run meanwhile.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
     Raises:
@@ -109,9 +111,13 @@ class Loader:
         elif source is not None or collate_options:
             msg = "pass either collate= or a source with TokenCollator's options, not both"
             raise TypeError(msg)
-        for name, value in (("batch_size", batch_size), ("depth", depth), ("threads", threads)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                msg = f"{name} must be an integer >= 1, not {value!r}"
+        for name, value, least in (
+            ("batch_size", batch_size, 1),
+            ("depth", depth, 1),
+            ("threads", threads, 0),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                msg = f"{name} must be an integer >= {least}, not {value!r}"
                 raise ValueError(msg)
         spec, store = collate.batch_spec(), collate.store
         if spec is None or not isinstance(store, _core.Store):

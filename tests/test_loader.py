@@ -135,6 +135,20 @@ def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size
             assert_same_batches(list(loader), expected)
 
 
+def test_no_threads_makes_each_batch_on_the_loops_thread(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=6, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, 9, False, layout="pack", max_length=7)
+    before = set(os.listdir("/proc/self/task"))
+    with Loader(
+        stores["u2"], sampler=sampler, batch_size=9, threads=0, layout="pack", max_length=7
+    ) as loader:
+        got = []
+        for batch in loader:
+            assert set(os.listdir("/proc/self/task")) - before == set()
+            got.append(batch)
+    assert_same_batches(got, expected)
+
+
 def test_default_sampler_is_sequential(stores: dict[str, Path]) -> None:
     with Loader(stores["u2"], batch_size=50) as loader:
         batches = list(loader)
@@ -303,6 +317,8 @@ def test_bad_arguments(stores: dict[str, Path]) -> None:
         Loader(stores["u2"], batch_size=0)
     with pytest.raises(ValueError, match="depth"):
         Loader(stores["u2"], batch_size=2, depth=0)
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        Loader(stores["u2"], batch_size=2, threads=-1)
     with pytest.raises(TypeError, match="needs a source"):
         Loader(batch_size=2)
     with pytest.raises(smstore.StoreNotFoundError, match=r"missing\.smst"):
