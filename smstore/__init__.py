@@ -45,9 +45,9 @@ from smstore.errors import (
 
 if TYPE_CHECKING:
     from smstore._arrays import pack_arrays, pack_npy_lines
-    from smstore._segments import collect_garbage, list_segments
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
+    from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.dataset import SharedStoreDataset
     from smstore.loader import Loader
     from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
@@ -133,8 +133,8 @@ _LAZY = {
     "open_store": "smstore.client",
     "DaemonStore": "smstore.client",
     "daemon_request": "smstore.client",
-    "collect_garbage": "smstore._segments",
-    "list_segments": "smstore._segments",
+    "collect_garbage": "smstore.daemon.segments",
+    "list_segments": "smstore.daemon.segments",
     "SharedList": "smstore.shared_list",
     "Subset": "smstore.views",
     "Repeat": "smstore.views",

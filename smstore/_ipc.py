@@ -1,29 +1,24 @@
-"""What the daemon and its clients share: socket location, message framing, process liveness."""
+"""What the daemon and its clients share beside the protocol: socket location, the transport (connect, exchange, request), process liveness."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import stat
-import struct
 import time
 from pathlib import Path
 from typing import Any
 
+from smstore._protocol import BUSY, MAX_MESSAGE, decode_body, encode, frame_length
 from smstore.errors import DaemonError
 
 __all__ = [
-    "MAX_MESSAGE",
     "check_default_dir",
     "connect",
-    "decode_body",
     "default_socket_path",
-    "encode",
     "ensure_private_dir",
     "exchange",
-    "frame",
     "process_alive",
     "process_start_time",
     "request",
@@ -32,10 +27,6 @@ __all__ = [
 
 # The longest an owner's client refused as busy keeps trying (the daemon says how long is worth it).
 MAX_BUSY_WAIT = 60.0
-
-# Requests and replies are tiny (a status of thousands of segments fits); anything larger is hostile.
-MAX_MESSAGE = 1 << 20
-_LEN = struct.Struct(">I")
 
 
 def default_socket_path() -> Path:
@@ -108,34 +99,6 @@ def check_default_dir(path: Path) -> None:
             "with --socket or $SMSTORE_SOCKET"
         )
         raise DaemonError(msg) from None
-
-
-def encode(message: dict[str, Any]) -> bytes:
-    """One frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON."""
-    body = json.dumps(message, separators=(",", ":")).encode()
-    if len(body) > MAX_MESSAGE:
-        msg = f"message of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte limit"
-        raise DaemonError(msg)
-    return frame(body)
-
-
-def frame(body: bytes) -> bytes:
-    """``body`` as one frame: its 4-byte big-endian length, then the body."""
-    return _LEN.pack(len(body)) + body
-
-
-def frame_length(buf: bytes | bytearray) -> int:
-    """The body length announced by the first 4 bytes of buf."""
-    return int(_LEN.unpack_from(buf)[0])
-
-
-def decode_body(body: bytes | bytearray) -> dict[str, Any]:
-    """Parse a frame body; ValueError unless it is a JSON object."""
-    obj = json.loads(body.decode("utf-8"))
-    if not isinstance(obj, dict):
-        msg = "a message must be a JSON object"
-        raise ValueError(msg)  # noqa: TRY004 - callers treat every malformed message alike
-    return obj
 
 
 def _close_all(fds: list[int]) -> None:
@@ -243,7 +206,7 @@ def request(
         except BaseException:
             sock.close()
             raise
-        retry_within = reply.get("retry_within") if reply.get("error") == "busy" else None
+        retry_within = reply.get("retry_within") if reply.get("error") == BUSY else None
         if not isinstance(retry_within, (int, float)) or waited >= min(2.0 * retry_within, MAX_BUSY_WAIT):
             return reply, got, sock
         # Refused as busy though ours (every connection in use): the daemon drops stalled ones

@@ -601,7 +601,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from smstore._segments import collect_garbage
+    from smstore.daemon.segments import collect_garbage
 
     removed = collect_garbage(args.socket)
     for path in removed:

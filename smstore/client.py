@@ -12,8 +12,9 @@ from pathlib import Path
 from typing import Any, Literal
 
 from smstore import _core
-from smstore._ipc import connect, default_socket_path, encode, exchange, request, socket_path
+from smstore._ipc import connect, default_socket_path, exchange, request, socket_path
 from smstore._manifest import ShardInfo, is_manifest, read_manifest
+from smstore._protocol import NOT_SERVED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
@@ -231,7 +232,7 @@ def attach_shared(
         conn.close()
         if fd is not None:
             os.close(fd)
-        if reply.get("error") == "not_served":
+        if reply.get("error") == NOT_SERVED:
             return None
         raise _refused(reply, "attach refused")
     conn.settimeout(None)
@@ -489,14 +490,13 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
             conn.close()
         if fd is not None:
             os.close(fd)
-        why = str(reply.get("message", ""))
-        if reply.get("error") == "not_served" and why == f"no segment holds {checksum}":
+        if reply.get("error") == NOT_SERVED and not reply.get("reason"):
             reason = (
                 f"the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
                 f"load it with 'smstore load {spath}'"
             )
-        elif reply.get("error") == "not_served":  # a held shard whose load failed, or unloaded
-            reason = f"the smstore daemon on {sock_at} does not serve this file: {why}"
+        elif reply.get("error") == NOT_SERVED:  # a held shard whose load failed, or unloaded
+            reason = f"the smstore daemon on {sock_at} does not serve this file: {reply.get('message')}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
         if mode == "daemon":

@@ -20,9 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import connect, encode, exchange, request, socket_path
-from smstore._ipc import frame as framed
+from smstore._ipc import connect, exchange, request, socket_path
 from smstore._manifest import read_manifest
+from smstore._protocol import encode
+from smstore._protocol import frame as framed
 from smstore.client import DaemonSession, Mode
 from smstore.errors import DaemonError
 

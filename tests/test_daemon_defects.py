@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import grp
 import json
 import os
@@ -369,3 +370,95 @@ def test_an_owner_refused_as_busy_tries_again_until_stalled_connections_are_drop
     finally:
         for h in hogs:
             h.close()
+
+
+@pytest.mark.parametrize("how", ["load", "share"])
+def test_a_load_or_share_counts_the_budget_as_the_holds_do(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], how: str
+) -> None:
+    """Loads and shares counted raw segment sizes, holds page-rounded sizes plus released segments
+    a reader of the owner still maps: a load or share overshot the --shm-limit the holds kept."""
+    from smstore._ipc import request, socket_path
+    from smstore.client import share_with_daemon
+
+    out = dataset(tmp_path)
+    m = read_manifest(out)
+    limit = 2 * max(-(-s.file_size // PAGE) * PAGE for s in m.shards) + PAGE  # two shards, not three
+    d = start_daemon(args=("--shm-limit", str(limit)), loaded=0)
+    ck = [s.checksum for s in m.shards]
+    rank = ShardResidency(out, mode="daemon")
+    reader: socket.socket | None = None
+    taken: list[socket.socket] = []  # a share the old code took
+    try:
+        rank.hold([0, 1], wait=True)
+        wait_for(d, lambda st: {s["checksum"] for s in st["segments"]} == {ck[0], ck[1]})
+        # A reader of the owner maps shard 0 and stays: released, it still takes its pages.
+        reply, fd, reader = request({"op": "attach", "checksum": ck[0]}, socket_path(d.sock))
+        assert reply["ok"]
+        assert fd is not None
+        os.close(fd)
+        rank.hold([2], wait=True)
+        status = wait_for(d, lambda st: {s["checksum"] for s in st["segments"]} == {ck[2]})
+        assert status["released"] == [ck[0]]
+        # Shard 3 needs a third shard's room: the budget has one page left.
+        path3 = os.path.abspath(m.shard_path(3))
+        if how == "load":
+            res = tl.cli("load", path3, sock=d.sock, check=False)
+            assert res.returncode != 0
+            assert "not enough shared memory under the daemon's limit" in res.stderr
+        else:
+            blob = Path(path3).read_bytes()
+            mfd = os.memfd_create("budget", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            try:
+                os.write(mfd, blob)
+                fcntl.fcntl(
+                    mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+                )
+                with pytest.raises(DaemonError, match="does not fit the daemon's --shm-limit"):
+                    taken.append(share_with_daemon(mfd, "test:" + "ab" * 16, d.sock)[1])  # closed below
+            finally:
+                os.close(mfd)
+        assert {s["checksum"] for s in d.status()["segments"]} == {ck[2]}
+        # Once the reader lets go, the same load fits.
+        reader.close()
+        reader = None
+        wait_for(d, lambda st: st["released"] == [])
+        tl.cli("load", path3, sock=d.sock)
+        assert {s["checksum"] for s in d.status()["segments"]} == {ck[2], ck[3]}
+    finally:
+        rank.close()
+        if reader is not None:
+            reader.close()
+        for conn in taken:
+            conn.close()
+
+
+def test_not_served_has_one_wording_and_the_reason_apart(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """`attach` and `unload` of what no segment holds said it two ways ("no segment holds X", "X is
+    not loaded"), and a reader told a held shard's failure from a plain refusal by its wording."""
+    out = dataset(tmp_path)
+    path2, ck2 = shard(out, 2)
+    Path(path2).write_bytes(b"not a blob\n" * 1000)
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    try:
+        missing = "0123456789abcdef"
+        for message in ({"op": "attach", "checksum": missing}, {"op": "unload", "checksum": missing}):
+            reply = ask(d.sock, message)
+            assert reply is not None
+            assert (reply["error"], reply["message"], reply["reason"]) == (
+                "not_served",
+                f"no segment holds {missing}",
+                None,
+            )
+        rank.hold([2], wait=True)
+        wait_for(d, lambda st: not st["loading"])
+        reply = ask(d.sock, {"op": "attach", "checksum": ck2, "path": path2})
+        assert reply is not None
+        assert reply["error"] == "not_served"
+        assert "no smstore blob" in reply["reason"]
+        assert reply["message"] == f"no segment holds {ck2}: {reply['reason']}"
+    finally:
+        rank.close()

@@ -43,7 +43,7 @@ WORKER_SIDE = (
     "smstore.integrations.mmengine",
 )
 # The daemon, its segment and connection bookkeeping, and the command line: never reached by a worker.
-SERVER_SIDE_PREFIXES = ("smstore.daemon", "smstore._segments", "smstore._connections", "smstore.cli")
+SERVER_SIDE_PREFIXES = ("smstore.daemon", "smstore.cli")
 
 
 @dataclass(frozen=True)

@@ -1,23 +1,24 @@
-"""The daemon's shared-memory segments on disk: names, listing, state file, adoption, garbage collection."""
+"""The daemon's shared-memory segments on disk: names, listing, lock, the segment table, adoption, `gc`."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
-import json
 import logging
 import os
 import re
 import secrets
 import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smstore import _core
 from smstore._ipc import process_alive, socket_path
+from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
 
 log = logging.getLogger("smstore.daemon")
@@ -28,16 +29,13 @@ __all__ = [
     "DaemonLock",
     "Segment",
     "SegmentTable",
+    "adopt_previous",
     "collect_garbage",
     "daemon_alive",
     "list_segments",
     "new_segment_name",
     "pages",
-    "read_state",
     "segment_prefix",
-    "set_aside",
-    "state_path",
-    "write_state",
 ]
 
 SHM_DIR = Path(_core.SHM_DIR)
@@ -269,93 +267,6 @@ class SegmentTable(dict[str, Segment]):
             del self._by_path[path]
 
 
-# ---- the state file: which segments a daemon holds, so that a successor can adopt them ---------
-
-
-def state_path(sock: Path) -> Path:
-    """The state file beside a daemon's socket."""
-    return sock.with_name(sock.name + ".state")
-
-
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Replace the state file atomically (a reader never sees half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    # O_NONBLOCK: a FIFO put in its place fails the write (logged) instead of blocking the daemon.
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
-    fd = os.open(tmp, flags, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            # dumps, not dump: dump streams through the pure-Python encoder (a millisecond for a
-            # few dozen segments, on the daemon's loop at every window switch); dumps runs in C.
-            f.write(json.dumps(state))
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
-# A state file larger than this is not one (100,000 segments under long paths take ~50 MB).
-MAX_STATE_BYTES = 256 << 20
-
-
-def _no_constant(name: str) -> None:
-    msg = f"{name} is not a number a state file holds"
-    raise ValueError(msg)
-
-
-def read_state(path: Path) -> dict[str, Any] | None:
-    """The state file's contents, or None if there is none.
-
-    Only a regular file is opened (a symlink, a FIFO or a device never is), and only up to
-    `MAX_STATE_BYTES`.
-
-    Raises:
-        ValueError: It exists but is not a state file (not a regular file, too large, unreadable,
-            not JSON, fields missing or of the wrong type).
-    """
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
-    except FileNotFoundError:
-        return None
-    except OSError as e:  # ELOOP: a symlink
-        msg = f"{path}: not a valid state file (cannot open it as a regular file: {e.strerror})"
-        raise ValueError(msg) from None
-    try:
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
-            if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_STATE_BYTES:
-                msg = (
-                    f"{path}: not a valid state file (not a regular file of at most {MAX_STATE_BYTES} bytes)"
-                )
-                raise ValueError(msg)
-            state = json.loads(f.read(MAX_STATE_BYTES + 1), parse_constant=_no_constant)
-        if not (
-            isinstance(state, dict)
-            and all(type(state.get(k)) is int for k in ("pid", "start_time"))
-            and isinstance(state.get("segments"), list)
-        ):
-            msg = "not an object with integer 'pid' and 'start_time' and a 'segments' list"
-            raise ValueError(msg)
-    except (OSError, ValueError, RecursionError) as e:
-        if str(e).startswith(f"{path}: "):
-            raise
-        msg = f"{path}: not a valid state file ({e})"
-        raise ValueError(msg) from None
-    return state
-
-
-def set_aside(path: Path, why: object) -> Path | None:
-    """Move a bad state file out of the way (to ``<name>.bad``) with a warning; the new path, or None."""
-    bad = path.with_name(path.name + ".bad")
-    try:
-        os.replace(path, bad)
-    except OSError as e:
-        log.warning("%s; cannot set it aside (%s): remove it", why, e.strerror)
-        return None
-    log.warning("%s; set aside as %s, going on without it", why, bad)
-    return bad
-
-
 def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
     """Take over a dead daemon's segment under `new_name`, after checking every byte of it.
 
@@ -400,6 +311,57 @@ def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
         0.0,
         adopted=True,
     )
+
+
+def adopt_previous(
+    state_file: Path, uid: int, segment_name: Callable[[str], str]
+) -> list[tuple[Segment, bool]]:
+    """Take over the segments a dead daemon's state file lists; unlink what cannot be adopted, and its leftovers.
+
+    A bad state file is set aside with a warning. Returns each adopted segment, and whether it was
+    loaded because a rank held it.
+
+    Raises:
+        DaemonError: The daemon that wrote the state file is alive.
+    """
+    try:
+        state = read_state(state_file)
+    except ValueError as e:
+        set_aside(state_file, e)  # a successor of ours must not trip over it either
+        return []
+    if state is None:
+        return []
+    old_pid, old_start = int(state["pid"]), int(state["start_time"])
+    if daemon_alive(uid, old_pid, old_start):
+        msg = f"the smstore daemon pid {old_pid} still owns {state_file}; stop it first"
+        raise DaemonError(msg)
+    adopted: dict[str, tuple[Segment, bool]] = {}
+    for entry in state["segments"]:
+        try:
+            checksum = str(entry["checksum"])
+            if checksum in adopted:
+                msg = "a duplicate"
+                raise ValueError(msg)
+            seg = adopt_segment(entry, uid, segment_name(checksum))
+        except (OSError, StoreError, ValueError, KeyError, TypeError, OverflowError) as e:
+            name = entry.get("name") if isinstance(entry, dict) else entry
+            log.warning("could not adopt segment %s: %s; removing it", name, e)
+            if isinstance(name, str):
+                unlink_quietly(name)
+            continue
+        adopted[seg.checksum] = (seg, entry.get("held") is True)
+        log.info(
+            "adopted %s (%s, %d bytes) from dead daemon",
+            ", ".join(seg.paths) or seg.name,
+            seg.checksum,
+            seg.size,
+        )
+    # Whatever else the dead daemon left (a load it did not finish, its lock) goes.
+    for name in list_segments(old_pid, old_start):
+        log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
+        unlink_quietly(name)
+    DaemonLock.remove_stale(uid, old_pid, old_start)
+    return list(adopted.values())
 
 
 def unlink_quietly(name: str) -> None:
