@@ -30,10 +30,10 @@ class Loader:
     """Batches exactly as ``DataLoader(range(n), sampler=S, batch_size=B, collate_fn=TokenCollator(...))``
     yields them, made by C++ threads instead of worker processes.
 
-    The threads (and the loop's thread, when it would otherwise wait) gather each batch's
-    records straight from the store's mapping and pad or pack them
-    (TokenCollator's options, widening included) into a ring of ``depth + 2`` reused buffers, at
-    most ``depth`` batches ahead of the loop, with the GIL released. The indices come from the
+    The threads (and the loop's thread, when it would otherwise wait) gather each batch's records
+    straight from the store's mapping and pad or pack them (TokenCollator's options, widening
+    included) into a ring of ``depth + 2`` reused buffers, at most ``depth`` batches ahead of the
+    loop, with the GIL released. The indices come from the
     sampler's iterator in chunks, so any sampler works (``GlobalShuffleSampler``,
     ``WindowedShuffleSampler``, ``MixtureSampler``, a list); each ``iter(loader)`` is a new pass of
     it, as with a DataLoader::
@@ -46,12 +46,12 @@ class Loader:
                 ...
 
     **Buffer lifetime.** A batch's ``tokens`` are a view of a ring buffer, not a copy (its
-    ``lengths``, ``cu_seqlens`` and ``indices`` are small copies: keeping them holds no buffer). The buffer is
-    refilled only once nothing refers to it any more: while the tokens of a batch (or a view of
-    them) are alive, its buffer is left alone and the ring takes a new one in its place. So a
-    yielded batch is valid for as long as you hold it, and when the loop drops each batch before
-    it takes the next but one (as ``for batch in loader`` does), the memory stays ``depth + 2``
-    buffers. One exception: a copy to a GPU with ``non_blocking=True`` reads the buffer after
+    ``lengths``, ``cu_seqlens`` and ``indices`` are small copies: keeping them holds no buffer).
+    The buffer is refilled only once nothing refers to it any more: while the tokens of a batch
+    (or a view of them) are alive, its buffer is left alone and the ring takes a new one in its
+    place. So a yielded batch is valid for as long as you hold it, and when the loop drops each
+    batch before it takes the next but one (as ``for batch in loader`` does), the memory stays
+    ``depth + 2`` buffers. One exception: a copy to a GPU with ``non_blocking=True`` reads the buffer after
     Python has let go of it; keep the batch referenced until that copy is done (a loop that reads
     ``loss.item()`` each step has synchronized long before the buffer comes round again,
     ``depth`` batches later).
@@ -61,8 +61,8 @@ class Loader:
     sampler, so the next pass starts there, at any world size (torchdata's ``StatefulDataLoader``
     protocol). It needs a sampler with ``state_dict(local_consumed=)`` (ours).
 
-    **Processes.** ``close()`` (or ``with``, or dropping the loader) stops and joins the threads
-    and frees the ring. After ``os.fork()`` the child has no copy of the threads: a pass the parent
+    **Processes.** ``close()`` (or ``with``, a new pass, or dropping the loader) stops and joins
+    the threads and frees the ring; the Loader makes no shared-memory segment or descriptor. After ``os.fork()`` the child has no copy of the threads: a pass the parent
     had started raises ``StoreClosedError`` in the child, and a new ``iter(loader)`` there starts
     fresh threads.
 
