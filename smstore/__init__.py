@@ -29,6 +29,7 @@ from smstore.errors import (
     IndexStaleError,
     MixtureError,
     PackInputError,
+    RecordIndexError,
     SharedListError,
     SharedListMismatchError,
     SharedMemoryError,
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from smstore.collate import TokenCollator
     from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.dataset import SharedStoreDataset
+    from smstore.loader import Loader
     from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
@@ -65,6 +67,7 @@ __all__ = [
     "GlobalShuffleSampler",
     "IndexFileError",
     "IndexStaleError",
+    "Loader",
     "Mixture",
     "MixtureDataset",
     "MixtureError",
@@ -72,6 +75,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "RecordIndexError",
     "Repeat",
     "ResumableLoader",
     "ShardResidency",
@@ -117,6 +121,7 @@ __all__ = [
 _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
+    "Loader": "smstore.loader",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
