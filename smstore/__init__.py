@@ -29,6 +29,7 @@ from smstore.errors import (
     IndexStaleError,
     MixtureError,
     PackInputError,
+    RecordIndexError,
     SharedListError,
     SharedListMismatchError,
     SharedMemoryError,
@@ -48,7 +49,8 @@ if TYPE_CHECKING:
     from smstore.collate import TokenCollator
     from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.dataset import SharedStoreDataset
-    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
+    from smstore.loader import Loader
+    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
@@ -65,6 +67,7 @@ __all__ = [
     "GlobalShuffleSampler",
     "IndexFileError",
     "IndexStaleError",
+    "Loader",
     "Mixture",
     "MixtureDataset",
     "MixtureError",
@@ -72,6 +75,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "RecordIndexError",
     "Repeat",
     "ResumableLoader",
     "ShardResidency",
@@ -94,6 +98,7 @@ __all__ = [
     "StoreVersionError",
     "Subset",
     "TokenCollator",
+    "WindowedMixtureSampler",
     "WindowedShuffleSampler",
     "Writer",
     "__version__",
@@ -116,12 +121,14 @@ __all__ = [
 _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
+    "Loader": "smstore.loader",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
     "Mixture": "smstore.mixture",
     "MixtureDataset": "smstore.mixture",
     "MixtureSampler": "smstore.mixture",
+    "WindowedMixtureSampler": "smstore.mixture",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",

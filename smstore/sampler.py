@@ -485,7 +485,7 @@ class WindowedOrder:
         key: Derives every permutation of the epoch (the seed and epoch are in it).
     """
 
-    def __init__(self, shard_sizes: Sequence[int], window: int, key: str) -> None:
+    def __init__(self, shard_sizes: Sequence[int] | np.ndarray[Any, Any], window: int, key: str) -> None:
         sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.window = window
         self.n = int(sizes.sum())
@@ -511,6 +511,11 @@ class WindowedOrder:
         )
         self._window_starts: list[int] = self.window_starts.tolist()  # read at every window (plain ints)
         self._shard_list: list[int] = self.shard_order.tolist()
+
+    @property
+    def kernel(self) -> _core.WindowedOrder:
+        """The order's tables in C++ (what a windowed mixture's order evaluates each source with)."""
+        return self._core
 
     @property
     def window_count(self) -> int:
@@ -610,7 +615,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         self.lag = int(lag)
         self._order_cache: tuple[tuple[int, int], WindowedOrder] | None = None
         if residency is None:
-            residency = _residency_for(dataset)
+            residency = residency_for(dataset)
         self.residency = residency or None
         self._last_hold: tuple[int, ...] | None = None
         windows = -(-len(sizes) // self.window)
@@ -727,16 +732,23 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         )
 
 
-def _residency_for(dataset: Any) -> Any:
-    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+def manifest_of(dataset: Any) -> str | None:
+    """The manifest's path of a SharedStoreDataset of a sharded dataset, else None."""
     path = getattr(dataset, "path", None)
     if not isinstance(path, str) or getattr(dataset, "shard_sizes", None) is None:
         return None
     from smstore._manifest import is_manifest
+
+    return path if is_manifest(path) else None
+
+
+def residency_for(dataset: Any) -> Any:
+    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+    path = manifest_of(dataset)
+    if path is None:
+        return None
     from smstore.residency import ShardResidency
 
-    if not is_manifest(path):
-        return None
     return ShardResidency(
         path, mode=getattr(dataset, "mode", "auto"), socket=getattr(dataset, "socket", None)
     )

@@ -10,8 +10,9 @@ process of the owner still maps), used by loads, shares and holds alike.
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Callable, Container
+from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 
 from smstore._manifest import Manifest, manifest_file, read_manifest
@@ -157,7 +158,7 @@ class Planner:
                     wanted.setdefault(checksum, path)
         return wanted
 
-    def plan(self, loading: Container[str]) -> Plan:
+    def plan(self, loading: Collection[str]) -> Plan:
         """Release the held segments no connection holds any more; plan the loads of held shards that fit.
 
         `loading`: the paths being loaded now (counted in the budget, not queued again).
@@ -174,11 +175,19 @@ class Planner:
             # since belongs to a window behind it.
             plan.released += [self.release(self.segments[ck]) for ck in list(self.unclaimed)]
         used = self.used()
+        # A load under way fills its pages whatever the holds say now (one for a hold that moved
+        # on, or one that the shards before it in the holders' order would now leave no room
+        # for): it counts until it lands.
+        for path in loading:
+            with contextlib.suppress(OSError):
+                used += pages(os.stat(path).st_size)
         self.waiting_room = set()
         full = False
         for checksum, path in wanted.items():
             if checksum in self.segments or checksum in self.unloaded or self.failed(path, checksum):
                 continue
+            if path in loading:
+                continue  # on its way, and counted above
             try:
                 size = os.stat(path).st_size
             except OSError:
@@ -190,13 +199,11 @@ class Planner:
                 used -= pages(seg.size)
             if full or not self.fits(size, used):
                 full = True  # later shards wait until earlier ones are released
-                if path not in loading:
-                    self.waiting_room.add(path)
+                self.waiting_room.add(path)
                 continue
             used += pages(size)
-            if path not in loading:
-                self.hold_loads[path] = checksum
-                plan.loads.append((path, checksum))
+            self.hold_loads[path] = checksum
+            plan.loads.append((path, checksum))
         return plan
 
     def release(self, seg: Segment) -> str:
