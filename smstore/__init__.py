@@ -39,6 +39,7 @@ from smstore.errors import (
     StoreNotFoundError,
     StoreTruncatedError,
     StoreVersionError,
+    WorkerError,
 )
 
 if TYPE_CHECKING:
@@ -51,6 +52,7 @@ if TYPE_CHECKING:
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
+    from smstore.transform_loader import TransformLoader
     from smstore.views import Concat, Repeat, Subset, select
 
 __version__: str = _core.__version__
@@ -93,7 +95,9 @@ __all__ = [
     "StoreVersionError",
     "Subset",
     "TokenCollator",
+    "TransformLoader",
     "WindowedShuffleSampler",
+    "WorkerError",
     "Writer",
     "__version__",
     "collect_garbage",
@@ -134,6 +138,7 @@ _LAZY = {
     "Repeat": "smstore.views",
     "Concat": "smstore.views",
     "select": "smstore.views",
+    "TransformLoader": "smstore.transform_loader",
 }
 
 
