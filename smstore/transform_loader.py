@@ -419,7 +419,7 @@ class _WorkerPool:
         with contextlib.suppress(EOFError, OSError):
             while conn.poll():  # what it finished before it died still counts
                 self._receive(conn)
-        proc.join(0)
+        proc.join(5.0)  # its sentinel closes a moment before it can be reaped
         code = proc.exitcode
         lost = sorted(s for s, w in self.inflight.items() if w == worker and s not in self.done)
         how = (
