@@ -98,6 +98,7 @@ def measure(
             seconds, batches[name] = epoch(loader)
             cpu[name] += (cpu_seconds() - cpu0) / repeats
             best[name] = min(best[name], seconds)
+            log(f"    {name}: {seconds:.3f} s, {cpu_seconds() - cpu0:.2f} CPU s")
             pss[name] = max(pss.get(name, 0.0), pss_mib())
     for loader in made.values():
         if hasattr(loader, "close"):

@@ -168,6 +168,20 @@ def test_resume_global_sampler_is_exact(numbered: Path, stop: int) -> None:
         assert_same_batches(rest, want[stop:])
 
 
+def test_sampler_alone_refuses_to_answer_ahead_of_the_loop(numbered: Path) -> None:
+    """The workers draw batches ahead, so the sampler's own position is not what the loop received:
+    it says so, and the loader's state_dict is the answer."""
+    sampler = GlobalShuffleSampler(N, seed=5)
+    ds = SharedStoreDataset(numbered, decode="bytes")
+    with TransformLoader(ds, tt.features, batch_size=30, sampler=sampler, depth=5) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(RuntimeError, match="ahead of the training loop"):
+            sampler.state_dict()
+        assert loader.state_dict()["sampler"]["consumed"] == 30
+        it.close()
+
+
 def test_resume_other_sampler_skips_received_batches(numbered: Path) -> None:
     ds = SharedStoreDataset(numbered, decode="bytes")
     order = list(range(N - 1, -1, -1))
