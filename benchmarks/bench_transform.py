@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import io
 import os
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -82,29 +84,34 @@ def cpu_seconds() -> float:
 
 
 def measure(
-    loaders: dict[str, Callable[[], Any]], repeats: int
-) -> tuple[dict[str, float], dict[str, int], dict[str, float], dict[str, float]]:
-    """Best epoch time, batches, PSS at the end of an epoch and CPU seconds an epoch (the mean) of
-    each loader, taking turns. On a shared machine the CPU time is the steadier figure: the wall
-    time of a pass depends on what else runs."""
-    made = {name: make() for name, make in loaders.items()}
-    for loader in made.values():
-        epoch(loader)  # workers started, pages warm
-    best = dict.fromkeys(made, float("inf"))
-    batches, pss, cpu = {}, {}, dict.fromkeys(made, 0.0)
-    for _ in range(repeats):
-        for name, loader in made.items():
-            cpu0 = cpu_seconds()
-            seconds, batches[name] = epoch(loader)
-            cpu[name] += (cpu_seconds() - cpu0) / repeats
-            best[name] = min(best[name], seconds)
-            log(f"    {name}: {seconds:.3f} s, {cpu_seconds() - cpu0:.2f} CPU s")
-            pss[name] = max(pss.get(name, 0.0), pss_mib())
-    for loader in made.values():
-        if hasattr(loader, "close"):
-            loader.close()
-        del loader
-    del made
+    loaders: dict[str, Callable[[], Any]], rounds: int, epochs: int = 2
+) -> tuple[dict[str, list[float]], dict[str, int], dict[str, float], dict[str, float]]:
+    """Best epoch time of each round, batches, peak PSS at the end of an epoch and mean CPU seconds an epoch of
+    each loader. The loaders take turns in rounds; in its turn a loader is made, warmed up (workers
+    started, pages touched), timed for ``epochs`` epochs and closed, so that no other loader's
+    workers are alive while it runs. On a shared machine the CPU time is the steadier figure: the
+    wall time of a pass depends on what else runs."""
+    best: dict[str, list[float]] = {name: [] for name in loaders}  # the best epoch of each round
+    batches: dict[str, int] = {}
+    pss: dict[str, float] = {}
+    cpu = dict.fromkeys(loaders, 0.0)
+    for _ in range(rounds):
+        for name, make in loaders.items():
+            loader = make()
+            epoch(loader)
+            best[name].append(float("inf"))
+            for _ in range(epochs):
+                cpu0 = cpu_seconds()
+                seconds, batches[name] = epoch(loader)
+                used = cpu_seconds() - cpu0
+                cpu[name] += used / (rounds * epochs)
+                best[name][-1] = min(best[name][-1], seconds)
+                log(f"    {name}: {seconds:.3f} s, {used:.2f} CPU s")
+                pss[name] = max(pss.get(name, 0.0), pss_mib())
+            if hasattr(loader, "close"):
+                loader.close()
+            del loader
+            gc.collect()  # a DataLoader's persistent workers stop when its iterator is collected
     return best, batches, pss, cpu
 
 
@@ -165,28 +172,33 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             n = batches["TransformLoader"]
             assert n == batches["DataLoader"], batches
-            dl, tl = best["DataLoader"], best["TransformLoader"]
+            # Paired by round (the two measured minutes apart at most): the median of the rounds'
+            # ratios, which one quiet or busy moment of a shared machine does not decide.
+            pairs = sorted(d / t for d, t in zip(best["DataLoader"], best["TransformLoader"], strict=True))
+            speedup = statistics.median(pairs)
+            dl, tl = statistics.median(best["DataLoader"]), statistics.median(best["TransformLoader"])
             cpu_dl, cpu_tl = cpu["DataLoader"], cpu["TransformLoader"]
             if fn is decode:
                 report.compare(
-                    f"{label}: samples/s, {k} workers, batch {b}",
+                    f"{label}: samples/s, {k} workers, batch {b} (rounds' ratios {pairs[0]:.2f}-{pairs[-1]:.2f}x)",
                     f"{args.images / tl:,.0f}",
                     f"DataLoader {args.images / dl:,.0f}",
-                    dl / tl,
+                    speedup,
                     ">= 1.0x",
-                    dl / tl >= 1.0,
+                    speedup >= 1.0,
                 )
             else:
                 report.compare(
-                    f"{label}: ms per batch, {k} workers, batch {b}",
+                    f"{label}: ms per batch, {k} workers, batch {b} "
+                    f"(rounds' ratios {1 / pairs[-1]:.2f}-{1 / pairs[0]:.2f}x)",
                     f"{1e3 * tl / n:.3f}",
                     f"DataLoader {1e3 * dl / n:.3f}",
-                    tl / dl,
+                    1 / speedup,
                     "< 1.0x",
-                    tl < dl,
+                    speedup > 1.0,
                 )
             report.add(
-                f"{label}: CPU ms per batch, the process and its {k} workers (mean of {args.repeats} epochs)",
+                f"{label}: CPU ms per batch, the process and its {k} workers (mean of {2 * args.repeats} epochs)",
                 f"{1e3 * cpu_tl / n:.2f}",
                 baseline=f"DataLoader {1e3 * cpu_dl / n:.2f}",
                 ratio=f"{cpu_tl / cpu_dl:.2f}x" if cpu_dl else "-",
@@ -202,7 +214,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (
             f"{args.images} JPEGs of {SIDE}x{SIDE} RGB (quality 90, blob {size:.1f} MiB), decoded with Pillow "
             f"{PIL.__version__} and resized to {OUT}x{OUT}; the order of a GlobalShuffleSampler (seed 1); "
-            f"start method {args.context}; best of {args.repeats} epochs after a warm-up epoch, the loaders taking turns."
+            f"start method {args.context}; {args.repeats} rounds in which each loader in turn is made, warmed up for an epoch, timed for 2 and closed; a round's time is its better epoch; the table gives the median over rounds and, as the ratio, the median of the rounds' paired ratios."
         ),
         (
             f"TransformLoader's ring: depth {2 * k + 1} (the default, 2 x workers + 1) slots of one batch "
