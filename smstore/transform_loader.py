@@ -32,7 +32,8 @@ _STATE_VERSION = 1
 _ALIGN = 64  # every field of a slot starts on a cache line (and on its dtype's alignment)
 _TASK = struct.Struct("<qqq")  # batch number, slot, records; a negative batch number stops the worker
 _DONE = struct.Struct("<qqB")  # batch number, slot, status; a failure appends a pickled payload
-_OK, _BAD_RECORD, _RAISED = 0, 1, 2
+_OK, _BAD_RECORD, _RAISED, _SKIPPED = 0, 1, 2, 3
+_STOP_ALL = 1 << 62  # the control word when the loader closes: every batch number is below it
 _POLL_S = 1.0  # how often a waiting side looks whether the other one is still alive
 
 # What a field spec may be: (shape, dtype), the dtype anything numpy.dtype() takes, or a torch dtype.
@@ -208,6 +209,11 @@ class _Layout:
         ]
         return index, fields
 
+    def control_view(self, buffer: np.ndarray[Any, Any], depth: int) -> np.ndarray[Any, Any]:
+        """The int64 control word after the slots (see _worker_main)."""
+        end = depth * self.slot_bytes
+        return buffer[end : end + 8].view(np.int64)
+
     def tensor_views(self, buffer: torch.Tensor, slot: int) -> list[torch.Tensor]:
         """A slot's field arrays as tensors over the shared buffer (they keep its storage alive)."""
         base = slot * self.slot_bytes
@@ -275,6 +281,9 @@ def _worker_main(
         worker_init_fn(worker_id)
     arr = buffer.numpy()
     slots = [layout.numpy_views(arr, s) for s in range(depth)]
+    # The parent's control word: batches numbered below it were abandoned (a pass left early, or
+    # close()), so a worker answers them at once instead of decoding records no one will read.
+    skip_below = layout.control_view(arr, depth)
     getitems = getattr(dataset, "__getitems__", None)
     while True:
         try:
@@ -286,6 +295,10 @@ def _worker_main(
             return
         if seq < 0:
             return
+        if seq < skip_below[0]:
+            with contextlib.suppress(OSError):
+                results.send_bytes(_DONE.pack(seq, slot, _SKIPPED))
+            continue
         index_view, rows = slots[slot]
         indices = index_view[:n].tolist()
         index = indices[0] if indices else -1
@@ -298,9 +311,13 @@ def _worker_main(
                 samples = []
                 for index in indices:  # `index` names the failing record in the handlers
                     samples.append(dataset[index])
+            status = _OK
             for row, (index, sample) in enumerate(zip(indices, samples, strict=True)):  # noqa: B007
+                if seq < skip_below[0]:
+                    status = _SKIPPED
+                    break
                 layout.write(rows, row, sample if transform is None else transform(sample))
-            results.send_bytes(_DONE.pack(seq, slot, _OK))
+            results.send_bytes(_DONE.pack(seq, slot, status))
         except CollateError as e:
             results.send_bytes(_DONE.pack(seq, slot, _BAD_RECORD) + pickle.dumps((index, str(e), None)))
         except Exception as e:  # noqa: BLE001 - whatever the transform raises goes to the parent
@@ -332,8 +349,10 @@ class _WorkerPool:
         self.depth = depth
         # Allocated once, before the workers start: torch's shared memory (memfd-like: unlinked at
         # once, passed to spawn/forkserver children as a descriptor, inherited by fork ones).
-        self.buffer = torch.empty(depth * layout.slot_bytes, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+        size = depth * layout.slot_bytes + _ALIGN  # the slots, then the control word
+        self.buffer = torch.zeros(size, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
         self._index = [layout.numpy_views(self.buffer.numpy(), s)[0] for s in range(depth)]
+        self._skip_below = layout.control_view(self.buffer.numpy(), depth)
         self.views = [layout.tensor_views(self.buffer, s) for s in range(depth)]
         self.inflight: dict[int, int] = {}  # batch number -> worker
         self.done: dict[int, tuple[int, bytes]] = {}  # batch number -> (status, payload)
@@ -435,7 +454,10 @@ class _WorkerPool:
         raise WorkerError(msg)
 
     def drain(self, timeout: float) -> None:
-        """Wait for the batches of an abandoned pass, so that their slots are free again."""
+        """Abandon the batches under way (their workers skip them, or stop within a record) and
+        wait for their answers, so that their slots are free again."""
+        if self.inflight:
+            self._skip_below[0] = max(self.inflight) + 1
         for seq in sorted(self.inflight):
             if seq not in self.done:
                 self.wait_for(seq, timeout)
@@ -447,6 +469,8 @@ class _WorkerPool:
         if getattr(self, "closed", False):
             return
         self.closed = True
+        if hasattr(self, "_skip_below"):
+            self._skip_below[0] = _STOP_ALL  # the workers drop what is queued and reach the stop
         for conn in self._tasks:
             with contextlib.suppress(OSError):
                 conn.send_bytes(_TASK.pack(-1, 0, 0))
@@ -465,7 +489,8 @@ class _WorkerPool:
             conn.close()
         self.procs, self._tasks, self._results = [], [], []
         self.views, self._index = [], []
-        del self.buffer
+        with contextlib.suppress(AttributeError):
+            del self.buffer, self._skip_below
 
 
 # -- the loader ---------------------------------------------------------------------------------------

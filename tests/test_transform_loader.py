@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import gc
 import os
+import threading
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -209,6 +211,39 @@ def test_abandoned_pass_then_a_full_one(numbered: Path) -> None:
                 break
         got = [detach(b) for b in loader]
     assert_same_batches(got, want)
+
+
+def test_abandoned_batches_are_skipped_not_decoded(numbered: Path, tmp_path: Path) -> None:
+    """A new pass abandons the batches the old one left under way: each worker finishes the record
+    in hand and skips the rest, instead of decoding batches no one will read."""
+    log, gate = tmp_path / "log", tmp_path / "gate"
+    recorder = tt.GatedRecorder(str(log), str(gate), gate_from=10)
+    ds = SharedStoreDataset(numbered, decode="bytes")
+    with TransformLoader(ds, recorder, batch_size=10, num_workers=2, depth=9) as loader:
+        log.unlink()  # the parent's call that inferred the layout
+        it = iter(loader)
+        next(it)  # batch 0; batches 1 and 2 wait at the gate, 3..8 queued behind them
+        it.close()
+        pool = loader._pool
+        assert pool is not None
+
+        def open_gate_once_abandoned() -> None:
+            while getattr(pool, "_skip_below", [1])[0] == 0:  # (without one: at once)
+                time.sleep(0.005)
+            gate.touch()
+
+        opener = threading.Thread(target=open_gate_once_abandoned)
+        opener.start()
+        second = iter(loader)  # abandons batches 1..8 and waits for their answers
+        opener.join()
+        first_pass = sorted(int(x) for x in log.read_text().split())
+        # Batch 0, then at most the record each worker held at the gate (10 or 20): a worker
+        # that had not reached its record yet skips the whole batch.
+        assert first_pass[:10] == list(range(10))
+        assert set(first_pass[10:]) <= {10, 20}
+        assert [int(i) for b in second for i in b["x"][:, 0]] == [
+            int(tt.features(tt.numbered_record(i))["x"][0]) for i in range(N)
+        ]
 
 
 # ------------------------------------------------------------------------------ errors

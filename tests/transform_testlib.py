@@ -9,6 +9,7 @@ from __future__ import annotations
 import io
 import os
 import signal
+import time
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -90,3 +91,18 @@ def make_jpeg(i: int, size: int = 48) -> bytes:
     buf = io.BytesIO()
     Image.fromarray(rgb.astype(np.uint8)).save(buf, format="JPEG", quality=85)
     return buf.getvalue()
+
+
+class GatedRecorder:
+    """Logs each record it transforms to ``log``; records from ``gate_from`` on wait for ``gate`` to exist."""
+
+    def __init__(self, log: str, gate: str, gate_from: int) -> None:
+        self.log, self.gate, self.gate_from = log, gate, gate_from
+
+    def __call__(self, record: bytes) -> dict[str, Any]:
+        i = index_of(record)
+        while i >= self.gate_from and not os.path.exists(self.gate):
+            time.sleep(0.005)
+        with open(self.log, "a") as f:
+            f.write(f"{i}\n")
+        return features(record)
