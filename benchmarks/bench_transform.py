@@ -83,9 +83,19 @@ def cpu_seconds() -> float:
     return total / os.sysconf("SC_CLK_TCK")
 
 
+def run_queue_seconds() -> float:
+    """Time this process and its workers spent runnable but waiting for a CPU (/proc/PID/schedstat):
+    what other work on the machine took from them."""
+    total = 0
+    for pid in descendants([os.getpid()]):
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(Path(f"/proc/{pid}/schedstat").read_text().split()[1])
+    return total / 1e9
+
+
 def measure(
     loaders: dict[str, Callable[[], Any]], rounds: int, epochs: int = 2
-) -> tuple[dict[str, list[float]], dict[str, int], dict[str, float], dict[str, float]]:
+) -> tuple[dict[str, list[float]], dict[str, int], dict[str, float], dict[str, float], dict[str, float]]:
     """Best epoch time of each round, batches, peak PSS at the end of an epoch and mean CPU seconds an epoch of
     each loader. The loaders take turns in rounds; in its turn a loader is made, warmed up (workers
     started, pages touched), timed for ``epochs`` epochs and closed, so that no other loader's
@@ -95,16 +105,18 @@ def measure(
     batches: dict[str, int] = {}
     pss: dict[str, float] = {}
     cpu = dict.fromkeys(loaders, 0.0)
+    waited = dict.fromkeys(loaders, 0.0)
     for _ in range(rounds):
         for name, make in loaders.items():
             loader = make()
             epoch(loader)
             best[name].append(float("inf"))
             for _ in range(epochs):
-                cpu0 = cpu_seconds()
+                cpu0, wait0 = cpu_seconds(), run_queue_seconds()
                 seconds, batches[name] = epoch(loader)
                 used = cpu_seconds() - cpu0
                 cpu[name] += used / (rounds * epochs)
+                waited[name] += (run_queue_seconds() - wait0) / (rounds * epochs)
                 best[name][-1] = min(best[name][-1], seconds)
                 log(f"    {name}: {seconds:.3f} s, {used:.2f} CPU s")
                 pss[name] = max(pss.get(name, 0.0), pss_mib())
@@ -112,7 +124,7 @@ def measure(
                 loader.close()
             del loader
             gc.collect()  # a DataLoader's persistent workers stop when its iterator is collected
-    return best, batches, pss, cpu
+    return best, batches, pss, cpu, waited
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -167,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     ds, fn, batch_size=b, sampler=sampler, num_workers=k, multiprocessing_context=args.context
                 )
 
-            best, batches, pss, cpu = measure(
+            best, batches, pss, cpu, waited = measure(
                 {"DataLoader": dataloader, "TransformLoader": transform_loader}, args.repeats
             )
             n = batches["TransformLoader"]
@@ -202,6 +214,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{1e3 * cpu_tl / n:.2f}",
                 baseline=f"DataLoader {1e3 * cpu_dl / n:.2f}",
                 ratio=f"{cpu_tl / cpu_dl:.2f}x" if cpu_dl else "-",
+            )
+            report.add(
+                f"{label}: s an epoch runnable but waiting for a CPU, the process and its {k} workers (mean)",
+                f"{waited['TransformLoader']:.3f}",
+                baseline=f"DataLoader {waited['DataLoader']:.3f}",
             )
             report.add(
                 f"{label}: PSS summed over the process and its {k} workers",
