@@ -296,8 +296,8 @@ def _worker_main(
         if seq < 0:
             return
         if seq < skip_below[0]:
-            with contextlib.suppress(OSError):
-                results.send_bytes(_DONE.pack(seq, slot, _SKIPPED))
+            if not _answer(results, _DONE.pack(seq, slot, _SKIPPED)):
+                return
             continue
         index_view, rows = slots[slot]
         indices = index_view[:n].tolist()
@@ -317,16 +317,26 @@ def _worker_main(
                     status = _SKIPPED
                     break
                 layout.write(rows, row, sample if transform is None else transform(sample))
-            results.send_bytes(_DONE.pack(seq, slot, status))
+            answer = _DONE.pack(seq, slot, status)
         except CollateError as e:
-            results.send_bytes(_DONE.pack(seq, slot, _BAD_RECORD) + pickle.dumps((index, str(e), None)))
+            answer = _DONE.pack(seq, slot, _BAD_RECORD) + pickle.dumps((index, str(e), None))
         except Exception as e:  # noqa: BLE001 - whatever the transform raises goes to the parent
             try:
                 exc: bytes | None = pickle.dumps(e)
             except Exception:  # noqa: BLE001 - an exception that does not pickle: its traceback text goes
                 exc = None
-            payload = (index, traceback.format_exc(), exc)
-            results.send_bytes(_DONE.pack(seq, slot, _RAISED) + pickle.dumps(payload))
+            answer = _DONE.pack(seq, slot, _RAISED) + pickle.dumps((index, traceback.format_exc(), exc))
+        if not _answer(results, answer):
+            return
+
+
+def _answer(results: Connection, message: bytes) -> bool:
+    """Send the parent an answer; False when it is gone (closed its end, or died)."""
+    try:
+        results.send_bytes(message)
+    except OSError:
+        return False
+    return True
 
 
 # -- the parent side: the pool of workers ------------------------------------------------------------
@@ -704,7 +714,7 @@ class TransformLoader:
         if exc_bytes is not None:
             with contextlib.suppress(Exception):
                 cause = pickle.loads(exc_bytes)
-        msg = f"the transform failed on record {index} (batch {batch}) in a worker:\n{text}"
+        msg = f"reading or transforming record {index} (batch {batch}) failed in a worker:\n{text}"
         raise WorkerError(msg) from cause
 
     # -- state --------------------------------------------------------------------------------------
