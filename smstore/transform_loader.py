@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler, SequentialSampler
 
-from smstore.errors import CollateError, WorkerError
+from smstore.errors import CollateError, StoreClosedError, WorkerError
 from smstore.sampler import GlobalShuffleSampler
 
 __all__ = ["TransformLoader"]
@@ -397,6 +397,9 @@ class _WorkerPool:
                 self._tasks.append(task_w)
                 self._results.append(res_r)
         except BaseException:
+            for (_, task_w), (res_r, _) in pipes:  # our ends, of workers started or not
+                task_w.close()
+                res_r.close()
             self.close()
             raise
         finally:
@@ -404,7 +407,6 @@ class _WorkerPool:
                 task_r.close()
                 res_w.close()
         self._worker_of = {p.sentinel: w for w, p in enumerate(self.procs)}
-        self._reader_of = {id(r): w for w, r in enumerate(self._results)}
         self.closed = False
         self.base = 0  # the batch number where the current pass started (for messages)
 
@@ -413,7 +415,11 @@ class _WorkerPool:
         self._index[slot][: len(indices)] = indices
         worker = seq % len(self.procs)
         self.inflight[seq] = worker
-        self._tasks[worker].send_bytes(_TASK.pack(seq, slot, len(indices)))
+        try:
+            self._tasks[worker].send_bytes(_TASK.pack(seq, slot, len(indices)))
+        except OSError:  # its end is closed: the worker died
+            self._check_dead(worker)
+            raise
 
     def wait_for(self, seq: int, timeout: float) -> tuple[int, bytes]:
         """The status of batch ``seq`` once its worker answered; raises if a worker died or time ran out."""
@@ -676,21 +682,26 @@ class TransformLoader:
         more = True
         while True:
             if token != self._pass:
-                msg = "a newer pass of this TransformLoader started: only the latest iterator runs"
+                msg = "a newer pass of this TransformLoader started (or a state was loaded): only its iterator runs"
                 raise RuntimeError(msg)
-            while more and len(pending) < self.depth:  # the loop's last batch is done with: its slot is free
-                batch = next(batches, None)
-                if batch is None:
-                    more = False
-                    break
-                pool.dispatch(self._seq, batch)
-                pending.append((self._seq, len(batch)))
-                self._seq += 1
-            if not pending:
-                self._exhausted = True
-                return
-            seq, n = pending.popleft()
+            if pool.closed:
+                msg = "the TransformLoader was closed during this pass: start a new pass with iter(loader)"
+                raise StoreClosedError(msg)
             try:
+                while (
+                    more and len(pending) < self.depth
+                ):  # the loop's last batch is done with: its slot is free
+                    batch = next(batches, None)
+                    if batch is None:
+                        more = False
+                        break
+                    pool.dispatch(self._seq, batch)
+                    pending.append((self._seq, len(batch)))
+                    self._seq += 1
+                if not pending:
+                    self._exhausted = True
+                    return
+                seq, n = pending.popleft()
                 status, payload = pool.wait_for(seq, self.timeout)
                 if status != _OK:
                     self._raise(seq - pool.base, status, payload)

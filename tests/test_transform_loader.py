@@ -246,6 +246,18 @@ def test_abandoned_batches_are_skipped_not_decoded(numbered: Path, tmp_path: Pat
         ]
 
 
+def test_closed_mid_pass_then_reopened(numbered: Path) -> None:
+    ds = SharedStoreDataset(numbered, decode="bytes")
+    loader = TransformLoader(ds, tt.features, batch_size=30)
+    it = iter(loader)
+    next(it)
+    loader.close()
+    with pytest.raises(smstore.StoreClosedError, match="closed during this pass"):
+        next(it)
+    assert len(list(loader)) == 10  # a new pass starts new workers
+    loader.close()
+
+
 # ------------------------------------------------------------------------------ errors
 
 
