@@ -67,7 +67,13 @@ def reference(path: Path, transform: Any, sampler: Any, batch_size: int, **kw: A
 # ------------------------------------------------------------------------------ same batches
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn", "forkserver"])
+# spawn and forkserver workers import torch anew: seconds each
+SLOW_STARTS = [
+    c if c == "fork" else pytest.param(c, marks=pytest.mark.slow) for c in ("fork", "spawn", "forkserver")
+]
+
+
+@pytest.mark.parametrize("context", SLOW_STARTS)
 def test_batches_match_dataloader(numbered: Path, context: str) -> None:
     sampler = GlobalShuffleSampler(N, seed=7)
     want = reference(numbered, tt.features, sampler, 32, multiprocessing_context=context)
@@ -359,14 +365,14 @@ def resources() -> tuple[set[str], set[str], list[str]]:
     return fds, shm, maps
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", SLOW_STARTS[:2])
 def test_shutdown_mid_epoch_leaves_nothing(numbered: Path, context: str) -> None:
     ds = SharedStoreDataset(numbered, decode="bytes")
     ds[0]
     # Once first: spawn starts multiprocessing's resource tracker (one process and descriptor for
     # the life of the interpreter) on first use.
     with TransformLoader(
-        ds, tt.features, batch_size=10, num_workers=2, multiprocessing_context=context
+        ds, tt.features, batch_size=10, num_workers=1, multiprocessing_context=context
     ) as warm:
         next(iter(warm))
     gc.collect()
