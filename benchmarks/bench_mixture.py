@@ -16,7 +16,10 @@ Every figure is measured in this one run:
    the Python extrapolation is an upper bound on time, the memory an exact figure).
 2. **Cost per index**: one rank's indices drawn through the sampler's own path (`iter(sampler)`,
    chunks of up to 65536) for a 100-source mixture and for a GlobalShuffleSampler over the same
-   10^11 records, interleaved, best of `--repeats`.
+   10^11 records, interleaved, best of `--repeats`. The same for `WindowedMixtureSampler` (each
+   source 10^4 shards of 1000 records, windows of 4 shards), without residency and with its
+   bookkeeping (holds sent to a no-op residency), against GlobalShuffleSampler again in the same
+   loop; and the time from constructing it to its first index.
 3. **Proportions over every prefix**, for the blend 0.5/0.3/0.2 and for 5 random weights, over
    `--prefix` positions: the largest `|count_s(n) - n w_s|` over every prefix `n` and source `s`,
    for smstore's order, Megatron's greedy index (its algorithm, above), Hugging Face
@@ -41,11 +44,13 @@ from pathlib import Path
 import numpy as np
 from bench_core import Report, log, machine_info, temp_dir, write_results, yes_no
 
-from smstore.mixture import Mixture, MixtureOrder, MixtureSampler
+from smstore.mixture import Mixture, MixtureOrder, MixtureSampler, WindowedMixtureSampler
 from smstore.sampler import GlobalShuffleSampler
 
 SOURCES = 100
 RECORDS = 10**9
+# The windowed rows: sources of 10^7 records in 10^4 shards of 1000, windows of 4 shards.
+WINDOWED_RECORDS, SHARD_RECORDS, WINDOW = 10**7, 1000, 4
 
 
 def megatron_blend(weights: list[float], size: int) -> tuple[np.ndarray, np.ndarray]:
@@ -114,6 +119,39 @@ def litdata_draws(weights: list[float], size: int) -> np.ndarray:
     rng = random.Random(42)
     ids = list(range(len(weights)))
     return np.fromiter((rng.choices(ids, weights=weights, k=1)[0] for _ in range(size)), np.int64, size)
+
+
+class NoResidency:
+    """A residency that takes the holds and does nothing: the sampler's bookkeeping alone."""
+
+    def __init__(self) -> None:
+        self.holds = 0
+
+    def hold(self, shards: tuple[int, ...], *, wait: bool = False) -> None:
+        self.holds += 1
+
+    def close(self) -> None:
+        pass
+
+
+def windowed_mixture(
+    weights: list[float], residency: bool
+) -> tuple[WindowedMixtureSampler, list[NoResidency]]:
+    sources = len(weights)
+    mix = Mixture([WINDOWED_RECORDS] * sources, weights, stop=WINDOWED_RECORDS * sources)
+    shards = [[SHARD_RECORDS] * (WINDOWED_RECORDS // SHARD_RECORDS)] * sources
+    holders = [NoResidency() for _ in range(sources)] if residency else []
+    sampler = WindowedMixtureSampler(
+        mix,
+        window=WINDOW,
+        shard_sizes=shards,
+        seed=1,
+        rank=0,
+        world_size=1,
+        residency=holders or False,
+        lag=256,
+    )
+    return sampler, holders
 
 
 def draw(sampler: GlobalShuffleSampler, count: int) -> float:
@@ -206,6 +244,33 @@ def main(argv: list[str] | None = None) -> None:
         "<= 2x",
         best2 / g <= 2,
     )
+    log("cost per index, windowed mixtures")
+    t = time.perf_counter()
+    wide, _ = windowed_mixture(weights, residency=False)
+    next(iter(wide))
+    first = time.perf_counter() - t
+    narrow, _ = windowed_mixture([0.7, 0.3], residency=False)
+    held, holders = windowed_mixture(weights, residency=True)
+    # GlobalShuffleSampler again, interleaved with these rows: the ratio is of one stretch of time.
+    wbest = {"gss": float("inf"), "wide": float("inf"), "narrow": float("inf"), "held": float("inf")}
+    for _ in range(args.repeats):
+        wbest["gss"] = min(wbest["gss"], draw(gss, args.indices))
+        wbest["wide"] = min(wbest["wide"], draw(wide, args.indices))
+        wbest["narrow"] = min(wbest["narrow"], draw(narrow, args.indices))
+        wbest["held"] = min(wbest["held"], draw(held, args.indices))
+    per = {k: v / args.indices * 1e9 for k, v in wbest.items()}
+    shape = f"10^4 shards of {SHARD_RECORDS} records a source, window {WINDOW}"
+    for key, name in [
+        ("wide", f"cost per index, {SOURCES}-source windowed mixture ({shape}) vs GlobalShuffleSampler"),
+        ("narrow", "cost per index, 2-source windowed mixture (0.7/0.3)"),
+        ("held", f"cost per index, {SOURCES}-source windowed mixture with residency (holds to a no-op)"),
+    ]:
+        ratio = per[key] / per["gss"]
+        report.compare(name, f"{per[key]:.0f} ns", f"{per['gss']:.0f} ns", ratio, "<= 2x", ratio <= 2)
+    report.add(
+        f"windowed mixture, {SOURCES} sources x 10^4 shards: construction to the first index",
+        f"{first * 1e3:.0f} ms",
+    )
     log("proportions over every prefix")
     blends = {"0.5/0.3/0.2": [0.5, 0.3, 0.2], "5 random weights": [float(x) for x in rng.random(5) + 0.05]}
     for name, blend in blends.items():
@@ -229,6 +294,15 @@ def main(argv: list[str] | None = None) -> None:
             "The mixture's order is one C++ call per chunk, like GlobalShuffleSampler's: the tree descent "
             "(16 positions at a time, without branches, one multiply per division) then the source's "
             "Feistel permutation for the draw's pass (kept per source while its pass lasts)."
+        ),
+        (
+            "The windowed mixture is the same C++ call per chunk, with each source pass's windowed order "
+            "(window, Feistel permutation within it, shard) in place of its permutation. With residency, "
+            f"chunks are at most 4096 indices and each source's windows move every {SHARD_RECORDS * WINDOW} "
+            f"of its draws ({sum(h.holds for h in holders) // args.repeats} holds sent in each run of "
+            f"{args.indices} indices of the row with residency); the "
+            "first index builds no table of the epoch: each source's shard order is computed when its pass "
+            "is first reached."
         ),
         (
             "Megatron's index is built once per (blend, size) and cached on disk; its time in C++ is "

@@ -181,7 +181,8 @@ def main() -> None:
     git = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
-    print("- command: `python benchmarks/bench_objects.py > benchmarks/results/objects.md`")
+    cmd = " ".join(["python benchmarks/bench_objects.py", *sys.argv[1:]])
+    print(f"- command: `{cmd} > benchmarks/results/objects.md`")
     print(
         f"- date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; git {git}; load average before: {load:.2f}"
     )

@@ -62,7 +62,7 @@ from bench_core import MiB, Report, log, machine_info, temp_dir, write_results, 
 
 import smstore
 from smstore import _core
-from smstore._shards import read_manifest
+from smstore._manifest import read_manifest
 from smstore.sampler import GlobalShuffleSampler, WindowedShuffleSampler
 
 RESULTS = Path(__file__).parent / "results"

@@ -18,6 +18,7 @@ public:
         Input,      // bad input to pack (e.g. an invalid JSON line)
         Shm,        // shared-memory segment problem (room, permissions, missing)
         Closed,     // the object was closed, finished or never initialized: it cannot be used
+        Index,      // a record index outside the store
     };
 
     Error(Kind kind, const std::string& message, int sys_errno = 0)

@@ -119,17 +119,33 @@ MixtureOrder::MixtureOrder(MixtureTree tree, std::vector<uint64_t> lengths, std:
     }
 }
 
+MixtureOrder::MixtureOrder(MixtureTree tree, std::vector<uint64_t> lengths, std::vector<uint64_t> offsets,
+                           uint64_t size, WindowedSource windows)
+    : MixtureOrder(std::move(tree), std::move(lengths), std::move(offsets), size, KeySource()) {
+    if (!windows) throw std::invalid_argument("a windowed mixture order needs its sources' windowed orders");
+    windows_ = std::move(windows);
+}
+
 uint64_t MixtureOrder::local(const MixtureTree::Draw& d) {
     Pass& pass = passes_[d.source];
     uint64_t n = lengths_[d.source];
     uint64_t within = d.before - pass.base;  // wraps past n when before < base
-    if (!pass.perm || within >= n) {
+    if (!(pass.perm || pass.windowed) || within >= n) {
         uint64_t e = d.before / n;
         pass.base = e * n;
-        pass.perm = std::make_unique<Feistel>(n, keys_(d.source, e));
         within = d.before - pass.base;
+        if (windows_) {
+            pass.windowed = windows_(d.source, e);
+            if (!pass.windowed || pass.windowed->size() != n) {
+                pass.windowed.reset();
+                throw std::invalid_argument("source " + std::to_string(d.source) +
+                                            "'s windowed order does not hold its records");
+            }
+        } else {
+            pass.perm = std::make_unique<Feistel>(n, keys_(d.source, e));
+        }
     }
-    return (*pass.perm)(within);
+    return pass.windowed ? static_cast<uint64_t>(pass.windowed->at(within)) : (*pass.perm)(within);
 }
 
 template <class Position, class Emit>

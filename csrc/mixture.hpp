@@ -1,5 +1,6 @@
 // A mixture epoch's order (smstore.mixture): the split tree gives each position's source and draw
-// number, then the source's own Feistel permutation for that draw's pass gives the record.
+// number, then the source's own order for that draw's pass (a Feistel permutation, or a windowed
+// order over its shards) gives the record.
 #pragma once
 
 #include <cstddef>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "feistel.hpp"
+#include "windowed_order.hpp"
 
 namespace smstore {
 
@@ -82,6 +84,11 @@ public:
     // positions of the epoch. Throws std::invalid_argument if they disagree with the tree.
     MixtureOrder(MixtureTree tree, std::vector<uint64_t> lengths, std::vector<uint64_t> offsets, uint64_t size,
                  KeySource keys);
+    // The windowed order of source s's pass e (built by the caller, one per pass, used by this
+    // order alone): each source read through windows of its shards.
+    using WindowedSource = std::function<std::shared_ptr<WindowedOrder>(size_t source, uint64_t pass)>;
+    MixtureOrder(MixtureTree tree, std::vector<uint64_t> lengths, std::vector<uint64_t> offsets, uint64_t size,
+                 WindowedSource windows);
 
     uint64_t size() const noexcept { return size_; }
 
@@ -98,6 +105,7 @@ private:
     struct Pass {
         uint64_t base = 0;
         std::unique_ptr<Feistel> perm;
+        std::shared_ptr<WindowedOrder> windowed;
     };
     uint64_t local(const MixtureTree::Draw& d);
     void check(const uint64_t* in, size_t count) const;
@@ -109,6 +117,7 @@ private:
     std::vector<uint64_t> lengths_, offsets_;
     uint64_t size_;
     KeySource keys_;
+    WindowedSource windows_;
     std::mutex mutex_;  // guards passes_ (callers may run without the GIL)
     std::vector<Pass> passes_;
 };

@@ -43,19 +43,34 @@ size_t WindowedOrder::window_of(uint64_t p) const noexcept {
 const Feistel& WindowedOrder::perm(size_t j) {
     auto it = perms_.find(j);
     if (it != perms_.end()) return it->second;
-    if (perms_.size() >= kMaxPerms) perms_.clear();
+    if (perms_.size() >= kMaxPerms) {
+        perms_.clear();
+        cursor_perm_ = nullptr;
+    }
     Feistel f(window_starts_[j + 1] - window_starts_[j], keys_(j));
     return perms_.emplace(j, std::move(f)).first->second;
 }
 
 int64_t WindowedOrder::image(uint64_t p, size_t j) {
+    return image(p, j, perm(j));
+}
+
+int64_t WindowedOrder::image(uint64_t p, size_t j, const Feistel& f) const {
     uint64_t base = window_starts_[j];
-    uint64_t seq = base + perm(j)(p - base);
+    uint64_t seq = base + f(p - base);
     // The shard holding seq is one of window j's: its first shard is j * window_ in shard order.
     auto lo = seq_starts_.begin() + static_cast<std::ptrdiff_t>(j * window_);
     auto hi = seq_starts_.begin() + static_cast<std::ptrdiff_t>(std::min((j + 1) * window_, record_starts_.size()));
     auto q = static_cast<size_t>(std::upper_bound(lo, hi, seq) - seq_starts_.begin()) - 1;
     return static_cast<int64_t>(record_starts_[q] + (seq - seq_starts_[q]));
+}
+
+int64_t WindowedOrder::at(uint64_t p) {
+    if (cursor_perm_ == nullptr || p < window_starts_[cursor_] || p >= window_starts_[cursor_ + 1]) {
+        cursor_ = window_of(p);
+        cursor_perm_ = &perm(cursor_);
+    }
+    return image(p, cursor_, *cursor_perm_);
 }
 
 void WindowedOrder::apply(const uint64_t* in, int64_t* out, size_t count) {

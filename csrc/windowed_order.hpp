@@ -36,6 +36,9 @@ public:
     // The window holding position p (< size()); an empty window holds none.
     size_t window_of(uint64_t p) const noexcept;
 
+    // The record at position p (< size(), unchecked), for positions that mostly rise (a mixture's
+    // draws of one source): the window is searched for only when p leaves the last one.
+    int64_t at(uint64_t p);
     // The record at each position; throws std::out_of_range for a position >= size().
     void apply(const uint64_t* in, int64_t* out, size_t count);
     void strided(uint64_t first, uint64_t step, size_t count, uint64_t wrap, int64_t* out);
@@ -43,11 +46,14 @@ public:
 private:
     const Feistel& perm(size_t j);
     int64_t image(uint64_t p, size_t j);
+    int64_t image(uint64_t p, size_t j, const Feistel& f) const;
 
     std::vector<uint64_t> window_starts_, seq_starts_, record_starts_;
     size_t window_;
     KeySource keys_;
     std::unordered_map<size_t, Feistel> perms_;  // a few windows' (cleared past kMaxPerms)
+    size_t cursor_ = 0;                          // at()'s last window
+    const Feistel* cursor_perm_ = nullptr;       // and its permutation (perms_ keeps it, until cleared)
     static constexpr size_t kMaxPerms = 16;
 };
 

@@ -15,8 +15,9 @@ from _common import Finding, main, scratch_dir
 
 with atheris.instrument_imports():
     import smstore
-    from smstore._segments import Segment, unlink_quietly
-    from smstore.daemon import Daemon
+    from smstore.daemon.loader import Loaded
+    from smstore.daemon.segments import Segment, unlink_quietly
+    from smstore.daemon.server import Daemon
 
 # Input byte 0 holds these flags, byte 1 the chunk size (0: one write); the rest is what the client sends.
 NOT_OWNER = 1  # the client is another uid the daemon admitted (a group member): no load/unload/stop
@@ -54,14 +55,14 @@ def open_segment_fd(fd: int) -> smstore.Store:
 def serve_one_segment() -> tuple[Daemon, Segment, int]:
     """A daemon that is not started (no socket file, no loader thread) with one small segment loaded.
 
-    Loaded by the daemon's own path (`_load_one`: shm_load, checksum checked; `_register`), then
+    Loaded by the daemon's own path (the loader's `_load_one`: shm_load, checksum checked; `Serving.register`), then
     unlinked at once, so that nothing is left in /dev/shm however this process ends. Returns the
     daemon, the segment, and a duplicate of its fd to serve it again after a fuzzed `unload`.
     """
     daemon = Daemon(WORK / "d.sock")
     blob = WORK / "served.smst"
     smstore.pack([b"zero", b"", b"two"], blob, durable=False)
-    seg = daemon._register(os.fspath(blob), daemon._load_one(os.fspath(blob)))
+    seg = daemon.serving.register(os.fspath(blob), daemon.serving.loader._load_one(os.fspath(blob), None))
     unlink_quietly(seg.name)
     return daemon, seg, os.dup(seg.fd)
 
@@ -164,15 +165,16 @@ def turn() -> None:
 def reset_daemon() -> None:
     """Undo what a request may leave for a loader that is not running, and serve the segment again."""
     DAEMON.stopping = False
-    DAEMON.loading.clear()
+    DAEMON.serving.loading.clear()
     while True:
         try:
-            DAEMON.jobs.get_nowait()
+            DAEMON.serving.loader.jobs.get_nowait()
         except queue.Empty:
             break
     if SEGMENT.checksum not in DAEMON.segments:  # a fuzzed `unload` dropped it
-        ck = int(SEGMENT.checksum, 16)
-        DAEMON._register(SEGMENT.paths[0], (SEGMENT.name, os.dup(SEGMENT_FD), ck, 0.0))
+        DAEMON.serving.register(
+            SEGMENT.paths[0], Loaded(SEGMENT.name, os.dup(SEGMENT_FD), SEGMENT.checksum, 0.0)
+        )
 
 
 def check_clean() -> None:

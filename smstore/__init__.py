@@ -17,7 +17,8 @@ except ImportError as err:  # pragma: no cover - only without a built extension
     ) from err
 
 from smstore._objects import ObjectStore, pack_objects
-from smstore._pack import PackStats, Writer, pack, pack_files
+from smstore._pack import PackStats, Writer, pack
+from smstore._packfiles import pack_files
 from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
 from smstore._store import Store, open
 from smstore.errors import (
@@ -28,6 +29,7 @@ from smstore.errors import (
     IndexStaleError,
     MixtureError,
     PackInputError,
+    RecordIndexError,
     SharedListError,
     SharedListMismatchError,
     SharedMemoryError,
@@ -44,11 +46,12 @@ from smstore.errors import (
 
 if TYPE_CHECKING:
     from smstore._arrays import pack_arrays, pack_npy_lines
-    from smstore._segments import collect_garbage, list_segments
     from smstore.client import DaemonStore, daemon_request, open_store
     from smstore.collate import TokenCollator
+    from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.dataset import SharedStoreDataset
-    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler
+    from smstore.loader import Loader
+    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
@@ -66,6 +69,7 @@ __all__ = [
     "GlobalShuffleSampler",
     "IndexFileError",
     "IndexStaleError",
+    "Loader",
     "Mixture",
     "MixtureDataset",
     "MixtureError",
@@ -73,6 +77,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "RecordIndexError",
     "Repeat",
     "ResumableLoader",
     "ShardResidency",
@@ -96,6 +101,7 @@ __all__ = [
     "Subset",
     "TokenCollator",
     "TransformLoader",
+    "WindowedMixtureSampler",
     "WindowedShuffleSampler",
     "WorkerError",
     "Writer",
@@ -119,20 +125,22 @@ __all__ = [
 _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
+    "Loader": "smstore.loader",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
     "Mixture": "smstore.mixture",
     "MixtureDataset": "smstore.mixture",
     "MixtureSampler": "smstore.mixture",
+    "WindowedMixtureSampler": "smstore.mixture",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",
     "open_store": "smstore.client",
     "DaemonStore": "smstore.client",
     "daemon_request": "smstore.client",
-    "collect_garbage": "smstore._segments",
-    "list_segments": "smstore._segments",
+    "collect_garbage": "smstore.daemon.segments",
+    "list_segments": "smstore.daemon.segments",
     "SharedList": "smstore.shared_list",
     "Subset": "smstore.views",
     "Repeat": "smstore.views",

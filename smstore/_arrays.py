@@ -10,7 +10,8 @@ import numpy as np
 import numpy.typing as npt
 
 from smstore import _core
-from smstore._pack import PackStats, Writer, pack_text_inputs
+from smstore._pack import PackStats, Writer
+from smstore._packfiles import pack_text_inputs
 from smstore.errors import PackInputError
 
 __all__ = ["array_encoding", "pack_arrays", "pack_npy_lines"]

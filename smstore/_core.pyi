@@ -1,6 +1,6 @@
 # Type stubs for smstore._core, the compiled module built from csrc/bindings.
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, SupportsIndex, TypeAlias, overload
 
 import numpy as np
@@ -68,6 +68,7 @@ class MixtureTree:
     ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
 
 class MixtureOrder:
+    @overload
     def __init__(
         self,
         tree: MixtureTree,
@@ -75,6 +76,16 @@ class MixtureOrder:
         offsets: Sequence[int],
         size: int,
         keys: Callable[[int, int], list[int]],
+    ) -> None: ...
+    @overload
+    def __init__(
+        self,
+        tree: MixtureTree,
+        lengths: Sequence[int],
+        offsets: Sequence[int],
+        size: int,
+        *,
+        windows: Callable[[int, int], WindowedOrder],
     ) -> None: ...
     def __len__(self) -> int: ...
     def pairs(
@@ -199,3 +210,49 @@ def pack_npy_lines(
     progress: Callable[[int], None] | None = None,
     max_line_bytes: int = ...,
 ) -> int: ...
+
+# -- batches of token records (csrc/batcher.hpp; TokenCollator and smstore.Loader use them) --
+
+_BatchArrays: TypeAlias = tuple[
+    npt.NDArray[Any],
+    npt.NDArray[np.int64],
+    npt.NDArray[np.int32 | np.int64] | None,
+    npt.NDArray[np.int64] | None,
+]
+
+class _BatchBuffer:
+    def __init__(self, *args: Any, **kwargs: Any) -> None: ...
+
+class BatchSpec:
+    def __init__(
+        self,
+        *,
+        pack: bool,
+        in_dtype: str,
+        out_dtype: str,
+        pad_value: int = 0,
+        max_length: int | None = None,
+        truncate_left: bool = False,
+        pad_left: bool = False,
+        fixed_length: bool = False,
+        multiple: int = 1,
+        with_indices: bool = False,
+    ) -> None: ...
+
+def collate_batch(spec: BatchSpec, store: Store, indices: _Indices, pinned: bool = False) -> _BatchArrays: ...
+def pinned_blocks_available() -> bool: ...
+
+class Batcher:
+    def __init__(
+        self, store: Store, spec: BatchSpec, threads: int, depth: int, pinned: bool = False
+    ) -> None: ...
+    def submit_from(
+        self, iterator: Iterator[SupportsIndex], batch_size: int, max_batches: int, drop_last: bool
+    ) -> tuple[int, bool]: ...
+    def next(self) -> _BatchArrays: ...
+    def pending(self) -> int: ...
+    @property
+    def threads(self) -> int: ...
+    @property
+    def depth(self) -> int: ...
+    def close(self) -> None: ...

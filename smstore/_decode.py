@@ -10,23 +10,12 @@ from typing import Any
 import numpy as np
 
 from smstore._objects import object_decoder
+from smstore._pack import numpy_dtype
 from smstore.errors import StoreFormatError
 
-__all__ = ["Decoder", "make_decoder", "numpy_dtype", "partial_items_error", "torch_dtype"]
+__all__ = ["Decoder", "make_decoder", "partial_items_error", "torch_dtype"]
 
 Decoder = Callable[[memoryview], Any]
-
-
-def numpy_dtype(encoding: str, path: str) -> np.dtype[Any]:
-    """The dtype of an ``npy:<dtype>`` encoding."""
-    if not encoding.startswith("npy:"):
-        msg = f"{path}: records are encoded as {encoding!r}, not npy:<dtype>; decode='numpy' needs arrays"
-        raise StoreFormatError(msg)
-    try:
-        return np.dtype(encoding[4:])
-    except TypeError:
-        msg = f"{path}: unknown dtype in encoding {encoding!r}"
-        raise StoreFormatError(msg) from None
 
 
 def partial_items_error(

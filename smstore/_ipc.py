@@ -1,25 +1,22 @@
-"""What the daemon and its clients share: socket location, message framing, process liveness."""
+"""What the daemon and its clients share beside the protocol: socket location, the transport (connect, exchange, request), process liveness."""
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import socket
 import stat
-import struct
+import time
 from pathlib import Path
 from typing import Any
 
+from smstore._protocol import BUSY, MAX_MESSAGE, decode_body, encode, frame_length
 from smstore.errors import DaemonError
 
 __all__ = [
-    "MAX_MESSAGE",
     "check_default_dir",
     "connect",
-    "decode_body",
     "default_socket_path",
-    "encode",
     "ensure_private_dir",
     "exchange",
     "process_alive",
@@ -28,9 +25,8 @@ __all__ = [
     "socket_path",
 ]
 
-# Requests and replies are tiny (a status of thousands of segments fits); anything larger is hostile.
-MAX_MESSAGE = 1 << 20
-_LEN = struct.Struct(">I")
+# The longest an owner's client refused as busy keeps trying (the daemon says how long is worth it).
+MAX_BUSY_WAIT = 60.0
 
 
 def default_socket_path() -> Path:
@@ -105,29 +101,6 @@ def check_default_dir(path: Path) -> None:
         raise DaemonError(msg) from None
 
 
-def encode(message: dict[str, Any]) -> bytes:
-    """One frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON."""
-    body = json.dumps(message, separators=(",", ":")).encode()
-    if len(body) > MAX_MESSAGE:
-        msg = f"message of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte limit"
-        raise DaemonError(msg)
-    return _LEN.pack(len(body)) + body
-
-
-def frame_length(buf: bytes | bytearray) -> int:
-    """The body length announced by the first 4 bytes of buf."""
-    return int(_LEN.unpack_from(buf)[0])
-
-
-def decode_body(body: bytes | bytearray) -> dict[str, Any]:
-    """Parse a frame body; ValueError unless it is a JSON object."""
-    obj = json.loads(body.decode("utf-8"))
-    if not isinstance(obj, dict):
-        msg = "a message must be a JSON object"
-        raise ValueError(msg)  # noqa: TRY004 - callers treat every malformed message alike
-    return obj
-
-
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -146,7 +119,18 @@ def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
     try:
         sock.settimeout(timeout)
         sock.connect(os.fspath(path))
-    except (FileNotFoundError, ConnectionRefusedError, PermissionError) as e:
+    except ConnectionRefusedError as e:
+        sock.close()
+        # The socket is there and no one listens: its daemon died (kill -9, out of memory).
+        msg = (
+            f"cannot reach an smstore daemon on {path} ({e.strerror}): the daemon that made it is gone. "
+            f"Restart it on the same socket ('smstore serve --socket {path}', with its --shm-limit and "
+            "--group): it adopts the segments the dead one loaded, and readers attach them again. Then "
+            "resume: a training job from its last checkpoint (the samplers' state_dict resumes "
+            "mid-epoch), or with mode='auto' to read the files while no daemon runs"
+        )
+        raise DaemonError(msg) from None
+    except (FileNotFoundError, PermissionError) as e:
         sock.close()
         msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
         raise DaemonError(msg) from None
@@ -214,13 +198,25 @@ def request(
     Raises:
         DaemonError: No daemon listens at ``path``, it broke the connection, or it timed out.
     """
-    sock = connect(path, timeout)
-    try:
-        reply, got = exchange(sock, message, path, fd=fd)
-    except BaseException:
+    delay, waited = 0.02, 0.0
+    while True:
+        sock = connect(path, timeout)
+        try:
+            reply, got = exchange(sock, message, path, fd=fd)
+        except BaseException:
+            sock.close()
+            raise
+        retry_within = reply.get("retry_within") if reply.get("error") == BUSY else None
+        if not isinstance(retry_within, (int, float)) or waited >= min(2.0 * retry_within, MAX_BUSY_WAIT):
+            return reply, got, sock
+        # Refused as busy though ours (every connection in use): the daemon drops stalled ones
+        # within its I/O timeout, so try again, backing off, for up to twice that.
         sock.close()
-        raise
-    return reply, got, sock
+        if got is not None:
+            os.close(got)
+        time.sleep(delay)
+        waited += delay
+        delay = min(2 * delay, 0.5)
 
 
 def process_start_time(pid: int) -> int | None:

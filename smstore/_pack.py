@@ -9,7 +9,6 @@ import os
 import secrets
 import stat
 import sys
-import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -19,6 +18,7 @@ from smstore import _core
 from smstore.errors import PackInputError, StoreFormatError, StoreIOError
 
 if TYPE_CHECKING:
+    import numpy as np
     from typing_extensions import Self
 
 __all__ = [
@@ -30,8 +30,9 @@ __all__ = [
     "dataset_output",
     "fsync_dir",
     "human_bytes",
+    "item_size",
+    "numpy_dtype",
     "pack",
-    "pack_files",
     "publish_file",
 ]
 
@@ -206,16 +207,28 @@ def build_metadata(
         raise TypeError(msg) from None
 
 
-def _item_size(encoding: str, path: str) -> int:
+def item_size(encoding: str, path: str) -> int:
     """The byte size of one item of an ``npy:<dtype>`` encoding; 1 for every other encoding."""
     if not encoding.startswith("npy:"):
         return 1
-    from smstore._decode import numpy_dtype  # numpy only for array encodings
-
     try:
         return max(1, numpy_dtype(encoding, path).itemsize)
     except StoreFormatError as e:
         raise PackInputError(str(e)) from None
+
+
+def numpy_dtype(encoding: str, path: str) -> np.dtype[Any]:
+    """The dtype of an ``npy:<dtype>`` encoding (numpy imported here, for array encodings only)."""
+    import numpy as np
+
+    if not encoding.startswith("npy:"):
+        msg = f"{path}: records are encoded as {encoding!r}, not npy:<dtype>; decode='numpy' needs arrays"
+        raise StoreFormatError(msg)
+    try:
+        return np.dtype(encoding[4:])
+    except TypeError:
+        msg = f"{path}: unknown dtype in encoding {encoding!r}"
+        raise StoreFormatError(msg) from None
 
 
 class Transaction:
@@ -268,7 +281,7 @@ class Writer(Transaction):
     ) -> None:
         self._meta = build_metadata(encoding, source=source, user=metadata)
         check_output(path)
-        self._writer = _core.Writer(os.fspath(path), durable, _item_size(encoding, os.fspath(path)))
+        self._writer = _core.Writer(os.fspath(path), durable, item_size(encoding, os.fspath(path)))
         self.append: Callable[[Record], None] = self._writer.append
         self.extend: Callable[[Iterable[Record]], int] = self._writer.extend
         # Records data[offsets[i]:offsets[i+1]], in one call (Arrow's binary and string layout).
@@ -326,110 +339,6 @@ class PackStats:
     shards: int = 1  # more than one: the output is a sharded dataset (a directory)
 
 
-def pack_files(
-    inputs: Sequence[str | os.PathLike[str]],
-    output: str | os.PathLike[str],
-    *,
-    format: str = "lines",
-    metadata: dict[str, Any] | None = None,
-    progress: bool | None = None,
-    durable: bool = True,
-    max_line_bytes: int = _core.DEFAULT_MAX_LINE_BYTES,
-    jobs: int = 1,
-    shard_size: int | None = None,
-) -> PackStats:
-    """Pack text files (``-`` for stdin), one record per line, with the C++ streaming packer.
-
-    Args:
-        inputs: Files read in order; their records are concatenated.
-        output: The ``.smst`` file to write (atomically); with ``jobs`` or ``shard_size``, or
-            when it is an existing directory or ends with ``/``, the directory of a sharded
-            dataset (``manifest.json``, written last, and its shards).
-        format: ``lines`` (any bytes) or ``jsonl`` (each line must be one JSON value).
-        metadata: Your own JSON-serializable metadata, stored under ``"user"``.
-        progress: Show a progress bar; by default only when stderr is a terminal.
-        max_line_bytes: ``jsonl`` only: a longer line raises PackInputError (a JSON line is held
-            in memory whole to be checked). Default 1 GiB. Plain lines stream at any length.
-        jobs: Shards packed at once (threads: the packer runs without the GIL). More than 1
-            writes a sharded dataset; without ``shard_size``, one shard per job.
-        shard_size: Input bytes per shard (cut at line ends): writes a sharded dataset whose
-            records are, in order, those a one-file pack would hold.
-    """
-
-    def run(writer: _core.Writer, names: list[Any], bar: Callable[[int], None] | None) -> int:
-        return _core.pack_lines(writer, names, format, bar, max_line_bytes)
-
-    return pack_text_inputs(
-        inputs,
-        output,
-        format,
-        run,
-        metadata=metadata,
-        progress=progress,
-        durable=durable,
-        jobs=jobs,
-        shard_size=shard_size,
-    )
-
-
-PackLoop = Callable[[_core.Writer, list[Any], Callable[[int], None] | None], int]
-
-
-def pack_text_inputs(
-    inputs: Sequence[str | os.PathLike[str]],
-    output: str | os.PathLike[str],
-    encoding: str,
-    run: PackLoop,
-    *,
-    metadata: dict[str, Any] | None,
-    progress: bool | None,
-    durable: bool,
-    jobs: int = 1,
-    shard_size: int | None = None,
-    item_size: int = 1,
-) -> PackStats:
-    """Run a C++ pack loop over text inputs into a new blob: metadata, progress bar, atomic publish.
-
-    ``run(writer, inputs, progress_callback)`` streams the inputs (paths, or ``(path, start, end)``
-    parts) into the writer and returns the bytes it read; on any exception nothing is published.
-    With ``jobs > 1``, a ``shard_size``, or an output that :func:`dataset_output` calls a
-    directory, writes a sharded dataset (see :mod:`smstore._shards`).
-    """
-    names = [os.fspath(p) for p in inputs]
-    if not names:
-        msg = "packing needs at least one input file"
-        raise ValueError(msg)
-    if jobs != 1 or shard_size is not None or dataset_output(output):
-        from smstore._shards import pack_parts
-
-        with _progress_bar(names, progress) as bar:
-            manifest, total, seconds = pack_parts(
-                names,
-                os.fspath(output),
-                encoding,
-                run,
-                jobs=jobs,
-                shard_size=shard_size,
-                item_size=item_size,
-                metadata=metadata,
-                progress=bar,
-                durable=durable,
-            )
-        return PackStats(manifest.records, total, manifest.data_bytes, seconds, len(manifest.shards))
-    sources = [os.path.abspath(n) if n != "-" else "-" for n in names]
-    meta = build_metadata(encoding, source=sources, user=metadata)
-    start = time.perf_counter()
-    check_output(output)
-    writer = _core.Writer(os.fspath(output), durable)
-    with _progress_bar(names, progress) as bar:
-        try:
-            total = run(writer, names, bar)
-            writer.finish(meta)
-        finally:
-            writer.abort()
-    return PackStats(writer.record_count, total, writer.data_size, time.perf_counter() - start)
-
-
 def human_bytes(n: float, sep: str = " ") -> str:
     """A byte count in binary units: ``512 B``, ``1.5 MiB`` (``sep`` between number and unit)."""
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -470,26 +379,3 @@ def byte_bar(total: int | None, desc: str) -> Any:
         else "{desc}: {done} [{elapsed}, {speed}]"
     )
     return ByteBar(total=total, desc=desc, ncols=columns or 80, nrows=rows or 24, bar_format=fmt)
-
-
-class _progress_bar:
-    """A tqdm byte counter on a terminal; None (no callback) otherwise."""
-
-    def __init__(self, names: Sequence[str], enabled: bool | None) -> None:
-        if enabled is None:
-            enabled = sys.stderr.isatty()
-        self._bar: Any = None
-        if enabled:
-            sizes = [os.path.getsize(n) for n in names if n != "-" and os.path.isfile(n)]
-            total = sum(sizes) if len(sizes) == len(names) else None
-            self._bar = byte_bar(total, "pack")
-
-    def _update(self, done: int) -> None:
-        self._bar.update(done - self._bar.n)
-
-    def __enter__(self) -> Callable[[int], None] | None:
-        return self._update if self._bar is not None else None
-
-    def __exit__(self, *_: object) -> None:
-        if self._bar is not None:
-            self._bar.close()

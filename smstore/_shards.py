@@ -1,342 +1,48 @@
 """Sharded datasets: several blobs under one global index, listed in a small JSON manifest.
 
 A sharded dataset is a directory holding ``manifest.json`` and its shards (or a manifest anywhere
-that names shards anywhere, built by :func:`join`). The manifest records, for each shard, its
-path, record count, sizes and checksum; docs/format.md has the format. Record ``i`` of the dataset
-is record ``i - starts[k]`` of the shard ``k`` whose range holds it.
+that names shards anywhere, built by :func:`join`); :mod:`smstore._manifest` owns the manifest.
+Record ``i`` of the dataset is record ``i - starts[k]`` of the shard ``k`` whose range holds it.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import hashlib
-import itertools
 import json
 import os
-import re
-import secrets
-import stat
-import struct
-import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
-from datetime import datetime, timezone
-from typing import Any, BinaryIO
+from typing import Any
 
 from smstore import _core
+from smstore._manifest import (
+    MANIFEST_NAME,
+    Manifest,
+    ShardInfo,
+    ShardNames,
+    describe_shard,
+    is_manifest,
+    publish_manifest,
+    read_manifest,
+    stored_path,
+)
 from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
-from smstore._pack import Transaction, check_output, dataset_output, publish_file
+from smstore._pack import Transaction, build_metadata, check_output, dataset_output, item_size
 from smstore.errors import (
     PackInputError,
     StoreChangedError,
     StoreFormatError,
     StoreIOError,
     StoreNotFoundError,
-    StoreVersionError,
 )
 
 __all__ = [
-    "MANIFEST_NAME",
-    "Manifest",
-    "ShardInfo",
     "ShardedObjectStore",
     "ShardedStore",
     "ShardedWriter",
-    "is_manifest",
+    "dataset_dir",
     "join",
-    "read_manifest",
-    "write_manifest",
+    "open_sharded",
 ]
-
-MANIFEST_NAME = "manifest.json"
-MANIFEST_FORMAT = "smstore-manifest"
-MANIFEST_VERSION = 1
-MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shards: a larger file is not a manifest we wrote
-
-_BLOB_MAGIC = b"\x89SMST\r\n\x1a"
-_HEADER = struct.Struct("<8sIIQQQQQQQQQIIQ")  # docs/format.md, "Header"
-_HEX16 = re.compile(r"[0-9a-f]{16}\Z")
-
-
-@dataclass(frozen=True)
-class ShardInfo:
-    """One shard as the manifest lists it.
-
-    Attributes:
-        path: As written in the manifest: relative to the manifest's directory, or absolute.
-        records: Its record count.
-        data_bytes: The bytes of its records.
-        file_size: The size of the blob file.
-        checksum: Its XXH64 checksum (16 hex digits), as in its header.
-    """
-
-    path: str
-    records: int
-    data_bytes: int
-    file_size: int
-    checksum: str
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "path": self.path,
-            "records": self.records,
-            "data_bytes": self.data_bytes,
-            "file_size": self.file_size,
-            "checksum": self.checksum,
-        }
-
-
-@dataclass(frozen=True)
-class Manifest:
-    """A parsed, validated manifest (see :func:`read_manifest`)."""
-
-    path: str  # the manifest file
-    encoding: str
-    shards: tuple[ShardInfo, ...]
-    meta: dict[str, Any]  # created, source, smstore_version, user
-
-    @property
-    def directory(self) -> str:
-        return os.path.dirname(os.path.abspath(self.path))
-
-    def shard_path(self, k: int) -> str:
-        """The absolute path of shard ``k``."""
-        return os.path.join(self.directory, self.shards[k].path)
-
-    @property
-    def records(self) -> int:
-        return sum(s.records for s in self.shards)
-
-    @property
-    def data_bytes(self) -> int:
-        return sum(s.data_bytes for s in self.shards)
-
-    @property
-    def starts(self) -> list[int]:
-        return [0, *itertools.accumulate(s.records for s in self.shards)]
-
-    @property
-    def checksum(self) -> str:
-        """The dataset's identity: a hash of its encoding and its shards' checksums, in order.
-
-        Paths are left out, so a dataset moved or copied elsewhere keeps its checksum.
-        """
-        h = hashlib.blake2b(digest_size=8)
-        h.update(self.encoding.encode())
-        for s in self.shards:
-            h.update(f"\n{s.records} {s.checksum}".encode())
-        return h.hexdigest()
-
-
-def manifest_file(path: str | os.PathLike[str]) -> str:
-    """The manifest of `path`: the file itself, or ``manifest.json`` inside a directory."""
-    p = os.fspath(path)
-    return os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p
-
-
-def is_manifest(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a sharded dataset (a manifest, or a directory holding one); no validation."""
-    p = manifest_file(path)
-    if p != os.fspath(path):
-        return os.path.isfile(p)  # a directory with a manifest.json: read_manifest says what is wrong with it
-    try:
-        # O_NONBLOCK: opening a FIFO to look at it must not wait for a writer.
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except OSError:
-        return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.pread(fd, 4096, 0)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    return not head.startswith(_BLOB_MAGIC) and head.lstrip()[:1] == b"{" and MANIFEST_FORMAT.encode() in head
-
-
-def _bad(path: str, what: str) -> StoreFormatError:
-    return StoreFormatError(f"{path}: not a valid smstore manifest: {what}")
-
-
-# Every count and size in smstore is a signed 64-bit integer somewhere (off_t, Py_ssize_t, int64
-# offsets): a manifest's integers, and their sums, must stay below this.
-_INT_LIMIT = 1 << 63
-
-
-def _int_field(path: str, where: str, entry: dict[str, Any], key: str, minimum: int = 0) -> int:
-    value = entry.get(key)
-    name = f"{where}.{key}" if where else key
-    if type(value) is not int or not minimum <= value < _INT_LIMIT:
-        raise _bad(path, f"{name} must be an integer >= {minimum} and < 2**63, not {value!r}")
-    return value
-
-
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """Read and validate a manifest (or the ``manifest.json`` of a dataset directory).
-
-    Raises:
-        StoreNotFoundError: It does not exist.
-        StoreFormatError: It is not a well-formed manifest; the message names the field.
-        StoreVersionError: It was written by a newer smstore.
-    """
-    p = manifest_file(path)
-    try:
-        with open(p, "rb") as f:
-            # Sized by the file: read(MAX + 1) would allocate the whole limit for every manifest.
-            raw = f.read(min(os.fstat(f.fileno()).st_size, MAX_MANIFEST_BYTES) + 1)
-    except FileNotFoundError:
-        raise StoreNotFoundError(2, f"{p}: no such manifest") from None
-    except OSError as e:
-        raise StoreIOError(e.errno or 5, f"{p}: cannot read the manifest: {e.strerror}") from None
-    if len(raw) > MAX_MANIFEST_BYTES:
-        raise _bad(p, f"larger than {MAX_MANIFEST_BYTES} bytes")
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise _bad(p, f"invalid JSON ({e})") from None
-    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
-        raise _bad(p, f'no "format": "{MANIFEST_FORMAT}" key')
-    version = doc.get("version")
-    if type(version) is not int or version < 1:
-        raise _bad(p, f"version must be a positive integer, not {version!r}")
-    if version > MANIFEST_VERSION:
-        msg = f"{p}: manifest version {version} is newer than this smstore reads ({MANIFEST_VERSION}); upgrade smstore"
-        raise StoreVersionError(msg)
-    encoding = doc.get("encoding")
-    if not isinstance(encoding, str) or not encoding:
-        raise _bad(p, f"encoding must be a non-empty string, not {encoding!r}")
-    entries = doc.get("shards")
-    if not isinstance(entries, list):
-        raise _bad(p, "shards must be a list")
-    shards = []
-    for k, entry in enumerate(entries):
-        where = f"shards[{k}]"
-        if not isinstance(entry, dict):
-            raise _bad(p, f"{where} must be an object")
-        spath = entry.get("path")
-        if not isinstance(spath, str) or not spath or "\0" in spath:
-            raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
-        checksum = entry.get("checksum")
-        if not isinstance(checksum, str) or not _HEX16.match(checksum):
-            raise _bad(p, f"{where}.checksum must be 16 lowercase hex digits, not {checksum!r}")
-        shards.append(
-            ShardInfo(
-                spath,
-                _int_field(p, where, entry, "records"),
-                _int_field(p, where, entry, "data_bytes"),
-                _int_field(p, where, entry, "file_size", 4096),
-                checksum,
-            )
-        )
-    manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"})
-    for key in ("records", "data_bytes", "file_size"):
-        total = sum(getattr(s, key) for s in shards)
-        if total >= _INT_LIMIT:
-            raise _bad(p, f"the shards' {key} add up to {total}, more than 2**63 - 1")
-        if key != "file_size" and _int_field(p, "", doc, key) != total:
-            raise _bad(p, f"{key} is {doc.get(key)!r}, but its shards add up to {total}")
-    return manifest
-
-
-def write_manifest(
-    path: str | os.PathLike[str],
-    encoding: str,
-    shards: Sequence[ShardInfo],
-    *,
-    source: Sequence[str] = (),
-    user: dict[str, Any] | None = None,
-    durable: bool = True,
-) -> Manifest:
-    """Write a manifest atomically (a temporary file renamed over `path`); returns it, parsed back.
-
-    Shard paths are stored as given (callers pass them relative to the manifest's directory where
-    they lie inside it, absolute otherwise).
-    """
-    p = os.fspath(path)
-    doc: dict[str, Any] = {
-        "format": MANIFEST_FORMAT,
-        "version": MANIFEST_VERSION,
-        "encoding": encoding,
-        "records": sum(s.records for s in shards),
-        "data_bytes": sum(s.data_bytes for s in shards),
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "smstore_version": _core.__version__,
-        "source": list(source),
-    }
-    if user:
-        doc["user"] = user
-    doc["shards"] = [s.to_json() for s in shards]
-    try:
-        text = json.dumps(doc, ensure_ascii=False, indent=1)
-    except (TypeError, ValueError) as e:
-        msg = f"metadata must be JSON-serializable: {e}"
-        raise TypeError(msg) from None
-    publish_file(p, [(text + "\n").encode()], what="the manifest", durable=durable)
-    return read_manifest(p)
-
-
-def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = None) -> tuple[ShardInfo, str]:
-    """(ShardInfo, encoding) of a blob from its header and metadata block: two small reads, O(1).
-
-    The structure is validated in full when the shard is opened; this checks what the manifest
-    records: the magic, the sizes, and that the file is as long as its header says.
-
-    Raises:
-        StoreNotFoundError, StoreFormatError: Not a readable blob.
-    """
-    p = os.fspath(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block us
-        with open(fd, "rb") as f:
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode):
-                raise StoreIOError(22, f"{p}: not a regular file; a shard is an .smst blob")
-            head = f.read(_HEADER.size)
-            size = st.st_size
-            fields = _HEADER.unpack(head) if len(head) == _HEADER.size else None
-            if fields is None or fields[0] != _BLOB_MAGIC:
-                raise StoreFormatError(f"{p}: not an smstore blob (no magic bytes)")
-            (
-                _,
-                version,
-                _,
-                _,
-                file_size,
-                records,
-                _,
-                data_size,
-                _,
-                _,
-                meta_off,
-                meta_size,
-                _,
-                _,
-                checksum,
-            ) = fields
-            if version != 1:
-                raise StoreVersionError(f"{p}: blob format version {version}; this smstore reads version 1")
-            if file_size != size:
-                raise StoreFormatError(f"{p}: the header says {file_size} bytes, the file has {size}")
-            if meta_size > 1 << 30 or meta_off + meta_size > size:
-                raise StoreFormatError(f"{p}: the metadata block lies outside the file")
-            f.seek(meta_off)
-            meta_raw = f.read(meta_size)
-    except FileNotFoundError:
-        raise StoreNotFoundError(2, f"{p}: no such shard") from None
-    except IsADirectoryError:
-        raise StoreIOError(21, f"{p}: is a directory, not a shard") from None
-    try:
-        meta = json.loads(meta_raw)
-        encoding = str(meta.get("encoding", "bytes")) if isinstance(meta, dict) else None
-    except ValueError:
-        encoding = None
-    if encoding is None:
-        raise StoreFormatError(f"{p}: corrupt metadata block (not a JSON object); run 'smstore verify' on it")
-    info = ShardInfo(stored_path or p, records, data_size, size, f"{checksum:016x}")
-    return info, encoding
-
 
 # ----------------------------------------------------------------------------- reading
 
@@ -360,6 +66,8 @@ class ShardedStore(_core.ShardedStore):
         opener: ``opener(path, shard_info) -> Store`` opens one shard (default: a file mapping).
         check_files: Check up front that every shard exists with the size the manifest records
             (one ``stat`` each). Off when shards are served by the daemon.
+        keep_alive: Objects that live as long as the store (the daemon connection its shards are
+            attached through, what attaches held shards before they are read).
 
     Raises:
         StoreNotFoundError: The manifest, or (with ``check_files``) a shard, is missing.
@@ -368,9 +76,6 @@ class ShardedStore(_core.ShardedStore):
         StoreFormatError: The manifest is malformed.
     """
 
-    _session: Any = None  # the daemon connection its shards were attached through, if any
-    _ahead: Any = None  # what attaches held shards before they are read (client._Preattacher)
-
     def __init__(
         self,
         path: str | os.PathLike[str],
@@ -378,8 +83,10 @@ class ShardedStore(_core.ShardedStore):
         opener: ShardOpener | None = None,
         check_files: bool = True,
         manifest: Manifest | None = None,
+        keep_alive: Sequence[object] = (),
     ) -> None:
         self.manifest = manifest if manifest is not None else read_manifest(path)
+        self.keep_alive = tuple(keep_alive)
         self._opener = opener or _map_shard
         if check_files:
             self.check_files()
@@ -495,86 +202,16 @@ def open_sharded(
     opener: ShardOpener | None = None,
     check_files: bool = True,
     raw: bool = False,
+    keep_alive: Sequence[object] = (),
 ) -> ShardedStore:
     """A ShardedStore, or (unless `raw`) a ShardedObjectStore for a dataset of object records."""
     manifest = read_manifest(path)
     objects = manifest.encoding in OBJECT_ENCODINGS and not raw
     cls = ShardedObjectStore if objects else ShardedStore
-    return cls(path, opener=opener, check_files=check_files, manifest=manifest)
+    return cls(path, opener=opener, check_files=check_files, manifest=manifest, keep_alive=keep_alive)
 
 
 # ----------------------------------------------------------------------------- writing
-
-
-def _stored_path(shard: str, manifest_dir: str) -> str:
-    """How a manifest in `manifest_dir` names `shard`: relative when inside that directory."""
-    a = os.path.abspath(shard)
-    rel = os.path.relpath(a, manifest_dir)
-    return a if rel == ".." or rel.startswith("../") else rel
-
-
-def _publish(
-    manifest_path: str,
-    encoding: str,
-    shards: Sequence[ShardInfo],
-    *,
-    source: Sequence[str],
-    user: dict[str, Any] | None,
-    durable: bool,
-    remove_replaced: bool = True,
-) -> Manifest:
-    """Write the manifest; then, if `remove_replaced`, remove the shards of the manifest it replaced
-    that :func:`_our_old_shard` proves a dataset writer wrote for it and the new one does not list.
-
-    Dataset writers (pack -j, ShardedWriter, the Ray sink) remove; join never does. Readers that
-    mapped a removed shard keep their mappings.
-    """
-    old: Manifest | None = None
-    if remove_replaced and os.path.isfile(manifest_path) and is_manifest(manifest_path):
-        try:
-            old = read_manifest(manifest_path)
-        except (StoreFormatError, StoreIOError):
-            old = None  # nothing it lists can be trusted to be ours: remove nothing
-    manifest = write_manifest(manifest_path, encoding, shards, source=source, user=user, durable=durable)
-    if old is not None:
-        keep = {s.path for s in manifest.shards}
-        for shard in old.shards:
-            if shard.path not in keep and _our_old_shard(old.directory, shard):
-                with contextlib.suppress(OSError):
-                    os.unlink(os.path.join(old.directory, shard.path))
-    return manifest
-
-
-def _our_old_shard(directory: str, shard: ShardInfo) -> bool:
-    """Whether `shard`, listed by the manifest in `directory` being replaced, is provably a shard a
-    dataset writer wrote for it: named as :class:`ShardNames` names shards (so it lies in the
-    directory and is not the manifest), a regular file (not a symbolic link) whose header records
-    the size and checksum that manifest records. A stale or hostile manifest names nothing else
-    that a re-pack would remove (docs/format.md, "What publishing removes")."""
-    if not ShardNames.pattern.match(shard.path):
-        return False
-    try:
-        fd = os.open(
-            os.path.join(directory, shard.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        )
-    except OSError:
-        return False
-    try:
-        st = os.fstat(fd)
-        head = os.pread(fd, _HEADER.size, 0) if stat.S_ISREG(st.st_mode) else b""
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-    if len(head) != _HEADER.size:
-        return False
-    fields = _HEADER.unpack(head)
-    magic, file_size, checksum = fields[0], fields[4], fields[14]
-    return (
-        magic == _BLOB_MAGIC
-        and file_size == st.st_size == shard.file_size
-        and f"{checksum:016x}" == shard.checksum
-    )
 
 
 def dataset_dir(output: str | os.PathLike[str]) -> str:
@@ -622,8 +259,6 @@ class ShardedWriter(Transaction):
         durable: bool = True,
         check_every: int = 1024,
     ) -> None:
-        from smstore._pack import _item_size, build_metadata
-
         if shard_size is not None and shard_size <= 0:
             msg = f"shard_size must be positive, not {shard_size}"
             raise ValueError(msg)
@@ -635,7 +270,7 @@ class ShardedWriter(Transaction):
         self._user = metadata
         self._source = list(source)
         self._meta = build_metadata(encoding, source=self._source, user=metadata)
-        self._item_size = _item_size(encoding, self.directory)
+        self._item_size = item_size(encoding, self.directory)
         self._durable = durable
         self._shard_size = (
             shard_size if shard_size is not None else (1 << 30) if shard_records is None else None
@@ -783,7 +418,7 @@ class ShardedWriter(Transaction):
                 self._written.pop()
                 self._writer = None
             path = os.path.join(self.directory, MANIFEST_NAME)
-            self.manifest = _publish(
+            self.manifest = publish_manifest(
                 path, self.encoding, self._done, source=self._source, user=self._user, durable=self._durable
             )
         return self.manifest
@@ -799,25 +434,6 @@ class ShardedWriter(Transaction):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         self._written.clear()
-
-
-class ShardNames:
-    """Shard file names unique to one writer: ``part-<8 hex>-<5 digits>.smst`` in a directory."""
-
-    pattern = re.compile(r"part-[0-9a-f]{8}-[0-9]{5,}\.smst\Z")  # every name() matches
-
-    def __init__(self, directory: str) -> None:
-        self.directory = directory
-        self.run = secrets.token_hex(4)
-        self._k = 0
-
-    def name(self, k: int) -> str:
-        return os.path.join(self.directory, f"part-{self.run}-{k:05d}.smst")
-
-    def next(self) -> str:
-        path = self.name(self._k)
-        self._k += 1
-        return path
 
 
 def join(
@@ -855,7 +471,7 @@ def join(
     sources: list[str] = []
     for item in inputs:
         for spath in _shard_files(item):
-            info, enc = describe_shard(spath, stored_path=_stored_path(spath, out_dir))
+            info, enc = describe_shard(spath, stored_path=stored_path(spath, out_dir))
             if encoding is None:
                 encoding, first = enc, spath
             elif enc != encoding:
@@ -867,7 +483,7 @@ def join(
             shards.append(info)
             sources.append(os.path.abspath(spath))
     assert encoding is not None
-    return _publish(
+    return publish_manifest(
         out, encoding, shards, source=sources, user=metadata, durable=durable, remove_replaced=False
     )
 
@@ -880,175 +496,3 @@ def _shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
             yield m.shard_path(k)
     else:
         yield p
-
-
-# ----------------------------------------------------------------------------- parallel packing
-
-Part = list[tuple[str, int, int]]
-
-
-def _open_splittable(name: str) -> tuple[BinaryIO, int]:
-    """`name` opened for cutting into parts, and its size; it must be a regular file."""
-    if name == "-":
-        msg = "stdin cannot be split into parts: give files to pack in parallel or in shards"
-        raise PackInputError(msg)
-    try:
-        # O_NONBLOCK: looking at a FIFO must not wait for a writer.
-        fd = os.open(name, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise StoreNotFoundError(2, f"{name}: no such file") from None
-    except OSError as e:
-        raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
-    try:
-        st = os.fstat(fd)
-    except OSError as e:
-        os.close(fd)
-        raise StoreIOError(e.errno or 5, f"{name}: {e.strerror}") from None
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        msg = (
-            f"{name}: not a regular file (a FIFO, device or directory), so it cannot be cut into parts: "
-            "pack it with -j 1 and no --shard-size, or copy it to a file first"
-        )
-        raise PackInputError(msg)
-    return os.fdopen(fd, "rb"), st.st_size
-
-
-def _line_start_at_or_after(f: BinaryIO, pos: int, size: int) -> int:
-    """The first position >= pos where a line starts (just after a newline), or `size`."""
-    if pos <= 0:
-        return 0
-    f.seek(pos - 1)
-    at = pos - 1
-    while at < size:
-        block = f.read(1 << 16)
-        if not block:
-            break
-        nl = block.find(b"\n")
-        if nl >= 0:
-            return at + nl + 1
-        at += len(block)
-    return size
-
-
-def plan_parts(inputs: Sequence[str], part_size: int) -> list[Part]:
-    """Cut text inputs, in order, into parts of about `part_size` bytes that end at line ends.
-
-    Packing the parts one after another gives the records of packing the inputs whole: each part
-    is a list of ``(file, start, end)`` ranges, and a range ends at a newline or at its file's end.
-    """
-    parts: list[Part] = []
-    current: Part = []
-    filled = 0
-    for name in inputs:
-        f, size = _open_splittable(name)
-        with f:
-            pos = 0
-            while pos < size:
-                cut = (
-                    size
-                    if size - pos <= part_size - filled
-                    else _line_start_at_or_after(f, pos + part_size - filled, size)
-                )
-                current.append((name, pos, cut))
-                filled += cut - pos
-                pos = cut
-                if filled >= part_size:
-                    parts.append(current)
-                    current, filled = [], 0
-    if current or not parts:
-        parts.append(current)
-    return parts
-
-
-PackRun = Callable[[_core.Writer, list[Any], Callable[[int], None] | None], int]
-
-
-def pack_parts(
-    inputs: Sequence[str],
-    output: str,
-    encoding: str,
-    run: PackRun,
-    *,
-    jobs: int,
-    shard_size: int | None,
-    item_size: int,
-    metadata: dict[str, Any] | None,
-    progress: Callable[[int], None] | None,
-    durable: bool,
-) -> tuple[Manifest, int, float]:
-    """Pack text inputs into a sharded dataset, `jobs` shards at a time; (manifest, bytes read, seconds).
-
-    The packers run in C++ without the GIL, so threads pack in parallel. Shard ``k`` holds part ``k``
-    of :func:`plan_parts`: the dataset's records are those of a one-process pack, in order. One job
-    and no `shard_size` make one shard of the inputs whole, so stdin and FIFOs can be packed too.
-    """
-    from smstore._pack import build_metadata
-
-    if jobs < 1:
-        msg = f"jobs must be at least 1, not {jobs}"
-        raise ValueError(msg)
-    start = time.perf_counter()
-    parts: list[list[Any]]
-    if jobs == 1 and shard_size is None:
-        parts = [list(inputs)]
-    else:
-        if shard_size is None:
-            total = 0
-            for name in inputs:
-                f, size = _open_splittable(name)
-                f.close()
-                total += size
-            shard_size = max(1, -(-total // jobs))
-        parts = [list(part) for part in plan_parts(inputs, shard_size)]
-    directory = dataset_dir(output)
-    names = ShardNames(directory)
-    sources = [n if n == "-" else os.path.abspath(n) for n in inputs]
-    meta = build_metadata(encoding, source=sources, user=metadata)
-    paths = [names.name(k) for k in range(len(parts))]
-    published = [False] * len(parts)  # what this run wrote, and so may remove
-    done_bytes = [0] * len(parts)
-
-    def pack_one(k: int) -> int:
-        writer = _core.Writer(paths[k], durable, item_size)
-
-        def bar(n: int) -> None:
-            done_bytes[k] = n
-            if progress is not None:
-                progress(sum(done_bytes))
-
-        try:
-            read = run(writer, list(parts[k]), bar if progress is not None else None)
-            writer.finish(meta)
-            published[k] = True
-        finally:
-            writer.abort()
-        return read
-
-    read = 0
-    try:
-        with concurrent.futures.ThreadPoolExecutor(max_workers=jobs) as pool:
-            futures = [pool.submit(pack_one, k) for k in range(len(parts))]
-            try:
-                for fut in futures:
-                    read += fut.result()
-            except BaseException:
-                for fut in futures:
-                    fut.cancel()
-                raise
-        shards = [describe_shard(p, stored_path=os.path.basename(p))[0] for p in paths]
-        manifest = _publish(
-            os.path.join(directory, MANIFEST_NAME),
-            encoding,
-            shards,
-            source=sources,
-            user=metadata,
-            durable=durable,
-        )
-    except BaseException:
-        for k, p in enumerate(paths):
-            if published[k]:
-                with contextlib.suppress(OSError):
-                    os.unlink(p)
-        raise
-    return manifest, read, time.perf_counter() - start

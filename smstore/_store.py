@@ -8,8 +8,9 @@ import stat
 
 from smstore import _core
 from smstore._core import Store
+from smstore._manifest import BLOB_MAGIC, MANIFEST_NAME, is_manifest
 from smstore._objects import OBJECT_ENCODINGS, ObjectStore
-from smstore._shards import _BLOB_MAGIC, MANIFEST_NAME, ShardedStore, is_manifest, open_sharded
+from smstore._shards import ShardedStore, open_sharded
 from smstore.errors import StoreFormatError
 
 __all__ = ["ShardedStore", "Store", "explain_not_a_blob", "open", "open_blob", "read_checksum"]
@@ -114,7 +115,7 @@ def explain_not_a_blob(path: str | os.PathLike[str], error: StoreFormatError) ->
         return error
     finally:
         os.close(fd)
-    if not head or head.startswith(_BLOB_MAGIC):
+    if not head or head.startswith(BLOB_MAGIC):
         return error  # empty, or a blob with another fault: the reader said which
     name, suffix = os.path.splitext(p)
     fmt = _PACK_FORMATS.get(suffix.lower())

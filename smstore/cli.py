@@ -465,40 +465,63 @@ def _client_pids(pids: list[int]) -> str:
     return ", ".join(str(p) for p in pids) if pids else "-"
 
 
+# Segments `smstore status` describes without --detail (the summary gives the rest).
+STATUS_SHOWN = 20
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from smstore.client import daemon_request
 
-    reply = daemon_request({"op": "status"}, args.socket)
+    reply = daemon_request({"op": "status", "limit": STATUS_SHOWN}, args.socket)
+    segments = reply["segments"]
+    if args.detail:  # every segment, a page at a time: any number fits
+        segments = []
+        offset: int | None = 0
+        while offset is not None:
+            page = daemon_request({"op": "status", "offset": offset}, args.socket)
+            segments += page["segments"]
+            offset = page.get("next_offset")
+        reply["segments"], reply["next_offset"] = segments, None
     if args.json:
         print(json.dumps(reply, indent=2))
         return 0
     shm = reply["shm"]
+    counts = reply.get("counts", {})
     print(
         f"daemon pid {reply['pid']} on {reply['socket']}; /dev/shm: {_human(shm['available'])} free "
         f"of {_human(shm['total'])}"
+    )
+    total = counts.get("segments", len(segments))
+    print(
+        f"{total} segment(s), {_human(shm.get('used', 0))}; {counts.get('loading', 0)} loading, "
+        f"{counts.get('held', 0)} held for ranks, {counts.get('released', 0)} released but still mapped"
     )
     if shm.get("limit"):
         print(
             f"limit {_human(shm['limit'])} ({shm.get('limit_from', '--shm-limit')}): "
             f"{_human(shm.get('used', 0))} used by its segments"
         )
-    for seg in reply["segments"]:
+    for failed in reply.get("failed", []):
+        print(f"{failed['path']}\n  held, not loaded: {failed['message']}")
+    for seg in segments:
         loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seg["loaded_at"]))
         how = "adopted" if seg["adopted"] else f"in {seg['load_seconds']:.2f} s"
         print(f"{', '.join(seg['paths']) or '(unlinked file)'}")
         print(f"  checksum xxh64:{seg['checksum']}  size {_human(seg['size'])}  records {seg['records']}")
         print(f"  segment {seg['segment']}  loaded {loaded} ({how})")
         print(f"  clients {len(seg['clients'])}: {_client_pids(seg['clients'])}")
+    if len(segments) < total:
+        print(f"... and {total - len(segments)} more segment(s): 'smstore status --detail' lists them all")
     for path in reply["loading"]:
         print(f"{path}\n  loading...")
-    if not reply["segments"] and not reply["loading"]:
+    if not total and not reply["loading"]:
         print("no blobs loaded")
     return 0
 
 
 def _blob_files(path: str) -> list[str]:
     """The blobs behind `path`: itself, or the shards of a sharded dataset, in order."""
-    from smstore._shards import is_manifest, read_manifest
+    from smstore._manifest import is_manifest, read_manifest
 
     if not is_manifest(path):
         return [path]
@@ -578,7 +601,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from smstore._segments import collect_garbage
+    from smstore.daemon.segments import collect_garbage
 
     removed = collect_garbage(args.socket)
     for path in removed:
@@ -633,6 +656,11 @@ def _add_daemon_commands(sub: Any) -> None:
 
     p = with_socket(sub.add_parser("status", help="the daemon's segments, their clients and load times"))
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument(
+        "--detail",
+        action="store_true",
+        help=f"describe every segment (default: a summary and the first {STATUS_SHOWN})",
+    )
     p.set_defaults(func=cmd_status)
 
     p = with_socket(sub.add_parser("load", help="ask the running daemon to load blobs"))

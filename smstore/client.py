@@ -12,8 +12,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 from smstore import _core
-from smstore._ipc import connect, default_socket_path, encode, exchange, request, socket_path
-from smstore._shards import ShardedStore, ShardInfo, is_manifest, open_sharded, read_manifest
+from smstore._ipc import connect, default_socket_path, exchange, request, socket_path
+from smstore._manifest import ShardInfo, is_manifest, read_manifest
+from smstore._protocol import NOT_SERVED, encode
+from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
 
@@ -54,6 +56,10 @@ class DaemonStore(Store):
         self._conn = conn
         self._session = session
         keep_attached(self)
+
+    def detach_through(self, session: DaemonSession) -> None:
+        """Leave the daemon's client list through `session` when closed (not the attaching one)."""
+        self._session = session
 
     def close(self) -> None:
         """Unmap (once no record view is alive) and leave the daemon's client list."""
@@ -105,8 +111,8 @@ class DaemonSession:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._conn: socket.socket | None = None
-        self._lock = threading.Lock()  # one exchange (or detach) at a time on the connection
+        self.conn: socket.socket | None = None
+        self.lock = threading.Lock()  # one exchange (or detach) at a time on the connection
         keep_attached(self)
 
     def attach(self, checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
@@ -121,17 +127,19 @@ class DaemonSession:
         message: dict[str, Any] = {"op": "attach", "checksum": checksum}
         if path is not None:
             message["path"] = os.path.abspath(path)
-        with self._lock:
+        with self.lock:
             return self._attach(message)
 
     def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         for attempt in (1, 2):
-            reused = self._conn is not None
-            if self._conn is None:
-                self._conn = connect(self.path)
+            reused = self.conn is not None
+            timeout = LOAD_WAIT if "path" in message else 10.0
+            if self.conn is None:  # a new connection: refused as busy, it tries again a while
+                reply, fd, self.conn = request(message, self.path, timeout=timeout)
+                return reply, fd
             try:
-                self._conn.settimeout(LOAD_WAIT if "path" in message else 10.0)
-                return exchange(self._conn, message, self.path)
+                self.conn.settimeout(timeout)
+                return exchange(self.conn, message, self.path)
             except DaemonError:
                 self._drop_connection()
                 if not reused or attempt == 2:
@@ -144,11 +152,11 @@ class DaemonSession:
 
     def detach(self, checksum: str) -> None:
         """Tell the daemon this process unmapped the segment holding `checksum` (best effort)."""
-        with self._lock:
+        with self.lock:
             try:  # no reply to wait for: releasing a shard costs one send
-                if self._conn is None:  # the daemon takes any connection of this process
-                    self._conn = connect(self.path)
-                self._conn.sendall(encode({"op": "detach", "checksum": checksum, "noreply": True}))
+                if self.conn is None:  # the daemon takes any connection of this process
+                    self.conn = connect(self.path)
+                self.conn.sendall(encode({"op": "detach", "checksum": checksum, "noreply": True}))
             except (OSError, DaemonError):
                 self._drop_connection()  # no daemon: it holds nothing for us any more
 
@@ -156,9 +164,9 @@ class DaemonSession:
         self._drop_connection()
 
     def _drop_connection(self) -> None:
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
 
     def __del__(self) -> None:
         self._drop_connection()
@@ -224,7 +232,7 @@ def attach_shared(
         conn.close()
         if fd is not None:
             os.close(fd)
-        if reply.get("error") == "not_served":
+        if reply.get("error") == NOT_SERVED:
             return None
         raise _refused(reply, "attach refused")
     conn.settimeout(None)
@@ -382,10 +390,10 @@ class _Preattacher:
                 log.debug("pre-attaching failed", exc_info=True)
 
     def _once(self) -> None:
-        with self.session._lock:
-            if self.session._conn is None:
-                self.session._conn = connect(self.session.path)
-            reply, fd = exchange(self.session._conn, {"op": "held"}, self.session.path)
+        with self.session.lock:
+            if self.session.conn is None:
+                self.session.conn = connect(self.session.path)
+            reply, fd = exchange(self.session.conn, {"op": "held"}, self.session.path)
         if fd is not None:
             os.close(fd)
         held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
@@ -454,13 +462,12 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
         if isinstance(store, DaemonStore):
             # Detach through the connection that never waits for a load (the daemon counts any
             # connection of this process as speaking for all of them).
-            store._session = ahead.session
+            store.detach_through(ahead.session)
         return store
 
-    store = open_sharded(spath, opener=opener, check_files=mode != "daemon")
+    # The session is closed with the store's last reference.
+    store = open_sharded(spath, opener=opener, check_files=mode != "daemon", keep_alive=(session, ahead))
     store_ref = weakref.ref(store)
-    store._session = session  # closed with the store's last reference
-    store._ahead = ahead
     weakref.finalize(store, ahead.close)
     return store
 
@@ -483,11 +490,13 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
             conn.close()
         if fd is not None:
             os.close(fd)
-        if reply.get("error") == "not_served":
+        if reply.get("error") == NOT_SERVED and not reply.get("reason"):
             reason = (
                 f"the smstore daemon on {sock_at} does not serve this file (checksum {checksum}); "
                 f"load it with 'smstore load {spath}'"
             )
+        elif reply.get("error") == NOT_SERVED:  # a held shard whose load failed, or unloaded
+            reason = f"the smstore daemon on {sock_at} does not serve this file: {reply.get('message')}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
         if mode == "daemon":

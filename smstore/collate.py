@@ -8,11 +8,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from smstore._decode import numpy_dtype, partial_items_error, torch_dtype
+from smstore import _core
+from smstore._decode import partial_items_error, torch_dtype
+from smstore._pack import numpy_dtype
 from smstore._store import ShardedStore, Store
 from smstore.client import Mode, open_store
 
-__all__ = ["TokenCollator", "pinned_memory_available"]
+__all__ = ["TokenCollator", "batch_tensors", "pinned_memory_available"]
 
 Layout = Literal["pad", "pack"]
 Side = Literal["left", "right"]
@@ -146,6 +148,7 @@ class TokenCollator:
         self.pin_memory = pin_memory
         self.return_indices = return_indices
         self._store: Store | ShardedStore | None = None
+        self._spec: _core.BatchSpec | Literal[False] | None = None  # made on first use, per process
         store = self.store
         if self._path is not None:
             self.checksum = store.checksum  # every process must read these very bytes
@@ -175,6 +178,7 @@ class TokenCollator:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_store"] = None  # path and options only; each process maps the blob itself
+        state["_spec"] = None
         return state
 
     def _check_pad_value(self) -> None:
@@ -198,6 +202,48 @@ class TokenCollator:
         import torch
 
         indices = _as_indices(batch, torch)
+        if indices is not None:
+            spec, store = self.batch_spec(), self.store
+            if spec is not None and isinstance(store, _core.Store):
+                pinned = self._pin()
+                if not pinned or _core.pinned_blocks_available():
+                    arrays = _core.collate_batch(spec, store, indices, pinned)
+                    return batch_tensors(arrays, self.layout, torch)
+        return self._collate_numpy(batch, indices, torch)
+
+    def batch_spec(self) -> _core.BatchSpec | None:
+        """These options for the C++ batcher, or None where it cannot produce the batch (a sharded
+        store, float records to integer tokens, a dtype it does not write: then numpy does)."""
+        if self._spec is None:
+            self._spec = self._make_spec()
+        return self._spec or None
+
+    def _make_spec(self) -> _core.BatchSpec | Literal[False]:
+        if not isinstance(self.store, _core.Store):
+            return False
+        out = np.dtype(self.record_dtype) if self.dtype is None else _numpy_of(self.dtype)
+        codes = [_batch_code(d) for d in (self.record_dtype, out)]
+        if codes[0] is None or codes[1] is None or (codes[0][0] == "f" and codes[1][0] != "f"):
+            return False
+        if out is not None and out.kind in "iu":
+            info = np.iinfo(out)
+            if not info.min <= self.pad_value <= info.max:
+                return False  # torch.full refuses it: the numpy path raises its error
+        return _core.BatchSpec(
+            pack=self.layout == "pack",
+            in_dtype=codes[0],
+            out_dtype=codes[1],
+            pad_value=self.pad_value,
+            max_length=self.max_length,
+            truncate_left=self.truncation == "left",
+            pad_left=self.padding_side == "left",
+            fixed_length=self.fixed_length,
+            multiple=self.pad_to_multiple_of or 1,
+            with_indices=self.return_indices,
+        )
+
+    def _collate_numpy(self, batch: Any, indices: Any, torch: Any) -> dict[str, Any]:
+        """The path of numpy operations: records given as such, and what the batcher cannot do."""
         if indices is not None:
             data, offsets = self.store.gather(indices)
             lengths, partial = np.divmod(np.diff(offsets), self.record_dtype.itemsize)
@@ -307,3 +353,37 @@ def _as_array(record: Any, dtype: np.dtype[Any], torch: Any, path: str) -> np.nd
     if nbytes % dtype.itemsize:
         raise partial_items_error(path, dtype, nbytes)
     return np.frombuffer(record, dtype=dtype)
+
+
+def batch_tensors(arrays: tuple[Any, ...], layout: Layout, torch: Any) -> dict[str, Any]:
+    """The dict of tensors a TokenCollator returns, over the arrays of ``_core.collate_batch``."""
+    tokens, lengths, cu_seqlens, indices = arrays
+    out = {"tokens": torch.from_numpy(tokens)}
+    if layout == "pack":
+        out["cu_seqlens"] = torch.from_numpy(cu_seqlens)
+    out["lengths"] = torch.from_numpy(lengths)
+    if indices is not None:
+        out["indices"] = torch.from_numpy(indices)
+    return out
+
+
+def _numpy_of(dtype: Any) -> np.dtype[Any] | None:
+    """The numpy dtype of a torch dtype (None when numpy has none, e.g. bfloat16)."""
+    import torch
+
+    try:
+        dtype_: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
+        return dtype_
+    except (TypeError, RuntimeError):
+        return None
+
+
+def _batch_code(dtype: np.dtype[Any] | None) -> str | None:
+    """The C++ batcher's code for a dtype (``"u2"``, ``"i8"``, ...), or None if it does not handle it."""
+    if dtype is None or not dtype.isnative or dtype.kind not in "iuf":
+        return None
+    code = f"{dtype.kind}{dtype.itemsize}"
+    return code if code in _BATCH_CODES else None
+
+
+_BATCH_CODES = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8"}

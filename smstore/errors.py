@@ -10,6 +10,7 @@ __all__ = [
     "IndexStaleError",
     "MixtureError",
     "PackInputError",
+    "RecordIndexError",
     "SharedListError",
     "SharedListMismatchError",
     "SharedMemoryError",
@@ -47,6 +48,10 @@ class ChecksumMismatchError(StoreFormatError):
 
 class StoreClosedError(StoreError, ValueError):
     """The object was closed (a Store after close(), a Writer after finish or abort) or never initialized."""
+
+
+class RecordIndexError(StoreError, IndexError):
+    """A record index outside the store (a sampler or index list made for another dataset)."""
 
 
 class StoreChangedError(StoreError):

@@ -12,7 +12,9 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-from collections.abc import Callable, Sequence, Sized
+import sys
+import warnings
+from collections.abc import Callable, Iterator, Sequence, Sized
 from fractions import Fraction
 from typing import Any
 
@@ -20,13 +22,22 @@ import numpy as np
 
 from smstore import _core
 from smstore.errors import MixtureError
-from smstore.sampler import GlobalShuffleSampler, _map_positions, _round_keys
+from smstore.sampler import (
+    GlobalShuffleSampler,
+    WindowedOrder,
+    manifest_of,
+    map_positions,
+    residency_for,
+    round_keys,
+)
 
 __all__ = [
     "Mixture",
     "MixtureDataset",
     "MixtureOrder",
     "MixtureSampler",
+    "WindowedMixtureOrder",
+    "WindowedMixtureSampler",
     "from_megatron_blend",
     "parse_megatron_blend",
 ]
@@ -267,6 +278,11 @@ class Mixture:
                 lo = mid + 1
         return lo
 
+    def positions_for(self, source: int, draws: int) -> int:
+        """The fewest positions in which ``source`` draws ``draws`` times (where its draw number
+        ``draws`` is first the next one): O(depth * log(bound)), for any ``draws``."""
+        return self._first_reaching(source, draws)
+
     def _epoch_length(self) -> int:
         if isinstance(self.stop, int):
             return self.stop
@@ -309,7 +325,7 @@ class MixtureOrder:
                 self.n,
                 # Each source pass's round keys, derived when the order first reaches it (the
                 # callable holds the prefix and lengths, not this object: no cycle forms).
-                lambda s, e: _round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
+                lambda s, e: round_keys(f"{prefix}:{s}:{e}:{lengths[s]}".encode()),
             )
         return self._kernel
 
@@ -336,7 +352,7 @@ class MixtureOrder:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-        return _map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
+        return map_positions(positions, self.kernel, f"a mixture epoch of {self.n}")
 
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The indices at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
@@ -471,6 +487,370 @@ class MixtureSampler(GlobalShuffleSampler):
         return (
             f"MixtureSampler({self.mixture!r}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}, "
             f"world_size={self.world_size}, drop_last={self.drop_last})"
+        )
+
+
+class WindowedMixtureOrder(MixtureOrder):
+    """The order of one mixture epoch whose sources are read through windows of their shards.
+
+    The mixture decides which source position ``p`` draws from and its draw number ``k`` (as in
+    :class:`MixtureOrder`); source ``s``'s own windowed order for its pass ``e = k // n_s``
+    (:class:`~smstore.sampler.WindowedOrder` over its shards, keyed by ``(seed, mixture epoch, s,
+    e)``) decides which record: ``offset_s + W_{s,e}(k mod n_s)``. A source drawn past its length
+    starts its next pass, with its own shard order and windows, independently of the others.
+    A source without shards is one shard: its window is the whole source.
+
+    Args:
+        mixture: The mixture.
+        shard_sizes: Per source, the records of each of its shards (summing to its length).
+        windows: Per source, shards per window.
+        seed: The sampler's seed.
+        epoch: The mixture epoch.
+    """
+
+    def __init__(
+        self,
+        mixture: Mixture,
+        shard_sizes: Sequence[Sequence[int] | np.ndarray[Any, Any]],
+        windows: Sequence[int],
+        seed: int,
+        epoch: int,
+    ) -> None:
+        super().__init__(mixture, seed, epoch)
+        self.shard_sizes = [np.asarray(sizes, dtype=np.int64) for sizes in shard_sizes]
+        self.windows = list(windows)
+        self._keys = [
+            f"smstore-mixture-windowed-v1:{seed}:{epoch}:{s}:{self.windows[s]}:{_sizes_digest(sizes)}"
+            for s, sizes in enumerate(self.shard_sizes)
+        ]
+        self._passes: list[dict[int, WindowedOrder]] = [{} for _ in self.shard_sizes]
+        self._totals = mixture.counts(self.n)  # each source's draws in the epoch
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_kernel": None, "_passes": [{} for _ in self.shard_sizes]}
+
+    def source_order(self, source: int, pass_: int) -> WindowedOrder:
+        """Source ``source``'s windowed order for its pass ``pass_`` of this epoch (kept while the
+        residency reads its windows)."""
+        cache = self._passes[source]
+        order = cache.get(pass_)
+        if order is None:
+            if len(cache) >= 4:  # a rank's draws of a source rise: the pass read and the next suffice
+                cache.clear()
+            order = WindowedOrder(
+                self.shard_sizes[source], self.windows[source], f"{self._keys[source]}:{pass_}"
+            )
+            cache[pass_] = order
+        return order
+
+    @property
+    def kernel(self) -> _core.MixtureOrder:
+        """The order in C++: the mixture's tree, then each source pass's windowed order, made by
+        the kernel when it first reaches the pass (its own copy: the kernel runs without the GIL)."""
+        if self._kernel is None:
+            sizes, windows, keys = self.shard_sizes, self.windows, self._keys
+            self._kernel = _core.MixtureOrder(
+                self.mixture.tree,
+                self.mixture.lengths,
+                self.mixture.offsets[:-1],
+                self.n,
+                windows=lambda s, e: WindowedOrder(sizes[s], windows[s], f"{keys[s]}:{e}").kernel,
+            )
+        return self._kernel
+
+    # -- windows, for residency ------------------------------------------------------------------
+
+    def window_of_draw(self, source: int, draw: int) -> tuple[int, int]:
+        """``(pass, window)`` of the source's ``draw``-th draw of the epoch."""
+        e, k = divmod(draw, self.mixture.lengths[source])
+        return e, self.source_order(source, e).window_of(k)
+
+    def window_shards(self, source: int, window: tuple[int, int]) -> list[int]:
+        """The source's shards (manifest indices) of ``window`` (a ``(pass, window)``)."""
+        return self.source_order(source, window[0]).window_shards(window[1])
+
+    def _next_window(self, source: int, window: tuple[int, int]) -> tuple[tuple[int, int], int]:
+        """The window after ``window`` and the draw number it starts at."""
+        e, j = window
+        order = self.source_order(source, e)
+        if j + 1 >= order.window_count:
+            e, j = e + 1, 0
+        else:
+            j += 1
+        return (e, j), e * self.mixture.lengths[source] + self.source_order(source, e).window_start(j)
+
+    def holds(self, source: int, at: int, behind: int) -> tuple[tuple[int, ...], int]:
+        """What to hold of ``source`` at position ``at`` (``0 <= at < n``), and the next position
+        where that may change (``> at``; ``n`` or past it when nothing changes before the end).
+
+        Held: the windows of the draws made at positions ``[at - behind, at)`` (loader workers may
+        still read them), the window of the next draw, and the window after it, each only while
+        the epoch still draws from it; in the order to load them (the next draw's window first).
+        """
+        mix = self.mixture
+        total = self._totals[source]
+        c0, c = mix.count(source, max(0, at - behind)), mix.count(source, at)
+        if c0 >= total:
+            return (), self.n
+        top = min(c, total - 1)
+        current = self.window_of_draw(source, top)
+        after, after_start = self._next_window(source, current)
+        # The next draw's window moves when the draws reach the next one (never, once the source
+        # has drawn all it draws this epoch).
+        change = self.n if c >= total else mix.positions_for(source, after_start)
+        shards = list(self.window_shards(source, current))
+        if c < total and after_start < total:
+            shards += self.window_shards(source, after)
+        window = self.window_of_draw(source, c0)
+        if window != current:
+            # The lagged windows: held until the draws behind pass the first of them.
+            nxt, start = self._next_window(source, window)
+            change = min(change, mix.positions_for(source, start) + behind)
+            while window != current:
+                shards += self.window_shards(source, window)
+                window = nxt
+                nxt, _ = self._next_window(source, window)
+        return tuple(dict.fromkeys(shards)), change
+
+
+def _sizes_digest(sizes: Sequence[int] | np.ndarray[Any, Any]) -> str:
+    """A short key of a list of counts (O(1) Python work per call: millions of shards hash in ms)."""
+    data = np.ascontiguousarray(sizes, dtype="<i8").tobytes()
+    return hashlib.blake2b(data, digest_size=8).hexdigest()
+
+
+class WindowedMixtureSampler(MixtureSampler):
+    """A mixture of sharded datasets larger than memory: each source read through windows of its shards.
+
+    **The order.** Which source each position draws from is the mixture's rule, unchanged (the
+    same exact proportions and bound); the record is the next of that source's own windowed
+    order (:class:`WindowedMixtureOrder`): its shards in a keyed random order, cut into windows
+    of ``window`` shards, records shuffled within each window. A source drawn past its length
+    (upsampling) starts its next pass with a new shard order, independently of the others. The
+    order is a pure function of ``(seed, epoch, weights, lengths, shard sizes, windows)``: the
+    same for every world size, split across ranks, padded and resumed in O(1) at any world size
+    exactly as :class:`MixtureSampler` does.
+
+    **Residency.** For each source with a :class:`~smstore.ShardResidency` (by default every
+    :class:`~smstore.SharedStoreDataset` of a sharded dataset among a :class:`MixtureDataset`'s
+    sources), the sampler holds the window it reads, the next one and, for ``lag`` samples of
+    this rank after a window ends, the previous one: the daemon keeps one window per source
+    resident and loads the next ones in the background, all within its ``--shm-limit``; without a
+    daemon the files are read ahead into the page cache. Memory: with ``L_s`` the largest shard
+    of source ``s``, the windows held take at most ``sum_s 2 * window_s * L_s`` bytes (three
+    windows of a source during its lag); :meth:`windows_for` picks windows that fit a budget.
+
+    Args:
+        mixture: A :class:`MixtureDataset` (shard sizes and residency found from its sources) or
+            a :class:`Mixture` (give ``shard_sizes``).
+        window: Shards per window: one number for every source, or one per source.
+        seed: Any integer; the same on every rank.
+        rank: This rank (default: from torch.distributed or ``RANK``).
+        world_size: The number of ranks (default: found like ``rank``).
+        drop_last: Drop the tail that does not divide evenly instead of padding.
+        shard_sizes: Per source, its shards' record counts, or ``None`` for a source without
+            shards (default: each source's ``shard_sizes``).
+        residency: ``None`` (default): a :class:`~smstore.ShardResidency` for each sharded
+            SharedStoreDataset source; ``False``: none; or one per source (``None`` for none).
+        lag: Samples of this rank during which the windows just left stay held; at least
+            ``prefetch_factor * num_workers * batch_size``.
+
+    Raises:
+        MixtureError: Shard sizes that do not add up to a source's length, or a window or
+            list of them that does not fit the sources.
+    """
+
+    def __init__(
+        self,
+        mixture: Mixture | MixtureDataset,
+        *,
+        window: int | Sequence[int],
+        seed: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        shard_sizes: Sequence[Sequence[int] | None] | None = None,
+        residency: Any = None,
+        lag: int = 8192,
+    ) -> None:
+        super().__init__(mixture, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
+        lengths = self.mixture.lengths
+        sources = mixture.sources if isinstance(mixture, MixtureDataset) else None
+        if shard_sizes is None:
+            shard_sizes = (
+                [getattr(x, "shard_sizes", None) for x in sources] if sources else [None] * len(lengths)
+            )
+        if len(shard_sizes) != len(lengths):
+            msg = f"{len(shard_sizes)} lists of shard sizes for {len(lengths)} sources: give one per source"
+            raise MixtureError(msg)
+        self.shard_sizes: list[np.ndarray[Any, np.dtype[np.int64]]] = []
+        for s, (given, n) in enumerate(zip(shard_sizes, lengths, strict=True)):
+            sizes = np.asarray([n] if given is None else given, dtype=np.int64).ravel()
+            if (sizes < 0).any() or int(sizes.sum()) != n:
+                msg = f"source {s}: its shard sizes add up to {int(sizes.sum())} records, but it has {n}"
+                raise MixtureError(msg)
+            self.shard_sizes.append(sizes)
+        wanted = [window] * len(lengths) if not isinstance(window, Sequence) else list(window)
+        if len(wanted) != len(lengths) or any(
+            isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1 for w in wanted
+        ):
+            msg = f"window={window!r}: give a positive number of shards, or one per source ({len(lengths)})"
+            raise MixtureError(msg)
+        self.windows = [min(int(w), len(sizes)) for w, sizes in zip(wanted, self.shard_sizes, strict=True)]
+        if lag < 0:
+            msg = f"lag must be >= 0, not {lag}"
+            raise ValueError(msg)
+        self.lag = int(lag)
+        self.residencies = self._residencies(residency, sources, len(lengths))
+        self._last_holds: list[tuple[int, ...] | None] = [None] * len(lengths)
+        # The held sources by the next position of the pass where their holds may change.
+        self._plans: list[tuple[int, int]] = []
+        self._planned_at: int | None = None  # the position the plans were made at
+        self._windowed_cache: tuple[tuple[int, int], WindowedMixtureOrder] | None = None
+        self._layout = _sizes_digest(np.concatenate([self.windows, *(self.shard_sizes)]))
+        if any(r is not None for r in self.residencies):
+            self._max_chunk = 4096  # a window switch also holds the next shards: keep each draw short
+            self._warn_of_a_long_lag()
+
+    @staticmethod
+    def _residencies(residency: Any, sources: list[Any] | None, count: int) -> list[Any]:
+        if residency is False:
+            return [None] * count
+        if residency is None:
+            return [residency_for(x) for x in sources] if sources else [None] * count
+        given = list(residency)
+        if len(given) != count:
+            msg = f"{len(given)} residencies for {count} sources: give one per source (None for none)"
+            raise MixtureError(msg)
+        return [r or None for r in given]
+
+    def _warn_of_a_long_lag(self) -> None:
+        """The windowed sampler's warning, for the shortest window (in positions) of a held source."""
+        shortest = min(
+            (
+                self.mixture.lengths[s] * w / len(sizes) / float(self.mixture.weights[s])
+                for s, (sizes, w, r) in enumerate(
+                    zip(self.shard_sizes, self.windows, self.residencies, strict=True)
+                )
+                if r is not None and len(sizes) > w
+            ),
+            default=None,
+        )
+        if shortest is not None and 2 * self.lag * self.world_size > shortest:
+            warnings.warn(
+                f"WindowedMixtureSampler: lag={self.lag} samples a rank ({self.lag * self.world_size} in all) "
+                f"is more than half of a source's average window ({shortest:.0f} positions of the mixture): "
+                "the previous window stays held through most of the next. Pass a lag of at least "
+                "prefetch_factor * num_workers * batch_size and below that, or larger windows.",
+                stacklevel=3,
+            )
+
+    @staticmethod
+    def windows_for(dataset: MixtureDataset, budget: int) -> list[int]:
+        """Shards per window for each source so that every sharded source's window and next one fit
+        in ``budget`` bytes together: ``sum_s 2 * window_s * L_s <= budget`` (``L_s`` its largest
+        shard). Each sharded source gets one shard a window, then the rest of the budget in
+        proportion to the weights (a source read faster gets longer windows); a source without
+        shards gets 1.
+
+        Raises:
+            ValueError: The budget cannot hold two of the largest shards of every sharded source.
+        """
+        from smstore._manifest import read_manifest
+
+        largest: dict[int, tuple[int, int]] = {}  # source -> (largest shard, shards)
+        for s, source in enumerate(dataset.sources):
+            path = manifest_of(source)
+            if path is not None:
+                sizes = [x.file_size for x in read_manifest(path).shards]
+                largest[s] = (max(sizes, default=0), len(sizes))
+        need = sum(2 * big for big, _ in largest.values())
+        if budget < need:
+            msg = (
+                f"a budget of {budget} bytes cannot hold two of the largest shards of every sharded source "
+                f"({need} bytes: each source's window being read and the next): raise it, or pack smaller "
+                "shards (smstore pack --shard-size)"
+            )
+            raise ValueError(msg)
+        rest = budget - need
+        weights = dataset.mixture.weights
+        total = sum(weights[s] for s in largest) or 1
+        windows = [1] * len(dataset.sources)
+        for s, (big, count) in largest.items():
+            extra = math.floor(rest * weights[s] / total / (2 * big)) if big else count
+            windows[s] = max(1, min(count, 1 + extra))
+        return windows
+
+    def permutation(self, epoch: int | None = None) -> WindowedMixtureOrder:
+        """The order of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        cache_key = (self.seed, epoch)
+        if self._windowed_cache is None or self._windowed_cache[0] != cache_key:
+            order = WindowedMixtureOrder(self.mixture, self.shard_sizes, self.windows, self.seed, epoch)
+            self._windowed_cache = (cache_key, order)
+        return self._windowed_cache[1]
+
+    def _reached(self, start: int, done: int) -> int:
+        """Hold what each source needs at local step ``done``; the next step where that may change."""
+        n = self.num_records
+        if n == 0 or all(r is None for r in self.residencies):
+            return sys.maxsize
+        order = self.permutation()
+        g = start + self.rank + done * self.world_size
+        at = g % n  # the padding wraps to the start of the order
+        plans = self._plans  # (position where a source's holds may change, source): a heap
+        if self._planned_at is None or at < self._planned_at:  # a new pass, or the padding wrapped
+            plans.clear()
+            due = [s for s, r in enumerate(self.residencies) if r is not None]
+        else:
+            due = []
+            while plans and plans[0][0] <= at:
+                due.append(heapq.heappop(plans)[1])
+        for s in due:  # only the sources whose windows may have moved
+            held, change = order.holds(s, at, self.lag * self.world_size)
+            heapq.heappush(plans, (change, s))
+            if held != self._last_holds[s]:
+                self.residencies[s].hold(held, wait=self._last_holds[s] is None)  # the first: errors up front
+                self._last_holds[s] = held
+        self._planned_at = at
+        nxt = min(n, plans[0][0])
+        nxt += g - at  # back in the pass's (possibly wrapped) positions
+        return done + max(1, -(-(nxt - g) // self.world_size))
+
+    def __iter__(self) -> Iterator[int]:
+        self._last_holds = [None] * len(self.residencies)
+        self._planned_at = None
+        return super().__iter__()
+
+    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
+        state = super().state_dict(local_consumed)
+        state["windows"] = self._layout
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume (see MixtureSampler.load_state_dict); the windows and shards must be the same.
+
+        Raises:
+            MixtureError: The state was saved for another mixture, or other windows or shards.
+        """
+        if isinstance(state, dict) and state.get("windows") != self._layout:
+            msg = (
+                f"the state was saved with other windows or shards (layout {state.get('windows')!r}, this "
+                f"sampler's is {self._layout!r}, windows={self.windows}): another order cannot be resumed"
+            )
+            raise MixtureError(msg)
+        super().load_state_dict(state)
+
+    def close(self) -> None:
+        """Give up the shards this rank holds (also done when the process exits)."""
+        for residency in self.residencies:
+            if residency is not None:
+                residency.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"WindowedMixtureSampler({self.mixture!r}, windows={self.windows}, seed={self.seed}, "
+            f"epoch={self.epoch}, rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})"
         )
 
 

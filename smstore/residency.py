@@ -20,8 +20,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import _LEN, connect, encode, exchange, socket_path
-from smstore._shards import read_manifest
+from smstore._ipc import connect, exchange, request, socket_path
+from smstore._manifest import read_manifest
+from smstore._protocol import encode
+from smstore._protocol import frame as framed
 from smstore.client import DaemonSession, Mode
 from smstore.errors import DaemonError
 
@@ -152,13 +154,20 @@ class ShardResidency:
 
     def _hold_in_daemon(self, wanted: tuple[int, ...]) -> None:
         message = {"op": "hold", "manifest": os.path.abspath(self.path), "shards": ",".join(map(str, wanted))}
-        try:
-            if self._conn is None:  # dropped in a forked child, or after a failed exchange
-                self._conn = connect(self.socket)
-            reply, fd = exchange(self._conn, message, self.socket)
-        except DaemonError as e:
-            self._drop_connection()
-            raise _Unreachable(str(e)) from None
+        for attempt in (1, 2):
+            reused = self._conn is not None
+            try:
+                if self._conn is None:  # dropped in a forked child, or after a failed exchange
+                    reply, fd, self._conn = request(message, self.socket)  # tries again while busy
+                else:
+                    reply, fd = exchange(self._conn, message, self.socket)
+                break
+            except DaemonError as e:
+                self._drop_connection()
+                if not reused or attempt == 2:
+                    raise _Unreachable(str(e)) from None
+                # The daemon this connection went to is gone: a new connection says whether one
+                # replaced it (and if not, what to do), rather than "closed the connection".
         if fd is not None:
             os.close(fd)
         if not reply.get("ok"):
@@ -187,7 +196,7 @@ class ShardResidency:
             self._apply(wanted)
             return
         body = b"%s%s%s" % (self._frame_head, ",".join(map(str, wanted)).encode(), self._frame_tail)
-        frame = _LEN.pack(len(body)) + body
+        frame = framed(body)
         try:
             sent = os.write(fd, frame)
             if sent < len(frame):  # a full socket buffer: the rest with the socket's own timeout
@@ -236,11 +245,11 @@ class ShardResidency:
 
     @property
     def _conn(self) -> socket_module.socket | None:
-        return self._daemon._conn
+        return self._daemon.conn
 
     @_conn.setter
     def _conn(self, conn: socket_module.socket | None) -> None:
-        self._daemon._conn = conn
+        self._daemon.conn = conn
 
     def _drop_connection(self) -> None:
         self._daemon.close()

@@ -68,7 +68,7 @@ class FeistelPermutation:
             msg = f"n must be <= 2**63, not {n}"
             raise ValueError(msg)
         self.n = n
-        self._keys = _round_keys(key, rounds)
+        self._keys = round_keys(key, rounds)
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The images of an array of positions in ``[0, n)``, as int64 (computed in C++, a few ns each).
@@ -76,7 +76,7 @@ class FeistelPermutation:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-        return _map_positions(
+        return map_positions(
             positions,
             lambda flat: _core.feistel_permute(flat, self.n, self._keys),
             f"a permutation of {self.n}",
@@ -107,7 +107,7 @@ class Order(Protocol):
         ...
 
 
-def _map_positions(
+def map_positions(
     positions: np.ndarray[Any, Any],
     images: Callable[[np.ndarray[Any, Any]], np.ndarray[Any, np.dtype[np.int64]]],
     what: str,
@@ -121,7 +121,7 @@ def _map_positions(
     return images(x.astype(np.uint64, copy=False).ravel()).reshape(x.shape)
 
 
-def _round_keys(key: bytes, rounds: int = 6) -> list[int]:
+def round_keys(key: bytes, rounds: int = 6) -> list[int]:
     """A Feistel permutation's round keys: 64 bits each, from BLAKE2b of ``key``."""
     digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
     return [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
@@ -485,7 +485,7 @@ class WindowedOrder:
         key: Derives every permutation of the epoch (the seed and epoch are in it).
     """
 
-    def __init__(self, shard_sizes: Sequence[int], window: int, key: str) -> None:
+    def __init__(self, shard_sizes: Sequence[int] | np.ndarray[Any, Any], window: int, key: str) -> None:
         sizes = np.asarray(shard_sizes, dtype=np.int64)
         self.window = window
         self.n = int(sizes.sum())
@@ -507,10 +507,15 @@ class WindowedOrder:
             self._seq_starts.tolist(),
             self._starts[self.shard_order].tolist(),
             window,
-            lambda j: _round_keys(f"{prefix}{j}".encode()),
+            lambda j: round_keys(f"{prefix}{j}".encode()),
         )
         self._window_starts: list[int] = self.window_starts.tolist()  # read at every window (plain ints)
         self._shard_list: list[int] = self.shard_order.tolist()
+
+    @property
+    def kernel(self) -> _core.WindowedOrder:
+        """The order's tables in C++ (what a windowed mixture's order evaluates each source with)."""
+        return self._core
 
     @property
     def window_count(self) -> int:
@@ -535,7 +540,7 @@ class WindowedOrder:
         Raises:
             IndexError: A position is outside ``[0, n)``.
         """
-        return _map_positions(positions, self._core, f"an order of {self.n}")
+        return map_positions(positions, self._core, f"an order of {self.n}")
 
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The records at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
@@ -610,7 +615,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         self.lag = int(lag)
         self._order_cache: tuple[tuple[int, int], WindowedOrder] | None = None
         if residency is None:
-            residency = _residency_for(dataset)
+            residency = residency_for(dataset)
         self.residency = residency or None
         self._last_hold: tuple[int, ...] | None = None
         windows = -(-len(sizes) // self.window)
@@ -633,7 +638,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         Raises:
             ValueError: The budget cannot hold two of the largest shards.
         """
-        from smstore._shards import read_manifest
+        from smstore._manifest import read_manifest
 
         sizes = [s.file_size for s in read_manifest(getattr(dataset, "path", dataset)).shards]
         largest = max(sizes, default=0)
@@ -727,16 +732,23 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         )
 
 
-def _residency_for(dataset: Any) -> Any:
-    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+def manifest_of(dataset: Any) -> str | None:
+    """The manifest's path of a SharedStoreDataset of a sharded dataset, else None."""
     path = getattr(dataset, "path", None)
     if not isinstance(path, str) or getattr(dataset, "shard_sizes", None) is None:
         return None
-    from smstore._shards import is_manifest
+    from smstore._manifest import is_manifest
+
+    return path if is_manifest(path) else None
+
+
+def residency_for(dataset: Any) -> Any:
+    """A ShardResidency for a SharedStoreDataset of a sharded dataset, else None."""
+    path = manifest_of(dataset)
+    if path is None:
+        return None
     from smstore.residency import ShardResidency
 
-    if not is_manifest(path):
-        return None
     return ShardResidency(
         path, mode=getattr(dataset, "mode", "auto"), socket=getattr(dataset, "socket", None)
     )

@@ -27,8 +27,8 @@ import numpy as np
 
 from smstore import _core
 from smstore._decode import Decoder, make_decoder
+from smstore._manifest import MANIFEST_NAME
 from smstore._pack import check_output, publish_file
-from smstore._shards import MANIFEST_NAME
 from smstore.errors import (
     IndexFileError,
     IndexStaleError,

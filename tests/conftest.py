@@ -20,7 +20,7 @@ from smstore_testlib import AWKWARD
 
 import smstore
 from smstore import _core
-from smstore._segments import list_segments
+from smstore.daemon.segments import list_segments
 
 # No example database: the suite leaves nothing behind in the source tree.
 settings.register_profile("smstore", database=None)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import struct
@@ -211,3 +212,14 @@ def run_cli(*args: str | os.PathLike[str], stdin: bytes | None = None) -> subpro
         check=False,
         cwd=SAFE_CWD,
     )
+
+
+def interleave(streams: list[list[int]]) -> list[int]:
+    """Rank r's i-th sample sits at global position r + i*W."""
+    return [x for row in itertools.zip_longest(*streams) for x in row if x is not None]
+
+
+def loader_batches(loader: object, k: int | None = None) -> list[int]:
+    """The indices of the first `k` batches (all with None) of a loader of index tensors."""
+    # islice takes exactly k batches from the loader (a loop that breaks would receive one more).
+    return [x for batch in itertools.islice(loader, k) for x in batch.tolist()]  # type: ignore[call-overload]

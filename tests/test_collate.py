@@ -279,3 +279,33 @@ def test_records_of_partial_items_are_a_format_error(tmp_path: Path) -> None:
         smstore.StoreFormatError, match=r"ragged\.smst: a record of 3 bytes is not a whole number"
     ):
         collate([collate.store[0], collate.store[1]])
+
+
+@pytest.mark.parametrize("record_dtype", [np.uint8, np.int8, np.uint16, np.int32, np.uint64, np.float32])
+@pytest.mark.parametrize("dtype", [None, "int64", "int32", "uint8", "float64"])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"max_length": 6, "truncation": "left", "padding_side": "left", "pad_value": 3},
+        {"max_length": 9, "fixed_length": True, "pad_to_multiple_of": 4},
+        {"layout": "pack", "max_length": 5},
+        {"layout": "pack", "return_indices": False},
+    ],
+)
+def test_batcher_path_is_byte_identical_to_numpy(
+    tmp_path: Path, record_dtype: type, dtype: str | None, options: dict[str, object]
+) -> None:
+    path = tmp_path / "t.smst"
+    smstore.pack_arrays((record(i).astype(record_dtype) for i in range(24)), path, dtype=record_dtype)
+    torch_dtype = None if dtype is None else getattr(torch, dtype)
+    collate = TokenCollator(path, dtype=torch_dtype, **options)  # type: ignore[arg-type]
+    float_to_int = np.dtype(record_dtype).kind == "f" and dtype is not None and dtype != "float64"
+    assert (collate.batch_spec() is None) == float_to_int  # the C++ batcher does the rest
+    ids = [7, 1, 0, 23, 3, 19, 9, 7]
+    fast, slow = collate(ids), collate._collate_numpy(ids, ids, torch)
+    assert list(fast) == list(slow)
+    for key in slow:
+        assert fast[key].dtype == slow[key].dtype
+        assert fast[key].shape == slow[key].shape
+        assert fast[key].numpy().tobytes() == slow[key].numpy().tobytes()

@@ -27,11 +27,12 @@ from hypothesis import strategies as st
 
 import smstore
 from smstore import PackInputError
+from smstore._manifest import read_manifest
 from smstore._objects import PICKLE_PROTOCOL
-from smstore._shards import ShardedWriter, read_manifest
+from smstore._shards import ShardedWriter
 from smstore.convert import convert_json_list, convert_megatron
 from smstore.convert import json_list as jl
-from smstore.convert._common import Spans, _Progress, _write, write_records
+from smstore.convert._common import Progress, Spans, _write, write_records
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -705,7 +706,7 @@ def test_writer_faults_in_spans_name_the_input(tmp_path: Path, shard_size: int |
             durable=False,
             shard_size=shard_size,
             input_bytes=0,
-            bar=_Progress(None, False, ""),
+            bar=Progress(None, False, ""),
         )
     assert str(out) not in str(e.value)
     assert not out.exists() or not (out / "manifest.json").exists()

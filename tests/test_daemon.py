@@ -34,8 +34,8 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
-from smstore._segments import list_segments
 from smstore.client import DaemonStore, daemon_request, open_store
+from smstore.daemon.segments import list_segments
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
 
 # ---- basics -----------------------------------------------------------------------------------
@@ -194,16 +194,32 @@ def test_readers_do_not_import_the_daemon(
         "first = bytes(ds[0])\n"
         f"c = pickle.loads(pickle.dumps(TokenCollator({os.fspath(path)!r}, mode='daemon', socket={os.fspath(d.sock)!r})))\n"
         "c([0, 1]); list(GlobalShuffleSampler(len(ds), seed=0, rank=0, world_size=1))\n"
-        "print(first.hex(), sorted(m for m in sys.modules if m in ('smstore.daemon', 'smstore._segments', 'smstore.cli')))\n"
+        "print(first.hex(), sorted(m for m in sys.modules if m in ('smstore.daemon', 'smstore.daemon.segments', 'smstore.cli')))\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == [recs[0].hex(), "[]"]
 
 
 def test_daemon_does_not_import_torch() -> None:
-    code = "import sys, smstore.cli, smstore.daemon, smstore.client; print('torch' in sys.modules)"
+    code = (
+        "import sys, smstore.cli, smstore.daemon, smstore.client\n"
+        "smstore.daemon.serve  # the server, loaded on first use\n"
+        "print('smstore.daemon.server' in sys.modules, 'torch' in sys.modules)"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "False"
+    assert out.split() == ["True", "False"]
+
+
+def test_listing_segments_does_not_load_the_server() -> None:
+    """`smstore.list_segments` and `collect_garbage` (what `smstore gc` runs) load the daemon package's
+    segment bookkeeping only: its __init__ stays light."""
+    code = (
+        "import sys, smstore\n"
+        "smstore.list_segments(); smstore.collect_garbage\n"
+        "print(sorted(m for m in sys.modules if m.startswith('smstore.daemon')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "['smstore.daemon', 'smstore.daemon.segments', 'smstore.daemon.state']"
 
 
 def test_matched_by_content_and_new_generation(

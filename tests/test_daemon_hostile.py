@@ -37,8 +37,9 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
-from smstore._segments import list_segments, state_path
 from smstore.client import open_store
+from smstore.daemon.segments import list_segments
+from smstore.daemon.state import state_path
 
 STATUS = frame(b'{"op":"status"}')
 

@@ -19,12 +19,9 @@ from smstore.mixture import (
     from_megatron_blend,
     parse_megatron_blend,
 )
-from smstore.sampler import GlobalShuffleSampler, ResumableLoader, _round_keys
+from smstore.sampler import GlobalShuffleSampler, ResumableLoader, round_keys
 
-
-def interleave(streams: list[list[int]]) -> list[int]:
-    """Rank r's i-th sample sits at global position r + i*W."""
-    return [x for row in itertools.zip_longest(*streams) for x in row if x is not None]
+from .smstore_testlib import interleave, loader_batches
 
 
 def epoch_order(mix: Mixture, seed: int, epoch: int = 0) -> list[int]:
@@ -214,7 +211,7 @@ def reference_pairs(
     out = np.empty_like(k)
     for s, e in {(int(s), int(e)) for s, e in zip(src, passes, strict=True)}:
         at = (src == s) & (passes == e)
-        keys = _round_keys(f"smstore-mixture-v1:{seed}:{epoch}:{s}:{e}:{mix.lengths[s]}".encode())
+        keys = round_keys(f"smstore-mixture-v1:{seed}:{epoch}:{s}:{e}:{mix.lengths[s]}".encode())
         out[at] = _core.feistel_permute(within[at].astype(np.uint64), mix.lengths[s], keys)
     return src, out
 
@@ -460,11 +457,6 @@ def test_resume_near_the_end_of_a_huge_mixture_is_immediate_and_exact() -> None:
     n = mix.num_samples
     # Rank 1 of 3 takes positions n-9, n-6, n-3 and, padding, wraps to position 0.
     assert got == s.permutation()(np.array([n - 9, n - 6, n - 3, 0])).tolist()
-
-
-def loader_batches(loader: object, k: int | None = None) -> list[int]:
-    # islice takes exactly k batches from the loader (a loop that breaks would receive one more).
-    return [x for batch in itertools.islice(loader, k) for x in batch.tolist()]  # type: ignore[call-overload]
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -16,7 +16,7 @@ import pytest
 import smstore_testlib as tl
 
 import smstore
-from smstore._shards import MANIFEST_NAME, ShardInfo, describe_shard, read_manifest, write_manifest
+from smstore._manifest import MANIFEST_NAME, ShardInfo, describe_shard, read_manifest, write_manifest
 
 LINES = [b"first", b"", b"third \xff", b"fourth"]
 

@@ -31,7 +31,8 @@ from smstore import (
     StoreNotFoundError,
     StoreVersionError,
 )
-from smstore._shards import MANIFEST_NAME, plan_parts, read_manifest
+from smstore._manifest import MANIFEST_NAME, read_manifest
+from smstore._packfiles import plan_parts
 
 
 def write_lines(path: Path, n: int, seed: int = 0, *, trailing_newline: bool = True) -> bytes:

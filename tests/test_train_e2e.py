@@ -19,8 +19,8 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler, _core
-from smstore._segments import list_segments
 from smstore.client import daemon_request
+from smstore.daemon.segments import list_segments
 from smstore.errors import DaemonError
 
 pytest.importorskip("torch")

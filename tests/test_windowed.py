@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import smstore
-from smstore._shards import read_manifest
+from smstore._manifest import read_manifest
 from smstore.errors import DaemonError
 from smstore.residency import ShardResidency
 from smstore.sampler import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
@@ -412,6 +412,63 @@ def test_a_shard_whose_hold_moved_on_while_it_loaded_is_released(
         status = d.status()
         assert [s["checksum"] for s in status["segments"]] == [m.shards[2].checksum]
         assert status["held"] == [m.shards[2].checksum]
+    finally:
+        residency.close()
+
+
+def test_a_load_for_a_hold_that_moved_on_counts_in_the_budget_until_it_lands(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A load under way for a shard no rank holds any more fills /dev/shm all the same (and a reader
+    that waited for it may map it): the holds after it wait for its room. The daemon used to leave
+    it out of --shm-limit and start them at once (windowed mixtures, whose sources move their
+    windows independently, went one shard over the budget).
+
+    The reads are throttled (45 KB shards at 100 KB/s): shard 0 is still loading at the second hold.
+    """
+    out, _ = sharded(tmp_path, shards=4)
+    m = read_manifest(out)
+    page = os.sysconf("SC_PAGESIZE")
+    largest = max(-(-s.file_size // page) * page for s in m.shards)
+    d = start_daemon(args=("--max-read-rate", "100K", "--shm-limit", str(2 * largest)), loaded=0)
+    residency = ShardResidency(out, mode="daemon")
+    names = [Path(m.shard_path(k)).name for k in range(4)]
+    try:
+        residency.hold([0], wait=True)
+        residency.hold([1, 2], wait=True)
+        loading = {Path(p).name for p in d.status()["loading"]}
+        assert names[0] in loading  # under way, for no one now
+        assert names[1] in loading
+        assert names[2] not in loading  # waits for shard 0 to land and go
+        wanted = sorted([m.shards[1].checksum, m.shards[2].checksum])
+        deadline = time.monotonic() + 20
+        while sorted(s["checksum"] for s in d.status()["segments"]) != wanted and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert sorted(s["checksum"] for s in d.status()["segments"]) == wanted
+    finally:
+        residency.close()
+
+
+def test_a_held_load_under_way_counts_in_the_budget_wherever_the_holds_now_put_it(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A shard still loading that a new hold names after others is counted before them: its pages
+    fill all the same. The daemon used to skip it once the shards before it took the room, and
+    start those too (a windowed mixture's daemon went a shard over --shm-limit, 4 runs in 20).
+    """
+    out, _ = sharded(tmp_path, shards=4)
+    m = read_manifest(out)
+    page = os.sysconf("SC_PAGESIZE")
+    largest = max(-(-s.file_size // page) * page for s in m.shards)
+    d = start_daemon(args=("--max-read-rate", "100K", "--shm-limit", str(2 * largest)), loaded=0)
+    residency = ShardResidency(out, mode="daemon")
+    names = [Path(m.shard_path(k)).name for k in range(4)]
+    try:
+        residency.hold([0], wait=True)
+        residency.hold([1, 2, 0], wait=True)
+        loading = {Path(p).name for p in d.status()["loading"]}
+        assert {names[0], names[1]} <= loading
+        assert names[2] not in loading  # shard 0, under way, and shard 1 fill the budget
     finally:
         residency.close()
 

@@ -73,5 +73,6 @@ void register_packers(pybind11::module_& m);
 void register_shm(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
 void register_mixture(pybind11::module_& m);
+void register_loader(pybind11::module_& m);
 
 }  // namespace smstore::bindings

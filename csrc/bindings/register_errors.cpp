@@ -19,7 +19,7 @@ constexpr KindClass kErrorTable[] = {
     {Error::Kind::Version, "StoreVersionError"},   {Error::Kind::Checksum, "ChecksumMismatchError"},
     {Error::Kind::NotFound, "StoreNotFoundError"}, {Error::Kind::Io, "StoreIOError"},
     {Error::Kind::Input, "PackInputError"},        {Error::Kind::Shm, "SharedMemoryError"},
-    {Error::Kind::Closed, "StoreClosedError"},
+    {Error::Kind::Closed, "StoreClosedError"},     {Error::Kind::Index, "RecordIndexError"},
 };
 
 // Borrowed for the life of the interpreter: smstore.errors is never unloaded.

@@ -63,6 +63,13 @@ void register_mixture(py::module_& m) {
                                                        std::move(keys));
              }),
              py::arg("tree"), py::arg("lengths"), py::arg("offsets"), py::arg("size"), py::arg("keys"))
+        .def(py::init([](const MixtureTree& tree, std::vector<uint64_t> lengths, std::vector<uint64_t> offsets,
+                         uint64_t size, MixtureOrder::WindowedSource windows) {
+                 return std::make_unique<MixtureOrder>(tree, std::move(lengths), std::move(offsets), size,
+                                                       std::move(windows));
+             }),
+             py::arg("tree"), py::arg("lengths"), py::arg("offsets"), py::arg("size"), py::kw_only(),
+             py::arg("windows"))
         .def("__len__", &MixtureOrder::size)
         .def(
             "pairs",

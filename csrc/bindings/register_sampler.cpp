@@ -69,8 +69,8 @@ void register_sampler(py::module_& m) {
         py::arg("n"), py::arg("round_keys"), py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"),
         "The images of positions (first + i * step) % wrap, i < count, under the Feistel permutation of [0, n).");
 
-    py::class_<WindowedOrder>(m, "WindowedOrder",
-                              "The windowed epoch order's tables (smstore.sampler.WindowedOrder evaluates with it).")
+    py::class_<WindowedOrder, std::shared_ptr<WindowedOrder>>(
+        m, "WindowedOrder", "The windowed epoch order's tables (smstore.sampler.WindowedOrder evaluates with it).")
         .def(py::init([](std::vector<uint64_t> window_starts, std::vector<uint64_t> seq_starts,
                          std::vector<uint64_t> record_starts, size_t window,
                          std::function<std::vector<uint64_t>(size_t)> keys) {

@@ -15,7 +15,7 @@ from smstore.errors import PackInputError
 __all__ = ["Spans", "write_records"]
 
 
-class _Progress:
+class Progress:
     """A tqdm bar over source bytes on a terminal (``update`` takes bytes consumed so far)."""
 
     def __init__(self, total: int | None, enabled: bool | None, desc: str) -> None:
@@ -103,7 +103,7 @@ def write_records(
     durable: bool,
     shard_size: int | None,
     input_bytes: int,
-    bar: _Progress,
+    bar: Progress,
 ) -> PackStats:
     """Stream `records` into `output` (a blob; a dataset directory with `shard_size` or as
     :func:`smstore._pack.dataset_output` says); atomic either way.

@@ -18,7 +18,7 @@ import pyarrow.parquet as pq
 
 from smstore._objects import OBJECT_ENCODINGS, encode_objects
 from smstore._pack import PackStats
-from smstore.convert._common import Spans, _Progress, write_records
+from smstore.convert._common import Progress, Spans, write_records
 from smstore.errors import PackInputError
 
 __all__ = ["arrow_sources", "convert_arrow", "iter_batches", "read_schema"]
@@ -598,7 +598,7 @@ def convert_arrow(
             f"rows are stored as objects: encoding must be one of {', '.join(OBJECT_ENCODINGS)}, not {enc!r}"
         )
     total = sum(os.path.getsize(f) for f in files)
-    bar = _Progress(total, progress, "convert")
+    bar = Progress(total, progress, "convert")
 
     def records() -> Iterator[Any]:
         done = 0

@@ -24,7 +24,7 @@ import numpy as np
 
 from smstore._objects import OBJECT_ENCODINGS, encode_objects
 from smstore._pack import PackStats
-from smstore.convert._common import _Progress, write_records
+from smstore.convert._common import Progress, write_records
 from smstore.errors import PackInputError
 
 __all__ = ["MAX_DEPTH", "convert_json_list", "iter_json_list"]
@@ -823,7 +823,7 @@ def convert_json_list(
     size = os.path.getsize(path)
     take = 1
     while True:
-        bar = _Progress(size, progress, "convert")
+        bar = Progress(size, progress, "convert")
         try:
             return write_records(
                 _records(path, _located(path, key, 1 << 30, bar.update, take), encoding),

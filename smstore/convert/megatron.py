@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 from smstore._pack import PackStats
-from smstore.convert._common import Spans, _Progress, write_records
+from smstore.convert._common import Progress, Spans, write_records
 from smstore.errors import PackInputError
 
 __all__ = ["DTYPES", "convert_megatron", "read_index"]
@@ -146,7 +146,7 @@ def convert_megatron(
         begin[~nonempty] = end[~nonempty] = prev_end[~nonempty]
     # Runs of documents that follow each other in the .bin go to the writer in one call each.
     breaks = np.flatnonzero(begin[1:] != end[:-1]) + 1
-    bar = _Progress(bin_size, progress, "convert")
+    bar = Progress(bin_size, progress, "convert")
 
     def records() -> Iterator[Spans]:
         if bin_size == 0:

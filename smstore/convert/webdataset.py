@@ -22,7 +22,7 @@ from typing import IO, Any
 
 from smstore._pack import PackStats
 from smstore._samples import encode_sample
-from smstore.convert._common import _Progress, write_records
+from smstore.convert._common import Progress, write_records
 from smstore.errors import PackInputError
 
 __all__ = ["convert_webdataset", "iter_samples"]
@@ -366,7 +366,7 @@ def convert_webdataset(
         if not os.path.isfile(p):
             raise PackInputError(f"{p}: no such file")
     sizes = [os.path.getsize(p) for p in paths]
-    bar = _Progress(sum(sizes), progress, "convert")
+    bar = Progress(sum(sizes), progress, "convert")
 
     def records() -> Iterator[bytes]:
         before = 0

@@ -28,9 +28,10 @@ from typing import Any
 from ray.data import Datasink
 from ray.data.block import Block, BlockAccessor
 
+from smstore._manifest import MANIFEST_NAME, ShardNames, describe_shard, publish_manifest
 from smstore._objects import encode_objects
 from smstore._pack import Writer
-from smstore._shards import MANIFEST_NAME, ShardNames, _publish, dataset_dir, describe_shard
+from smstore._shards import dataset_dir
 
 __all__ = ["SmstoreDatasink"]
 
@@ -107,7 +108,7 @@ class SmstoreDatasink(Datasink[tuple[int, str]]):
         self._written = [p for _, p in done]
         shards = [describe_shard(p, stored_path=os.path.basename(p))[0] for p in self._written]
         assert self.encoding is not None
-        _publish(
+        publish_manifest(
             os.path.join(self.output, MANIFEST_NAME),
             self.encoding,
             shards,

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
 import logging
 import math
 import os
@@ -27,10 +26,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from smstore._ipc import encode, frame_length
+from smstore._protocol import (
+    BUSY,
+    PERMISSION_DENIED,
+    TOO_LARGE,
+    ProtocolError,
+    encode,
+    frame_length,
+    parse_request,
+    refusal,
+)
 from smstore.errors import DaemonError, StoreError
 
-__all__ = ["Conn", "Limits", "ProtocolError", "Server", "parse_request"]
+__all__ = ["Conn", "Limits", "Server"]
 
 log = logging.getLogger("smstore.daemon")
 
@@ -57,33 +65,6 @@ class Limits:
         if not (math.isfinite(self.io_timeout) and 0 < self.io_timeout <= 3600):
             msg = f"the I/O timeout must be a number of seconds in (0, 3600], not {self.io_timeout}"
             raise ValueError(msg)
-
-
-class ProtocolError(Exception):
-    """A request that cannot be served as sent; `error` is the reply's machine-readable code."""
-
-    def __init__(self, error: str, message: str) -> None:
-        super().__init__(message)
-        self.error = error
-
-
-def parse_request(body: bytes) -> dict[str, Any]:
-    """A request body as a flat JSON object of scalars (strings, numbers, booleans, null).
-
-    Raises:
-        ProtocolError: Anything else: not UTF-8, not JSON, nested too deep for the parser, not an
-            object, or holding a list or object as a value.
-    """
-    try:
-        obj = json.loads(body.decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        # RecursionError: deep nesting ([[[[...) exhausts the parser's stack; refused like any junk.
-        raise ProtocolError("bad_request", f"malformed message: {type(e).__name__}: {e}"[:300]) from None
-    if not isinstance(obj, dict):
-        raise ProtocolError("bad_request", "a request must be a JSON object")
-    if not all(isinstance(v, (str, int, float, bool)) or v is None for v in obj.values()):
-        raise ProtocolError("bad_request", "a request's values must be strings, numbers, booleans or null")
-    return obj
 
 
 @dataclass
@@ -209,12 +190,17 @@ class Server:
         why = self._over_limits(conn)
         if why is not None:
             log.warning("refused connection from pid %d uid %d: %s", pid, uid, why)
-            self.reply(cid, {"ok": False, "error": "busy", "message": why}, close=True)
+            refused = refusal(BUSY, why)
+            if conn.owner:
+                # Even the owner's reserve is in use: connections that stall are dropped within
+                # the I/O timeout, so the owner's client tries again for that long (_ipc.request).
+                refused["retry_within"] = self.limits.io_timeout
+            self.reply(cid, refused, close=True)
             return cid
         why = self.allowed(conn)
         if why is not None:
             log.warning("refused connection from pid %d uid %d", pid, uid)
-            self.reply(cid, {"ok": False, "error": "permission_denied", "message": why}, close=True)
+            self.reply(cid, refusal(PERMISSION_DENIED, why), close=True)
         return cid
 
     def _over_limits(self, conn: Conn) -> str | None:
@@ -262,7 +248,7 @@ class Server:
             n = frame_length(conn.inbuf)
             if n > self.limits.max_request:
                 msg = f"message of {n} bytes exceeds the {self.limits.max_request}-byte limit"
-                self.reply(cid, {"ok": False, "error": "too_large", "message": msg}, close=True)
+                self.reply(cid, refusal(TOO_LARGE, msg), close=True)
                 return
             if len(conn.inbuf) < 4 + n:
                 break
@@ -273,13 +259,13 @@ class Server:
             try:
                 self.handle(cid, conn, parse_request(body))
             except ProtocolError as e:
-                self.reply(cid, {"ok": False, "error": e.error, "message": str(e)})
+                self.reply(cid, refusal(e.error, str(e)))
             except (StoreError, OSError) as e:  # what the client sent or named is bad: no traceback
                 log.warning("request from pid %d refused: %s", conn.pid, e)
-                self.reply(cid, {"ok": False, "error": type(e).__name__, "message": str(e)[:1000]})
+                self.reply(cid, refusal(type(e).__name__, str(e)[:1000]))
             except Exception as e:  # one request, however malformed, never ends the loop
                 log.exception("request from pid %d failed", conn.pid)
-                self.reply(cid, {"ok": False, "error": type(e).__name__, "message": str(e)[:1000]})
+                self.reply(cid, refusal(type(e).__name__, str(e)[:1000]))
             finally:
                 conn.drop_fd()  # a descriptor the request did not take is not kept
             conn = self.conns.get(cid)

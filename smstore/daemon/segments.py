@@ -1,36 +1,41 @@
-"""The daemon's shared-memory segments on disk: names, listing, state file, adoption, garbage collection."""
+"""The daemon's shared-memory segments on disk: names, listing, lock, the segment table, adoption, `gc`."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
 import fcntl
-import json
+import logging
 import os
 import re
 import secrets
+import socket
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smstore import _core
 from smstore._ipc import process_alive, socket_path
+from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
+
+log = logging.getLogger("smstore.daemon")
 
 __all__ = [
     "SEGMENT_RE",
     "SHM_DIR",
     "DaemonLock",
     "Segment",
+    "SegmentTable",
+    "adopt_previous",
     "collect_garbage",
     "daemon_alive",
     "list_segments",
     "new_segment_name",
-    "read_state",
+    "pages",
     "segment_prefix",
-    "state_path",
-    "write_state",
 ]
 
 SHM_DIR = Path(_core.SHM_DIR)
@@ -204,45 +209,62 @@ class Segment:
         os.close(self.fd)
 
 
-# ---- the state file: which segments a daemon holds, so that a successor can adopt them ---------
+def pages(size: int) -> int:
+    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
+    return -(-size // _PAGE) * _PAGE
 
 
-def state_path(sock: Path) -> Path:
-    """The state file beside a daemon's socket."""
-    return sock.with_name(sock.name + ".state")
+_PAGE = os.sysconf("SC_PAGESIZE")
 
 
-def write_state(path: Path, state: dict[str, Any]) -> None:
-    """Replace the state file atomically (a reader never sees half of it)."""
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        with os.fdopen(fd, "w") as f:
-            # dumps, not dump: dump streams through the pure-Python encoder (a millisecond for a
-            # few dozen segments, on the daemon's loop at every window switch); dumps runs in C.
-            f.write(json.dumps(state))
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+class SegmentTable(dict[str, Segment]):
+    """The daemon's segments by checksum, with their totals and a path index kept as they change.
 
-
-def read_state(path: Path) -> dict[str, Any] | None:
-    """The state file's contents, or None if there is none.
-
-    Raises:
-        ValueError: It exists but is not a state file (unreadable, not JSON, fields missing).
+    A load, a hold and `status` need the bytes in use and the segment serving a path: summing or
+    scanning the whole table each time made loading N blobs O(N**2). Segments enter with
+    ``table[checksum] = seg`` and leave with ``pop``; a segment's paths change through
+    :meth:`add_path` and :meth:`remove_path` only.
     """
-    try:
-        state: dict[str, Any] = json.loads(path.read_text())
-        # Indexing a list, string or number raises TypeError: only an object with these fields passes.
-        int(state["pid"]), int(state["start_time"]), list(state["segments"])
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        msg = f"{path}: not a valid state file ({e})"
-        raise ValueError(msg) from None
-    return state
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.size = 0  # bytes of the segments
+        self.pages = 0  # ... in whole pages, as /dev/shm counts them
+        self._by_path: dict[str, str] = {}
+
+    def __setitem__(self, checksum: str, seg: Segment) -> None:
+        self.pop(checksum)
+        super().__setitem__(checksum, seg)
+        self.size += seg.size
+        self.pages += pages(seg.size)
+        for path in seg.paths:
+            self._by_path[path] = checksum
+
+    def pop(self, checksum: str, default: Segment | None = None) -> Segment | None:  # type: ignore[override]
+        seg = super().pop(checksum, None)
+        if seg is None:
+            return default
+        self.size -= seg.size
+        self.pages -= pages(seg.size)
+        for path in seg.paths:
+            if self._by_path.get(path) == checksum:
+                del self._by_path[path]
+        return seg
+
+    def serving(self, path: str) -> Segment | None:
+        """The segment a load of `path` registered last, if it is still here."""
+        checksum = self._by_path.get(path)
+        return None if checksum is None else self.get(checksum)
+
+    def add_path(self, seg: Segment, path: str) -> None:
+        if path not in seg.paths:
+            seg.paths.append(path)
+        self._by_path[path] = seg.checksum
+
+    def remove_path(self, seg: Segment, path: str) -> None:
+        seg.paths.remove(path)
+        if self._by_path.get(path) == seg.checksum:
+            del self._by_path[path]
 
 
 def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
@@ -291,6 +313,57 @@ def adopt_segment(entry: dict[str, Any], uid: int, new_name: str) -> Segment:
     )
 
 
+def adopt_previous(
+    state_file: Path, uid: int, segment_name: Callable[[str], str]
+) -> list[tuple[Segment, bool]]:
+    """Take over the segments a dead daemon's state file lists; unlink what cannot be adopted, and its leftovers.
+
+    A bad state file is set aside with a warning. Returns each adopted segment, and whether it was
+    loaded because a rank held it.
+
+    Raises:
+        DaemonError: The daemon that wrote the state file is alive.
+    """
+    try:
+        state = read_state(state_file)
+    except ValueError as e:
+        set_aside(state_file, e)  # a successor of ours must not trip over it either
+        return []
+    if state is None:
+        return []
+    old_pid, old_start = int(state["pid"]), int(state["start_time"])
+    if daemon_alive(uid, old_pid, old_start):
+        msg = f"the smstore daemon pid {old_pid} still owns {state_file}; stop it first"
+        raise DaemonError(msg)
+    adopted: dict[str, tuple[Segment, bool]] = {}
+    for entry in state["segments"]:
+        try:
+            checksum = str(entry["checksum"])
+            if checksum in adopted:
+                msg = "a duplicate"
+                raise ValueError(msg)
+            seg = adopt_segment(entry, uid, segment_name(checksum))
+        except (OSError, StoreError, ValueError, KeyError, TypeError, OverflowError) as e:
+            name = entry.get("name") if isinstance(entry, dict) else entry
+            log.warning("could not adopt segment %s: %s; removing it", name, e)
+            if isinstance(name, str):
+                unlink_quietly(name)
+            continue
+        adopted[seg.checksum] = (seg, entry.get("held") is True)
+        log.info(
+            "adopted %s (%s, %d bytes) from dead daemon",
+            ", ".join(seg.paths) or seg.name,
+            seg.checksum,
+            seg.size,
+        )
+    # Whatever else the dead daemon left (a load it did not finish, its lock) goes.
+    for name in list_segments(old_pid, old_start):
+        log.info("removing leftover segment %s of dead daemon %d", name, old_pid)
+        unlink_quietly(name)
+    DaemonLock.remove_stale(uid, old_pid, old_start)
+    return list(adopted.values())
+
+
 def unlink_quietly(name: str) -> None:
     """Remove a segment by name if it is still there."""
     with contextlib.suppress(OSError, StoreError):
@@ -298,6 +371,19 @@ def unlink_quietly(name: str) -> None:
 
 
 # ---- garbage collection --------------------------------------------------------------------------
+
+
+def _answers(sock: Path) -> bool:
+    """Whether something listens on the socket `sock`."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(os.fspath(sock))
+    except OSError:
+        return False
+    finally:
+        probe.close()
+    return True
 
 
 def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
@@ -340,8 +426,12 @@ def collect_garbage(sock: str | os.PathLike[str] | None = None) -> list[str]:
     try:
         info = read_state(state_file)
         dead = info is not None and not daemon_alive(uid, int(info["pid"]), int(info["start_time"]))
-    except ValueError:
-        dead = True
+    except ValueError as e:
+        # Not a state file: it says nothing of a daemon, so the socket goes only if none answers.
+        bad = set_aside(state_file, e)
+        if bad is not None:
+            removed.append(os.fspath(state_file))
+        dead = not _answers(path)
     if dead:
         for p in (path, state_file):
             if p.exists() or p.is_socket():

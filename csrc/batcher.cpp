@@ -1,0 +1,407 @@
+// Batcher: TokenCollator's gather, truncation, widening and padding in one pass per record, on C++ threads.
+#include "batcher.hpp"
+
+#include <dlfcn.h>
+#include <pthread.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <string>
+
+#include "error.hpp"
+
+namespace smstore {
+namespace {
+
+constexpr uint64_t kAlign = 64;
+
+// Forks this process has gone through (counted in the child): a Batcher made before one is a
+// shell whose threads live in the parent.
+std::atomic<uint64_t> g_forks{0};
+
+void count_fork_in_child() {
+    g_forks.fetch_add(1, std::memory_order_relaxed);
+}
+
+uint64_t fork_generation() {
+    static const bool registered = [] { return ::pthread_atfork(nullptr, nullptr, count_fork_in_child) == 0; }();
+    (void)registered;
+    return g_forks.load(std::memory_order_relaxed);
+}
+
+uint64_t align_up(uint64_t v) {
+    return (v + kAlign - 1) & ~(kAlign - 1);
+}
+
+uint64_t mul_checked(uint64_t a, uint64_t b, const std::string& label) {
+    uint64_t r;
+    if (__builtin_mul_overflow(a, b, &r)) {
+        throw Error(Error::Kind::Format, label + ": the batch asked for is larger than 2^64 bytes");
+    }
+    return r;
+}
+
+// The CUDA runtime's host allocator, when the process has loaded it (torch with CUDA does).
+// Looked up, never linked: the core builds and runs without CUDA.
+struct CudaHost {
+    using Alloc = int (*)(void**, size_t, unsigned);
+    using Free = int (*)(void*);
+    Alloc alloc = nullptr;
+    Free free = nullptr;
+};
+
+const CudaHost& cuda_host() {
+    static const CudaHost found = [] {
+        CudaHost h;
+        void* lib = RTLD_DEFAULT;
+        void* sym = ::dlsym(lib, "cudaHostAlloc");
+        if (!sym) {
+            for (const char* name : {"libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0", "libcudart.so"}) {
+                lib = ::dlopen(name, RTLD_NOW | RTLD_NOLOAD);  // only one already loaded: never starts CUDA
+                if (lib && (sym = ::dlsym(lib, "cudaHostAlloc"))) break;
+            }
+        }
+        void* free_sym = sym ? ::dlsym(lib, "cudaFreeHost") : nullptr;
+        if (sym && free_sym) {
+            h.alloc = reinterpret_cast<CudaHost::Alloc>(sym);
+            h.free = reinterpret_cast<CudaHost::Free>(free_sym);
+        }
+        return h;
+    }();
+    return found;
+}
+
+template <typename In, typename Out>
+void copy_widen(Out* dst, const unsigned char* src, uint64_t count) noexcept {
+    if constexpr (std::is_same_v<In, Out>) {
+        std::memcpy(dst, src, count * sizeof(In));
+    } else {
+        In buf[256];  // records need not be aligned to their item size
+        while (count) {
+            uint64_t m = std::min<uint64_t>(count, 256);
+            std::memcpy(buf, src, m * sizeof(In));
+            for (uint64_t j = 0; j < m; ++j)
+                dst[j] = static_cast<Out>(buf[j]);
+            dst += m;
+            src += m * sizeof(In);
+            count -= m;
+        }
+    }
+}
+
+template <typename Out>
+void fill_value(Out* dst, uint64_t count, Out value) noexcept {
+    if (count) std::fill(dst, dst + count, value);
+}
+
+template <typename In, typename Out>
+void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n, const BatchLayout& l,
+                unsigned char* out) noexcept {
+    const uint64_t* offsets = store.offsets();
+    const unsigned char* data = store.data();
+    auto* tokens = reinterpret_cast<Out*>(out + l.tokens_at);
+    auto* lengths = reinterpret_cast<int64_t*>(out + l.lengths_at);
+    const Out pad = static_cast<Out>(spec.pad_value);
+    uint64_t pos = 0;  // pack: tokens written so far
+    // Records lie at random places: without prefetching, the widening loop of one record fills the
+    // core's window before the next record's cache misses start (4x slower into int64 than with).
+    constexpr size_t kAheadIndex = 16, kAheadData = 8;
+    for (size_t k = 0; k < std::min(n, kAheadIndex); ++k)
+        __builtin_prefetch(offsets + indices[k]);
+    for (size_t k = 0; k < n; ++k) {
+        if (k + kAheadIndex < n) __builtin_prefetch(offsets + indices[k + kAheadIndex]);
+        if (k + kAheadData < n) {
+            const unsigned char* ahead = data + offsets[indices[k + kAheadData]];
+            uint64_t ahead_end = offsets[indices[k + kAheadData] + 1];
+            const unsigned char* last = data + ahead_end;
+            for (const unsigned char* p = ahead; p < last && p < ahead + 1024; p += 64)
+                __builtin_prefetch(p);
+        }
+        uint64_t b = offsets[indices[k]], e = offsets[indices[k] + 1];
+        uint64_t items = (e - b) / sizeof(In);
+        uint64_t kept = std::min(items, spec.max_length);
+        const unsigned char* src = data + b + (spec.truncate_left ? (items - kept) * sizeof(In) : 0);
+        lengths[k] = static_cast<int64_t>(kept);
+        if (spec.pack) {
+            copy_widen<In, Out>(tokens + pos, src, kept);
+            pos += kept;
+            continue;
+        }
+        Out* row = tokens + k * l.width;
+        if (spec.pad_left) {
+            fill_value(row, l.width - kept, pad);
+            copy_widen<In, Out>(row + (l.width - kept), src, kept);
+        } else {
+            copy_widen<In, Out>(row, src, kept);
+            fill_value(row + kept, l.width - kept, pad);
+        }
+    }
+    if (spec.pack) {
+        if (l.cu_int64) {
+            auto* cu = reinterpret_cast<int64_t*>(out + l.cu_at);
+            cu[0] = 0;
+            for (size_t k = 0; k < n; ++k)
+                cu[k + 1] = cu[k] + lengths[k];
+        } else {
+            auto* cu = reinterpret_cast<int32_t*>(out + l.cu_at);
+            cu[0] = 0;
+            for (size_t k = 0; k < n; ++k)
+                cu[k + 1] = cu[k] + static_cast<int32_t>(lengths[k]);
+        }
+    }
+    if (spec.with_indices) {
+        auto* idx = reinterpret_cast<int64_t*>(out + l.indices_at);
+        for (size_t k = 0; k < n; ++k)
+            idx[k] = static_cast<int64_t>(indices[k]);
+    }
+}
+
+// Calls f with a value of the C++ type that d names (the one table from Dtype to types).
+template <typename F>
+decltype(auto) with_type(Dtype d, F&& f) {
+    switch (d) {
+        case Dtype::U8:
+            return f(uint8_t{});
+        case Dtype::I8:
+            return f(int8_t{});
+        case Dtype::U16:
+            return f(uint16_t{});
+        case Dtype::I16:
+            return f(int16_t{});
+        case Dtype::U32:
+            return f(uint32_t{});
+        case Dtype::I32:
+            return f(int32_t{});
+        case Dtype::U64:
+            return f(uint64_t{});
+        case Dtype::I64:
+            return f(int64_t{});
+        case Dtype::F32:
+            return f(float{});
+        case Dtype::F64:
+            return f(double{});
+    }
+    return f(uint8_t{});  // not reached: every Dtype is listed
+}
+
+}  // namespace
+
+size_t dtype_size(Dtype d) noexcept {
+    return with_type(d, [](auto v) { return sizeof(v); });
+}
+
+BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n) {
+    const uint64_t item = dtype_size(spec.in), count = store.size();
+    const uint64_t* offsets = store.offsets();
+    uint64_t longest = 0, total = 0;
+    for (size_t k = 0; k < n; ++k) {
+        if (k + 16 < n && indices[k + 16] < count) __builtin_prefetch(offsets + indices[k + 16]);
+        uint64_t i = indices[k];
+        if (i >= count) {
+            throw Error(Error::Kind::Index, store.label() + ": record index " + std::to_string(i) +
+                                                " out of range for " + std::to_string(count) + " records");
+        }
+        uint64_t b = offsets[i], e = offsets[i + 1];
+        if (!Store::span_inside(b, e, store.data_size())) throw store.span_error(i, b, e);
+        if ((e - b) % item) {
+            throw Error(Error::Kind::Format, store.label() + ": record " + std::to_string(i) + " of " +
+                                                 std::to_string(e - b) + " bytes is not a whole number of " +
+                                                 std::to_string(item) +
+                                                 "-byte items; the blob was written wrongly, re-pack it");
+        }
+        uint64_t kept = std::min((e - b) / item, spec.max_length);
+        longest = std::max(longest, kept);
+        total += kept;  // at most the data section's size: no overflow
+    }
+    BatchLayout l;
+    l.rows = n;
+    const uint64_t out_item = dtype_size(spec.out);
+    uint64_t token_bytes;
+    if (spec.pack) {
+        l.width = total;
+        l.cu_int64 = total >= (uint64_t{1} << 31);
+        token_bytes = mul_checked(total, out_item, store.label());
+    } else {
+        l.width = spec.fixed_length ? spec.max_length : longest;
+        if (spec.multiple > 1) l.width = (l.width + spec.multiple - 1) / spec.multiple * spec.multiple;
+        token_bytes = mul_checked(mul_checked(l.width, n, store.label()), out_item, store.label());
+    }
+    l.tokens_at = 0;
+    l.lengths_at = align_up(token_bytes);
+    uint64_t end = l.lengths_at + 8 * n;
+    if (spec.pack) {
+        l.cu_at = align_up(end);
+        end = l.cu_at + (l.cu_int64 ? 8 : 4) * (n + 1);
+    }
+    if (spec.with_indices) {
+        l.indices_at = align_up(end);
+        end = l.indices_at + 8 * n;
+    }
+    l.bytes = align_up(std::max<uint64_t>(end, 1));
+    return l;
+}
+
+void fill_batch(const Store& s, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
+                unsigned char* out) noexcept {
+    with_type(spec.in, [&](auto in) {
+        with_type(spec.out, [&](auto to) { fill_typed<decltype(in), decltype(to)>(s, spec, i, n, l, out); });
+    });
+}
+
+bool pinned_blocks_available() noexcept {
+    return cuda_host().alloc != nullptr;
+}
+
+Block::Block(size_t capacity, bool pinned) : capacity_(std::max<size_t>(align_up(capacity), kAlign)) {
+    if (pinned && pinned_blocks_available()) {
+        void* p = nullptr;
+        constexpr unsigned kPortable = 1;  // cudaHostAllocPortable: pinned for every CUDA context
+        if (cuda_host().alloc(&p, capacity_, kPortable) == 0 && p) {
+            data_ = static_cast<unsigned char*>(p);
+            pinned_ = true;
+            return;
+        }
+    }
+    data_ = static_cast<unsigned char*>(std::aligned_alloc(kAlign, capacity_));
+    if (!data_) throw std::bad_alloc();
+}
+
+Block::~Block() {
+    if (pinned_) {
+        cuda_host().free(data_);
+    } else {
+        std::free(data_);
+    }
+}
+
+Batcher::Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned)
+    : store_(std::move(store)),
+      spec_(spec),
+      depth_(std::max<size_t>(depth, 1)),
+      pinned_(pinned),
+      slots_(depth_ + 2),
+      fork_generation_(fork_generation()) {
+    threads_.reserve(threads);
+    try {
+        for (size_t t = 0; t < threads; ++t)
+            threads_.emplace_back([this] { work(); });
+    } catch (...) {
+        close();
+        throw;
+    }
+}
+
+Batcher::~Batcher() {
+    close();
+}
+
+bool Batcher::forked() const noexcept {
+    return fork_generation_ != g_forks.load(std::memory_order_relaxed);
+}
+
+static void refuse_if_forked(const Batcher& b, const std::string& label) {
+    if (b.forked()) {
+        throw Error(Error::Kind::Closed, label +
+                                             ": this loader was started before fork(); its threads are in the "
+                                             "parent process: start a new pass in this one");
+    }
+}
+
+void Batcher::close() noexcept {
+    if (forked()) return;  // the owner leaks a forked Batcher (see forked()); never lock or join here
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        stop_ = true;
+    }
+    work_cv_.notify_all();
+    ready_cv_.notify_all();
+    for (auto& t : threads_) {
+        if (t.joinable()) t.join();
+    }
+}
+
+void Batcher::submit(const uint64_t* indices, const uint64_t* sizes, size_t batches) {
+    refuse_if_forked(*this, store_->label());
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stop_) throw Error(Error::Kind::Closed, store_->label() + ": this loader is closed");
+        for (size_t b = 0; b < batches; ++b) {
+            queue_.emplace_back(indices, indices + sizes[b]);
+            indices += sizes[b];
+        }
+        submitted_ += batches;
+    }
+    work_cv_.notify_all();
+}
+
+uint64_t Batcher::pending() const {
+    refuse_if_forked(*this, store_->label());
+    std::lock_guard<std::mutex> lock(mutex_);
+    return submitted_ - received_;
+}
+
+void Batcher::fill(Slot& slot, const std::vector<uint64_t>& indices) {
+    BatchLayout l = plan_batch(*store_, spec_, indices.data(), indices.size());
+    // use_count() == 1: no batch handed out still holds this block. The fence pairs with the
+    // release in the last holder's decrement, so its reads of the old batch come before our writes.
+    bool reusable = slot.block && slot.block.use_count() == 1 && slot.block->capacity() >= l.bytes;
+    std::atomic_thread_fence(std::memory_order_acquire);
+    if (!reusable) {
+        slot.block.reset();
+        slot.block = std::make_shared<Block>(l.bytes + l.bytes / 4, pinned_);  // room to grow a little
+    }
+    fill_batch(*store_, spec_, indices.data(), indices.size(), l, slot.block->data());
+    slot.layout = l;
+}
+
+void Batcher::make_next(std::unique_lock<std::mutex>& lock) noexcept {
+    uint64_t seq = taken_++;
+    std::vector<uint64_t> indices = std::move(queue_.front());
+    queue_.pop_front();
+    Slot& slot = slots_[seq % slots_.size()];
+    lock.unlock();
+    std::exception_ptr error;
+    try {
+        fill(slot, indices);
+    } catch (...) {
+        error = std::current_exception();
+    }
+    lock.lock();
+    slot.error = error;
+    slot.filled = static_cast<int64_t>(seq);
+    ready_cv_.notify_all();
+}
+
+void Batcher::work() noexcept {
+    std::unique_lock<std::mutex> lock(mutex_);
+    for (;;) {
+        work_cv_.wait(lock, [this] { return stop_ || (!queue_.empty() && taken_ < received_ + depth_); });
+        if (stop_) return;
+        make_next(lock);
+    }
+}
+
+ReadyBatch Batcher::next() {
+    refuse_if_forked(*this, store_->label());
+    std::unique_lock<std::mutex> lock(mutex_);
+    if (received_ == submitted_ && !stop_) {
+        throw Error(Error::Kind::Closed, store_->label() + ": no batch is pending (submit some first)");
+    }
+    Slot& slot = slots_[received_ % slots_.size()];
+    if (taken_ == received_ && !stop_) {
+        // No thread has started the batch asked for (they are behind, or still waking up): make
+        // it here rather than wait idle, exactly as a thread would.
+        make_next(lock);
+    }
+    ready_cv_.wait(lock, [&] { return stop_ || slot.filled == static_cast<int64_t>(received_); });
+    if (stop_) throw Error(Error::Kind::Closed, store_->label() + ": this loader is closed");
+    ++received_;
+    work_cv_.notify_all();  // the window moved: a thread may start the next batch
+    if (slot.error) std::rethrow_exception(slot.error);
+    return ReadyBatch{slot.block, slot.layout};
+}
+
+}  // namespace smstore

@@ -1,0 +1,140 @@
+// Token batches at memory speed: records of a Store gathered, widened and padded or packed (as
+// smstore.TokenCollator does) by C++ threads into a ring of reusable buffers.
+#pragma once
+
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "store.hpp"
+
+namespace smstore {
+
+// The element types a batch reads and writes (native byte order).
+// (register_loader.cpp names them by numpy code in this order.)
+enum class Dtype : uint8_t { U8, I8, U16, I16, U32, I32, U64, I64, F32, F64 };
+size_t dtype_size(Dtype d) noexcept;
+
+// TokenCollator's options, resolved.
+struct CollateSpec {
+    bool pack = false;
+    Dtype in = Dtype::U8;              // a record is a run of these
+    Dtype out = Dtype::U8;             // the tokens tensor's type (float records never go to integers)
+    int64_t pad_value = 0;             // checked by the caller to fit `out`
+    uint64_t max_length = UINT64_MAX;  // records are cut to this many items
+    bool truncate_left = false;        // keep the last max_length items instead of the first
+    bool pad_left = false;
+    bool fixed_length = false;  // pad to max_length, not to the longest record
+    uint64_t multiple = 1;      // the padded width is rounded up to a multiple of this
+    bool with_indices = false;  // also write the batch's record indices (int64)
+};
+
+// Where the parts of one collated batch lie in its buffer (byte offsets, each 64-byte aligned).
+// pad: tokens [rows, width]; pack: tokens [width] (all records back to back) and cu_seqlens
+// [rows + 1] (int32, or int64 when cu_int64). lengths [rows] (int64, after truncation), and
+// indices [rows] (int64) when asked for.
+struct BatchLayout {
+    uint64_t rows = 0;
+    uint64_t width = 0;
+    bool cu_int64 = false;
+    uint64_t tokens_at = 0, lengths_at = 0, cu_at = 0, indices_at = 0, bytes = 0;
+};
+
+// Checks the batch (every index below store.size(), every record inside the data section and a
+// whole number of items) and returns its layout. Throws Error.
+BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n);
+// Writes the batch planned by plan_batch into out (layout.bytes, 64-byte aligned).
+void fill_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n,
+                const BatchLayout& layout, unsigned char* out) noexcept;
+
+// Memory a batch is written to; page-locked (through the CUDA runtime already loaded in this
+// process) when asked for and possible. Owned through shared_ptr: a buffer handed to Python is
+// kept alive, and never written again, while anything there holds it.
+class Block {
+public:
+    Block(size_t capacity, bool pinned);
+    ~Block();
+    Block(const Block&) = delete;
+    Block& operator=(const Block&) = delete;
+    unsigned char* data() const noexcept { return data_; }
+    size_t capacity() const noexcept { return capacity_; }
+    bool pinned() const noexcept { return pinned_; }
+
+private:
+    unsigned char* data_ = nullptr;
+    size_t capacity_ = 0;
+    bool pinned_ = false;
+};
+
+// Whether page-locked blocks can be had here (the CUDA runtime is loaded in this process).
+bool pinned_blocks_available() noexcept;
+
+// One collated batch ready for the consumer.
+struct ReadyBatch {
+    std::shared_ptr<Block> block;
+    BatchLayout layout;
+};
+
+// Batches in submission order, prepared by `threads` threads at most `depth` ahead of the
+// consumer (and by the consumer itself when it asks for a batch no thread has started: with no
+// threads, every batch is made in next()). Slot s of depth + 2 holds batch
+// s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last held k -
+// 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still held
+// elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
+class Batcher {
+public:
+    Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned);
+    ~Batcher();  // stops and joins the threads
+    Batcher(const Batcher&) = delete;
+    Batcher& operator=(const Batcher&) = delete;
+
+    // Queues batches: `indices` split into runs of `sizes` (each index below store.size()).
+    void submit(const uint64_t* indices, const uint64_t* sizes, size_t batches);
+    // Batches submitted that the consumer has not received yet.
+    uint64_t pending() const;
+    // Waits for the next batch (blocking; call without the GIL). Rethrows the error that batch met.
+    // Throws Error(Closed) after close() or when nothing is pending.
+    ReadyBatch next();
+    // Stops the threads and joins them; batches not received are dropped. Idempotent.
+    void close() noexcept;
+    size_t threads() const noexcept { return threads_.size(); }
+    size_t depth() const noexcept { return depth_; }
+    // Whether this process is a fork() child of the one that made the Batcher: its threads, and
+    // perhaps a lock one held, stayed in the parent. Such a Batcher must never be used or
+    // destroyed (its owner leaks it): every call throws Error(Closed).
+    bool forked() const noexcept;
+
+private:
+    struct Slot {
+        std::shared_ptr<Block> block;
+        BatchLayout layout;
+        std::exception_ptr error;
+        int64_t filled = -1;  // the sequence number of the batch it holds, once written
+    };
+    void work() noexcept;
+    // Takes the next queued batch and makes it into its slot: `lock` is held on entry and on
+    // return, released meanwhile. The caller has checked that one is queued.
+    void make_next(std::unique_lock<std::mutex>& lock) noexcept;
+    void fill(Slot& slot, const std::vector<uint64_t>& indices);
+
+    std::shared_ptr<const Store> store_;
+    CollateSpec spec_;
+    size_t depth_;
+    bool pinned_;
+    std::vector<Slot> slots_;                  // depth_ + 2
+    std::deque<std::vector<uint64_t>> queue_;  // submitted batches not yet taken by a thread
+    uint64_t submitted_ = 0, taken_ = 0, received_ = 0;
+    bool stop_ = false;
+    mutable std::mutex mutex_;
+    std::condition_variable work_cv_, ready_cv_;
+    std::vector<std::thread> threads_;
+    uint64_t fork_generation_;
+};
+
+}  // namespace smstore

@@ -1,0 +1,241 @@
+// smstore._core.BatchSpec, collate_batch and Batcher: the bindings of batcher.hpp (TokenCollator and smstore.Loader).
+#include <pybind11/numpy.h>
+#include <pybind11/stl.h>
+
+#include <iterator>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "batcher.hpp"
+#include "error.hpp"
+#include "py_store.hpp"
+#include "register.hpp"
+
+namespace py = pybind11;
+
+namespace smstore::bindings {
+namespace {
+
+// numpy's codes for the batcher's types, in Dtype's order: the one table between the two.
+constexpr const char* kDtypeCodes[] = {"u1", "i1", "u2", "i2", "u4", "i4", "u8", "i8", "f4", "f8"};
+
+Dtype parse_dtype(const std::string& code) {
+    for (size_t k = 0; k < std::size(kDtypeCodes); ++k) {
+        if (code == kDtypeCodes[k]) return static_cast<Dtype>(k);
+    }
+    throw py::value_error("unsupported batch dtype " + code + " (u1 i1 u2 i2 u4 i4 u8 i8 f4 f8 are)");
+}
+
+bool is_float(Dtype d) {
+    return d == Dtype::F32 || d == Dtype::F64;
+}
+
+// A Block seen from Python: a writable 1-D uint8 buffer that keeps the block alive (and so out of
+// reuse: see Batcher) while any array over it lives.
+struct BlockExport {
+    std::shared_ptr<Block> block;
+    uint64_t bytes;
+};
+
+// The batch as numpy arrays: (tokens over its block, then copies of lengths, cu_seqlens or None,
+// indices or None).
+py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
+    const BatchLayout& l = ready.layout;
+    py::object owner = py::cast(BlockExport{ready.block, l.bytes});
+    unsigned char* base = ready.block->data();
+    auto rows = static_cast<py::ssize_t>(l.rows), width = static_cast<py::ssize_t>(l.width);
+    py::dtype out(std::string("=") + kDtypeCodes[static_cast<int>(spec.out)]);
+    py::array tokens;
+    if (spec.pack) {
+        tokens = py::array(out, {width}, {}, base + l.tokens_at, owner);
+    } else {
+        tokens = py::array(out, {rows, width}, {}, base + l.tokens_at, owner);
+    }
+    // The small outputs are copies (no base: pybind11 copies the data), so that keeping them (the
+    // lengths, for logging) does not keep the whole block out of the ring's reuse.
+    py::array lengths(py::dtype::of<int64_t>(), {rows}, {}, base + l.lengths_at);
+    py::object cu = py::none(), indices = py::none();
+    if (spec.pack) {
+        cu =
+            py::array(l.cu_int64 ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>(), {rows + 1}, {}, base + l.cu_at);
+    }
+    if (spec.with_indices) indices = py::array(py::dtype::of<int64_t>(), {rows}, {}, base + l.indices_at);
+    return py::make_tuple(std::move(tokens), std::move(lengths), std::move(cu), std::move(indices));
+}
+
+std::shared_ptr<const Store> store_of(py::handle store) {
+    PyStore* s = py_store_from(store.ptr());
+    if (!s) throw py::error_already_set();
+    return s->shared();
+}
+
+py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
+    std::vector<uint64_t> idx = normalize_indices(indices, store_of(store)->size());  // may run Python code
+    std::shared_ptr<const Store> keep = store_of(store);
+    ReadyBatch ready;
+    {
+        py::gil_scoped_release release;
+        ready.layout = plan_batch(*keep, spec, idx.data(), idx.size());
+        ready.block = std::make_shared<Block>(ready.layout.bytes, pinned);
+        fill_batch(*keep, spec, idx.data(), idx.size(), ready.layout, ready.block->data());
+    }
+    return batch_arrays(spec, ready);
+}
+
+// What Python holds: the Batcher and the record count its indices are checked against.
+class PyBatcher {
+public:
+    PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned) : spec_(spec) {
+        std::shared_ptr<const Store> s = store_of(store);
+        count_ = s->size();
+        label_ = s->label();
+        batcher_ = std::make_unique<Batcher>(std::move(s), spec, threads, depth, pinned);
+    }
+
+    // Draws up to max_batches batches of batch_size indices from `iterator` and queues them.
+    // Returns (batches queued, whether the iterator is exhausted). A short last batch is queued
+    // unless drop_last.
+    py::tuple submit_from(py::handle iterator, uint64_t batch_size, uint64_t max_batches, bool drop_last) {
+        Batcher& b = core();
+        if (batch_size == 0) throw py::value_error("batch_size must be >= 1");
+        std::vector<uint64_t> indices;
+        indices.reserve(batch_size * max_batches);
+        bool exhausted = false;
+        // Our samplers' iterators are generators that `yield from` a list of indices per chunk:
+        // resuming the generator per index costs more than the rest of the batch's work on this
+        // thread. `yield from` hands the list iterator's items on unchanged, so take them from it
+        // directly (the generator, suspended at its `yield from`, sees its list run out and moves
+        // on when next resumed: the same items in the same order, its bookkeeping intact).
+        py::object inner;
+        while (indices.size() < batch_size * max_batches) {
+            PyObject* item = inner ? PyIter_Next(inner.ptr()) : nullptr;
+            if (!item) {
+                if (PyErr_Occurred()) throw py::error_already_set();
+                inner = py::object();
+                item = PyIter_Next(iterator.ptr());
+                if (item && PyGen_Check(iterator.ptr())) {
+                    PyObject* sub = PyObject_GetAttrString(iterator.ptr(), "gi_yieldfrom");
+                    if (!sub) throw py::error_already_set();
+                    if (Py_TYPE(sub) == &PyListIter_Type) inner = py::reinterpret_borrow<py::object>(sub);
+                    Py_DECREF(sub);
+                }
+            }
+            if (!item) {
+                if (PyErr_Occurred()) throw py::error_already_set();
+                exhausted = true;
+                break;
+            }
+            Py_ssize_t value;
+            bool ok = index_value(item, &value);
+            Py_DECREF(item);
+            if (!ok) throw py::error_already_set();
+            if (value < 0 || static_cast<uint64_t>(value) >= count_) {
+                throw Error(Error::Kind::Index, label_ + ": the sampler gave record index " + std::to_string(value) +
+                                                    ", out of range for " + std::to_string(count_) +
+                                                    " records (is it a sampler of another dataset?)");
+            }
+            indices.push_back(static_cast<uint64_t>(value));
+        }
+        uint64_t full = indices.size() / batch_size, rest = indices.size() % batch_size;
+        std::vector<uint64_t> sizes(full, batch_size);
+        if (rest && !drop_last) sizes.push_back(rest);
+        b.submit(indices.data(), sizes.data(), sizes.size());
+        return py::make_tuple(sizes.size(), exhausted);
+    }
+
+    py::tuple next() {
+        Batcher& b = core();
+        ReadyBatch ready;
+        {
+            py::gil_scoped_release release;
+            ready = b.next();
+        }
+        return batch_arrays(spec_, ready);
+    }
+
+    uint64_t pending() { return core().pending(); }
+    size_t threads() { return core().threads(); }
+    size_t depth() { return core().depth(); }
+
+    ~PyBatcher() { close(); }
+    PyBatcher(const PyBatcher&) = delete;
+    PyBatcher& operator=(const PyBatcher&) = delete;
+
+    void close() {
+        if (!batcher_) return;
+        if (batcher_->forked()) {
+            // Its threads and perhaps a lock they held stayed in the parent: destroying it would
+            // wait for them forever. Leak it (the child's copy of the ring is the parent's pages).
+            (void)batcher_.release();
+            return;
+        }
+        py::gil_scoped_release release;  // a thread may be mid-batch
+        batcher_.reset();
+    }
+
+private:
+    Batcher& core() {
+        if (!batcher_) throw Error(Error::Kind::Closed, label_ + ": this loader is closed");
+        return *batcher_;
+    }
+    CollateSpec spec_;
+    uint64_t count_ = 0;
+    std::string label_;
+    std::unique_ptr<Batcher> batcher_;
+};
+
+}  // namespace
+
+void register_loader(py::module_& m) {
+    py::class_<BlockExport>(m, "_BatchBuffer", py::buffer_protocol()).def_buffer([](BlockExport& e) {
+        return py::buffer_info(e.block->data(), 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(e.bytes)}, {static_cast<py::ssize_t>(1)},
+                               /*readonly=*/false);
+    });
+
+    py::class_<CollateSpec>(m, "BatchSpec")
+        .def(py::init([](bool pack, const std::string& in_dtype, const std::string& out_dtype, int64_t pad_value,
+                         std::optional<uint64_t> max_length, bool truncate_left, bool pad_left, bool fixed_length,
+                         uint64_t multiple, bool with_indices) {
+                 CollateSpec s;
+                 s.pack = pack;
+                 s.in = parse_dtype(in_dtype);
+                 s.out = parse_dtype(out_dtype);
+                 if (is_float(s.in) && !is_float(s.out)) {
+                     throw py::value_error("float records cannot be batched as integers");
+                 }
+                 s.pad_value = pad_value;
+                 s.max_length = max_length.value_or(UINT64_MAX);
+                 s.truncate_left = truncate_left;
+                 s.pad_left = pad_left;
+                 s.fixed_length = fixed_length;
+                 if (fixed_length && !max_length) throw py::value_error("fixed_length needs max_length");
+                 s.multiple = multiple ? multiple : 1;
+                 s.with_indices = with_indices;
+                 return s;
+             }),
+             py::kw_only(), py::arg("pack"), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("pad_value") = 0,
+             py::arg("max_length") = py::none(), py::arg("truncate_left") = false, py::arg("pad_left") = false,
+             py::arg("fixed_length") = false, py::arg("multiple") = 1, py::arg("with_indices") = false);
+
+    m.def("collate_batch", &collate_batch, py::arg("spec"), py::arg("store"), py::arg("indices"),
+          py::arg("pinned") = false,
+          "One TokenCollator batch of `store`'s records at `indices`, gathered with the GIL released: "
+          "(tokens, lengths, cu_seqlens or None, indices or None) as numpy arrays over one buffer.");
+    m.def("pinned_blocks_available", &pinned_blocks_available,
+          "Whether batch buffers can be page-locked here (the CUDA runtime is loaded).");
+
+    py::class_<PyBatcher>(m, "Batcher")
+        .def(py::init<py::handle, const CollateSpec&, size_t, size_t, bool>(), py::arg("store"), py::arg("spec"),
+             py::arg("threads"), py::arg("depth"), py::arg("pinned") = false)
+        .def("submit_from", checked(&PyBatcher::submit_from), py::arg("iterator"), py::arg("batch_size"),
+             py::arg("max_batches"), py::arg("drop_last"))
+        .def("next", checked(&PyBatcher::next))
+        .def("pending", checked(&PyBatcher::pending))
+        .def_property_readonly("threads", checked(&PyBatcher::threads))
+        .def_property_readonly("depth", checked(&PyBatcher::depth))
+        .def("close", checked(&PyBatcher::close));
+}
+
+}  // namespace smstore::bindings

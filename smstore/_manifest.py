@@ -1,0 +1,428 @@
+"""The manifest of a sharded dataset: its format, reading and validating it, writing and publishing it.
+
+A manifest is a small JSON file (``manifest.json`` in a dataset directory, or anywhere for a
+:func:`smstore.join`) that records, for each shard, its path, record count, sizes and checksum;
+docs/format.md has the format. This module knows no store: the daemon, the client and the
+samplers read manifests through it without importing the readers and writers of ``_shards``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+import re
+import secrets
+import stat
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from typing import Any
+
+from smstore import _core
+from smstore._pack import publish_file
+from smstore.errors import StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
+
+__all__ = [
+    "BLOB_MAGIC",
+    "MANIFEST_FORMAT",
+    "MANIFEST_NAME",
+    "MANIFEST_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "Manifest",
+    "ShardInfo",
+    "ShardNames",
+    "describe_shard",
+    "is_manifest",
+    "manifest_file",
+    "publish_manifest",
+    "read_manifest",
+    "stored_path",
+    "write_manifest",
+]
+
+MANIFEST_NAME = "manifest.json"
+MANIFEST_FORMAT = "smstore-manifest"
+MANIFEST_VERSION = 1
+MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shards: a larger file is not a manifest we wrote
+
+BLOB_MAGIC = b"\x89SMST\r\n\x1a"
+_HEADER = struct.Struct("<8sIIQQQQQQQQQIIQ")  # docs/format.md, "Header"
+_HEX16 = re.compile(r"[0-9a-f]{16}\Z")
+
+
+@dataclass(frozen=True)
+class ShardInfo:
+    """One shard as the manifest lists it.
+
+    Attributes:
+        path: As written in the manifest: relative to the manifest's directory, or absolute.
+        records: Its record count.
+        data_bytes: The bytes of its records.
+        file_size: The size of the blob file.
+        checksum: Its XXH64 checksum (16 hex digits), as in its header.
+    """
+
+    path: str
+    records: int
+    data_bytes: int
+    file_size: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "records": self.records,
+            "data_bytes": self.data_bytes,
+            "file_size": self.file_size,
+            "checksum": self.checksum,
+        }
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, validated manifest (see :func:`read_manifest`)."""
+
+    path: str  # the manifest file
+    encoding: str
+    shards: tuple[ShardInfo, ...]
+    meta: dict[str, Any]  # created, source, smstore_version, user
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(os.path.abspath(self.path))
+
+    def shard_path(self, k: int) -> str:
+        """The absolute path of shard ``k``."""
+        return os.path.join(self.directory, self.shards[k].path)
+
+    @property
+    def records(self) -> int:
+        return sum(s.records for s in self.shards)
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(s.data_bytes for s in self.shards)
+
+    @property
+    def starts(self) -> list[int]:
+        return [0, *itertools.accumulate(s.records for s in self.shards)]
+
+    @property
+    def checksum(self) -> str:
+        """The dataset's identity: a hash of its encoding and its shards' checksums, in order.
+
+        Paths are left out, so a dataset moved or copied elsewhere keeps its checksum.
+        """
+        h = hashlib.blake2b(digest_size=8)
+        h.update(self.encoding.encode())
+        for s in self.shards:
+            h.update(f"\n{s.records} {s.checksum}".encode())
+        return h.hexdigest()
+
+
+def manifest_file(path: str | os.PathLike[str]) -> str:
+    """The manifest of `path`: the file itself, or ``manifest.json`` inside a directory."""
+    p = os.fspath(path)
+    return os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p
+
+
+def is_manifest(path: str | os.PathLike[str]) -> bool:
+    """Whether `path` is a sharded dataset (a manifest, or a directory holding one); no validation."""
+    p = manifest_file(path)
+    if p != os.fspath(path):
+        return os.path.isfile(p)  # a directory with a manifest.json: read_manifest says what is wrong with it
+    try:
+        # O_NONBLOCK: opening a FIFO to look at it must not wait for a writer.
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.pread(fd, 4096, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return not head.startswith(BLOB_MAGIC) and head.lstrip()[:1] == b"{" and MANIFEST_FORMAT.encode() in head
+
+
+def _bad(path: str, what: str) -> StoreFormatError:
+    return StoreFormatError(f"{path}: not a valid smstore manifest: {what}")
+
+
+# Every count and size in smstore is a signed 64-bit integer somewhere (off_t, Py_ssize_t, int64
+# offsets): a manifest's integers, and their sums, must stay below this.
+_INT_LIMIT = 1 << 63
+
+
+def _int_field(path: str, where: str, entry: dict[str, Any], key: str, minimum: int = 0) -> int:
+    value = entry.get(key)
+    name = f"{where}.{key}" if where else key
+    if type(value) is not int or not minimum <= value < _INT_LIMIT:
+        raise _bad(path, f"{name} must be an integer >= {minimum} and < 2**63, not {value!r}")
+    return value
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """Read and validate a manifest (or the ``manifest.json`` of a dataset directory).
+
+    Raises:
+        StoreNotFoundError: It does not exist.
+        StoreFormatError: It is not a well-formed manifest; the message names the field.
+        StoreVersionError: It was written by a newer smstore.
+    """
+    p = manifest_file(path)
+    try:
+        # O_NONBLOCK: a FIFO named as a manifest must not wait for a writer (the daemon reads
+        # manifests on its event loop); anything but a regular file is refused below.
+        with open(os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise _bad(p, "not a regular file")
+            # Sized by the file: read(MAX + 1) would allocate the whole limit for every manifest.
+            raw = f.read(min(st.st_size, MAX_MANIFEST_BYTES) + 1)
+    except FileNotFoundError:
+        raise StoreNotFoundError(2, f"{p}: no such manifest") from None
+    except OSError as e:
+        raise StoreIOError(e.errno or 5, f"{p}: cannot read the manifest: {e.strerror}") from None
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise _bad(p, f"larger than {MAX_MANIFEST_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise _bad(p, f"invalid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != MANIFEST_FORMAT:
+        raise _bad(p, f'no "format": "{MANIFEST_FORMAT}" key')
+    version = doc.get("version")
+    if type(version) is not int or version < 1:
+        raise _bad(p, f"version must be a positive integer, not {version!r}")
+    if version > MANIFEST_VERSION:
+        msg = f"{p}: manifest version {version} is newer than this smstore reads ({MANIFEST_VERSION}); upgrade smstore"
+        raise StoreVersionError(msg)
+    encoding = doc.get("encoding")
+    if not isinstance(encoding, str) or not encoding:
+        raise _bad(p, f"encoding must be a non-empty string, not {encoding!r}")
+    entries = doc.get("shards")
+    if not isinstance(entries, list):
+        raise _bad(p, "shards must be a list")
+    shards = []
+    for k, entry in enumerate(entries):
+        where = f"shards[{k}]"
+        if not isinstance(entry, dict):
+            raise _bad(p, f"{where} must be an object")
+        spath = entry.get("path")
+        if not isinstance(spath, str) or not spath or "\0" in spath:
+            raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
+        checksum = entry.get("checksum")
+        if not isinstance(checksum, str) or not _HEX16.match(checksum):
+            raise _bad(p, f"{where}.checksum must be 16 lowercase hex digits, not {checksum!r}")
+        shards.append(
+            ShardInfo(
+                spath,
+                _int_field(p, where, entry, "records"),
+                _int_field(p, where, entry, "data_bytes"),
+                _int_field(p, where, entry, "file_size", 4096),
+                checksum,
+            )
+        )
+    manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"})
+    for key in ("records", "data_bytes", "file_size"):
+        total = sum(getattr(s, key) for s in shards)
+        if total >= _INT_LIMIT:
+            raise _bad(p, f"the shards' {key} add up to {total}, more than 2**63 - 1")
+        if key != "file_size" and _int_field(p, "", doc, key) != total:
+            raise _bad(p, f"{key} is {doc.get(key)!r}, but its shards add up to {total}")
+    return manifest
+
+
+def write_manifest(
+    path: str | os.PathLike[str],
+    encoding: str,
+    shards: Sequence[ShardInfo],
+    *,
+    source: Sequence[str] = (),
+    user: dict[str, Any] | None = None,
+    durable: bool = True,
+) -> Manifest:
+    """Write a manifest atomically (a temporary file renamed over `path`); returns it, parsed back.
+
+    Shard paths are stored as given (callers pass them relative to the manifest's directory where
+    they lie inside it, absolute otherwise).
+    """
+    p = os.fspath(path)
+    doc: dict[str, Any] = {
+        "format": MANIFEST_FORMAT,
+        "version": MANIFEST_VERSION,
+        "encoding": encoding,
+        "records": sum(s.records for s in shards),
+        "data_bytes": sum(s.data_bytes for s in shards),
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "smstore_version": _core.__version__,
+        "source": list(source),
+    }
+    if user:
+        doc["user"] = user
+    doc["shards"] = [s.to_json() for s in shards]
+    try:
+        text = json.dumps(doc, ensure_ascii=False, indent=1)
+    except (TypeError, ValueError) as e:
+        msg = f"metadata must be JSON-serializable: {e}"
+        raise TypeError(msg) from None
+    publish_file(p, [(text + "\n").encode()], what="the manifest", durable=durable)
+    return read_manifest(p)
+
+
+def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = None) -> tuple[ShardInfo, str]:
+    """(ShardInfo, encoding) of a blob from its header and metadata block: two small reads, O(1).
+
+    The structure is validated in full when the shard is opened; this checks what the manifest
+    records: the magic, the sizes, and that the file is as long as its header says.
+
+    Raises:
+        StoreNotFoundError, StoreFormatError: Not a readable blob.
+    """
+    p = os.fspath(path)
+    try:
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block us
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise StoreIOError(22, f"{p}: not a regular file; a shard is an .smst blob")
+            head = f.read(_HEADER.size)
+            size = st.st_size
+            fields = _HEADER.unpack(head) if len(head) == _HEADER.size else None
+            if fields is None or fields[0] != BLOB_MAGIC:
+                raise StoreFormatError(f"{p}: not an smstore blob (no magic bytes)")
+            (
+                _,
+                version,
+                _,
+                _,
+                file_size,
+                records,
+                _,
+                data_size,
+                _,
+                _,
+                meta_off,
+                meta_size,
+                _,
+                _,
+                checksum,
+            ) = fields
+            if version != 1:
+                raise StoreVersionError(f"{p}: blob format version {version}; this smstore reads version 1")
+            if file_size != size:
+                raise StoreFormatError(f"{p}: the header says {file_size} bytes, the file has {size}")
+            if meta_size > 1 << 30 or meta_off + meta_size > size:
+                raise StoreFormatError(f"{p}: the metadata block lies outside the file")
+            f.seek(meta_off)
+            meta_raw = f.read(meta_size)
+    except FileNotFoundError:
+        raise StoreNotFoundError(2, f"{p}: no such shard") from None
+    except IsADirectoryError:
+        raise StoreIOError(21, f"{p}: is a directory, not a shard") from None
+    try:
+        meta = json.loads(meta_raw)
+        encoding = str(meta.get("encoding", "bytes")) if isinstance(meta, dict) else None
+    except ValueError:
+        encoding = None
+    if encoding is None:
+        raise StoreFormatError(f"{p}: corrupt metadata block (not a JSON object); run 'smstore verify' on it")
+    info = ShardInfo(stored_path or p, records, data_size, size, f"{checksum:016x}")
+    return info, encoding
+
+
+class ShardNames:
+    """Shard file names unique to one writer: ``part-<8 hex>-<5 digits>.smst`` in a directory."""
+
+    pattern = re.compile(r"part-[0-9a-f]{8}-[0-9]{5,}\.smst\Z")  # every name() matches
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+        self.run = secrets.token_hex(4)
+        self._k = 0
+
+    def name(self, k: int) -> str:
+        return os.path.join(self.directory, f"part-{self.run}-{k:05d}.smst")
+
+    def next(self) -> str:
+        path = self.name(self._k)
+        self._k += 1
+        return path
+
+
+def stored_path(shard: str, manifest_dir: str) -> str:
+    """How a manifest in `manifest_dir` names `shard`: relative when inside that directory."""
+    a = os.path.abspath(shard)
+    rel = os.path.relpath(a, manifest_dir)
+    return a if rel == ".." or rel.startswith("../") else rel
+
+
+def publish_manifest(
+    manifest_path: str,
+    encoding: str,
+    shards: Sequence[ShardInfo],
+    *,
+    source: Sequence[str],
+    user: dict[str, Any] | None,
+    durable: bool,
+    remove_replaced: bool = True,
+) -> Manifest:
+    """Write the manifest; then, if `remove_replaced`, remove the shards of the manifest it replaced
+    that :func:`_our_old_shard` proves a dataset writer wrote for it and the new one does not list.
+
+    Dataset writers (pack -j, ShardedWriter, the Ray sink) remove; join never does. Readers that
+    mapped a removed shard keep their mappings.
+    """
+    old: Manifest | None = None
+    if remove_replaced and os.path.isfile(manifest_path) and is_manifest(manifest_path):
+        try:
+            old = read_manifest(manifest_path)
+        except (StoreFormatError, StoreIOError):
+            old = None  # nothing it lists can be trusted to be ours: remove nothing
+    manifest = write_manifest(manifest_path, encoding, shards, source=source, user=user, durable=durable)
+    if old is not None:
+        keep = {s.path for s in manifest.shards}
+        for shard in old.shards:
+            if shard.path not in keep and _our_old_shard(old.directory, shard):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(old.directory, shard.path))
+    return manifest
+
+
+def _our_old_shard(directory: str, shard: ShardInfo) -> bool:
+    """Whether `shard`, listed by the manifest in `directory` being replaced, is provably a shard a
+    dataset writer wrote for it: named as :class:`ShardNames` names shards (so it lies in the
+    directory and is not the manifest), a regular file (not a symbolic link) whose header records
+    the size and checksum that manifest records. A stale or hostile manifest names nothing else
+    that a re-pack would remove (docs/format.md, "What publishing removes")."""
+    if not ShardNames.pattern.match(shard.path):
+        return False
+    try:
+        fd = os.open(
+            os.path.join(directory, shard.path), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        )
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        head = os.pread(fd, _HEADER.size, 0) if stat.S_ISREG(st.st_mode) else b""
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    if len(head) != _HEADER.size:
+        return False
+    fields = _HEADER.unpack(head)
+    magic, file_size, checksum = fields[0], fields[4], fields[14]
+    return (
+        magic == BLOB_MAGIC
+        and file_size == st.st_size == shard.file_size
+        and f"{checksum:016x}" == shard.checksum
+    )

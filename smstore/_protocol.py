@@ -1,0 +1,225 @@
+"""What the daemon and its clients say to each other: framing, requests and their arguments, replies and error codes.
+
+One place for the wire format, used by both sides (the daemon's connection layer and requests, and
+`_ipc`'s transport under the clients): a change of a frame, an argument or a refusal is made here
+once. Standard library only: a DataLoader worker imports it without reaching the daemon.
+
+Every reply is a JSON object with ``"ok"``; a refusal adds ``"error"`` (one of `CODES`, or for a
+fault of a file the request named, the name of its `smstore.errors` class) and ``"message"``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import struct
+from typing import Any
+
+from smstore.errors import DaemonError
+
+__all__ = [
+    "BAD_REQUEST",
+    "BUSY",
+    "CODES",
+    "LOAD_FAILED",
+    "MAX_HOLD",
+    "MAX_MESSAGE",
+    "NOT_FOUND",
+    "NOT_SERVED",
+    "NO_ROOM",
+    "PERMISSION_DENIED",
+    "STATUS_PAGE",
+    "TOO_LARGE",
+    "ProtocolError",
+    "checksum_arg",
+    "decode_body",
+    "encode",
+    "frame",
+    "frame_length",
+    "hold_arg",
+    "key_arg",
+    "not_served",
+    "page_arg",
+    "parse_request",
+    "path_arg",
+    "path_value",
+    "refusal",
+]
+
+# ---- framing --------------------------------------------------------------------------------------
+
+# Requests and replies are tiny (a status of thousands of segments fits); anything larger is hostile.
+MAX_MESSAGE = 1 << 20
+_LEN = struct.Struct(">I")
+
+
+def frame(body: bytes) -> bytes:
+    """``body`` as one frame: its 4-byte big-endian length, then the body."""
+    return _LEN.pack(len(body)) + body
+
+
+def frame_length(buf: bytes | bytearray) -> int:
+    """The body length announced by the first 4 bytes of buf."""
+    return int(_LEN.unpack_from(buf)[0])
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """One frame: a 4-byte big-endian length, then that many bytes of UTF-8 JSON.
+
+    Raises:
+        DaemonError: The message is longer than `MAX_MESSAGE`.
+    """
+    body = json.dumps(message, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE:
+        msg = f"message of {len(body)} bytes exceeds the {MAX_MESSAGE}-byte limit"
+        raise DaemonError(msg)
+    return frame(body)
+
+
+def decode_body(body: bytes | bytearray) -> dict[str, Any]:
+    """Parse a frame body; ValueError unless it is a JSON object."""
+    obj = json.loads(body.decode("utf-8"))
+    if not isinstance(obj, dict):
+        msg = "a message must be a JSON object"
+        raise ValueError(msg)  # noqa: TRY004 - callers treat every malformed message alike
+    return obj
+
+
+# ---- error codes: the one table ------------------------------------------------------------------
+
+BAD_REQUEST = "bad_request"
+TOO_LARGE = "too_large"
+BUSY = "busy"
+PERMISSION_DENIED = "permission_denied"
+NOT_SERVED = "not_served"
+NOT_FOUND = "not_found"
+NO_ROOM = "no_room"
+LOAD_FAILED = "load_failed"
+
+CODES = {
+    BAD_REQUEST: "the request is malformed, or an argument is invalid (the message says which)",
+    TOO_LARGE: "the request is longer than the daemon accepts; the connection is closed",
+    BUSY: "every connection is in use; an owner's refusal carries retry_within (seconds)",
+    PERMISSION_DENIED: "this uid may not use the daemon, or not this operation (owner only)",
+    NOT_SERVED: "no segment holds what was asked for; a held shard's refusal carries the reason",
+    NOT_FOUND: "a file the request names does not exist",
+    NO_ROOM: "it does not fit the daemon's --shm-limit",
+    LOAD_FAILED: "a held shard cannot be loaded (the reason follows)",
+}
+
+
+class ProtocolError(Exception):
+    """A request that cannot be served as sent; `error` is the reply's code (one of `CODES`)."""
+
+    def __init__(self, error: str, message: str) -> None:
+        super().__init__(message)
+        self.error = error
+
+
+def refusal(error: str, message: str, **extra: Any) -> dict[str, Any]:
+    """The one form of a refusing reply."""
+    return {"ok": False, "error": error, "message": message, **extra}
+
+
+def not_served(what: str, why: str | None = None) -> dict[str, Any]:
+    """The one refusal of something the daemon does not serve (now, and not later either).
+
+    `why`: the reason a held shard is not served (its load failed, the owner unloaded it), also
+    sent alone as ``"reason"`` so that a client needs no parsing of the message.
+    """
+    message = f"no segment holds {what}" + (f": {why}" if why else "")
+    return refusal(NOT_SERVED, message, reason=why)
+
+
+# ---- requests and their arguments ---------------------------------------------------------------
+
+# At most this many shards in one 'hold' (a window and the next of a large dataset fit many times).
+MAX_HOLD = 65536
+
+# A status reply lists at most this many segments (a page: the request's "offset" asks for the next).
+STATUS_PAGE = 1000
+
+# A content key of a shared blob, e.g. "blake2b-128:<32 hex>" (SharedList's hash of its records).
+_KEY_RE = re.compile(r"^[a-z0-9-]{1,32}:[0-9a-f]{16,128}$")
+
+
+def parse_request(body: bytes) -> dict[str, Any]:
+    """A request body as a flat JSON object of scalars (strings, numbers, booleans, null).
+
+    Raises:
+        ProtocolError: Anything else: not UTF-8, not JSON, nested too deep for the parser, not an
+            object, or holding a list or object as a value.
+    """
+    try:
+        obj = json.loads(body.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        # RecursionError: deep nesting ([[[[...) exhausts the parser's stack; refused like any junk.
+        raise ProtocolError(BAD_REQUEST, f"malformed message: {type(e).__name__}: {e}"[:300]) from None
+    if not isinstance(obj, dict):
+        raise ProtocolError(BAD_REQUEST, "a request must be a JSON object")
+    if not all(isinstance(v, (str, int, float, bool)) or v is None for v in obj.values()):
+        raise ProtocolError(BAD_REQUEST, "a request's values must be strings, numbers, booleans or null")
+    return obj
+
+
+def checksum_arg(req: dict[str, Any]) -> str | None:
+    value = req.get("checksum")
+    if value is None:
+        return None
+    if not (isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)):
+        raise ProtocolError(BAD_REQUEST, "'checksum' must be 16 lowercase hex digits")
+    return value
+
+
+def key_arg(req: dict[str, Any], *, required: bool) -> str | None:
+    value = req.get("key")
+    if value is None and not required:
+        return None
+    if not (isinstance(value, str) and _KEY_RE.match(value)):
+        raise ProtocolError(BAD_REQUEST, "'key' must be '<algorithm>:<16 to 128 hex digits>'")
+    return value
+
+
+def path_arg(req: dict[str, Any], *, required: bool) -> str | None:
+    value = req.get("path")
+    if value is None and not required:
+        return None
+    return path_value(value)
+
+
+def path_value(value: object) -> str:
+    if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 4096:
+        raise ProtocolError(BAD_REQUEST, "'path' must be an absolute path (at most 4096 characters, no NUL)")
+    try:
+        value.encode()
+    except UnicodeEncodeError:
+        # A file name that is not UTF-8 reaches us as lone surrogates: refuse it here, in the request,
+        # rather than in the loader thread.
+        raise ProtocolError(BAD_REQUEST, f"'path' is not valid UTF-8: {value!r}") from None
+    return value
+
+
+def page_arg(req: dict[str, Any]) -> tuple[int, int]:
+    """A 'status' request's page of segments: (offset, limit)."""
+    offset, limit = req.get("offset", 0), req.get("limit", STATUS_PAGE)
+    if type(offset) is not int or type(limit) is not int or offset < 0 or not 0 <= limit <= STATUS_PAGE:
+        msg = f"'offset' must be an integer >= 0 and 'limit' one from 0 to {STATUS_PAGE}"
+        raise ProtocolError(BAD_REQUEST, msg)
+    return offset, limit
+
+
+def hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
+    """A 'hold' request: the manifest, and the indices of its shards in the order to load them."""
+    manifest = path_value(req.get("manifest"))
+    value = req.get("shards")
+    if not isinstance(value, str) or len(value) > 16 * MAX_HOLD:
+        raise ProtocolError(BAD_REQUEST, "'shards' must be a string of comma-separated shard indices")
+    try:
+        shards = [int(k) for k in value.split(",")] if value else []
+    except ValueError:
+        raise ProtocolError(
+            BAD_REQUEST, "'shards' must be a string of comma-separated shard indices"
+        ) from None
+    if len(shards) > MAX_HOLD or any(k < 0 for k in shards):
+        raise ProtocolError(BAD_REQUEST, f"'shards' must hold at most {MAX_HOLD} indices, each >= 0")
+    return manifest, shards

@@ -1,0 +1,221 @@
+"""The daemon's loader thread: copies files into shared-memory segments and frees released ones, off the event loop."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from smstore import _core
+from smstore._pack import human_bytes
+from smstore._store import explain_not_a_blob, read_checksum
+from smstore.daemon.planner import Planner
+from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
+from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
+
+__all__ = ["AlreadyLoaded", "Failed", "LoadResult", "Loaded", "Loader"]
+
+# The loader thread's nice value (relative to 0): below the training processes.
+LOADER_NICENESS = 10
+
+# Seconds the loader thread rests after freeing a released segment.
+FREE_PAUSE = 0.005
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """A new segment: its name in /dev/shm (no leading slash), read-only descriptor, checksum, seconds taken."""
+
+    name: str
+    fd: int
+    checksum: str
+    seconds: float
+
+
+@dataclass(frozen=True)
+class AlreadyLoaded:
+    """The file's contents are in a segment already (under this or another path)."""
+
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The load failed: why."""
+
+    error: Exception
+
+
+LoadResult = Loaded | AlreadyLoaded | Failed
+
+
+def _sized(size: int) -> str:
+    """A byte count for a message: ``64.0 KiB (65536 bytes)``."""
+    return f"{size} bytes" if size < 1024 else f"{human_bytes(size)} ({size} bytes)"
+
+
+class Loader:
+    """The loader thread and its two queues: work in (loads, segments to free), results out.
+
+    A slow file system never blocks the event loop: every file a load reads is opened here. Each
+    finished load wakes the loop through `wake` (a socket the loop watches).
+
+    Args:
+        segments: The daemon's segment table (read here: a load of contents already loaded is skipped).
+        planner: The one budget (`Planner.room`) a load must fit.
+        segment_name: A fresh segment name for a checksum.
+        gid: The group that may read the segments, or None for the owner only.
+        read_rate: Read files at most this many bytes a second (0: no limit).
+    """
+
+    def __init__(
+        self,
+        segments: SegmentTable,
+        planner: Planner,
+        segment_name: Callable[[str], str],
+        *,
+        gid: int | None,
+        read_rate: int,
+    ) -> None:
+        self.segments = segments
+        self.planner = planner
+        self.segment_name = segment_name
+        self.gid = gid
+        self.read_rate = read_rate
+        self.stopping = False
+        # Work, in order: a path to load (with the checksum a hold expects of it, if any), a
+        # released segment to free, or None (stop).
+        self.jobs: queue.Queue[tuple[str, str | None] | Segment | None] = queue.Queue()
+        self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
+        self.wake_r, self.wake_w = socket.socketpair()
+        self.wake_r.setblocking(False)
+        self.wake_w.setblocking(False)
+        self.thread = threading.Thread(target=self._run, name="smstore-loader", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def load(self, path: str, expected: str | None) -> None:
+        """Queue a load of `path`; `expected`: the checksum a hold expects it to hold."""
+        self.jobs.put((path, expected))
+
+    def free(self, seg: Segment) -> None:
+        """Queue a released segment to be unlinked and freed, before any load queued after it."""
+        self.jobs.put(seg)
+
+    def finished(self) -> Iterator[tuple[str, LoadResult]]:
+        """The loads finished since the last call (the loop calls it when woken)."""
+        with contextlib.suppress(BlockingIOError):
+            self.wake_r.recv(4096)
+        while True:
+            try:
+                yield self.done.get_nowait()
+            except queue.Empty:
+                return
+
+    def stop(self) -> None:
+        """Stop the thread; free the released segments it had not freed yet."""
+        self.stopping = True
+        self.jobs.put(None)
+        if self.thread.is_alive():
+            # A load still running writes on into a segment that is unlinked and freed at exit.
+            self.thread.join(timeout=0.1)
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(job, Segment):
+                with contextlib.suppress(OSError, StoreError):
+                    job.close()
+
+    def _run(self) -> None:
+        # Loads are background work: at a lower CPU priority (this thread, and the copying thread
+        # each load starts, which inherits it), they never slow the training processes on a busy
+        # node; idle cores still run them at full speed.
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            if isinstance(job, Segment):
+                # Freeing a released segment's pages takes milliseconds a 10 MiB: here, at the
+                # loader's priority, before any load queued after it counts on the room.
+                with contextlib.suppress(OSError, StoreError):
+                    job.close()
+                time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
+                continue
+            path, expected = job
+            result: LoadResult
+            try:
+                result = self._load_one(path, expected)
+            except Exception as e:  # noqa: BLE001 - every load gets an answer (the error); none ends the thread
+                result = Failed(e)
+            if self.stopping and isinstance(result, Loaded):
+                unlink_quietly(result.name)
+                os.close(result.fd)
+                return
+            self.done.put((path, result))
+            with contextlib.suppress(OSError):
+                self.wake_w.send(b"x")
+
+    def _load_one(self, path: str, expected: str | None) -> Loaded | AlreadyLoaded:
+        checksum = read_checksum(path)
+        if expected is not None and checksum != expected:
+            # Loading it would serve no rank (they read the manifest's contents): refused before
+            # a byte is copied, and not tried again until the file changes.
+            what = f"checksum {checksum}" if checksum is not None else "no smstore blob"
+            msg = (
+                f"{path}: holds {what}, but the manifest it was held by records {expected}: the shard was "
+                "re-packed or overwritten since its manifest was written. Pack the dataset again "
+                "(or restore the shard), then start the job again"
+            )
+            raise StoreChangedError(msg)
+        if checksum is not None and checksum in self.segments:
+            return AlreadyLoaded(checksum)
+        room = self.planner.room()
+        if room is not None:
+            self._check_room(path, room)
+        name = self.segment_name(checksum or "0" * 16)
+        mode = 0o400 if self.gid is None else 0o440
+        t0 = time.monotonic()
+        gid = -1 if self.gid is None else self.gid
+        limit_room = 0 if room is None else max(1, room)  # 0: no limit
+        try:
+            fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, gid, limit_room, self.read_rate)
+        except StoreFormatError as e:
+            raise explain_not_a_blob(path, e) from None
+        if ck != checksum:  # the file was replaced between the two reads
+            os.close(fd)
+            _core.shm_unlink("/" + name)
+            msg = f"{path}: the file changed while it was being loaded; try again"
+            raise DaemonError(msg)
+        return Loaded(name, fd, ck, time.monotonic() - t0)
+
+    def _check_room(self, path: str, room: int) -> None:
+        """Refuse a load that --shm-limit leaves no room for, blaming the limit (not /dev/shm).
+
+        Raises:
+            SharedMemoryError: The blob does not fit under the limit, and /dev/shm has more room
+                than the limit leaves (else the loader's own message, about /dev/shm, is right).
+        """
+        try:
+            needed = pages(os.stat(path).st_size)
+        except OSError:
+            return  # the load says what is wrong with the file
+        if needed <= room or _core.shm_space(os.fspath(SHM_DIR))[0] < room:
+            return
+        limit, limit_from = self.planner.shm_limit, self.planner.shm_limit_from
+        msg = (
+            f"{path}: not enough shared memory under the daemon's limit: loading it needs "
+            f"{_sized(needed)}, but {limit_from} is {_sized(limit)} and the daemon's "
+            f"segments use {_sized(self.planner.used())} of it. Raise {limit_from}, unload blobs the daemon "
+            'serves (smstore unload FILE), or read the file directly: mode="mmap".'
+        )
+        raise SharedMemoryError(msg)

@@ -1,0 +1,329 @@
+"""The daemon's residency planner: what the ranks hold, what is loaded or released for them, and the one budget.
+
+A rank's windowed sampler `hold`s the shards of its window and the next; the planner merges the
+holds of every rank into one order, plans the loads that fit, releases what no rank holds any
+more, and keeps what a dead predecessor loaded for the ranks (unclaimed) until they claim it or
+move past it. It alone decides what fits under ``--shm-limit``: :meth:`Planner.used` is the one
+count of the budget (segments in whole pages, as /dev/shm counts them, plus released segments a
+process of the owner still maps), used by loads, shares and holds alike.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Collection, Container
+from dataclasses import dataclass, field
+
+from smstore._manifest import Manifest, manifest_file, read_manifest
+from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, ProtocolError
+from smstore.daemon.segments import Segment, SegmentTable, pages
+from smstore.errors import StoreError
+
+__all__ = ["MAX_MANIFESTS", "Plan", "Planner"]
+
+# Manifests kept parsed (one per dataset a job holds shards of; more only from a hostile client).
+MAX_MANIFESTS = 64
+
+# A file's identity as stat sees it: a failed held load is retried only once this changes.
+FileIdentity = tuple[int, int, int, int]
+
+
+def _identity(path: str) -> FileIdentity | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+@dataclass
+class Plan:
+    """What a change of the holds asks of the daemon: loads to queue, and what was released (for the log)."""
+
+    loads: list[tuple[str, str]] = field(default_factory=list)  # (path, checksum), in order
+    released: list[str] = field(default_factory=list)  # descriptions of the released segments
+
+
+class Planner:
+    """Holds, releases, unclaimed segments and the budget (see the module docstring).
+
+    Args:
+        segments: The daemon's segment table (read here; segments leave it through `release`).
+        shm_limit: Pretend /dev/shm holds at most this many bytes for our segments (0: no limit).
+        shm_limit_from: Where ``shm_limit`` came from, for the messages that refuse a load.
+        is_owner: Whether a connection is one of the owner's (only those pin a released segment).
+        release: Takes a released segment out of the table and frees it (off the event loop).
+    """
+
+    def __init__(
+        self,
+        segments: SegmentTable,
+        *,
+        shm_limit: int,
+        shm_limit_from: str,
+        is_owner: Callable[[int], bool],
+        release: Callable[[Segment], None],
+    ) -> None:
+        self.segments = segments
+        self.shm_limit = shm_limit
+        self.shm_limit_from = shm_limit_from
+        self._is_owner = is_owner
+        self._release = release
+        # What each connection (a rank's sampler) holds, in the order to load it.
+        self.holds: dict[int, list[tuple[str, str]]] = {}
+        # Segments loaded for holds (dropped when no connection holds them).
+        self.managed: set[str] = set()
+        # Adopted segments a dead predecessor had loaded for holds, not held again since: kept for
+        # the ranks to claim when they hold again, released when the holds need their room or
+        # release a window (the job has moved past them).
+        self.unclaimed: set[str] = set()
+        self.hold_loads: dict[str, str] = {}  # paths being loaded because a rank held them -> checksum
+        # Held segments released while readers of the owner still map them (they count against
+        # --shm-limit until every such reader detaches or disconnects): checksum -> (pages, connections).
+        self.released: dict[str, tuple[int, set[int]]] = {}
+        self.released_pages = 0  # their total, read by the loader thread too
+        # Parsed manifests by the path a hold names, with the file's identity when it was read.
+        self.manifests: dict[str, tuple[FileIdentity, Manifest, list[str]]] = {}
+        # Held paths whose load failed: path -> (the checksum held, the file's identity then, why).
+        # Not loaded again (and a hold naming them is refused) until the file changes.
+        self.hold_failed: dict[str, tuple[str, FileIdentity | None, str]] = {}
+        # Held checksums the owner unloaded: not loaded again while a hold still names them.
+        self.unloaded: set[str] = set()
+        # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
+        self.waiting_room: set[str] = set()
+
+    # ---- the budget -----------------------------------------------------------------------------
+
+    def used(self) -> int:
+        """Bytes of the budget in use: segments in whole pages, and released segments the owner still maps."""
+        return self.segments.pages + self.released_pages
+
+    def room(self) -> int | None:
+        """Bytes left under --shm-limit (None: no limit)."""
+        return max(0, self.shm_limit - self.used()) if self.shm_limit else None
+
+    def fits(self, size: int, used: int | None = None) -> bool:
+        """Whether a blob of `size` bytes fits the budget, with `used` bytes of it in use (default: now)."""
+        if not self.shm_limit:
+            return True
+        return (self.used() if used is None else used) + pages(size) <= self.shm_limit
+
+    # ---- holds ----------------------------------------------------------------------------------
+
+    def hold(self, cid: int, manifest_path: str, indices: list[int]) -> list[tuple[str, str]]:
+        """Replace what connection `cid` holds with shards `indices` of a manifest; the (path, checksum) held.
+
+        Raises:
+            ProtocolError: The manifest or an index is bad, a shard is larger than the whole
+                budget, or a shard's load failed (every rank holding it hears so at its next hold).
+        """
+        try:
+            manifest, paths = self._manifest(manifest_path)
+        except StoreError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+        if any(k >= len(manifest.shards) for k in indices):
+            raise ProtocolError(BAD_REQUEST, f"{manifest_path} has {len(manifest.shards)} shards")
+        shards = [(paths[k], manifest.shards[k].checksum) for k in indices]
+        if self.shm_limit:
+            for path, _checksum in shards:
+                try:
+                    size = os.stat(path).st_size
+                except OSError as e:
+                    raise ProtocolError(NOT_FOUND, f"{path}: {e.strerror}") from None
+                if not self.fits(size, used=0):
+                    msg = (
+                        f"{path}: a shard of {size} bytes does not fit the daemon's --shm-limit of "
+                        f"{self.shm_limit} bytes; raise the limit or pack smaller shards"
+                    )
+                    raise ProtocolError(NO_ROOM, msg)
+        for path, checksum in shards:
+            why = self.failed(path, checksum)
+            if why is not None:
+                raise ProtocolError(LOAD_FAILED, f"a held shard cannot be loaded: {why}")
+        if shards:
+            self.holds[cid] = shards
+        else:
+            self.holds.pop(cid, None)
+        return shards
+
+    def wanted(self) -> dict[str, str]:
+        """Checksum -> path of every held shard, in priority order (each holder's order, merged)."""
+        wanted: dict[str, str] = {}
+        lists = list(self.holds.values())
+        for depth in range(max((len(h) for h in lists), default=0)):
+            for held in lists:
+                if depth < len(held):
+                    path, checksum = held[depth]
+                    wanted.setdefault(checksum, path)
+        return wanted
+
+    def plan(self, loading: Collection[str]) -> Plan:
+        """Release the held segments no connection holds any more; plan the loads of held shards that fit.
+
+        `loading`: the paths being loaded now (counted in the budget, not queued again).
+        """
+        plan = Plan()
+        wanted = self.wanted()
+        claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
+        self.unloaded &= wanted.keys()  # unloaded shards are loaded again once a hold names them anew
+        self.unclaimed -= claimed
+        self.managed |= claimed
+        plan.released = [self.release(self.segments[ck]) for ck in self.managed - wanted.keys()]
+        if plan.released:
+            # The holds moved past a window: what a dead predecessor held that no rank claimed
+            # since belongs to a window behind it.
+            plan.released += [self.release(self.segments[ck]) for ck in list(self.unclaimed)]
+        used = self.used()
+        # A load under way fills its pages whatever the holds say now (one for a hold that moved
+        # on, or one that the shards before it in the holders' order would now leave no room
+        # for): it counts until it lands.
+        for path in loading:
+            with contextlib.suppress(OSError):
+                used += pages(os.stat(path).st_size)
+        self.waiting_room = set()
+        full = False
+        for checksum, path in wanted.items():
+            if checksum in self.segments or checksum in self.unloaded or self.failed(path, checksum):
+                continue
+            if path in loading:
+                continue  # on its way, and counted above
+            try:
+                size = os.stat(path).st_size
+            except OSError:
+                continue  # the load would fail: the reader falls back to (and reports) the file
+            while not full and not self.fits(size, used) and self.unclaimed:
+                # Room for a held shard comes first: the oldest unclaimed adopted segment goes.
+                seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
+                plan.released.append(self.release(seg))
+                used -= pages(seg.size)
+            if full or not self.fits(size, used):
+                full = True  # later shards wait until earlier ones are released
+                self.waiting_room.add(path)
+                continue
+            used += pages(size)
+            self.hold_loads[path] = checksum
+            plan.loads.append((path, checksum))
+        return plan
+
+    def release(self, seg: Segment) -> str:
+        """Stop serving a held segment no rank holds; its pages count until every owner's reader unmaps it."""
+        self.managed.discard(seg.checksum)
+        self.unclaimed.discard(seg.checksum)
+        # Only the owner's processes pin a released segment's pages in the budget: a group member
+        # who keeps a segment mapped must never stall the owner's loads (docs/daemon.md, "Groups").
+        pinning = {c for c in seg.clients if self._is_owner(c)}
+        if pinning:
+            self._forget_released(seg.checksum)
+            self.released[seg.checksum] = (pages(seg.size), pinning)
+            self.released_pages += pages(seg.size)
+        self._release(seg)
+        return f"{', '.join(seg.paths)} ({seg.checksum})"
+
+    def unmapped(self, cid: int, checksum: str) -> bool:
+        """Connection `cid` no longer maps `checksum`; True if a released segment's pages are free now."""
+        entry = self.released.get(checksum)
+        if entry is None:
+            return False
+        entry[1].discard(cid)
+        if entry[1]:
+            return False
+        self._forget_released(checksum)
+        return True
+
+    def _forget_released(self, checksum: str) -> None:
+        entry = self.released.pop(checksum, None)
+        if entry is not None:
+            self.released_pages -= entry[0]
+
+    def disconnect(self, cid: int) -> bool:
+        """Connection `cid` closed: its holds and mappings go. True if the holds must be planned again."""
+        freed = [self.unmapped(cid, checksum) for checksum in list(self.released)]
+        return self.holds.pop(cid, None) is not None or any(freed)
+
+    # ---- segments coming and going --------------------------------------------------------------
+
+    def adopted(self, checksum: str) -> None:
+        """A segment adopted from a dead predecessor was loaded for its ranks' holds."""
+        self.unclaimed.add(checksum)
+
+    def is_held(self, checksum: str) -> bool:
+        """Whether a segment was loaded because a rank held it (a successor releases it once they move on)."""
+        return checksum in self.managed or checksum in self.unclaimed
+
+    def dropped(self, checksum: str) -> None:
+        """A segment left the table (unloaded, replaced, stopping)."""
+        self.managed.discard(checksum)
+        self.unclaimed.discard(checksum)
+
+    def unload(self, checksum: str) -> None:
+        """The owner unloaded `checksum`: not loaded again for the holds naming it now."""
+        if checksum in self.wanted():
+            self.unloaded.add(checksum)
+
+    def load_failed(self, path: str, why: str) -> None:
+        """A load of `path` failed: if a rank holds it, not loaded again until the file changes."""
+        expected = self.hold_loads.pop(path, None)
+        held = expected or next((ck for ck, p in self.wanted().items() if p == path), None)
+        if held is not None:
+            self.hold_failed[path] = (held, _identity(path), why)
+
+    def load_done(self, path: str, checksum: str, *, asked: bool) -> None:
+        """A load of `path` gave `checksum` (before the table has it); `asked`: a client waits for it.
+
+        Held now, or loaded for a hold that moved on while it loaded (and asked for by no one
+        else): the holds manage it, and the next plan drops it if none holds it.
+        """
+        for_hold = self.hold_loads.pop(path, None) is not None
+        fresh = checksum not in self.segments
+        if any(path in (p for p, _ in held) for held in self.holds.values()) or (
+            for_hold and fresh and not asked
+        ):
+            self.managed.add(checksum)
+
+    # ---- questions readers ask ------------------------------------------------------------------
+
+    def on_its_way(self, path: str, checksum: str, loading: Container[str]) -> bool:
+        """Whether the shard at `path` holding `checksum` is loading, or held and waiting for room."""
+        if path in loading:
+            return True
+        return path in self.waiting_room and self.wanted().get(checksum) == path
+
+    def why_not_held(self, path: str, checksum: str) -> str | None:
+        """Why a held shard is not served (its load failed, or the owner unloaded it), if it is one."""
+        if checksum in self.unloaded:
+            return f"{path} was unloaded ('smstore unload') while held"
+        return self.failed(path, checksum)
+
+    def failed(self, path: str, checksum: str) -> str | None:
+        """Why the held load of `path` (holding `checksum`) failed, while the file is still the one that failed."""
+        entry = self.hold_failed.get(path)
+        if entry is None:
+            return None
+        held, identity, why = entry
+        if held == checksum and identity is not None and identity == _identity(path):
+            return why
+        del self.hold_failed[path]  # the file changed (or another checksum is held): try again
+        return None
+
+    def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
+        """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
+
+        Every rank holds at every window: parsing a manifest of thousands of shards each time
+        would be milliseconds of the daemon's core at each window switch.
+        """
+        try:
+            st = os.stat(manifest_file(path))
+            key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            key = None  # read_manifest says what is wrong
+        cached = self.manifests.get(path)
+        if key is not None and cached is not None and cached[0] == key:
+            return cached[1], cached[2]
+        manifest = read_manifest(path)
+        paths = [os.path.abspath(manifest.shard_path(k)) for k in range(len(manifest.shards))]
+        if key is not None:
+            if len(self.manifests) >= MAX_MANIFESTS:
+                self.manifests.clear()
+            self.manifests[path] = (key, manifest, paths)
+        return manifest, paths

@@ -1,0 +1,418 @@
+"""The daemon's server: its lifecycle, its segment table, and the dispatch of requests (`smstore serve`)."""
+
+from __future__ import annotations
+
+import contextlib
+import grp
+import itertools
+import json
+import logging
+import os
+import resource
+import selectors
+import signal
+import socket
+from pathlib import Path
+from typing import Any
+
+from smstore import _core
+from smstore._ipc import ensure_private_dir, process_start_time, socket_path
+from smstore._protocol import (
+    BAD_REQUEST,
+    PERMISSION_DENIED,
+    STATUS_PAGE,
+    ProtocolError,
+    checksum_arg,
+    hold_arg,
+    page_arg,
+    path_arg,
+)
+from smstore.daemon.connections import Conn, Limits, Server
+from smstore.daemon.segments import (
+    SHM_DIR,
+    DaemonLock,
+    SegmentTable,
+    adopt_previous,
+    list_segments,
+    new_segment_name,
+    unlink_quietly,
+)
+from smstore.daemon.serving import Serving, describe
+from smstore.daemon.state import StateFile, state_path
+from smstore.errors import DaemonError
+
+__all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
+
+log = logging.getLogger("smstore.daemon")
+
+# A status reply lists at most STATUS_PAGE segments, in at most STATUS_BYTES of JSON, and at most
+# STATUS_LIST entries of each other list.
+STATUS_BYTES = 256 << 10
+STATUS_LIST = 20
+
+
+def _peer_groups(pid: int) -> set[int]:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("Groups:"):
+                return {int(g) for g in line.split()[1:]}
+    except (OSError, ValueError):
+        pass
+    return set()
+
+
+def set_background_scheduling() -> bool:
+    """Put the calling thread (and the threads it starts from now on) under ``SCHED_BATCH``.
+
+    A batch thread gets its fair share of the CPU but never preempts the thread running when it
+    wakes up. On a node whose cores all train, a daemon woken by a rank's request would otherwise
+    take that rank's core at once, and the rank's batch would wait for the daemon's bookkeeping.
+    Returns False where the system does not offer it.
+    """
+    try:
+        os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    except (AttributeError, OSError) as e:
+        log.info("SCHED_BATCH is not available (%s): the daemon runs under the default policy", e)
+        return False
+    return True
+
+
+def claim_socket(sock_path: Path) -> None:
+    """Remove a dead daemon's socket at `sock_path`; refuse if a live one listens there."""
+    if not os.path.lexists(sock_path):
+        return
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(2.0)
+        probe.connect(os.fspath(sock_path))
+    except (ConnectionRefusedError, FileNotFoundError):
+        log.info("removing stale socket %s", sock_path)
+        sock_path.unlink(missing_ok=True)
+        return
+    except OSError as e:
+        msg = f"{sock_path}: exists and cannot be probed ({e}); remove it if no daemon uses it"
+        raise DaemonError(msg) from None
+    finally:
+        probe.close()
+    msg = f"another smstore daemon is already listening on {sock_path}; 'smstore stop' it first"
+    raise DaemonError(msg)
+
+
+class Daemon(Server):
+    """The daemon: its lifecycle, its segment table, its requests' dispatch and its event loop. See docs/daemon.md.
+
+    What is done with the segments for clients is `Serving`'s (residency and the budget its
+    planner's, loads its loader thread's); the state file is written by `StateFile`; connections
+    are the `Server`'s.
+
+    Args:
+        sock_path: Where to listen.
+        group: Share segments and the socket with this group (read-only), or None for this user only.
+        shm_limit: Pretend /dev/shm holds at most this many bytes for our segments (0: no limit).
+        shm_limit_from: Where ``shm_limit`` came from, for the messages that it refuses a load.
+        read_rate: Read files at most this many bytes a second (0: no limit), to spare a shared
+            file system.
+        limits: What clients are allowed (connections, request size, timeouts).
+    """
+
+    def __init__(
+        self,
+        sock_path: Path,
+        *,
+        group: str | None = None,
+        shm_limit: int = 0,
+        shm_limit_from: str = "--shm-limit",
+        read_rate: int = 0,
+        limits: Limits | None = None,
+    ) -> None:
+        super().__init__(os.getuid(), limits or Limits())
+        self.sock_path = sock_path
+        self.pid = os.getpid()
+        start = process_start_time(self.pid)
+        if start is None:
+            msg = "cannot read this process's start time from /proc"
+            raise DaemonError(msg)
+        self.start_time = start
+        self.gid: int | None = grp.getgrnam(group).gr_gid if group else None
+        self.segments = SegmentTable()
+        self.state = StateFile(state_path(sock_path), self._state)
+        self.serving = Serving(
+            self,
+            self.segments,
+            self.state,
+            shm_limit=shm_limit,
+            shm_limit_from=shm_limit_from,
+            segment_name=self._segment_name,
+            gid=self.gid,
+            read_rate=read_rate,
+        )
+        self.stopping = False
+        self.lock: DaemonLock | None = None
+        # shutdown() removes only what start() made: a second daemon refused on a live socket
+        # must leave the socket and state file of the first alone.
+        self._owns_socket = False
+        self._owns_state = False
+
+    # ---- setup and teardown -------------------------------------------------------------------
+
+    def start(self, files: list[str]) -> None:
+        """Claim the socket, adopt a dead predecessor's segments, listen, and queue `files`."""
+        with contextlib.suppress(ValueError, OSError):
+            _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        parent = self.sock_path.parent
+        ensure_private_dir(parent, create=not parent.exists(), group_gid=self.gid)
+        claim_socket(self.sock_path)
+        # Held for our whole life: `smstore gc` in another PID namespace, where our pid means
+        # nothing, sees that our segments are alive.
+        self.lock = DaemonLock.acquire(self.uid, self.pid, self.start_time)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177 if self.gid is None else 0o117)
+        try:
+            listener.bind(os.fspath(self.sock_path))
+        except OSError as e:
+            listener.close()
+            msg = f"{self.sock_path}: cannot listen there ({e.strerror}); is another daemon starting?"
+            raise DaemonError(msg) from None
+        finally:
+            os.umask(old_umask)
+        self._owns_socket = True
+        self.listener = listener
+        if self.gid is not None:
+            os.chown(self.sock_path, -1, self.gid)
+        self._adopt_previous()
+        listener.listen(128)
+        listener.setblocking(False)
+        self.sel.register(listener, selectors.EVENT_READ, "listen")
+        self.sel.register(self.serving.loader.wake_r, selectors.EVENT_READ, "wake")
+        self._owns_state = True
+        self.state.save()
+        self.serving.loader.start()
+        log.info("listening on %s (pid %d)", self.sock_path, self.pid)
+        for f in files:
+            self.serving.queue_load(os.fspath(Path(f).absolute()), None)
+
+    def _adopt_previous(self) -> None:
+        """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
+        for seg, held in adopt_previous(self.state.path, self.uid, self._segment_name):
+            self.segments[seg.checksum] = seg
+            if held:
+                self.serving.planner.adopted(seg.checksum)
+
+    def _segment_name(self, checksum: str) -> str:
+        return new_segment_name(self.uid, self.pid, self.start_time, checksum)
+
+    def _state(self) -> tuple[dict[str, Any], int]:
+        """What the state file records: our segments (a memfd cannot be adopted), for a successor."""
+        entries = [
+            s.state_entry(held=self.serving.planner.is_held(s.checksum))
+            for s in self.segments.values()
+            if not s.shared
+        ]
+        state = {
+            "pid": self.pid,
+            "start_time": self.start_time,
+            "socket": os.fspath(self.sock_path),
+            "segments": entries,
+        }
+        return state, len(entries)
+
+    def shutdown(self) -> None:
+        """Unlink every segment, and the socket and state file if we made them. Clients keep their mappings."""
+        self.stopping = True
+        try:
+            for seg in list(self.segments.values()):
+                self.serving.drop(seg)
+            self.close_all()
+            if self.listener is not None:
+                self.listener.close()
+            if self._owns_socket:
+                self.sock_path.unlink(missing_ok=True)
+            if self._owns_state:
+                self.state.path.unlink(missing_ok=True)
+            self.serving.loader.stop()
+        finally:
+            # Whatever failed above (a descriptor short for listing /dev/shm), the segments and the
+            # lock still go: a successor or `smstore gc` would otherwise find them.
+            if self.lock is not None:
+                try:
+                    for name in list_segments(self.pid, self.start_time):
+                        unlink_quietly(name)
+                except OSError as e:
+                    log.error("cannot list /dev/shm to remove our segments: %s", e)
+                self.lock.release()
+                self.lock = None
+        log.info("stopped")
+
+    def allowed(self, conn: Conn) -> str | None:
+        if conn.owner:
+            return None
+        if self.gid is not None and (conn.gid == self.gid or self.gid in _peer_groups(conn.pid)):
+            return None
+        served = f"uid {self.uid}" if self.gid is None else f"uid {self.uid} and group {self.gid}"
+        return f"uid {conn.uid} may not use this smstore daemon (it serves {served} only)"
+
+    def handle(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
+        op = req.get("op")
+        if op == "attach":
+            self.serving.attach_request(cid, conn, req)
+        elif op == "held":
+            # What the ranks hold, so that readers attach it before they read it.
+            self.reply(
+                cid, {"ok": True, "shards": [[p, c] for c, p in self.serving.planner.wanted().items()]}
+            )
+        elif op == "detach":
+            self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
+        elif op == "status":
+            self.reply(cid, status(self, *page_arg(req)))
+        elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
+            # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
+            raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
+        elif op == "load":
+            path = path_arg(req, required=True)
+            assert path is not None
+            self.serving.queue_load(path, cid)
+        elif op == "unload":
+            self.serving.unload(cid, checksum_arg(req), path_arg(req, required=False))
+        elif op == "share":
+            self.serving.share(cid, conn, req)
+        elif op == "hold":
+            self.serving.hold(cid, *hold_arg(req), reply=req.get("noreply") is not True)
+        elif op == "stop":
+            self.reply(cid, {"ok": True, "pid": self.pid})
+            self.stopping = True
+        else:
+            raise ProtocolError(BAD_REQUEST, f"unknown op {str(op)[:100]!r}")
+
+    def on_close(self, cid: int, conn: Conn) -> None:
+        self.serving.closed(cid, conn)
+
+    # ---- the loop ---------------------------------------------------------------------------
+
+    def run_once(self, timeout: float) -> None:
+        """Wait up to `timeout` seconds and serve what is ready."""
+        for key, events in self.sel.select(timeout=timeout):
+            if key.data == "listen":
+                try:
+                    self.accept_all()
+                except OSError as e:
+                    log.error("accept failed: %s", e)
+            elif key.data == "wake":
+                self.serving.finish_loads()
+            else:
+                self.dispatch(key, events)
+        self.expire()
+        self.state.flush()
+
+    def run(self) -> None:
+        """Serve until `stop`, SIGTERM or SIGINT."""
+        while not self.stopping:
+            self.run_once(min(1.0, self.limits.io_timeout / 2))
+
+
+def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
+    """A summary, and a page of `limit` segments from `offset` (in load order) with every list capped.
+
+    Every reply fits a message, whatever the daemon holds (100,000 segments, paths of 4 KiB):
+    ``next_offset`` is where the next page starts (None after the last), and the lists other
+    than ``segments`` hold their first entries (their lengths are in ``counts``).
+    """
+    available, total = _core.shm_space(os.fspath(SHM_DIR))
+    page: list[dict[str, Any]] = []
+    size = 0
+    next_offset: int | None = None
+    for k, seg in enumerate(itertools.islice(daemon.segments.values(), offset, None)):
+        if len(page) == limit or size > STATUS_BYTES:
+            next_offset = offset + k
+            break
+        entry = describe(seg)
+        size += len(json.dumps(entry))
+        page.append(entry)
+    failed = [
+        {"path": p, "checksum": ck, "message": why}
+        for p, (ck, _i, why) in daemon.serving.planner.hold_failed.items()
+    ]
+    return {
+        "ok": True,
+        "pid": daemon.pid,
+        "uid": daemon.uid,
+        "socket": os.fspath(daemon.sock_path),
+        "version": _core.__version__,
+        "shm": {
+            "available": available,
+            "total": total,
+            "limit": daemon.serving.planner.shm_limit,
+            "limit_from": daemon.serving.planner.shm_limit_from,
+            "used": daemon.serving.planner.used(),
+        },
+        "counts": {
+            "segments": len(daemon.segments),
+            "loading": len(daemon.serving.loading),
+            "held": len(daemon.serving.planner.managed),
+            "unclaimed": len(daemon.serving.planner.unclaimed),
+            "released": len(daemon.serving.planner.released),
+            "failed": len(failed),
+        },
+        "segments": page,
+        "offset": offset,
+        "next_offset": next_offset,
+        "loading": sorted(daemon.serving.loading)[:STATUS_LIST],
+        "held": sorted(daemon.serving.planner.managed)[
+            :STATUS_PAGE
+        ],  # checksums loaded because a rank holds them
+        "unclaimed": sorted(daemon.serving.planner.unclaimed)[
+            :STATUS_PAGE
+        ],  # adopted, held by a dead predecessor, not since
+        "released": sorted(daemon.serving.planner.released)[
+            :STATUS_PAGE
+        ],  # released held segments readers still map
+        # Held shards whose load failed, not tried again until their file changes.
+        "failed": failed[:STATUS_LIST],
+        "loads": daemon.serving.loads,
+        "connections": len(daemon.conns),
+    }
+
+
+def serve(
+    files: list[str],
+    *,
+    sock: str | os.PathLike[str] | None = None,
+    group: str | None = None,
+    shm_limit: int = 0,
+    shm_limit_from: str = "--shm-limit",
+    read_rate: int = 0,
+    limits: Limits | None = None,
+    background: bool = True,
+) -> int:
+    """Run the daemon in the foreground until stopped. Returns the exit status.
+
+    With `background` (the default), the daemon's threads run under ``SCHED_BATCH``: a request
+    that wakes the daemon (a rank's fire-and-forget ``hold`` at a window switch) never preempts
+    the process that sent it, whose training loop goes on while the daemon waits for a free core.
+    """
+    if background:
+        # Before any thread starts: each thread of the daemon inherits it.
+        set_background_scheduling()
+    daemon = Daemon(
+        socket_path(sock),
+        group=group,
+        shm_limit=shm_limit,
+        shm_limit_from=shm_limit_from,
+        read_rate=read_rate,
+        limits=limits,
+    )
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("%s received: stopping", signal.Signals(signum).name)
+        daemon.stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    # Wakes select() when a signal arrives, so stopping never waits for the timeout.
+    signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
+    try:
+        daemon.start(files)
+        daemon.run()
+    finally:
+        daemon.shutdown()
+    return 0

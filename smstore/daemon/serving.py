@@ -1,0 +1,363 @@
+"""The segments the daemon serves: loads queued and finished, attaches, detaches, shares, unloads, and holds carried out."""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import stat
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from smstore import _core
+from smstore._protocol import (
+    BAD_REQUEST,
+    NO_ROOM,
+    ProtocolError,
+    checksum_arg,
+    key_arg,
+    not_served,
+    path_arg,
+    refusal,
+)
+from smstore.daemon.connections import Conn, Server
+from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
+from smstore.daemon.planner import Planner
+from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
+from smstore.daemon.state import StateFile
+
+__all__ = ["Serving", "describe"]
+
+log = logging.getLogger("smstore.daemon")
+
+_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+
+
+class Serving:
+    """What the daemon does with its segments for its clients; the replies go out through `server`.
+
+    It owns the loads in flight (and who waits for them) and the readers waiting for a held shard;
+    the planner (`planner`) decides residency and the budget, the loader (`loader`) runs the loads.
+
+    Args:
+        server: The connection layer the replies go through.
+        segments: The daemon's segment table.
+        state: The state file, told of every change of the segments.
+        shm_limit: Pretend /dev/shm holds at most this many bytes for our segments (0: no limit).
+        shm_limit_from: Where ``shm_limit`` came from, for the messages that it refuses a load.
+        segment_name: A fresh segment name for a checksum.
+        gid: The group that may read the segments, or None for the owner only.
+        read_rate: Read files at most this many bytes a second (0: no limit).
+    """
+
+    def __init__(
+        self,
+        server: Server,
+        segments: SegmentTable,
+        state: StateFile,
+        *,
+        shm_limit: int,
+        shm_limit_from: str,
+        segment_name: Callable[[str], str],
+        gid: int | None,
+        read_rate: int,
+    ) -> None:
+        self.server = server
+        self.segments = segments
+        self.state = state
+        self.planner = Planner(
+            segments,
+            shm_limit=shm_limit,
+            shm_limit_from=shm_limit_from,
+            is_owner=lambda cid: (conn := server.conns.get(cid)) is not None and conn.owner,
+            release=self._release,
+        )
+        self.loader = Loader(segments, self.planner, segment_name, gid=gid, read_rate=read_rate)
+        self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
+        # Readers waiting for a held shard still on its way (connection id, checksum), by path.
+        self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
+        self.loads = 0  # loads finished (or failed) since the start
+
+    def drop(self, seg: Segment) -> None:
+        """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
+        seg.close()
+        self.segments.pop(seg.checksum, None)
+        self.planner.dropped(seg.checksum)
+
+    def _release(self, seg: Segment) -> None:
+        """The planner released a held segment: out of the table, freed by the loader thread, off this loop."""
+        self.segments.pop(seg.checksum, None)
+        self.loader.free(seg)
+
+    # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
+
+    def queue_load(
+        self, path: str, cid: int | None, *, quiet: bool = False, expected: str | None = None
+    ) -> None:
+        first = path not in self.loading
+        waiters = self.loading.setdefault(path, [])
+        if cid is not None:
+            waiters.append(cid)
+            self.server.set_busy(cid, True)
+        if first:
+            self.loader.load(path, expected)
+            if not quiet:
+                log.info("loading %s", path)
+
+    def finish_loads(self) -> None:
+        for path, result in self.loader.finished():
+            waiters = self.loading.pop(path, [])
+            self.loads += 1
+            reply: dict[str, Any]
+            failure: str | None = None
+            if isinstance(result, Failed):
+                log.error("failed to load %s: %s", path, result.error)
+                failure = str(result.error)[:1000]
+                self.planner.load_failed(path, failure)
+                reply = refusal(type(result.error).__name__, failure)
+            else:
+                # Marked before _register writes the state file, which records it as held.
+                self.planner.load_done(path, result.checksum, asked=bool(waiters))
+                seg = self.register(path, result)
+                reply = {"ok": True, **describe(seg)}
+            for cid in waiters:
+                self.server.set_busy(cid, False)
+                self.server.reply(cid, reply)
+                self.server.parse(cid)
+            for cid, checksum in self.attach_waiting.pop(path, []):
+                conn = self.server.conns.get(cid)
+                if conn is None:
+                    continue
+                self.server.set_busy(cid, False)
+                seg_now = self.segments.get(checksum)
+                if seg_now is None:
+                    self.server.reply(cid, not_served(checksum, failure))
+                else:
+                    self._attach(cid, conn, seg_now)
+                self.server.parse(cid)
+            self.reconcile()
+
+    def register(self, path: str, result: Loaded | AlreadyLoaded) -> Segment:
+        # The generation this path held before (if other contents): no longer served by this path.
+        previous = self.segments.serving(path)
+        if isinstance(result, AlreadyLoaded):
+            seg = self.segments[result.checksum]
+            self.segments.add_path(seg, path)
+        elif result.checksum in self.segments:
+            # Another path with the same contents finished loading first: keep one copy.
+            unlink_quietly(result.name)
+            os.close(result.fd)
+            seg = self.segments[result.checksum]
+            self.segments.add_path(seg, path)
+        else:
+            name, fd, ck, seconds = result.name, result.fd, result.checksum, result.seconds
+            store = _core.Store._from_fd(fd, path, False)
+            seg = Segment(name, ck, fd, store, store.file_size, len(store), [path], time.time(), seconds)
+            self.segments[seg.checksum] = seg
+            log.info(
+                "loaded %s: %d records, %d bytes in %.2f s (%.0f MiB/s) as /dev/shm/%s",
+                path,
+                seg.records,
+                seg.size,
+                seconds,
+                seg.size / max(seconds, 1e-9) / 2**20,
+                name,
+            )
+        if previous is not None and previous is not seg and path in previous.paths:
+            self.segments.remove_path(previous, path)
+            if not previous.paths:
+                log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
+                self.drop(previous)
+        self.state.changed()
+        return seg
+
+    def attach_request(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
+        checksum, key = checksum_arg(req), key_arg(req, required=False)
+        if key is not None:
+            seg = next((s for s in self.segments.values() if s.key == key), None)
+        else:
+            seg = self.segments.get(checksum) if checksum is not None else None
+        path = path_arg(req, required=False)
+        if (
+            seg is None
+            and path is not None
+            and checksum is not None
+            and self.planner.on_its_way(path, checksum, self.loading)
+        ):
+            # A held shard on its way (loading, or waiting for room): answer when its load ends.
+            # No file is read for this that a rank did not ask for.
+            self.attach_waiting.setdefault(path, []).append((cid, checksum))
+            self.server.set_busy(cid, True)
+            return
+        if seg is None:
+            why = (
+                self.planner.why_not_held(path, checksum)
+                if path is not None and checksum is not None
+                else None
+            )
+            self.server.reply(cid, not_served(str(key or checksum), why))
+            return
+        self._attach(cid, conn, seg)
+
+    # ---- residency: the planner decides, the server replies and queues ------------------------
+
+    def hold(self, cid: int, manifest_path: str, indices: list[int], *, reply: bool) -> None:
+        """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
+
+        The reply comes at once (none with ``"noreply": true``, unless the request is refused):
+        loads run in the background, in the order given (the window being read first, then the
+        next). A shard larger than the whole --shm-limit is refused here.
+        """
+        shards = self.planner.hold(cid, manifest_path, indices)
+        if reply:
+            resident = [ck for _p, ck in shards if ck in self.segments]
+            self.server.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
+            self.server.flush(cid)  # the rank goes on at once; releases and loads follow
+        self.reconcile()
+
+    def reconcile(self) -> None:
+        """Carry out the planner's plan: queue its loads, and answer readers waiting for what will not come."""
+        plan = self.planner.plan(self.loading)
+        for path, checksum in plan.loads:
+            self.queue_load(path, None, quiet=True, expected=checksum)
+        for path in list(self.attach_waiting):
+            if path not in self.loading and path not in self.planner.waiting_room:
+                # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
+                for cid, checksum in self.attach_waiting.pop(path):
+                    if cid in self.server.conns:
+                        self.server.set_busy(cid, False)
+                        self.server.reply(
+                            cid, not_served(checksum, self.planner.why_not_held(path, checksum))
+                        )
+                        self.server.parse(cid)
+        # One log line for each kind of change, however many shards: a window switch releases and
+        # loads a window's worth on the daemon's loop, inside the switch (a line costs ~35 us).
+        if plan.released:
+            log.info("releasing %d shard(s) no rank holds: %s", len(plan.released), "; ".join(plan.released))
+            self.state.changed()
+        if plan.loads:
+            log.info("loading %d held shard(s): %s", len(plan.loads), ", ".join(p for p, _ in plan.loads))
+
+    def detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
+        """A reader unmapped a segment (it stays attached through its connection otherwise).
+
+        With ``"noreply": true`` nothing is sent back: a reader releasing shards never waits.
+        """
+        if checksum is None:
+            raise ProtocolError(BAD_REQUEST, "'detach' needs a checksum")
+        # Any connection of the process speaks for all of them: a reader blocked waiting on one
+        # connection detaches through another.
+        cids = [
+            c for c, other in self.server.conns.items() if other.pid == conn.pid and other.uid == conn.uid
+        ]
+        seg = self.segments.get(checksum)
+        freed = False
+        for c in cids:
+            self.server.conns[c].attached.discard(checksum)
+            if seg is not None:
+                seg.clients.pop(c, None)
+            freed = self.planner.unmapped(c, checksum) or freed
+        if freed:
+            self.reconcile()
+        if reply:
+            self.server.reply(cid, {"ok": True})
+
+    def _attach(self, cid: int, conn: Conn, seg: Segment) -> None:
+        seg.clients[cid] = conn.pid
+        conn.attached.add(seg.checksum)
+        self.server.reply(cid, {"ok": True, **describe(seg)}, fd=seg.fd)
+
+    def share(self, cid: int, conn: Conn, req: dict[str, Any]) -> None:
+        """Serve a blob a client built in a sealed memfd (sent with the request) under its content key.
+
+        The daemon holds it while any client is attached (the sharer included) and drops it after.
+        """
+        key = key_arg(req, required=True)
+        fd = conn.take_fd()
+        if fd is None:
+            raise ProtocolError(BAD_REQUEST, "'share' needs the blob's descriptor sent with the request")
+        try:
+            st = os.fstat(fd)
+            try:
+                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+            except OSError:  # EINVAL: a file that cannot be sealed at all
+                seals = 0
+            if not stat.S_ISREG(st.st_mode) or seals & _SEALS != _SEALS:
+                raise ProtocolError(
+                    BAD_REQUEST, "'share' takes a sealed memfd (write, grow and shrink seals)"
+                )
+            if not self.planner.fits(st.st_size):
+                msg = f"a shared blob of {st.st_size} bytes does not fit the daemon's --shm-limit"
+                raise ProtocolError(NO_ROOM, msg)
+            # Sealed: its bytes can no longer change, so validating the index once makes every read safe.
+            store = _core.Store._from_fd(fd, f"shared {key}", True)
+        except BaseException:
+            os.close(fd)
+            raise
+        seg = self.segments.get(store.checksum)
+        if seg is None:
+            seg = Segment(
+                "", store.checksum, fd, store, store.file_size, len(store), [], time.time(), 0.0, key=key
+            )
+            self.segments[seg.checksum] = seg
+            log.info(
+                "serving shared blob %s (%s, %d bytes) from pid %d", key, seg.checksum, seg.size, conn.pid
+            )
+        else:
+            store.close()
+            os.close(fd)
+        self._attach(cid, conn, seg)
+
+    def unload(self, cid: int, checksum: str | None, path: str | None) -> None:
+        seg = self.segments.get(checksum) if checksum is not None else None
+        if seg is None and path is not None:
+            seg = self.segments.serving(path)
+        if seg is None:
+            self.server.reply(cid, not_served(str(path or checksum)))
+            return
+        info = describe(seg)
+        self.planner.unload(seg.checksum)
+        self.drop(seg)
+        self.state.changed()
+        log.info(
+            "unloaded %s (%s); %d client(s) still map it",
+            ", ".join(seg.paths),
+            seg.checksum,
+            len(info["clients"]),
+        )
+        self.server.reply(cid, {"ok": True, **info})
+        self.reconcile()  # readers waiting for it hear at once
+
+    def closed(self, cid: int, conn: Conn) -> None:
+        """Connection `cid` closed: its holds, attachments and waits go."""
+        if self.planner.disconnect(cid):
+            self.reconcile()
+        for checksum in conn.attached:
+            seg = self.segments.get(checksum)
+            if seg is not None:
+                seg.clients.pop(cid, None)
+                if seg.shared and not seg.clients:
+                    log.info("dropping shared blob %s: no client left", seg.key)
+                    self.drop(seg)
+        for waiters in self.loading.values():
+            if cid in waiters:
+                waiters.remove(cid)
+
+
+def describe(seg: Segment) -> dict[str, Any]:
+    """What a reply says of a segment."""
+    pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
+    return {
+        "checksum": seg.checksum,
+        "segment": f"memfd:{seg.key}" if seg.shared else "/" + seg.name,
+        "key": seg.key,
+        "paths": seg.paths,
+        "size": seg.size,
+        "records": seg.records,
+        "loaded_at": seg.loaded_at,
+        "load_seconds": seg.load_seconds,
+        "adopted": seg.adopted,
+        "clients": pids,
+    }

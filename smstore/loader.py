@@ -1,0 +1,277 @@
+"""smstore.Loader: TokenCollator's batches made by C++ threads into reused buffers, with no worker processes."""
+
+from __future__ import annotations
+
+import os
+import sys
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from smstore import _core
+from smstore.collate import TokenCollator, batch_tensors
+from smstore.errors import StoreChangedError, StoreClosedError
+
+__all__ = ["Loader"]
+
+# Loaders of this process, so that a fork can tell each that its threads stayed behind.
+_LIVE: weakref.WeakSet[Loader] = weakref.WeakSet()
+
+
+def _after_fork_in_child() -> None:
+    for loader in list(_LIVE):
+        loader._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+class Loader:
+    """Batches exactly as ``DataLoader(range(n), sampler=S, batch_size=B, collate_fn=TokenCollator(...))``
+    yields them, made by C++ threads instead of worker processes.
+
+    The threads (and the loop's thread, when it would otherwise wait) gather each batch's records
+    straight from the store's mapping and pad or pack them (TokenCollator's options, widening
+    included) into a ring of ``depth + 2`` reused buffers, at most ``depth`` batches ahead of the
+    loop, with the GIL released. The indices come from the
+    sampler's iterator in chunks, so any sampler works (``GlobalShuffleSampler``,
+    ``WindowedShuffleSampler``, ``MixtureSampler``, a list); each ``iter(loader)`` is a new pass of
+    it, as with a DataLoader::
+
+        loader = smstore.Loader("tokens.smst", sampler=GlobalShuffleSampler(n, seed=0),
+                                batch_size=256, dtype=torch.long, max_length=2048)
+        for epoch in range(epochs):
+            loader.set_epoch(epoch)
+            for batch in loader:   # {"tokens", "lengths", "indices"}, as TokenCollator gives
+                ...
+
+    **Buffer lifetime.** A batch's ``tokens`` are a view of a ring buffer, not a copy (its
+    ``lengths``, ``cu_seqlens`` and ``indices`` are small copies: keeping them holds no buffer).
+    The buffer is refilled only once nothing refers to it any more: while the tokens of a batch
+    (or a view of them) are alive, its buffer is left alone and the ring takes a new one in its
+    place. So a yielded batch is valid for as long as you hold it, and when the loop drops each
+    batch before it takes the next but one (as ``for batch in loader`` does), the memory stays
+    ``depth + 2`` buffers. One exception: a copy to a GPU with ``non_blocking=True`` reads the buffer after
+    Python has let go of it; keep the batch referenced until that copy is done (a loop that reads
+    ``loss.item()`` each step has synchronized long before the buffer comes round again,
+    ``depth`` batches later).
+
+    **Resume.** :meth:`state_dict` is the sampler's state at the batches the loop has *received*
+    (not those prefetched) plus the store's checksum; :meth:`load_state_dict` hands it to the
+    sampler, so the next pass starts there, at any world size (torchdata's ``StatefulDataLoader``
+    protocol). It needs a sampler with ``state_dict(local_consumed=)`` (ours).
+
+    **Processes.** ``close()`` (or ``with``, a new pass, or dropping the loader) stops and joins
+    the threads and frees the ring; the Loader makes no shared-memory segment or descriptor. After ``os.fork()`` the child has no copy of the threads: a pass the parent
+    had started raises ``StoreClosedError`` in the child, and a new ``iter(loader)`` there starts
+    fresh threads.
+
+    Args:
+        source: What ``TokenCollator`` takes: a ``.smst`` path, a ``SharedStoreDataset`` or an open
+            ``Store``. Leave it out when passing ``collate``.
+        sampler: An iterable of record indices (by default ``range(len(store))``).
+        batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
+        collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
+            make one (``layout``, ``pad_value``, ``max_length``, ``truncation``, ``padding_side``,
+            ``pad_to_multiple_of``, ``fixed_length``, ``dtype``, ``return_indices``, ``mode``,
+            ``socket``).
+        drop_last: Drop the last, short batch of a pass.
+        depth: Batches prepared ahead of the loop.
+        threads: C++ threads preparing them, besides the loop's own thread, which makes the batch
+            it asks for itself when no thread has started it. One keeps up with a training loop
+            for short records on a small machine; give more for long records or many cores. With
+            0, each batch is made on the loop's thread when asked for (no prefetch, no hand-over):
+            the fastest where nothing else would run meanwhile.
+        pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
+
+    Raises:
+        ValueError: Options the C++ batcher cannot do (a sharded store, bfloat16 tokens, float
+            records to integer tokens: use a DataLoader with ``TokenCollator`` for those).
+        RecordIndexError: (while iterating) the sampler gave an index outside the store.
+    """
+
+    def __init__(
+        self,
+        source: Any = None,
+        *,
+        sampler: Iterable[int] | None = None,
+        batch_size: int = 1,
+        collate: TokenCollator | None = None,
+        drop_last: bool = False,
+        depth: int = 4,
+        threads: int = 1,
+        pin_memory: bool = False,
+        **collate_options: Any,
+    ) -> None:
+        if collate is None:
+            if source is None:
+                msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
+                raise TypeError(msg)
+            collate = TokenCollator(source, **collate_options)
+        elif source is not None or collate_options:
+            msg = "pass either collate= or a source with TokenCollator's options, not both"
+            raise TypeError(msg)
+        for name, value, least in (
+            ("batch_size", batch_size, 1),
+            ("depth", depth, 1),
+            ("threads", threads, 0),
+        ):
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                msg = f"{name} must be an integer >= {least}, not {value!r}"
+                raise ValueError(msg)
+        spec, store = collate.batch_spec(), collate.store
+        if spec is None or not isinstance(store, _core.Store):
+            msg = (
+                f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
+                f"{collate.dtype}, store {type(collate.store).__name__}): it reads one blob of integer or "
+                "float records into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
+            )
+            raise ValueError(msg)
+        self.collate = collate
+        self.store = store
+        self.sampler: Iterable[int] = sampler if sampler is not None else range(len(collate))
+        self.batch_size = batch_size
+        self.drop_last = bool(drop_last)
+        self.depth = depth
+        self.threads = threads
+        self._spec = spec
+        self._pinned = bool(pin_memory) and _cuda_available() and _core.pinned_blocks_available()
+        self._copy_to_pinned = bool(pin_memory) and _cuda_available() and not self._pinned
+        self._batcher: _core.Batcher | None = None
+        self._pass = 0  # passes started; a generator of an older pass stops
+        self._received = 0  # batches of the current pass handed to the loop
+        self._exhausted = False
+        self._pid = os.getpid()
+        _LIVE.add(self)
+
+    # -- iteration --------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        """Batches in the next pass (``len(sampler)`` must be known)."""
+        n = len(self.sampler)  # type: ignore[arg-type]
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        self._stop_threads()
+        self._pass += 1
+        self._received, self._exhausted = 0, False
+        self._pid = os.getpid()
+        batcher = _core.Batcher(self.store, self._spec, self.threads, self.depth, self._pinned)
+        self._batcher = batcher
+        return self._run(self._pass, batcher, iter(self.sampler))
+
+    def _run(self, token: int, batcher: _core.Batcher, indices: Iterator[int]) -> Iterator[dict[str, Any]]:
+        import torch
+
+        layout, pid, chunk = self.collate.layout, self._pid, max(self.depth, 8)
+        exhausted = False
+        try:
+            while True:
+                if token != self._pass or os.getpid() != pid:
+                    self._check_usable(pid)
+                    return  # a newer pass replaced this one
+                if not exhausted and batcher.pending() <= self.depth:
+                    exhausted = batcher.submit_from(indices, self.batch_size, chunk, self.drop_last)[1]
+                if batcher.pending() == 0:
+                    break
+                batch = batch_tensors(batcher.next(), layout, torch)
+                if self._copy_to_pinned:
+                    batch = {k: v.pin_memory() for k, v in batch.items()}
+                self._received += 1
+                yield batch
+            self._exhausted = True
+        finally:
+            if token == self._pass and os.getpid() == pid:
+                self._stop_threads()
+
+    def _check_usable(self, pid: int) -> None:
+        if os.getpid() != pid:
+            msg = (
+                f"this pass of the Loader began in process {pid}, before a fork(): its threads do not exist "
+                "in this child. Start a new pass (iter(loader)) here, or make the Loader after forking"
+            )
+            raise StoreClosedError(msg)
+
+    def set_epoch(self, epoch: int) -> None:
+        """``sampler.set_epoch(epoch)``, for samplers that have it."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    # -- state ------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state after the batches the loop received in this pass, and the store's checksum.
+
+        Raises:
+            TypeError: The sampler has no ``state_dict(local_consumed=)``.
+        """
+        state_of = getattr(self.sampler, "state_dict", None)
+        if not callable(state_of):
+            msg = f"{type(self.sampler).__name__} has no state_dict(): use a GlobalShuffleSampler (or a subclass)"
+            raise TypeError(msg)
+        local = sys.maxsize if self._exhausted else self._received * self.batch_size
+        state = dict(state_of(local_consumed=local))
+        state["store_checksum"] = self.store.checksum
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next pass starts where ``state`` (from :meth:`state_dict`) left off.
+
+        Raises:
+            StoreChangedError: The state was saved over other data.
+            ValueError: The sampler refuses the state (another dataset size, malformed).
+        """
+        checksum = state.get("store_checksum")
+        if checksum is not None and checksum != self.store.checksum:
+            msg = (
+                f"{self.store.path}: the loader state was saved over data with checksum {checksum}, "
+                f"this store has {self.store.checksum}: its positions would name other records"
+            )
+            raise StoreChangedError(msg)
+        load = getattr(self.sampler, "load_state_dict", None)
+        if not callable(load):
+            msg = f"{type(self.sampler).__name__} has no load_state_dict()"
+            raise TypeError(msg)
+        self._stop_threads()
+        self._pass += 1  # a pass under way ends here
+        load({k: v for k, v in state.items() if k != "store_checksum"})
+
+    # -- shutdown ---------------------------------------------------------------------------
+
+    def _stop_threads(self) -> None:
+        batcher, self._batcher = self._batcher, None
+        if batcher is not None:
+            batcher.close()
+
+    def _forked(self) -> None:
+        """In a forked child: the threads stayed in the parent; forget them (C++ leaks their state)."""
+        self._batcher = None
+
+    def close(self) -> None:
+        """Stop and join the threads and free the ring (batches already yielded stay valid)."""
+        self._pass += 1
+        self._stop_threads()
+
+    def __enter__(self) -> Loader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        batcher = getattr(self, "_batcher", None)
+        if batcher is not None:
+            batcher.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"Loader({self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
+            f"threads={self.threads}, pinned={self._pinned})"
+        )
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())

@@ -1,0 +1,443 @@
+"""smstore.Loader: the DataLoader's TokenCollator batches, made by C++ threads into reused buffers."""
+
+from __future__ import annotations
+
+import gc
+import os
+import select
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smstore
+from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
+from smstore._pack import build_metadata
+from smstore.mixture import Mixture
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader
+
+LENGTHS = [5, 0, 13, 1, 8, 8, 2, 30, 4, 0, 7, 11]
+N = 240
+
+
+def record(i: int) -> np.ndarray:
+    n = LENGTHS[i % len(LENGTHS)]
+    return (np.arange(n, dtype=np.int64) * 7 + i * 100 + 1) % 65000
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("loader")
+    out = {}
+    for name, dtype in (("u2", np.uint16), ("i4", np.int32), ("u1", np.uint8), ("f4", np.float32)):
+        out[name] = root / f"{name}.smst"
+        smstore.pack_arrays((record(i).astype(dtype) for i in range(N)), out[name], dtype=dtype)
+    out["lines"] = root / "lines.smst"
+    smstore.pack([bytes(record(i) % 251) for i in range(N)], out["lines"], encoding="lines")
+    return out
+
+
+def reference(
+    path: Path, sampler: Any, batch_size: int, drop_last: bool, **options: Any
+) -> list[dict[str, Any]]:
+    """The DataLoader's batches, collated by TokenCollator's numpy path (independent of the C++ batcher)."""
+    collate = TokenCollator(path, **options)
+    loader = DataLoader(
+        range(len(collate)),
+        sampler=sampler,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        collate_fn=lambda b: collate._collate_numpy(b, b, torch),
+    )
+    return list(loader)
+
+
+def assert_same_batches(got: list[dict[str, Any]], expected: list[dict[str, Any]]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert list(g) == list(e)
+        for key in e:
+            assert g[key].dtype == e[key].dtype, key
+            assert g[key].shape == e[key].shape, key
+            assert g[key].numpy().tobytes() == e[key].numpy().tobytes(), key
+
+
+OPTIONS = [
+    {},
+    {"dtype": torch.long, "pad_value": -100},
+    {"dtype": torch.int32, "max_length": 6, "truncation": "left"},
+    {"max_length": 6, "padding_side": "left", "pad_to_multiple_of": 8},
+    {"max_length": 0},
+    {"max_length": 40, "fixed_length": True, "pad_value": 9, "dtype": torch.int16},
+    {"dtype": torch.float32, "pad_to_multiple_of": 3},
+    {"return_indices": False, "dtype": torch.uint8},
+    {"layout": "pack"},
+    {"layout": "pack", "max_length": 3, "truncation": "left", "dtype": torch.long},
+    {"layout": "pack", "max_length": 7, "return_indices": False},
+]
+
+
+@pytest.mark.parametrize(
+    "options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default"
+)
+@pytest.mark.parametrize(("batch_size", "drop_last"), [(7, False), (7, True), (32, False)])
+def test_identical_to_the_dataloader(
+    stores: dict[str, Path], options: dict[str, Any], batch_size: int, drop_last: bool
+) -> None:
+    sampler = GlobalShuffleSampler(N, seed=3, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, batch_size, drop_last, **options)
+    with Loader(
+        stores["u2"], sampler=sampler, batch_size=batch_size, drop_last=drop_last, **options
+    ) as loader:
+        got = list(loader)
+    assert_same_batches(got, expected)
+    assert len(loader) == len(expected)
+
+
+@pytest.mark.parametrize("name", ["i4", "u1", "f4", "lines"])
+@pytest.mark.parametrize("dtype", [None, torch.long, torch.float64])
+def test_record_dtypes(stores: dict[str, Path], name: str, dtype: Any) -> None:
+    if name != "f4" or dtype is not torch.long:  # float records to integer tokens: refused below
+        sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+        expected = reference(stores[name], sampler, 16, False, dtype=dtype, max_length=9)
+        with Loader(
+            stores[name], sampler=sampler, batch_size=16, dtype=dtype, max_length=9, threads=3
+        ) as loader:
+            assert_same_batches(list(loader), expected)
+
+
+def test_what_the_batcher_cannot_do_is_refused(stores: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="use DataLoader"):
+        Loader(stores["f4"], batch_size=4, dtype=torch.long)
+    with pytest.raises(ValueError, match="use DataLoader"):
+        Loader(stores["u2"], batch_size=4, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("kind", ["global", "windowed", "mixture"])
+def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size: int) -> None:
+    def make(rank: int) -> Any:
+        if kind == "global":
+            return GlobalShuffleSampler(N, seed=5, rank=rank, world_size=world_size)
+        if kind == "windowed":
+            return WindowedShuffleSampler(
+                [60, 60, 70, 50], window=2, seed=5, rank=rank, world_size=world_size
+            )
+        return MixtureSampler(Mixture([100, 140], [0.7, 0.3]), seed=5, rank=rank, world_size=world_size)
+
+    for rank in range(world_size):
+        expected = reference(stores["u2"], make(rank), 10, False, dtype=torch.long)
+        with Loader(stores["u2"], sampler=make(rank), batch_size=10, dtype=torch.long, depth=2) as loader:
+            assert_same_batches(list(loader), expected)
+
+
+def test_no_threads_makes_each_batch_on_the_loops_thread(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=6, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, 9, False, layout="pack", max_length=7)
+    before = set(os.listdir("/proc/self/task"))
+    with Loader(
+        stores["u2"], sampler=sampler, batch_size=9, threads=0, layout="pack", max_length=7
+    ) as loader:
+        got = []
+        for batch in loader:
+            assert set(os.listdir("/proc/self/task")) - before == set()
+            got.append(batch)
+    assert_same_batches(got, expected)
+
+
+def test_default_sampler_is_sequential(stores: dict[str, Path]) -> None:
+    with Loader(stores["u2"], batch_size=50) as loader:
+        batches = list(loader)
+    assert [b["indices"].tolist() for b in batches] == [
+        list(range(i, min(i + 50, N))) for i in range(0, N, 50)
+    ]
+
+
+def test_collate_argument_and_dataset_source(stores: dict[str, Path]) -> None:
+    ds = smstore.SharedStoreDataset(stores["u2"])
+    sampler = GlobalShuffleSampler(N, seed=2, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, 9, False, layout="pack")
+    with Loader(collate=TokenCollator(ds, layout="pack"), sampler=sampler, batch_size=9) as loader:
+        assert_same_batches(list(loader), expected)
+    with pytest.raises(TypeError, match="either collate= or a source"):
+        Loader(stores["u2"], collate=TokenCollator(ds), batch_size=9)
+
+
+# -- buffers ----------------------------------------------------------------------------------
+
+
+def test_a_held_batch_is_never_overwritten(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=4, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, 8, False, dtype=torch.long)
+    with Loader(stores["u2"], sampler=sampler, batch_size=8, dtype=torch.long, depth=1, threads=2) as loader:
+        held = list(loader)  # every batch kept while the ring goes round many times
+    assert_same_batches(held, expected)
+    # One slice of the tokens alone keeps its batch's buffer too.
+    with Loader(stores["u2"], sampler=sampler, batch_size=8, dtype=torch.long, depth=1) as loader:
+        rows = [b["tokens"][0] for b in loader]
+    assert [r.tolist() for r in rows] == [e["tokens"][0].tolist() for e in expected]
+
+
+def test_kept_lengths_hold_no_buffer(stores: dict[str, Path]) -> None:
+    # A loop that keeps every batch's lengths (for logging) must not keep every batch's buffer.
+    with Loader(
+        stores["u2"], batch_size=8, dtype=torch.long, depth=2, fixed_length=True, max_length=30
+    ) as loader:
+        kept = [(b["lengths"], b["indices"], b["tokens"].data_ptr()) for b in loader]
+    assert len({ptr for _, _, ptr in kept}) == 4  # depth + 2 buffers, for 30 batches
+    assert [i for _, idx, _ in kept for i in idx.tolist()] == list(range(N))
+
+
+def test_buffers_are_reused_when_dropped(stores: dict[str, Path]) -> None:
+    with Loader(
+        stores["u2"], batch_size=8, dtype=torch.long, depth=2, fixed_length=True, max_length=30
+    ) as loader:
+        addresses = {b["tokens"].data_ptr() for b in loader}
+    assert len(addresses) == 4  # depth + 2 buffers, for 30 batches
+
+
+def test_pin_memory_without_cuda_gives_plain_memory(stores: dict[str, Path]) -> None:
+    if torch.cuda.is_available():
+        with Loader(stores["u2"], batch_size=8, pin_memory=True) as loader:
+            assert all(t.is_pinned() for b in loader for t in b.values())
+    else:
+        with Loader(stores["u2"], batch_size=8, pin_memory=True) as loader:
+            assert not next(iter(loader))["tokens"].is_pinned()
+
+
+# -- resume -----------------------------------------------------------------------------------
+
+
+def flat_indices(batches: list[dict[str, Any]]) -> list[int]:
+    return [i for b in batches for i in b["indices"].tolist()]
+
+
+@pytest.mark.parametrize("kind", ["global", "mixture"])
+@pytest.mark.parametrize(("world_before", "world_after"), [(1, 1), (1, 3), (3, 1), (3, 2)])
+def test_resume_is_exact(stores: dict[str, Path], kind: str, world_before: int, world_after: int) -> None:
+    def make(rank: int, world: int) -> Any:
+        if kind == "global":
+            return GlobalShuffleSampler(N, seed=8, rank=rank, world_size=world)
+        return MixtureSampler(Mixture([100, 140], [0.6, 0.4]), seed=8, rank=rank, world_size=world)
+
+    b = 6
+    whole = make(0, 1)
+    order = flat_indices(list(Loader(stores["u2"], sampler=whole, batch_size=b)))
+    # Each rank stops after k batches, with more prefetched (depth 4): the state is at k.
+    k = 5
+    states = []
+    first: list[list[int]] = []
+    for rank in range(world_before):
+        with Loader(stores["u2"], sampler=make(rank, world_before), batch_size=b, depth=4) as loader:
+            it = iter(loader)
+            got = [next(it) for _ in range(k)]
+            states.append(loader.state_dict())
+        first.append(flat_indices(got))
+    assert all(s["consumed"] == states[0]["consumed"] for s in states)
+    assert states[0]["consumed"] == k * b * world_before
+    rest: list[list[int]] = []
+    for rank in range(world_after):
+        with Loader(stores["u2"], sampler=make(rank, world_after), batch_size=b) as loader:
+            loader.load_state_dict(states[0])
+            rest.append(flat_indices(list(loader)))
+    # Interleaving the ranks' streams gives the world-size-1 order (each rank's padding wraps).
+    seen = [x for step in zip(*first, strict=True) for x in step]
+    seen += [x for step in zip(*rest, strict=True) for x in step]
+    m = len(order)
+    assert seen[:m] == order
+    assert len(seen) - m < world_after  # the last step's padding
+
+
+def test_the_sampler_alone_refuses_to_answer_ahead_of_the_loop(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    with Loader(stores["u2"], sampler=sampler, batch_size=7, depth=4) as loader:
+        it = iter(loader)
+        next(it)
+        with pytest.raises(RuntimeError, match="ahead of the training loop"):
+            sampler.state_dict()  # it has handed out more than the loop received
+        assert loader.state_dict()["consumed"] == 7
+
+
+def test_state_after_a_whole_pass_and_before_any(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    loader = Loader(stores["u2"], sampler=sampler, batch_size=7)
+    assert loader.state_dict()["consumed"] == 0
+    list(loader)
+    assert loader.state_dict()["consumed"] == N
+    loader.close()
+
+
+def test_state_of_other_data_is_refused(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    with Loader(stores["u2"], sampler=sampler, batch_size=7) as loader:
+        state = loader.state_dict()
+    with (
+        Loader(stores["i4"], sampler=sampler, batch_size=7) as other,
+        pytest.raises(smstore.StoreChangedError),
+    ):
+        other.load_state_dict(state)
+    with Loader(stores["u2"], batch_size=7) as plain, pytest.raises(TypeError, match="no state_dict"):
+        plain.state_dict()
+
+
+# -- bad input --------------------------------------------------------------------------------
+
+
+def test_indices_out_of_range(stores: dict[str, Path]) -> None:
+    with Loader(stores["u2"], sampler=[0, 1, N], batch_size=2) as loader:
+        it = iter(loader)
+        with pytest.raises(smstore.RecordIndexError, match=r"u2\.smst: the sampler gave record index 240"):
+            next(it)
+    with Loader(stores["u2"], sampler=[-1], batch_size=2) as loader, pytest.raises(IndexError):
+        list(loader)
+    with pytest.raises(IndexError):
+        TokenCollator(stores["u2"])([0, N])
+
+
+def test_records_of_partial_items(tmp_path: Path) -> None:
+    ragged = tmp_path / "ragged.smst"
+    w = smstore._core.Writer(str(ragged), False)
+    w.extend([b"\x01\x00", b"\x01\x00\x02"])
+    w.finish(build_metadata("npy:<u2"))
+    with (
+        Loader(ragged, batch_size=2) as loader,
+        pytest.raises(
+            smstore.StoreFormatError, match=r"ragged\.smst: record 1 of 3 bytes is not a whole number"
+        ),
+    ):
+        list(loader)
+
+
+def test_bad_arguments(stores: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="batch_size must be an integer >= 1"):
+        Loader(stores["u2"], batch_size=0)
+    with pytest.raises(ValueError, match="depth"):
+        Loader(stores["u2"], batch_size=2, depth=0)
+    with pytest.raises(ValueError, match="threads must be an integer >= 0"):
+        Loader(stores["u2"], batch_size=2, threads=-1)
+    with pytest.raises(TypeError, match="needs a source"):
+        Loader(batch_size=2)
+    with pytest.raises(smstore.StoreNotFoundError, match=r"missing\.smst"):
+        Loader(stores["u2"].parent / "missing.smst", batch_size=2)
+
+
+def test_wrong_store(tmp_path: Path) -> None:
+    foreign = tmp_path / "foreign.bin"
+    foreign.write_bytes(b"\0" * 200)
+    with pytest.raises(smstore.StoreFormatError, match=r"foreign\.bin: not an smstore blob"):
+        Loader(foreign, batch_size=2)
+
+
+# -- shutdown and fork ------------------------------------------------------------------------
+
+
+def tasks() -> set[str]:
+    return set(os.listdir("/proc/self/task"))
+
+
+def left_behind(before: tuple[set[str], set[str]]) -> tuple[set[str], set[str]]:
+    """The threads and descriptors of this process now that were not there `before` (as sets: a
+    thread of something else that ends meanwhile does not count)."""
+    gc.collect()
+    return tasks() - before[0], set(os.listdir("/proc/self/fd")) - before[1]
+
+
+def test_clean_shutdown_mid_epoch(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    smstore.Store(stores["u2"]).close()  # the unmap thread, if any, starts before the count
+    gc.collect()
+    before = tasks(), set(os.listdir("/proc/self/fd"))
+    nothing: tuple[set[str], set[str]] = (set(), set())
+    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=3, depth=3)
+    it = iter(loader)
+    next(it)
+    assert len(tasks() - before[0]) == 3
+    loader.close()
+    assert left_behind(before) == nothing
+    with pytest.raises(StopIteration):
+        next(it)
+    # Stopping by dropping the loader, or leaving a with block, does the same.
+    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2)
+    it = iter(loader)
+    next(it)
+    del loader, it
+    assert left_behind(before) == nothing
+    with Loader(stores["u2"], sampler=sampler, batch_size=4) as loader:
+        next(iter(loader))
+    assert left_behind(before) == nothing
+    # A new pass ends the one before it, threads included.
+    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2)
+    old = iter(loader)
+    next(old)
+    new = iter(loader)
+    next(new)
+    assert len(tasks() - before[0]) == 2
+    loader.close()
+    assert left_behind(before) == nothing
+
+
+def test_fork_after_start_does_not_deadlock(stores: dict[str, Path]) -> None:
+    sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, 4, False)
+    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2, depth=8)
+    it = iter(loader)
+    next(it)  # the threads are filling the ring while we fork
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report, then leave without running the parent's cleanup
+        code = 1
+        try:
+            os.close(read)
+            try:
+                next(it)
+                message = "the parent's pass went on in the child"
+            except smstore.StoreClosedError as e:
+                message = "refused" if "fork" in str(e) else f"wrong message: {e}"
+            batches = list(loader)  # a new pass starts threads of its own
+            ok = flat_indices(batches) == flat_indices(expected)
+            loader.close()
+            del it, loader
+            gc.collect()
+            os.write(write, f"{message} {ok}".encode())
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(write)
+    ready: list[int] = []
+    try:
+        ready, _, _ = select.select([read], [], [], 60)  # a deadlocked child never writes
+        report = os.read(read, 200).decode() if ready else "no answer: the child hangs"
+    finally:
+        os.close(read)
+        if not ready:
+            os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+    assert report == "refused True"
+    assert os.waitstatus_to_exitcode(status) == 0
+    # The parent's pass is unharmed.
+    rest = [next(it)["indices"].tolist() for _ in range(3)]
+    assert rest == [b["indices"].tolist() for b in expected[1:4]]
+    loader.close()
+
+
+def test_generator_samplers_give_their_items_in_order(stores: dict[str, Path]) -> None:
+    # The Loader takes a generator's items from the list it yields from (gi_yieldfrom): the
+    # items around, between and inside such lists must come out as the generator yields them.
+    class Sampler:
+        def __iter__(self) -> Any:
+            yield 3
+            yield from [5, 6, 7]
+            yield from (i * 2 for i in range(4))  # a generator, not a list
+            yield from []
+            yield 9
+            yield from list(range(100, 131))
+            yield 1
+
+    expected = list(Sampler())
+    for batch_size in (1, 4, 7, 64):
+        with Loader(stores["u2"], sampler=Sampler(), batch_size=batch_size) as loader:
+            assert flat_indices(list(loader)) == expected
