@@ -41,6 +41,7 @@ from smstore.errors import (
     StoreNotFoundError,
     StoreTruncatedError,
     StoreVersionError,
+    WorkerError,
 )
 
 if TYPE_CHECKING:
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
     from smstore.shared_list import SharedList
+    from smstore.transform_loader import TransformLoader
     from smstore.views import Concat, Repeat, Subset, select
 
 __version__: str = _core.__version__
@@ -98,8 +100,10 @@ __all__ = [
     "StoreVersionError",
     "Subset",
     "TokenCollator",
+    "TransformLoader",
     "WindowedMixtureSampler",
     "WindowedShuffleSampler",
+    "WorkerError",
     "Writer",
     "__version__",
     "collect_garbage",
@@ -142,6 +146,7 @@ _LAZY = {
     "Repeat": "smstore.views",
     "Concat": "smstore.views",
     "select": "smstore.views",
+    "TransformLoader": "smstore.transform_loader",
 }
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "StoreNotFoundError",
     "StoreTruncatedError",
     "StoreVersionError",
+    "WorkerError",
 ]
 
 
@@ -99,3 +100,7 @@ class IndexFileError(StoreFormatError):
 
 class IndexStaleError(StoreChangedError):
     """A view's index file was made over other data: the data changed since it was selected."""
+
+
+class WorkerError(StoreError, RuntimeError):
+    """A TransformLoader worker failed: its transform raised (the message holds its traceback), or it died."""

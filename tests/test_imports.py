@@ -41,6 +41,7 @@ WORKER_SIDE = (
     "smstore.client",
     "smstore._store",
     "smstore.integrations.mmengine",
+    "smstore.transform_loader",  # its workers run _worker_main
 )
 # The daemon, its segment and connection bookkeeping, and the command line: never reached by a worker.
 SERVER_SIDE_PREFIXES = ("smstore.daemon", "smstore.cli")

@@ -1,0 +1,784 @@
+"""TransformLoader: Python transforms in worker processes that fill a fixed ring of shared batch slots."""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import pickle
+import random
+import signal
+import struct
+import sys
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from itertools import islice
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Sampler, SequentialSampler
+
+from smstore.errors import CollateError, StoreClosedError, WorkerError
+from smstore.sampler import GlobalShuffleSampler
+
+__all__ = ["TransformLoader"]
+
+_STATE_VERSION = 1
+_ALIGN = 64  # every field of a slot starts on a cache line (and on its dtype's alignment)
+_TASK = struct.Struct("<qqq")  # batch number, slot, records; a negative batch number stops the worker
+_DONE = struct.Struct("<qqB")  # batch number, slot, status; a failure appends a pickled payload
+_OK, _BAD_RECORD, _RAISED, _SKIPPED = 0, 1, 2, 3
+_STOP_ALL = 1 << 62  # the control word when the loader closes: every batch number is below it
+_POLL_S = 1.0  # how often a waiting side looks whether the other one is still alive
+
+# What a field spec may be: (shape, dtype), the dtype anything numpy.dtype() takes, or a torch dtype.
+FieldSpec = tuple[Sequence[int], Any]
+Spec = FieldSpec | Mapping[str, FieldSpec] | Sequence[FieldSpec]
+
+_ADVICE_SHAPE = (
+    "every record's output must have the same shape, since the loader writes it into a fixed slot: "
+    "pad or crop in the transform to one shape (and return the true length as another field, "
+    "e.g. {'x': padded, 'length': n}), or declare spec= with that shape"
+)
+
+
+# -- the layout of a batch slot --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Field:
+    key: str | int | None  # the dict key, the position in a tuple, or None for a single output
+    shape: tuple[int, ...]
+    dtype: np.dtype[Any]
+    offset: int  # bytes from the start of the slot
+    row_bytes: int
+
+
+def _np_dtype(dtype: Any) -> np.dtype[Any]:
+    if isinstance(dtype, torch.dtype):
+        try:
+            found: np.dtype[Any] = torch.empty(0, dtype=dtype).numpy().dtype
+        except TypeError:
+            msg = f"{dtype} has no numpy equivalent: declare a dtype numpy knows (and convert after loading)"
+            raise TypeError(msg) from None
+        return found
+    named: np.dtype[Any] = np.dtype(dtype)
+    return named
+
+
+def _as_array(value: Any) -> np.ndarray[Any, Any]:
+    """One output value as a numpy array (what default_collate would turn into a tensor)."""
+    if isinstance(value, np.ndarray):
+        return value
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bfloat16:
+            msg = "a bfloat16 tensor (numpy has no bfloat16): return float32 and convert after loading"
+            raise CollateError(msg)
+        return value.detach().cpu().numpy()
+    if isinstance(value, (bool, int, float, np.generic)):
+        return np.asarray(value)
+    msg = (
+        f"an output of type {type(value).__name__}, which is not an array: return numpy arrays, CPU "
+        "tensors or numbers (np.asarray(image) for a PIL image)"
+    )
+    raise CollateError(msg)
+
+
+class _Layout:
+    """Where each output field of a batch lives in a slot, and how a record's outputs are written there.
+
+    A slot is ``[indices: int64 x batch_size][field 0: batch_size rows][field 1]...``, each part
+    aligned to 64 bytes. ``kind`` is the structure of one output: ``"single"`` (one array),
+    ``"dict"`` or ``"seq"`` (a tuple or list; ``seq_type`` a namedtuple class or None).
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        fields: Sequence[tuple[str | int | None, tuple[int, ...], np.dtype[Any]]],
+        batch_size: int,
+        seq_type: type | None = None,
+    ) -> None:
+        self.kind = kind
+        self.seq_type = seq_type
+        self.batch_size = batch_size
+        offset = _round_up(8 * batch_size)
+        placed = []
+        for key, shape, dtype in fields:
+            if dtype.hasobject or dtype.itemsize == 0:
+                msg = f"field {key!r}: dtype {dtype} cannot live in shared memory: use a numeric dtype"
+                raise CollateError(msg)
+            row = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+            placed.append(_Field(key, shape, dtype, offset, row))
+            offset = _round_up(offset + row * batch_size)
+        self.fields = placed
+        self.slot_bytes = offset
+
+    @classmethod
+    def from_spec(cls, spec: Spec, batch_size: int) -> _Layout:
+        def one(key: str | int | None, item: Any) -> tuple[str | int | None, tuple[int, ...], np.dtype[Any]]:
+            try:
+                shape, dtype = item
+                dims = tuple(int(d) for d in shape)
+            except (TypeError, ValueError):
+                msg = (
+                    f"spec field {key!r} must be (shape, dtype), e.g. ((3, 224, 224), 'uint8'), not {item!r}"
+                )
+                raise TypeError(msg) from None
+            if any(d < 0 for d in dims):
+                msg = f"spec field {key!r}: negative dimension in {dims}"
+                raise ValueError(msg)
+            return key, dims, _np_dtype(dtype)
+
+        if isinstance(spec, Mapping):
+            return cls("dict", [one(str(k), v) for k, v in spec.items()], batch_size)
+        if _is_field_spec(spec):
+            return cls("single", [one(None, spec)], batch_size)
+        return cls("seq", [one(i, v) for i, v in enumerate(spec)], batch_size)
+
+    @classmethod
+    def from_sample(cls, sample: Any, batch_size: int) -> _Layout:
+        def one(key: str | int | None, value: Any) -> tuple[str | int | None, tuple[int, ...], np.dtype[Any]]:
+            try:
+                arr = _as_array(value)
+            except CollateError as e:
+                msg = f"output field {key!r}: {e}" if key is not None else str(e)
+                raise CollateError(msg) from None
+            return key, tuple(arr.shape), arr.dtype
+
+        if isinstance(sample, Mapping):
+            return cls("dict", [one(str(k), v) for k, v in sample.items()], batch_size)
+        if isinstance(sample, (tuple, list)):
+            seq_type = type(sample) if hasattr(sample, "_fields") else None
+            return cls("seq", [one(i, v) for i, v in enumerate(sample)], batch_size, seq_type)
+        return cls("single", [one(None, sample)], batch_size)
+
+    def describe(self) -> str:
+        parts = [f"{'' if f.key is None else f'{f.key!r}: '}{f.shape} {f.dtype}" for f in self.fields]
+        return ", ".join(parts)
+
+    def values(self, out: Any) -> list[Any]:
+        """The output's values in field order, checked against the structure."""
+        if self.kind == "single":
+            return [out]
+        if self.kind == "dict":
+            if not isinstance(out, Mapping) or len(out) != len(self.fields):
+                keys = [f.key for f in self.fields]
+                got = list(out) if isinstance(out, Mapping) else type(out).__name__
+                msg = f"an output {got!r} where the layout has the fields {keys}"
+                raise CollateError(msg)
+            try:
+                return [out[f.key] for f in self.fields]
+            except KeyError as e:
+                msg = f"an output without the field {e.args[0]!r} (it has {list(out)})"
+                raise CollateError(msg) from None
+        if not isinstance(out, (tuple, list)) or len(out) != len(self.fields):
+            msg = f"an output of type {type(out).__name__} where the layout is a tuple of {len(self.fields)}"
+            raise CollateError(msg)
+        return list(out)
+
+    def write(self, rows: Sequence[np.ndarray[Any, Any]], row: int, out: Any) -> None:
+        """Write one record's outputs into row ``row`` of a slot's field arrays."""
+        for f, dest, value in zip(self.fields, rows, self.values(out), strict=True):
+            arr = _as_array(value)
+            name = "the output" if f.key is None else f"output field {f.key!r}"
+            if arr.shape != f.shape:
+                msg = f"{name} has shape {arr.shape}, not the layout's {f.shape}: {_ADVICE_SHAPE}"
+                raise CollateError(msg)
+            if not np.can_cast(arr.dtype, f.dtype, casting="same_kind"):
+                msg = f"{name} has dtype {arr.dtype}, which does not cast safely to the layout's {f.dtype}"
+                raise CollateError(msg)
+            np.copyto(dest[row, ...], arr, casting="same_kind")  # [row, ...]: a view even for a scalar
+
+    def numpy_views(
+        self, buffer: np.ndarray[Any, Any], slot: int
+    ) -> tuple[np.ndarray[Any, Any], list[np.ndarray[Any, Any]]]:
+        """A slot's index array and field arrays (numpy views of the shared buffer)."""
+        base = slot * self.slot_bytes
+        index = buffer[base : base + 8 * self.batch_size].view(np.int64)
+        fields = [
+            buffer[base + f.offset : base + f.offset + f.row_bytes * self.batch_size]
+            .view(f.dtype)
+            .reshape(self.batch_size, *f.shape)
+            for f in self.fields
+        ]
+        return index, fields
+
+    def control_view(self, buffer: np.ndarray[Any, Any], depth: int) -> np.ndarray[Any, Any]:
+        """The int64 control word after the slots (see _worker_main)."""
+        end = depth * self.slot_bytes
+        return buffer[end : end + 8].view(np.int64)
+
+    def tensor_views(self, buffer: torch.Tensor, slot: int) -> list[torch.Tensor]:
+        """A slot's field arrays as tensors over the shared buffer (they keep its storage alive)."""
+        base = slot * self.slot_bytes
+        return [_typed_view(buffer, base + f.offset, f, self.batch_size) for f in self.fields]
+
+    def assemble(self, tensors: list[torch.Tensor]) -> Any:
+        """The batch as default_collate builds it: a tensor, a dict of them, or a list (or namedtuple)."""
+        if self.kind == "single":
+            return tensors[0]
+        if self.kind == "dict":
+            return {f.key: t for f, t in zip(self.fields, tensors, strict=True)}
+        if self.seq_type is not None:
+            return self.seq_type(*tensors)
+        return list(tensors)
+
+
+def _typed_view(buffer: torch.Tensor, offset: int, f: _Field, batch_size: int) -> torch.Tensor:
+    flat = buffer[offset : offset + f.row_bytes * batch_size]
+    dtype = torch.from_numpy(np.empty(0, f.dtype)).dtype
+    return flat.view(dtype).view(batch_size, *f.shape)
+
+
+def _round_up(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _is_field_spec(spec: Any) -> bool:
+    """``(shape, dtype)`` rather than a sequence of them."""
+    if not isinstance(spec, (tuple, list)) or len(spec) != 2:
+        return False
+    shape, dtype = spec
+    return (
+        isinstance(shape, (tuple, list))
+        and all(isinstance(d, (int, np.integer)) for d in shape)
+        and not (isinstance(dtype, (tuple, list)))
+    )
+
+
+# -- the worker side ---------------------------------------------------------------------------------
+
+
+def _worker_main(
+    worker_id: int,
+    dataset: Any,
+    transform: Callable[[Any], Any] | None,
+    buffer: torch.Tensor,
+    layout: _Layout,
+    depth: int,
+    tasks: Connection,
+    results: Connection,
+    seed: int,
+    close_fds: Sequence[int],
+    worker_init_fn: Callable[[int], None] | None,
+) -> None:
+    """A worker's loop: read a task (batch number, slot, n), fill the slot's rows, answer in a few bytes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle; it stops us
+    for fd in close_fds:  # fork: the parent's ends and the other workers' (so EOF means what it says)
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    torch.set_num_threads(1)
+    random.seed(seed + worker_id)
+    torch.manual_seed(seed + worker_id)
+    parent = os.getppid()
+    if worker_init_fn is not None:
+        worker_init_fn(worker_id)
+    arr = buffer.numpy()
+    slots = [layout.numpy_views(arr, s) for s in range(depth)]
+    # The parent's control word: batches numbered below it were abandoned (a pass left early, or
+    # close()), so a worker answers them at once instead of decoding records no one will read.
+    skip_below = layout.control_view(arr, depth)
+    getitems = getattr(dataset, "__getitems__", None)
+    while True:
+        try:
+            while not tasks.poll(_POLL_S):
+                if os.getppid() != parent:
+                    return  # the parent died without telling us
+            seq, slot, n = _TASK.unpack(tasks.recv_bytes())
+        except (EOFError, OSError):
+            return
+        if seq < 0:
+            return
+        if seq < skip_below[0]:
+            if not _answer(results, _DONE.pack(seq, slot, _SKIPPED)):
+                return
+            continue
+        index_view, rows = slots[slot]
+        indices = index_view[:n].tolist()
+        index = indices[0] if indices else -1
+        try:
+            samples: list[Any] = []
+            if getitems is not None:
+                with contextlib.suppress(Exception):  # read again one by one below, to name the record
+                    samples = list(getitems(indices))
+            if len(samples) != len(indices):
+                samples = []
+                for index in indices:  # `index` names the failing record in the handlers
+                    samples.append(dataset[index])
+            status = _OK
+            for row, (index, sample) in enumerate(zip(indices, samples, strict=True)):  # noqa: B007
+                if seq < skip_below[0]:
+                    status = _SKIPPED
+                    break
+                layout.write(rows, row, sample if transform is None else transform(sample))
+            answer = _DONE.pack(seq, slot, status)
+        except CollateError as e:
+            answer = _DONE.pack(seq, slot, _BAD_RECORD) + pickle.dumps((index, str(e), None))
+        except Exception as e:  # noqa: BLE001 - whatever the transform raises goes to the parent
+            try:
+                exc: bytes | None = pickle.dumps(e)
+            except Exception:  # noqa: BLE001 - an exception that does not pickle: its traceback text goes
+                exc = None
+            answer = _DONE.pack(seq, slot, _RAISED) + pickle.dumps((index, traceback.format_exc(), exc))
+        if not _answer(results, answer):
+            return
+
+
+def _answer(results: Connection, message: bytes) -> bool:
+    """Send the parent an answer; False when it is gone (closed its end, or died)."""
+    try:
+        results.send_bytes(message)
+    except OSError:
+        return False
+    return True
+
+
+# -- the parent side: the pool of workers ------------------------------------------------------------
+
+
+class _WorkerPool:
+    """The worker processes, their pipes and the shared ring of slots; batch k goes to worker k % K."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        transform: Callable[[Any], Any] | None,
+        layout: _Layout,
+        depth: int,
+        num_workers: int,
+        context: Any,
+        worker_init_fn: Callable[[int], None] | None,
+    ) -> None:
+        self.layout = layout
+        self.depth = depth
+        # Allocated once, before the workers start: torch's shared memory (memfd-like: unlinked at
+        # once, passed to spawn/forkserver children as a descriptor, inherited by fork ones).
+        size = depth * layout.slot_bytes + _ALIGN  # the slots, then the control word
+        self.buffer = torch.zeros(size, dtype=torch.uint8).share_memory_()  # type: ignore[no-untyped-call]
+        self._index = [layout.numpy_views(self.buffer.numpy(), s)[0] for s in range(depth)]
+        self._skip_below = layout.control_view(self.buffer.numpy(), depth)
+        self.views = [layout.tensor_views(self.buffer, s) for s in range(depth)]
+        self.inflight: dict[int, int] = {}  # batch number -> worker
+        self.done: dict[int, tuple[int, bytes]] = {}  # batch number -> (status, payload)
+        self.procs: list[Any] = []
+        self._tasks: list[Connection] = []
+        self._results: list[Connection] = []
+        seed = int(torch.empty((), dtype=torch.int64).random_().item())
+        pipes = [(context.Pipe(duplex=False), context.Pipe(duplex=False)) for _ in range(num_workers)]
+        forked = context.get_start_method() == "fork"
+        all_fds = [c.fileno() for pair in pipes for p in pair for c in p]
+        try:
+            for w, ((task_r, task_w), (res_r, res_w)) in enumerate(pipes):
+                keep = {task_r.fileno(), res_w.fileno()}
+                close_fds = [fd for fd in all_fds if fd not in keep] if forked else []
+                args = (w, dataset, transform, self.buffer, layout, depth, task_r, res_w, seed, close_fds)
+                proc = context.Process(
+                    target=_worker_main,
+                    args=(*args, worker_init_fn),
+                    name=f"smstore-transform-{w}",
+                    daemon=True,
+                )
+                try:
+                    proc.start()
+                except (pickle.PicklingError, AttributeError, TypeError) as e:
+                    msg = (
+                        f"cannot send the dataset or transform to a {context.get_start_method()} worker ({e}): "
+                        "define the transform at module level (not a lambda or a local function), or use "
+                        "multiprocessing_context='fork'"
+                    )
+                    raise TypeError(msg) from e
+                self.procs.append(proc)
+                self._tasks.append(task_w)
+                self._results.append(res_r)
+        except BaseException:
+            for (_, task_w), (res_r, _) in pipes:  # our ends, of workers started or not
+                task_w.close()
+                res_r.close()
+            self.close()
+            raise
+        finally:
+            for (task_r, _), (_, res_w) in pipes:  # the children's ends: ours must not keep them open
+                task_r.close()
+                res_w.close()
+        self._worker_of = {p.sentinel: w for w, p in enumerate(self.procs)}
+        self.closed = False
+        self.base = 0  # the batch number where the current pass started (for messages)
+
+    def dispatch(self, seq: int, indices: Sequence[int]) -> None:
+        slot = seq % self.depth
+        self._index[slot][: len(indices)] = indices
+        worker = seq % len(self.procs)
+        self.inflight[seq] = worker
+        try:
+            self._tasks[worker].send_bytes(_TASK.pack(seq, slot, len(indices)))
+        except OSError:  # its end is closed: the worker died
+            self._check_dead(worker)
+            raise
+
+    def wait_for(self, seq: int, timeout: float) -> tuple[int, bytes]:
+        """The status of batch ``seq`` once its worker answered; raises if a worker died or time ran out."""
+        deadline = time.monotonic() + timeout if timeout > 0 else None
+        while seq not in self.done:
+            left = _POLL_S if deadline is None else min(_POLL_S, deadline - time.monotonic())
+            if left <= 0:
+                w = self.inflight.get(seq, -1)
+                msg = f"worker {w} produced no batch in {timeout} s (timeout=): it may be stuck in the transform"
+                raise WorkerError(msg)
+            ready = wait([*self._results, *self._worker_of], timeout=left)
+            for obj in ready:
+                if isinstance(obj, Connection):
+                    self._receive(obj)
+            for obj in ready:
+                if not isinstance(obj, Connection):
+                    self._check_dead(self._worker_of[obj])
+        self.inflight.pop(seq, None)
+        return self.done.pop(seq)
+
+    def _receive(self, conn: Connection) -> None:
+        try:
+            msg = conn.recv_bytes()
+        except (EOFError, OSError):
+            return  # the worker is gone: its sentinel says so
+        seq, _slot, status = _DONE.unpack_from(msg)
+        self.done[seq] = (status, msg[_DONE.size :])
+
+    def _check_dead(self, worker: int) -> None:
+        proc = self.procs[worker]
+        conn = self._results[worker]
+        with contextlib.suppress(EOFError, OSError):
+            while conn.poll():  # what it finished before it died still counts
+                self._receive(conn)
+        proc.join(5.0)  # its sentinel closes a moment before it can be reaped
+        code = proc.exitcode
+        lost = sorted(s for s, w in self.inflight.items() if w == worker and s not in self.done)
+        how = (
+            f"was killed by {signal.Signals(-code).name}"
+            if code is not None and code < 0
+            else f"exited ({code})"
+        )
+        work = f"with batch {lost[0] - self.base} in hand" if lost else "while idle"
+        msg = (
+            f"TransformLoader worker {worker} (pid {proc.pid}) {how} {work}: out of memory (see dmesg), "
+            "a crash in native code, or a signal from outside; the loader is shut down"
+        )
+        raise WorkerError(msg)
+
+    def drain(self, timeout: float) -> None:
+        """Abandon the batches under way (their workers skip them, or stop within a record) and
+        wait for their answers, so that their slots are free again."""
+        if self.inflight:
+            self._skip_below[0] = max(self.inflight) + 1
+        for seq in sorted(self.inflight):
+            if seq not in self.done:
+                self.wait_for(seq, timeout)
+        self.inflight.clear()
+        self.done.clear()
+
+    def close(self) -> None:
+        """Stop the workers (asked, then terminated, then killed) and close every pipe."""
+        if getattr(self, "closed", False):
+            return
+        self.closed = True
+        if hasattr(self, "_skip_below"):
+            self._skip_below[0] = _STOP_ALL  # the workers drop what is queued and reach the stop
+        for conn in self._tasks:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(_TASK.pack(-1, 0, 0))
+        deadline = time.monotonic() + 5.0
+        for proc in self.procs:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(2.0)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+            proc.close()
+        for conn in (*self._tasks, *self._results):
+            conn.close()
+        self.procs, self._tasks, self._results = [], [], []
+        self.views, self._index = [], []
+        with contextlib.suppress(AttributeError):
+            del self.buffer, self._skip_below
+
+
+# -- the loader ---------------------------------------------------------------------------------------
+
+
+class TransformLoader:
+    """Batches of decoded records, transformed in worker processes, handed over in O(1) per batch.
+
+    Yields exactly what ``DataLoader(dataset, batch_size=..., sampler=..., num_workers=...)`` with
+    the default ``collate_fn`` yields when each record goes through ``transform``, in the same
+    order. The difference is the hand-over: a DataLoader worker makes a new shared-memory tensor
+    for every batch, whose descriptor the parent receives, maps and frees (milliseconds a batch);
+    here the workers write their records' outputs in place into a ring of ``depth`` batch slots
+    allocated once, and send the parent a 24-byte message. The parent yields tensors that view
+    the slot.
+
+    **Layout.** Every record's output must have one structure and shape: an array (numpy, a CPU
+    tensor or a number), a dict of them, or a tuple of them (batched as default_collate does: a
+    tensor, a dict of tensors, a list of tensors). It is declared by ``spec`` or inferred from the
+    output of ``dataset[0]``, which the parent computes once. An output of another shape raises
+    :class:`smstore.CollateError` naming the record: pad in the transform to a fixed shape and
+    return the length as another field.
+
+    **Lifetime.** A batch's tensors view a slot that is reused once the loop asks for the next
+    batch: keep one past that with ``copy=True`` (or ``.clone()``). Moving it to a GPU copies it.
+    The tensors keep the shared memory alive, so a batch kept after :meth:`close` is never read
+    after unmapping.
+
+    **Resume.** :meth:`state_dict` is the sampler's state at the batches the loop received (a
+    :class:`GlobalShuffleSampler` or its subclasses: resumable at any world size), or for any
+    other sampler the count of batches received, skipped on resume (the sampler must repeat its
+    order). It is torchdata's ``StatefulDataLoader`` protocol.
+
+    **Workers.** ``num_workers`` processes started on the first pass with
+    ``multiprocessing_context`` (``"fork"``, ``"spawn"``, ``"forkserver"`` or a context) and kept
+    until :meth:`close` (a ``with`` block, or garbage collection). A transform that raises
+    raises :class:`smstore.WorkerError` here with the worker's traceback and the record's index
+    (chained to the original exception when it pickles); a worker that dies (a SIGKILL, the
+    OOM killer) raises it too, within a second. Either shuts the workers down; the next pass starts
+    new ones.
+
+    Args:
+        dataset: A map-style dataset (``SharedStoreDataset`` pickles as its path and attaches in
+            each worker); ``__getitems__`` is used when it has one, as DataLoader does.
+        transform: Called on each record in a worker; ``None`` takes the records as they are.
+        batch_size: Records a batch.
+        sampler: The order (default ``SequentialSampler``): any iterable of indices.
+        drop_last: Drop the last batch if it is short.
+        num_workers: Worker processes (at least 1).
+        depth: Batch slots in the ring (default ``2 * num_workers + 1``: as DataLoader's
+            ``prefetch_factor=2`` keeps ``2 * num_workers`` batches under way, and one held by the
+            loop). Shared memory is ``depth`` x one batch.
+        spec: The layout of one record's output: ``(shape, dtype)``, ``{name: (shape, dtype)}``
+            or a sequence of ``(shape, dtype)``; by default inferred from ``dataset[0]``.
+        multiprocessing_context: How workers start, as in DataLoader.
+        copy: Yield copies of the slot instead of views.
+        timeout: Seconds to wait for one batch before raising (0: no limit; dead workers are
+            noticed either way).
+        worker_init_fn: Called with the worker id in each worker, before its first record.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        transform: Callable[[Any], Any] | None = None,
+        *,
+        batch_size: int,
+        sampler: Sampler[int] | Sequence[int] | None = None,
+        drop_last: bool = False,
+        num_workers: int = 2,
+        depth: int | None = None,
+        spec: Spec | None = None,
+        multiprocessing_context: str | Any | None = None,
+        copy: bool = False,
+        timeout: float = 0.0,
+        worker_init_fn: Callable[[int], None] | None = None,
+    ) -> None:
+        if batch_size < 1:
+            msg = f"batch_size must be >= 1, not {batch_size}"
+            raise ValueError(msg)
+        if num_workers < 1:
+            msg = f"num_workers must be >= 1, not {num_workers} (the transform runs in workers)"
+            raise ValueError(msg)
+        depth = 2 * num_workers + 1 if depth is None else depth
+        if depth < 1:
+            msg = f"depth must be >= 1, not {depth}"
+            raise ValueError(msg)
+        if timeout < 0:
+            msg = f"timeout must be >= 0, not {timeout}"
+            raise ValueError(msg)
+        self.dataset = dataset
+        self.transform = transform
+        self.batch_size = batch_size
+        self.sampler: Any = SequentialSampler(dataset) if sampler is None else sampler
+        self.drop_last = drop_last
+        self.num_workers = num_workers
+        self.depth = depth
+        self.copy = copy
+        self.timeout = timeout
+        self.worker_init_fn = worker_init_fn
+        if multiprocessing_context is None or isinstance(multiprocessing_context, str):
+            self._context: Any = multiprocessing.get_context(multiprocessing_context)
+        else:
+            self._context = multiprocessing_context
+        self.layout = self._layout(spec)
+        self._pool: _WorkerPool | None = None
+        self._seq = 0  # batch numbers, over every pass (a slot is batch number % depth)
+        self._pass = 0  # the pass under way; an older iterator stops
+        self._started = False  # a pass started since the last load_state_dict
+        self._received = 0  # batches of the current pass handed to the loop (skipped ones included)
+        self._exhausted = False
+        self._skip = 0  # batches to skip at the start of the next pass (a resume, other samplers)
+
+    def _layout(self, spec: Spec | None) -> _Layout:
+        if spec is not None:
+            return _Layout.from_spec(spec, self.batch_size)
+        if len(self.dataset) == 0:
+            msg = "the dataset is empty, so no record shows the output's layout: pass spec="
+            raise ValueError(msg)
+        record = self.dataset[0]
+        return _Layout.from_sample(
+            record if self.transform is None else self.transform(record), self.batch_size
+        )
+
+    # -- the DataLoader side ------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        n = len(self.sampler)
+        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the sampler's epoch (when it has ``set_epoch``)."""
+        set_epoch = getattr(self.sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[Any]:
+        pool = self._pool
+        if pool is not None:
+            try:
+                pool.drain(self.timeout)  # what an abandoned pass left under way
+            except BaseException:
+                self.close()
+                raise
+        if pool is None or pool.closed:
+            pool = self._pool = _WorkerPool(
+                self.dataset,
+                self.transform,
+                self.layout,
+                self.depth,
+                self.num_workers,
+                self._context,
+                self.worker_init_fn,
+            )
+        self._pass += 1
+        skip, self._skip = self._skip, 0
+        self._started, self._received, self._exhausted = True, skip, False
+        pool.base = self._seq
+        return self._run(pool, self._pass, self._batches(skip))
+
+    def _batches(self, skip: int) -> Iterator[list[int]]:
+        it = iter(self.sampler)
+        if skip:
+            for _ in islice(it, skip * self.batch_size):
+                pass
+        while batch := list(islice(it, self.batch_size)):
+            if len(batch) < self.batch_size and self.drop_last:
+                return
+            yield batch
+
+    def _run(self, pool: _WorkerPool, token: int, batches: Iterator[list[int]]) -> Iterator[Any]:
+        pending: deque[tuple[int, int]] = deque()  # (batch number, records), in the order to yield
+        more = True
+        while True:
+            if token != self._pass:
+                msg = "a newer pass of this TransformLoader started (or a state was loaded): only its iterator runs"
+                raise RuntimeError(msg)
+            if pool.closed:
+                msg = "the TransformLoader was closed during this pass: start a new pass with iter(loader)"
+                raise StoreClosedError(msg)
+            try:
+                while (
+                    more and len(pending) < self.depth
+                ):  # the loop's last batch is done with: its slot is free
+                    batch = next(batches, None)
+                    if batch is None:
+                        more = False
+                        break
+                    pool.dispatch(self._seq, batch)
+                    pending.append((self._seq, len(batch)))
+                    self._seq += 1
+                if not pending:
+                    self._exhausted = True
+                    return
+                seq, n = pending.popleft()
+                status, payload = pool.wait_for(seq, self.timeout)
+                if status != _OK:
+                    self._raise(seq - pool.base, status, payload)
+            except BaseException:
+                self.close()
+                raise
+            tensors = pool.views[seq % self.depth]
+            if n < self.batch_size:
+                tensors = [t[:n] for t in tensors]
+            if self.copy:
+                tensors = [t.clone() for t in tensors]
+            self._received += 1
+            yield self.layout.assemble(tensors)
+
+    def _raise(self, batch: int, status: int, payload: bytes) -> None:
+        index, text, exc_bytes = pickle.loads(payload)
+        if status == _BAD_RECORD:
+            msg = f"record {index} (batch {batch}): {text}"
+            raise CollateError(msg)
+        cause = None
+        if exc_bytes is not None:
+            with contextlib.suppress(Exception):
+                cause = pickle.loads(exc_bytes)
+        msg = f"reading or transforming record {index} (batch {batch}) failed in a worker:\n{text}"
+        raise WorkerError(msg) from cause
+
+    # -- state --------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the batches the loop received in the current pass."""
+        if isinstance(self.sampler, GlobalShuffleSampler):
+            if not self._started:
+                return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict()}
+            local = sys.maxsize if self._exhausted else self._received * self.batch_size
+            return {"version": _STATE_VERSION, "sampler": self.sampler.state_dict(local_consumed=local)}
+        batches = self._skip if not self._started else 0 if self._exhausted else self._received
+        return {"version": _STATE_VERSION, "batches": batches}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume: the next pass starts after the batches a :meth:`state_dict` counted."""
+        if "sampler" in state:
+            if not isinstance(self.sampler, GlobalShuffleSampler):
+                msg = (
+                    f"the state holds a GlobalShuffleSampler's position, but the sampler is {self.sampler!r}"
+                )
+                raise ValueError(msg)
+            self.sampler.load_state_dict(state["sampler"])
+            self._skip = 0
+        elif "batches" in state and int(state["batches"]) >= 0:
+            self._skip = int(state["batches"])
+        else:
+            msg = f"not a TransformLoader state: {dict(state)!r}"
+            raise ValueError(msg)
+        self._started = False
+        self._pass += 1  # an iterator of before the load stops
+
+    # -- shutdown -----------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Stop the workers and release the slots (batches still held keep their memory alive)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.close()
+
+    def __enter__(self) -> TransformLoader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self, _suppress: Any = contextlib.suppress) -> None:
+        # Bound at definition: at interpreter exit the module's globals may already be None.
+        with _suppress(Exception):
+            self.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"TransformLoader(batch_size={self.batch_size}, num_workers={self.num_workers}, "
+            f"depth={self.depth}, layout=[{self.layout.describe()}])"
+        )
