@@ -84,10 +84,10 @@ struct ReadyBatch {
 // Batches in submission order, prepared by `threads` threads at most `depth` ahead of the
 // consumer (and by the consumer itself while the batch it asks for is not ready: it makes the
 // next one no thread has started, within the same window, rather than wait; with no threads,
-// every batch is made in next()). A sleeping thread is woken when half the window is free. Slot s of depth + 2 holds batch
-// s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last held k -
-// 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still held
-// elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
+// every batch is made in next()). A sleeping thread is woken when half the window is free. Slot s of depth + 2 holds
+// batch s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last
+// held k - 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still
+// held elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
 class Batcher {
 public:
     Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned);
@@ -131,8 +131,8 @@ private:
     std::vector<Slot> slots_;                  // depth_ + 2
     std::deque<std::vector<uint64_t>> queue_;  // submitted batches not yet taken by a thread
     uint64_t submitted_ = 0, taken_ = 0, received_ = 0;
-    size_t idle_threads_ = 0;       // threads waiting on work_cv_
-    size_t consumer_waiting_ = 0;   // next() waiting on ready_cv_
+    size_t idle_threads_ = 0;      // threads waiting on work_cv_
+    size_t consumer_waiting_ = 0;  // next() waiting on ready_cv_
     bool stop_ = false;
     mutable std::mutex mutex_;
     std::condition_variable work_cv_, ready_cv_;
