@@ -364,12 +364,15 @@ void Batcher::make_next(std::unique_lock<std::mutex>& lock) noexcept {
     Slot& slot = slots_[seq % slots_.size()];
     lock.unlock();
     std::exception_ptr error;
+    auto t0 = std::chrono::steady_clock::now();
     try {
         fill(slot, indices);
     } catch (...) {
         error = std::current_exception();
     }
+    auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     lock.lock();
+    fill_ns_ += (took - fill_ns_) / 8;
     slot.error = error;
     slot.filled = static_cast<int64_t>(seq);
     if (consumer_waiting_) ready_cv_.notify_all();
@@ -378,7 +381,7 @@ void Batcher::make_next(std::unique_lock<std::mutex>& lock) noexcept {
 void Batcher::work() noexcept {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-        while (!stop_ && !(!queue_.empty() && taken_ < received_ + depth_)) {
+        while (!stop_ && !(prefetch_ && !queue_.empty() && taken_ < received_ + depth_)) {
             ++idle_threads_;
             work_cv_.wait(lock);
             --idle_threads_;
@@ -393,6 +396,12 @@ ReadyBatch Batcher::next() {
     std::unique_lock<std::mutex> lock(mutex_);
     if (received_ == submitted_ && !stop_) {
         throw Error(Error::Kind::Closed, store_->label() + ": no batch is pending (submit some first)");
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (returned_ != std::chrono::steady_clock::time_point{}) {
+        auto away = std::chrono::duration_cast<std::chrono::nanoseconds>(now - returned_).count();
+        away_ns_ += (away - away_ns_) / 8;
+        prefetch_ = away_ns_ > 2 * fill_ns_;
     }
     Slot& slot = slots_[received_ % slots_.size()];
     while (!stop_ && slot.filled != static_cast<int64_t>(received_)) {
@@ -412,9 +421,10 @@ ReadyBatch Batcher::next() {
     // The window moved. Waking a sleeping thread costs a system call: do it once half the window
     // (or all of it, when the threads have nothing left in it) is free, not at every batch.
     uint64_t room = received_ + depth_ - taken_;
-    if (idle_threads_ && !queue_.empty() && (room >= (depth_ + 1) / 2 || taken_ == received_)) {
+    if (prefetch_ && idle_threads_ && !queue_.empty() && (room >= (depth_ + 1) / 2 || taken_ == received_)) {
         work_cv_.notify_all();
     }
+    returned_ = std::chrono::steady_clock::now();
     if (slot.error) std::rethrow_exception(slot.error);
     return ReadyBatch{slot.block, slot.layout};
 }
