@@ -401,7 +401,10 @@ ReadyBatch Batcher::next() {
     if (returned_ != std::chrono::steady_clock::time_point{}) {
         auto away = std::chrono::duration_cast<std::chrono::nanoseconds>(now - returned_).count();
         away_ns_ += (away - away_ns_) / 8;
-        prefetch_ = away_ns_ > 2 * fill_ns_;
+        // Hand-overs cost a few microseconds: worth it for a batch that takes long to make
+        // (threads then make several at once), or while the loop has other work to overlap.
+        constexpr int64_t kLongFillNs = 50'000;
+        prefetch_ = fill_ns_ >= kLongFillNs || away_ns_ > 2 * fill_ns_;
     }
     Slot& slot = slots_[received_ % slots_.size()];
     while (!stop_ && slot.filled != static_cast<int64_t>(received_)) {

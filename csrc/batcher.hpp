@@ -87,10 +87,11 @@ struct ReadyBatch {
 // next one no thread has started, within the same window, rather than wait; with no threads,
 // every batch is made in next()). A sleeping thread is woken when half the window is free.
 // The threads work ahead only while the consumer spends longer away between batches (its loop's
-// body) than twice a batch takes to make: a loop that does little besides asking for batches
-// makes them itself (a hand-over costs about what it saves there, and a thread that another
-// process preempts mid-batch stalls the loop), while a loop with a real step gets them made
-// during the step. Which thread makes a batch never changes its bytes. Slot s of depth + 2 holds
+// body) than twice a batch takes to make, or a batch takes 50 us or more to make: a loop that
+// does little besides asking for small batches makes them itself (a hand-over costs about what it
+// saves there, and a thread that another process preempts mid-batch stalls the loop), while a
+// loop with a real step gets them made during the step, and large batches are made by several
+// threads at once. Which thread makes a batch never changes its bytes. Slot s of depth + 2 holds
 // batch s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last
 // held k - 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still
 // held elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
