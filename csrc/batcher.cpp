@@ -333,6 +333,7 @@ void Batcher::submit(const uint64_t* indices, const uint64_t* sizes, size_t batc
             indices += sizes[b];
         }
         submitted_ += batches;
+        if (!prefetch_ || !idle_threads_) return;  // no thread to wake, or none that would work now
     }
     work_cv_.notify_all();
 }
