@@ -77,11 +77,13 @@ class Loader:
             ``socket``).
         drop_last: Drop the last, short batch of a pass.
         depth: Batches prepared ahead of the loop.
-        threads: C++ threads preparing them, besides the loop's own thread, which makes the batch
-            it asks for itself when no thread has started it. One keeps up with a training loop
-            for short records on a small machine; give more for long records or many cores. With
-            0, each batch is made on the loop's thread when asked for (no prefetch, no hand-over):
-            the fastest where nothing else would run meanwhile.
+        threads: C++ threads preparing them, besides the loop's own thread, which makes the next
+            batch no thread has started while the one it asks for is not ready. The threads work
+            ahead while the loop spends longer between batches than twice a batch takes to make
+            (a training step), or a batch takes 50 us or more; a loop that only asks for small
+            batches makes them itself, as fast as with 0. One (the default) keeps up with a
+            training loop for short records on a small machine; give more for long records or many
+            cores. With 0, each batch is made on the loop's thread when asked for.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
     Raises:

@@ -6,6 +6,7 @@ import gc
 import os
 import select
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -497,5 +498,10 @@ def test_the_loops_thread_makes_batches_beside_the_threads(stores: dict[str, Pat
             ) as loader:
                 held = list(loader)
                 dropped = [{k: v.clone() for k, v in b.items()} for b in loader]
+                slow = []  # a loop with a step: the threads work ahead of it
+                for b in loader:
+                    slow.append({k: v.clone() for k, v in b.items()})
+                    time.sleep(0.0005)
             assert_same_batches(held, expected)
             assert_same_batches(dropped, expected)
+            assert_same_batches(slow, expected)
