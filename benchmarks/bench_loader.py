@@ -11,9 +11,12 @@ batches of 256 padded to int64, the order from `GlobalShuffleSampler`:
    `DataLoader(range(n), sampler=S, batch_size=256, collate_fn=...)` with it at 0, 1 and 2 workers
    (timed from the first batch on: worker start-up is left out).
 2. **The new paths**: TokenCollator called in-process (one C++ call a batch), and `smstore.Loader`
-   (depth 4, 1 C++ thread, the default, and 2; and 0 threads, each batch made on the loop's thread), each checked against the baseline's bytes first. The rows of 1 and 2
-   take turns over `--rounds` rounds of `--seconds` each and keep their best, so a burst of load
-   from elsewhere on the machine hits them all alike.
+   (depth 4, 1 C++ thread, the default, and 2; and 0 threads, each batch made on the loop's
+   thread), each checked against the baseline's bytes first. The rows of 1 and 2 take turns over
+   `--rounds` rounds of `--seconds` each and keep their best, so a burst of load from elsewhere on
+   the machine hits them all alike. Then a loop whose body is a 200 us `time.sleep` (a step that
+   waits on an accelerator): the time a batch adds to it with 0 threads and with 1, against the
+   same loop over a list (best of `--rounds`).
 3. **4,096-token records** (16k records, batches of 256 = 2 MiB of uint16): the Loader without
    widening against a plain copy of the same records' bytes in the same order (`numpy.take` of
    rows of a private copy of the data section, into one reused buffer), and with int64 widening
@@ -96,6 +99,28 @@ def loader_rate(path: Path, sampler: Any, seconds: float, **kw: Any) -> float:
                 n += len(b["lengths"])
             best = max(best, n / (time.perf_counter() - t0))
     return best
+
+
+STEP_S = 200e-6  # the stand-in training step of the "loop with a step" rows
+
+
+def step_overhead(path: Path, sampler: Any, batches: int, threads: int | None) -> float:
+    """Seconds a batch costs a loop whose body sleeps STEP_S (a step that waits on an accelerator,
+    leaving its core free), beyond the same loop over a list; threads=None: that list itself."""
+    import torch
+
+    def loop(it: Any) -> float:
+        next(it)  # start-up left out
+        t0 = time.perf_counter()
+        for _ in range(batches):
+            next(it)
+            time.sleep(STEP_S)
+        return (time.perf_counter() - t0) / batches
+
+    if threads is None:
+        return loop(iter(range(batches + 1)))
+    with Loader(path, sampler=sampler, batch_size=BATCH, dtype=torch.long, threads=threads) as loader:
+        return loop(iter(loader))
 
 
 def in_process_rate(fn: Any, batches: list[list[int]], seconds: float) -> float:
@@ -257,6 +282,24 @@ def main(argv: list[str] | None = None) -> None:
             ours / base >= 5,
         )
 
+        log("2b. a loop with a 200 us step (sleeping: the accelerator's time), 0 threads against 1")
+        step_batches = min(1000, len(batches) - 2)
+        kinds: tuple[str | int, ...] = ("bare", 0, 1)
+        cost = dict.fromkeys(kinds, 1.0)
+        for _ in range(args.rounds):
+            for k in kinds:
+                cost[k] = min(
+                    cost[k], step_overhead(path, sampler, step_batches, None if k == "bare" else int(k))
+                )
+        extra = {t: max(cost[t] - cost["bare"], 0.0) for t in (0, 1)}
+        for t, label in ((0, "0 threads"), (1, "1 thread (the default)")):
+            report.add(
+                f"Loop with a {STEP_S * 1e6:.0f} us step (time.sleep): what a batch adds to it, Loader {label}",
+                f"{extra[t] * 1e6:.1f} us a batch",
+                baseline=f"step alone {cost['bare'] * 1e6:.0f} us",
+                ratio=f"{extra[t] / cost['bare'] * 100:.1f} %",
+            )
+
         log("3. 4096-token records")
         long_sampler = GlobalShuffleSampler(long_records, seed=0, rank=0, world_size=1)
         with smstore.open(long_path) as long_store:
@@ -353,7 +396,8 @@ def main(argv: list[str] | None = None) -> None:
         (
             "The old collator's cost is numpy per row (a slice copy per record into a fresh tensor); with "
             "workers each batch is also a new shared-memory tensor handed over per batch. The Loader's threads "
-            "(and the loop's thread, for a batch no thread has started) write each batch into a reused buffer in one pass per record (prefetching the records ahead), and "
+            "(and the loop's thread, which makes the next batch no thread has started rather than wait) write "
+            "each batch into a reused buffer in one pass per record (prefetching the records ahead), and "
             "the loop receives views of it: no copy, no process boundary."
         ),
         (

@@ -333,6 +333,7 @@ void Batcher::submit(const uint64_t* indices, const uint64_t* sizes, size_t batc
             indices += sizes[b];
         }
         submitted_ += batches;
+        if (!prefetch_ || !idle_threads_) return;  // no thread to wake, or none that would work now
     }
     work_cv_.notify_all();
 }
@@ -364,21 +365,28 @@ void Batcher::make_next(std::unique_lock<std::mutex>& lock) noexcept {
     Slot& slot = slots_[seq % slots_.size()];
     lock.unlock();
     std::exception_ptr error;
+    auto t0 = std::chrono::steady_clock::now();
     try {
         fill(slot, indices);
     } catch (...) {
         error = std::current_exception();
     }
+    auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
     lock.lock();
+    fill_ns_ += (took - fill_ns_) / 8;
     slot.error = error;
     slot.filled = static_cast<int64_t>(seq);
-    ready_cv_.notify_all();
+    if (consumer_waiting_) ready_cv_.notify_all();
 }
 
 void Batcher::work() noexcept {
     std::unique_lock<std::mutex> lock(mutex_);
     for (;;) {
-        work_cv_.wait(lock, [this] { return stop_ || (!queue_.empty() && taken_ < received_ + depth_); });
+        while (!stop_ && !(prefetch_ && !queue_.empty() && taken_ < received_ + depth_)) {
+            ++idle_threads_;
+            work_cv_.wait(lock);
+            --idle_threads_;
+        }
         if (stop_) return;
         make_next(lock);
     }
@@ -390,16 +398,37 @@ ReadyBatch Batcher::next() {
     if (received_ == submitted_ && !stop_) {
         throw Error(Error::Kind::Closed, store_->label() + ": no batch is pending (submit some first)");
     }
-    Slot& slot = slots_[received_ % slots_.size()];
-    if (taken_ == received_ && !stop_) {
-        // No thread has started the batch asked for (they are behind, or still waking up): make
-        // it here rather than wait idle, exactly as a thread would.
-        make_next(lock);
+    auto now = std::chrono::steady_clock::now();
+    if (returned_ != std::chrono::steady_clock::time_point{}) {
+        auto away = std::chrono::duration_cast<std::chrono::nanoseconds>(now - returned_).count();
+        away_ns_ += (away - away_ns_) / 8;
+        // Hand-overs cost a few microseconds: worth it for a batch that takes long to make
+        // (threads then make several at once), or while the loop has other work to overlap.
+        constexpr int64_t kLongFillNs = 50'000;
+        prefetch_ = fill_ns_ >= kLongFillNs || away_ns_ > 2 * fill_ns_;
     }
-    ready_cv_.wait(lock, [&] { return stop_ || slot.filled == static_cast<int64_t>(received_); });
+    Slot& slot = slots_[received_ % slots_.size()];
+    while (!stop_ && slot.filled != static_cast<int64_t>(received_)) {
+        if (!queue_.empty() && taken_ < received_ + depth_) {
+            // The batch asked for is not ready (no thread has started it, or one is making it):
+            // make the next batch not yet started here, exactly as a thread would, rather than
+            // wait idle (on a busy machine the threads may be waiting for a core).
+            make_next(lock);
+            continue;
+        }
+        ++consumer_waiting_;
+        ready_cv_.wait(lock);
+        --consumer_waiting_;
+    }
     if (stop_) throw Error(Error::Kind::Closed, store_->label() + ": this loader is closed");
     ++received_;
-    work_cv_.notify_all();  // the window moved: a thread may start the next batch
+    // The window moved. Waking a sleeping thread costs a system call: do it once half the window
+    // (or all of it, when the threads have nothing left in it) is free, not at every batch.
+    uint64_t room = received_ + depth_ - taken_;
+    if (prefetch_ && idle_threads_ && !queue_.empty() && (room >= (depth_ + 1) / 2 || taken_ == received_)) {
+        work_cv_.notify_all();
+    }
+    returned_ = std::chrono::steady_clock::now();
     if (slot.error) std::rethrow_exception(slot.error);
     return ReadyBatch{slot.block, slot.layout};
 }

@@ -2,6 +2,7 @@
 // smstore.TokenCollator does) by C++ threads into a ring of reusable buffers.
 #pragma once
 
+#include <chrono>
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
@@ -82,11 +83,18 @@ struct ReadyBatch {
 };
 
 // Batches in submission order, prepared by `threads` threads at most `depth` ahead of the
-// consumer (and by the consumer itself when it asks for a batch no thread has started: with no
-// threads, every batch is made in next()). Slot s of depth + 2 holds batch
-// s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last held k -
-// 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still held
-// elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
+// consumer (and by the consumer itself while the batch it asks for is not ready: it makes the
+// next one no thread has started, within the same window, rather than wait; with no threads,
+// every batch is made in next()). A sleeping thread is woken when half the window is free.
+// The threads work ahead only while the consumer spends longer away between batches (its loop's
+// body) than twice a batch takes to make, or a batch takes 50 us or more to make: a loop that
+// does little besides asking for small batches makes them itself (a hand-over costs about what it
+// saves there, and a thread that another process preempts mid-batch stalls the loop), while a
+// loop with a real step gets them made during the step, and large batches are made by several
+// threads at once. Which thread makes a batch never changes its bytes. Slot s of depth + 2 holds
+// batch s, s + depth + 2, ...: when next() hands out batch k the threads may start batch k + depth, whose slot last
+// held k - 2, so the batch the consumer still holds (k - 1) is not the one they refill. A slot whose block is still
+// held elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
 class Batcher {
 public:
     Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned);
@@ -130,6 +138,13 @@ private:
     std::vector<Slot> slots_;                  // depth_ + 2
     std::deque<std::vector<uint64_t>> queue_;  // submitted batches not yet taken by a thread
     uint64_t submitted_ = 0, taken_ = 0, received_ = 0;
+    size_t idle_threads_ = 0;      // threads waiting on work_cv_
+    size_t consumer_waiting_ = 0;  // next() waiting on ready_cv_
+    // Whether the threads work ahead (see next()): the consumer's time away between batches and
+    // the time a batch takes to make, each a moving average in nanoseconds.
+    bool prefetch_ = true;
+    int64_t away_ns_ = 0, fill_ns_ = 0;
+    std::chrono::steady_clock::time_point returned_{};  // when next() last returned
     bool stop_ = false;
     mutable std::mutex mutex_;
     std::condition_variable work_cv_, ready_cv_;

@@ -35,15 +35,17 @@ private:
         unsigned lo, hi;  // widths of the low half B and the high half A
         uint64_t lo_mask, hi_mask;
     };
+    static uint64_t round(const Round& r, uint64_t x) noexcept {
+        uint64_t b = x & r.lo_mask;
+        uint64_t z = b + r.key;
+        z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+        z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+        z ^= z >> 31;
+        return (b << r.hi) | (((x >> r.lo) ^ z) & r.hi_mask);
+    }
     uint64_t network(uint64_t x) const noexcept {
-        for (const Round& r : rounds_) {
-            uint64_t b = x & r.lo_mask;
-            uint64_t z = b + r.key;
-            z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
-            z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
-            z ^= z >> 31;
-            x = (b << r.hi) | (((x >> r.lo) ^ z) & r.hi_mask);
-        }
+        for (const Round& r : rounds_)
+            x = round(r, x);
         return x;
     }
 

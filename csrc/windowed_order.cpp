@@ -11,8 +11,17 @@
 namespace smstore {
 
 void feistel_strided(const Feistel& perm, uint64_t first, uint64_t step, size_t count, uint64_t wrap, int64_t* out) {
-    for_strided(first, step, count, wrap, perm.n(),
-                [&](uint64_t p, size_t i) { out[i] = static_cast<int64_t>(perm(p)); });
+    // The positions in runs, each run through Feistel::apply (which interleaves values).
+    constexpr size_t kRun = 256;
+    uint64_t positions[kRun];
+    size_t start = 0;
+    for_strided(first, step, count, wrap, perm.n(), [&](uint64_t p, size_t i) {
+        positions[i - start] = p;
+        if (i - start + 1 == kRun || i + 1 == count) {
+            perm.apply(positions, out + start, i - start + 1);
+            start = i + 1;
+        }
+    });
 }
 
 WindowedOrder::WindowedOrder(std::vector<uint64_t> window_starts, std::vector<uint64_t> seq_starts,

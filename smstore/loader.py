@@ -9,7 +9,7 @@ from collections.abc import Iterable, Iterator
 from typing import Any
 
 from smstore import _core
-from smstore.collate import TokenCollator, batch_tensors
+from smstore.collate import TokenCollator
 from smstore.errors import StoreChangedError, StoreClosedError
 
 __all__ = ["Loader"]
@@ -77,11 +77,13 @@ class Loader:
             ``socket``).
         drop_last: Drop the last, short batch of a pass.
         depth: Batches prepared ahead of the loop.
-        threads: C++ threads preparing them, besides the loop's own thread, which makes the batch
-            it asks for itself when no thread has started it. One keeps up with a training loop
-            for short records on a small machine; give more for long records or many cores. With
-            0, each batch is made on the loop's thread when asked for (no prefetch, no hand-over):
-            the fastest where nothing else would run meanwhile.
+        threads: C++ threads preparing them, besides the loop's own thread, which makes the next
+            batch no thread has started while the one it asks for is not ready. The threads work
+            ahead while the loop spends longer between batches than twice a batch takes to make
+            (a training step), or a batch takes 50 us or more; a loop that only asks for small
+            batches makes them itself, as fast as with 0. One (the default) keeps up with a
+            training loop for short records on a small machine; give more for long records or many
+            cores. With 0, each batch is made on the loop's thread when asked for.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
     Raises:
@@ -163,19 +165,33 @@ class Loader:
     def _run(self, token: int, batcher: _core.Batcher, indices: Iterator[int]) -> Iterator[dict[str, Any]]:
         import torch
 
-        layout, pid, chunk = self.collate.layout, self._pid, max(self.depth, 8)
-        exhausted = False
+        # The per-batch work on the loop's thread is kept to a few operations: batches are queued
+        # in chunks (the index count kept here, not asked of C++ per batch), and each is turned
+        # into tensors inline (what batch_tensors does).
+        from_numpy, pack = torch.from_numpy, self.collate.layout == "pack"
+        pid, chunk, depth, size = self._pid, max(self.depth, 8), self.depth, self.batch_size
+        drop_last, copy_to_pinned = self.drop_last, self._copy_to_pinned
+        submit, take = batcher.submit_from, batcher.next
+        exhausted, pending = False, 0  # pending: batches queued and not yet received
         try:
             while True:
                 if token != self._pass or os.getpid() != pid:
                     self._check_usable(pid)
                     return  # a newer pass replaced this one
-                if not exhausted and batcher.pending() <= self.depth:
-                    exhausted = batcher.submit_from(indices, self.batch_size, chunk, self.drop_last)[1]
-                if batcher.pending() == 0:
+                if not exhausted and pending <= depth:
+                    queued, exhausted = submit(indices, size, chunk, drop_last)
+                    pending += queued
+                if not pending:
                     break
-                batch = batch_tensors(batcher.next(), layout, torch)
-                if self._copy_to_pinned:
+                tokens, lengths, cu_seqlens, ids = take()
+                pending -= 1
+                batch = {"tokens": from_numpy(tokens)}
+                if pack:
+                    batch["cu_seqlens"] = from_numpy(cu_seqlens)
+                batch["lengths"] = from_numpy(lengths)
+                if ids is not None:
+                    batch["indices"] = from_numpy(ids)
+                if copy_to_pinned:
                     batch = {k: v.pin_memory() for k, v in batch.items()}
                 self._received += 1
                 yield batch

@@ -6,6 +6,7 @@ import gc
 import os
 import select
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -441,3 +442,66 @@ def test_generator_samplers_give_their_items_in_order(stores: dict[str, Path]) -
     for batch_size in (1, 4, 7, 64):
         with Loader(stores["u2"], sampler=Sampler(), batch_size=batch_size) as loader:
             assert flat_indices(list(loader)) == expected
+
+
+def test_list_items_taken_in_bulk_are_checked_one_by_one(stores: dict[str, Path]) -> None:
+    # submit_from takes a yielded-from list's exact ints in bulk; any other item (a numpy integer,
+    # a bool, an int subclass) ends the bulk run and is taken through its __index__, in its place.
+    class Flag(int):
+        pass
+
+    items = [4, np.int64(8), 2, True, Flag(11), *range(20, 60), np.uint16(3), 0]
+
+    class Sampler:
+        def __iter__(self) -> Any:
+            yield from list(items)
+            yield from [7, 7]
+
+    expected = [int(i) for i in items] + [7, 7]
+    for batch_size in (1, 5, 64):
+        with Loader(stores["u2"], sampler=Sampler(), batch_size=batch_size, depth=1) as loader:
+            assert flat_indices(list(loader)) == expected
+
+    class Bad:
+        def __init__(self, bad: Any) -> None:
+            self.bad = bad
+
+        def __iter__(self) -> Any:
+            yield from [1, 2, 3, self.bad, 4]
+
+    match = r"the sampler gave record index 240"
+    with (
+        Loader(stores["u2"], sampler=Bad(N), batch_size=2) as loader,
+        pytest.raises(smstore.RecordIndexError, match=match),
+    ):
+        list(loader)
+    with Loader(stores["u2"], sampler=Bad(2**70), batch_size=2) as loader, pytest.raises(IndexError):
+        list(loader)
+
+
+def test_the_loops_thread_makes_batches_beside_the_threads(stores: dict[str, Path]) -> None:
+    # next() makes the next unstarted batch of the window itself while the one asked for is not
+    # ready: with every batch held (no buffer reused) and with them dropped, the batches are the
+    # DataLoader's, for every depth and thread count.
+    sampler = GlobalShuffleSampler(N, seed=8, rank=0, world_size=1)
+    expected = reference(stores["u2"], sampler, 3, False, dtype=torch.long, max_length=9)
+    for threads in (0, 1, 3):
+        for depth in (1, 2, 5):
+            with Loader(
+                stores["u2"],
+                sampler=sampler,
+                batch_size=3,
+                threads=threads,
+                depth=depth,
+                dtype=torch.long,
+                max_length=9,
+            ) as loader:
+                held = list(loader)
+                dropped = [{k: v.clone() for k, v in b.items()} for b in loader]
+                slow = []  # a loop with a step: the threads work ahead of it
+                for b in loader:
+                    slow.append({k: v.clone() for k, v in b.items()})
+                    time.sleep(0.0005)
+            assert_same_batches(held, expected)
+            assert_same_batches(dropped, expected)
+            assert_same_batches(slow, expected)

@@ -38,14 +38,23 @@ struct BlockExport {
     uint64_t bytes;
 };
 
+// The numpy dtypes of a spec's outputs, made once (a Batcher hands out many batches).
+struct BatchDtypes {
+    explicit BatchDtypes(const CollateSpec& spec)
+        : out(std::string("=") + kDtypeCodes[static_cast<int>(spec.out)]),
+          i64(py::dtype::of<int64_t>()),
+          i32(py::dtype::of<int32_t>()) {}
+    py::dtype out, i64, i32;
+};
+
 // The batch as numpy arrays: (tokens over its block, then copies of lengths, cu_seqlens or None,
 // indices or None).
-py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
+py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready, const BatchDtypes& dt) {
     const BatchLayout& l = ready.layout;
     py::object owner = py::cast(BlockExport{ready.block, l.bytes});
     unsigned char* base = ready.block->data();
     auto rows = static_cast<py::ssize_t>(l.rows), width = static_cast<py::ssize_t>(l.width);
-    py::dtype out(std::string("=") + kDtypeCodes[static_cast<int>(spec.out)]);
+    const py::dtype& out = dt.out;
     py::array tokens;
     if (spec.pack) {
         tokens = py::array(out, {width}, {}, base + l.tokens_at, owner);
@@ -54,13 +63,10 @@ py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready) {
     }
     // The small outputs are copies (no base: pybind11 copies the data), so that keeping them (the
     // lengths, for logging) does not keep the whole block out of the ring's reuse.
-    py::array lengths(py::dtype::of<int64_t>(), {rows}, {}, base + l.lengths_at);
+    py::array lengths(dt.i64, {rows}, {}, base + l.lengths_at);
     py::object cu = py::none(), indices = py::none();
-    if (spec.pack) {
-        cu =
-            py::array(l.cu_int64 ? py::dtype::of<int64_t>() : py::dtype::of<int32_t>(), {rows + 1}, {}, base + l.cu_at);
-    }
-    if (spec.with_indices) indices = py::array(py::dtype::of<int64_t>(), {rows}, {}, base + l.indices_at);
+    if (spec.pack) cu = py::array(l.cu_int64 ? dt.i64 : dt.i32, {rows + 1}, {}, base + l.cu_at);
+    if (spec.with_indices) indices = py::array(dt.i64, {rows}, {}, base + l.indices_at);
     return py::make_tuple(std::move(tokens), std::move(lengths), std::move(cu), std::move(indices));
 }
 
@@ -80,7 +86,7 @@ py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle in
         ready.block = std::make_shared<Block>(ready.layout.bytes, pinned);
         fill_batch(*keep, spec, idx.data(), idx.size(), ready.layout, ready.block->data());
     }
-    return batch_arrays(spec, ready);
+    return batch_arrays(spec, ready, BatchDtypes(spec));
 }
 
 // What Python holds: the Batcher and the record count its indices are checked against.
@@ -108,7 +114,10 @@ public:
         // directly (the generator, suspended at its `yield from`, sees its list run out and moves
         // on when next resumed: the same items in the same order, its bookkeeping intact).
         py::object inner;
-        while (indices.size() < batch_size * max_batches) {
+        const uint64_t want = batch_size * max_batches;
+        while (indices.size() < want) {
+            if (inner) take_from_list_iterator(inner, want, indices);
+            if (indices.size() >= want) break;
             PyObject* item = inner ? PyIter_Next(inner.ptr()) : nullptr;
             if (!item) {
                 if (PyErr_Occurred()) throw py::error_already_set();
@@ -130,11 +139,7 @@ public:
             bool ok = index_value(item, &value);
             Py_DECREF(item);
             if (!ok) throw py::error_already_set();
-            if (value < 0 || static_cast<uint64_t>(value) >= count_) {
-                throw Error(Error::Kind::Index, label_ + ": the sampler gave record index " + std::to_string(value) +
-                                                    ", out of range for " + std::to_string(count_) +
-                                                    " records (is it a sampler of another dataset?)");
-            }
+            check_index(value);
             indices.push_back(static_cast<uint64_t>(value));
         }
         uint64_t full = indices.size() / batch_size, rest = indices.size() % batch_size;
@@ -151,7 +156,7 @@ public:
             py::gil_scoped_release release;
             ready = b.next();
         }
-        return batch_arrays(spec_, ready);
+        return batch_arrays(spec_, ready, dtypes_);
     }
 
     uint64_t pending() { return core().pending(); }
@@ -175,11 +180,47 @@ public:
     }
 
 private:
+    // Takes, in bulk, the items of the list that the list iterator `inner` has not yet given (up
+    // to `want` indices in all), and moves the iterator past them, as PyIter_Next would one by one
+    // (each item an index checked against the store). Stops at an item that is not an exact int
+    // (its __index__ may run Python code): the caller takes that one through PyIter_Next.
+    void take_from_list_iterator(py::handle inner, uint64_t want, std::vector<uint64_t>& indices) {
+        // list_iterator.__reduce__() is (iter, (the list,), position) while items remain.
+        py::tuple state = inner.attr("__reduce__")();
+        if (state.size() < 3) return;  // exhausted: (iter, ([],))
+        py::object seq = py::tuple(state[1])[0];
+        if (!PyList_CheckExact(seq.ptr())) return;
+        auto at = state[2].cast<Py_ssize_t>();
+        Py_ssize_t end = PyList_GET_SIZE(seq.ptr()), start = at;
+        while (at < end && indices.size() < want) {
+            PyObject* item = PyList_GET_ITEM(seq.ptr(), at);
+            if (!PyLong_CheckExact(item)) break;
+            Py_ssize_t value = PyLong_AsSsize_t(item);
+            if (value == -1 && PyErr_Occurred()) {
+                PyErr_Clear();
+                break;  // beyond Py_ssize_t: PyIter_Next's path reports it
+            }
+            check_index(value);
+            indices.push_back(static_cast<uint64_t>(value));
+            ++at;
+        }
+        if (at != start) inner.attr("__setstate__")(at);
+    }
+
+    void check_index(Py_ssize_t value) const {
+        if (value < 0 || static_cast<uint64_t>(value) >= count_) {
+            throw Error(Error::Kind::Index, label_ + ": the sampler gave record index " + std::to_string(value) +
+                                                ", out of range for " + std::to_string(count_) +
+                                                " records (is it a sampler of another dataset?)");
+        }
+    }
+
     Batcher& core() {
         if (!batcher_) throw Error(Error::Kind::Closed, label_ + ": this loader is closed");
         return *batcher_;
     }
     CollateSpec spec_;
+    BatchDtypes dtypes_{spec_};
     uint64_t count_ = 0;
     std::string label_;
     std::unique_ptr<Batcher> batcher_;
