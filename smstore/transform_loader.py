@@ -440,20 +440,24 @@ class _WorkerPool:
         self.inflight.pop(seq, None)
         return self.done.pop(seq)
 
-    def _receive(self, conn: Connection) -> None:
+    def _receive(self, conn: Connection) -> bool:
+        """Take one answer from ``conn``; False once the worker's end is closed (nothing more comes)."""
         try:
             msg = conn.recv_bytes()
         except (EOFError, OSError):
-            return  # the worker is gone: its sentinel says so
+            return False  # the worker is gone: its sentinel says so
         seq, _slot, status = _DONE.unpack_from(msg)
         self.done[seq] = (status, msg[_DONE.size :])
+        return True
 
     def _check_dead(self, worker: int) -> None:
         proc = self.procs[worker]
         conn = self._results[worker]
         with contextlib.suppress(EOFError, OSError):
-            while conn.poll():  # what it finished before it died still counts
-                self._receive(conn)
+            # What it finished before it died still counts. A closed end polls as readable forever:
+            # stop at its end of file.
+            while conn.poll() and self._receive(conn):
+                pass
         proc.join(5.0)  # its sentinel closes a moment before it can be reaped
         code = proc.exitcode
         lost = sorted(s for s, w in self.inflight.items() if w == worker and s not in self.done)

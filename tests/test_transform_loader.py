@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import os
+import signal
 import threading
 import time
 from collections.abc import Iterable
@@ -292,9 +293,21 @@ def test_sigkilled_worker_raises_instead_of_hanging(numbered: Path) -> None:
     it = iter(loader)
     procs = list(loader._pool.procs)  # type: ignore[union-attr]
     pids = [p.pid for p in procs]
-    with pytest.raises(WorkerError, match="killed by SIGKILL with batch 1 in hand"):
-        for _ in it:
-            pass
+
+    def hung(signum: int, frame: object) -> None:
+        pytest.fail("the loader spun on the dead worker's closed pipe")  # not an OSError: nothing swallows it
+
+    # A watchdog, not a timing assertion: the old code polled the dead worker's closed result pipe
+    # forever (a closed end polls as readable), so this test hung instead of failing.
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        with pytest.raises(WorkerError, match="killed by SIGKILL with batch 1 in hand"):
+            for _ in it:
+                pass
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
     assert loader._pool is None
     for pid in pids:
         assert not Path(f"/proc/{pid}").exists()  # reaped, not left as zombies
