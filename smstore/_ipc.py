@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import socket
 import stat
@@ -198,7 +199,7 @@ def request(
     Raises:
         DaemonError: No daemon listens at ``path``, it broke the connection, or it timed out.
     """
-    delay, waited = 0.02, 0.0
+    delay, deadline = 0.02, None
     while True:
         sock = connect(path, timeout)
         try:
@@ -207,15 +208,25 @@ def request(
             sock.close()
             raise
         retry_within = reply.get("retry_within") if reply.get("error") == BUSY else None
-        if not isinstance(retry_within, (int, float)) or waited >= min(2.0 * retry_within, MAX_BUSY_WAIT):
+        # Only a finite, positive figure: the reply is the daemon's word (NaN compares false forever).
+        if (
+            not isinstance(retry_within, (int, float))
+            or isinstance(retry_within, bool)
+            or not math.isfinite(retry_within)
+            or retry_within <= 0
+        ):
+            return reply, got, sock
+        now = time.monotonic()
+        if deadline is None:  # the clock counts connects and exchanges too, not only the sleeps
+            deadline = now + min(2.0 * retry_within, MAX_BUSY_WAIT)
+        if now >= deadline:
             return reply, got, sock
         # Refused as busy though ours (every connection in use): the daemon drops stalled ones
         # within its I/O timeout, so try again, backing off, for up to twice that.
         sock.close()
         if got is not None:
             os.close(got)
-        time.sleep(delay)
-        waited += delay
+        time.sleep(min(delay, deadline - now))
         delay = min(2 * delay, 0.5)
 
 

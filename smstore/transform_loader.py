@@ -432,8 +432,11 @@ class _WorkerPool:
                 raise WorkerError(msg)
             ready = wait([*self._results, *self._worker_of], timeout=left)
             for obj in ready:
-                if isinstance(obj, Connection):
-                    self._receive(obj)
+                if isinstance(obj, Connection) and not self._receive(obj):
+                    # Its end is closed: the worker is gone. Say so now rather than poll the
+                    # closed end (always readable) until its sentinel fires (with forkserver,
+                    # only once the server has reaped it).
+                    self._check_dead(self._results.index(obj))
             for obj in ready:
                 if not isinstance(obj, Connection):
                     self._check_dead(self._worker_of[obj])

@@ -462,3 +462,90 @@ def test_not_served_has_one_wording_and_the_reason_apart(
         assert reply["message"] == f"no segment holds {ck2}: {reply['reason']}"
     finally:
         rank.close()
+
+
+@pytest.mark.parametrize("retry_within", [float("nan"), float("inf"), -1.0, True])
+def test_a_busy_reply_with_a_bad_retry_figure_is_not_retried(tmp_path: Path, retry_within: float) -> None:
+    """The retry bound comes from the daemon's reply: NaN compared false with every bound, so a
+    hostile or broken daemon kept a client retrying forever. Only a finite positive figure counts."""
+    import threading
+
+    from smstore import _ipc
+    from smstore._protocol import BUSY, encode
+
+    path = str(tmp_path / "busy.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(64)
+    server.settimeout(0.05)
+    answered = []
+    stop = threading.Event()
+
+    def serve() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                continue
+            with conn:
+                conn.sendall(
+                    encode({"ok": False, "error": BUSY, "message": "busy", "retry_within": retry_within})
+                )
+                answered.append(1)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+
+    def hung(signum: int, frame: object) -> None:
+        pytest.fail(f"the client retried for ever (answered {len(answered)} times)")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)  # a watchdog: the old code never returned
+    try:
+        reply, got, sock = _ipc.request({"op": "status"}, Path(path), timeout=5.0)
+        sock.close()
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        stop.set()
+        thread.join(30)
+        server.close()
+    assert reply["error"] == BUSY
+    assert got is None
+    assert len(answered) == 1
+
+
+def test_no_load_starts_once_the_loader_thread_is_stopping() -> None:
+    """A load queued behind one under way at shutdown used to start after stop() had drained the
+    queue, making a segment the shutdown's scan of /dev/shm could miss (left behind)."""
+    import threading
+
+    from smstore.daemon.loader import Loader
+
+    loader = Loader(None, None, str, gid=None, read_rate=0)  # type: ignore[arg-type]
+    started, release = threading.Event(), threading.Event()
+    calls: list[str] = []
+
+    def load_one(path: str, expected: str | None) -> Any:
+        calls.append(path)
+        if path == "a":
+            started.set()
+            release.wait(30)
+        raise OSError(f"{path}: cannot be read")  # a failed load: not the Loaded the old check looked at
+
+    loader._load_one = load_one  # type: ignore[method-assign]
+    loader.load("a", None)
+    loader.load("b", None)
+    loader.start()
+    assert started.wait(30)
+    stopper = threading.Thread(target=loader.stop)
+    stopper.start()
+    while not loader.stopping:
+        time.sleep(0.001)
+    release.set()
+    stopper.join(30)
+    loader.thread.join(30)
+    loader.wake_r.close()
+    loader.wake_w.close()
+    assert not loader.thread.is_alive()
+    assert calls == ["a"]

@@ -505,3 +505,55 @@ def test_the_loops_thread_makes_batches_beside_the_threads(stores: dict[str, Pat
             assert_same_batches(held, expected)
             assert_same_batches(dropped, expected)
             assert_same_batches(slow, expected)
+
+
+CLOSE_FROM_THE_SAMPLER = """
+import sys, threading
+import smstore
+from smstore import Loader, StoreClosedError
+
+path, how = sys.argv[1], sys.argv[2]
+holder = {}
+
+
+class ClosingSampler:
+    def __iter__(self):
+        for i in range(200):
+            if i == 3:
+                if how == "close":
+                    holder["loader"].close()
+                else:
+                    iter(holder["loader"])  # a new pass ends this one, threads and ring included
+            yield i
+
+
+loader = Loader(path, sampler=ClosingSampler(), batch_size=4, threads=2, depth=4)
+holder["loader"] = loader
+try:
+    got = list(loader)
+except StoreClosedError as e:
+    print("closed:", e)
+else:
+    print("ended after", len(got))
+"""
+
+
+@pytest.mark.parametrize("how", ["close", "new pass"])
+def test_a_sampler_that_closes_the_loader_mid_draw_is_refused_not_a_crash(
+    stores: dict[str, Path], how: str
+) -> None:
+    """The sampler's code runs inside the draw (submit_from): a close() or a new pass there used to
+    free the Batcher under the draw, which then used it (a segfault); run in a child so that the old
+    code fails the test instead of ending the run."""
+    import subprocess
+    import sys
+
+    r = subprocess.run(
+        [sys.executable, "-c", CLOSE_FROM_THE_SAMPLER, str(stores["u2"]), how],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
+    assert "loader is closed" in r.stdout, r.stdout

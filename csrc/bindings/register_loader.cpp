@@ -96,14 +96,14 @@ public:
         std::shared_ptr<const Store> s = store_of(store);
         count_ = s->size();
         label_ = s->label();
-        batcher_ = std::make_unique<Batcher>(std::move(s), spec, threads, depth, pinned);
+        batcher_ = std::make_shared<Batcher>(std::move(s), spec, threads, depth, pinned);
     }
 
     // Draws up to max_batches batches of batch_size indices from `iterator` and queues them.
     // Returns (batches queued, whether the iterator is exhausted). A short last batch is queued
     // unless drop_last.
     py::tuple submit_from(py::handle iterator, uint64_t batch_size, uint64_t max_batches, bool drop_last) {
-        Batcher& b = core();
+        core();  // closed: say so before drawing from the sampler
         if (batch_size == 0) throw py::value_error("batch_size must be >= 1");
         std::vector<uint64_t> indices;
         indices.reserve(batch_size * max_batches);
@@ -145,16 +145,21 @@ public:
         uint64_t full = indices.size() / batch_size, rest = indices.size() % batch_size;
         std::vector<uint64_t> sizes(full, batch_size);
         if (rest && !drop_last) sizes.push_back(rest);
-        b.submit(indices.data(), sizes.data(), sizes.size());
+        // Taken only now: the sampler's code above may have closed the loader (close() frees the
+        // Batcher this object holds; a reference taken before would dangle).
+        core().submit(indices.data(), sizes.data(), sizes.size());
         return py::make_tuple(sizes.size(), exhausted);
     }
 
     py::tuple next() {
-        Batcher& b = core();
+        // Our own reference: another Python thread may close the loader while this one waits
+        // without the GIL; the Batcher then stops (next() throws Closed) but lives until we return.
+        std::shared_ptr<Batcher> b = batcher_;
+        if (!b) core();  // throws Closed
         ReadyBatch ready;
         {
             py::gil_scoped_release release;
-            ready = b.next();
+            ready = b->next();
         }
         return batch_arrays(spec_, ready, dtypes_);
     }
@@ -169,14 +174,16 @@ public:
 
     void close() {
         if (!batcher_) return;
-        if (batcher_->forked()) {
+        std::shared_ptr<Batcher> b = std::move(batcher_);
+        if (b->forked()) {
             // Its threads and perhaps a lock they held stayed in the parent: destroying it would
             // wait for them forever. Leak it (the child's copy of the ring is the parent's pages).
-            (void)batcher_.release();
+            (void)new std::shared_ptr<Batcher>(std::move(b));  // never freed, on purpose
             return;
         }
         py::gil_scoped_release release;  // a thread may be mid-batch
-        batcher_.reset();
+        b->close();  // stops and joins the threads; a next() waiting in another thread throws Closed
+        b.reset();   // freed here, or by that next() when it returns
     }
 
 private:
@@ -223,7 +230,7 @@ private:
     BatchDtypes dtypes_{spec_};
     uint64_t count_ = 0;
     std::string label_;
-    std::unique_ptr<Batcher> batcher_;
+    std::shared_ptr<Batcher> batcher_;
 };
 
 }  // namespace

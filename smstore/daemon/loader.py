@@ -25,6 +25,8 @@ LOADER_NICENESS = 10
 
 # Seconds the loader thread rests after freeing a released segment.
 FREE_PAUSE = 0.005
+# How long stop() waits for a load under way to end (it then unlinks what it made).
+STOP_WAIT = 5.0
 
 
 @dataclass(frozen=True)
@@ -123,8 +125,11 @@ class Loader:
         self.stopping = True
         self.jobs.put(None)
         if self.thread.is_alive():
-            # A load still running writes on into a segment that is unlinked and freed at exit.
-            self.thread.join(timeout=0.1)
+            # A load still running writes on into its segment; the thread unlinks it when it ends
+            # (it checks `stopping` before every job and after every load), so the shutdown's scan
+            # of /dev/shm that follows finds every segment it made. Bounded: a load of a file on a
+            # stuck mount must not hold the daemon's exit forever.
+            self.thread.join(timeout=STOP_WAIT)
         while True:
             try:
                 job = self.jobs.get_nowait()
@@ -142,8 +147,8 @@ class Loader:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
         while True:
             job = self.jobs.get()
-            if job is None:
-                return
+            if job is None or (self.stopping and not isinstance(job, Segment)):
+                return  # no load starts once the daemon stops: stop() frees the queued segments
             if isinstance(job, Segment):
                 # Freeing a released segment's pages takes milliseconds a 10 MiB: here, at the
                 # loader's priority, before any load queued after it counts on the room.
