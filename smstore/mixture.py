@@ -14,7 +14,7 @@ import heapq
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from fractions import Fraction
 from typing import Any
 
@@ -358,7 +358,9 @@ class MixtureOrder:
         """The indices at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
         return self.kernel.strided(first, step, count, wrap)
 
-    def strided_array(self, first: int, step: int, count: int, wrap: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """:meth:`strided`'s indices as an int64 array."""
         return self.kernel.strided_array(first, step, count, wrap)
 

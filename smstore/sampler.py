@@ -87,7 +87,9 @@ class FeistelPermutation:
         of a pass, its padding wrapped), as a list: one call into C++, whatever ``count`` is."""
         return _core.feistel_strided(self.n, self._keys, first, step, count, wrap)
 
-    def strided_array(self, first: int, step: int, count: int, wrap: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """:meth:`strided`'s images as an int64 array (no Python int per index)."""
         return _core.feistel_strided_array(self.n, self._keys, first, step, count, wrap)
 
@@ -110,7 +112,9 @@ class Order(Protocol):
         """The records at positions ``(first + i * step) % wrap`` for ``i < count``."""
         ...
 
-    def strided_array(self, first: int, step: int, count: int, wrap: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """:meth:`strided`'s records as an int64 array."""
         ...
 
@@ -583,7 +587,9 @@ class WindowedOrder:
         """The records at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
         return self._core.strided(first, step, count, wrap)
 
-    def strided_array(self, first: int, step: int, count: int, wrap: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """:meth:`strided`'s records as an int64 array."""
         return self._core.strided_array(first, step, count, wrap)
 
