@@ -333,7 +333,7 @@ class GlobalShuffleSampler(_SamplerBase):
         return self._local_count(self._consumed if self._resume else 0)
 
     def __iter__(self) -> Iterator[int]:
-        return self._start_pass(sys._getframe(1), arrays=False)  # type: ignore[return-value]
+        return self._start_pass(sys._getframe(1), arrays=False)
 
     def _chunks(self) -> Iterator[np.ndarray[Any, np.dtype[np.int64]]]:
         """A pass like ``iter(sampler)``, yielding each chunk of indices as one int64 array instead
@@ -343,7 +343,7 @@ class GlobalShuffleSampler(_SamplerBase):
         (the hooks at window starts, :meth:`state_dict`) are the same; a chunk counts as handed
         out once it is yielded.
         """
-        return self._start_pass(sys._getframe(1), arrays=True)  # type: ignore[return-value]
+        return self._start_pass(sys._getframe(1), arrays=True)
 
     def _new_pass(self) -> None:
         """Hook: a pass starts (a subclass resets what it tracks per pass)."""

@@ -159,7 +159,8 @@ public:
         if (indices.ndim() != 1) throw py::value_error("indices must be a 1-D array");
         auto n = static_cast<size_t>(indices.size());
         const int64_t* in = indices.data();
-        for (size_t i = 0; i < n; ++i) check_index(static_cast<Py_ssize_t>(in[i]));
+        for (size_t i = 0; i < n; ++i)
+            check_index(static_cast<Py_ssize_t>(in[i]));
         uint64_t full = n / batch_size, rest = n % batch_size;
         std::vector<uint64_t> sizes(full, batch_size);
         if (rest && !drop_last) sizes.push_back(rest);
