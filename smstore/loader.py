@@ -36,9 +36,10 @@ class Loader:
     straight from the store's mapping and pad or pack them (TokenCollator's options, widening
     included) into a ring of ``depth + 2`` reused buffers, at most ``depth`` batches ahead of the
     loop, with the GIL released. The indices come from the
-    sampler's iterator in chunks, so any sampler works (``GlobalShuffleSampler``,
-    ``WindowedShuffleSampler``, ``MixtureSampler``, a list); each ``iter(loader)`` is a new pass of
-    it, as with a DataLoader::
+    sampler in chunks, so any sampler works (``GlobalShuffleSampler``, ``WindowedShuffleSampler``,
+    ``MixtureSampler``, a list): ours hand over each chunk as an int64 array (no Python int per
+    index; the same pass, state and hooks as ``iter(sampler)``), any other iterable is drawn index
+    by index; each ``iter(loader)`` is a new pass of it, as with a DataLoader::
 
         loader = smstore.Loader("tokens.smst", sampler=GlobalShuffleSampler(n, seed=0),
                                 batch_size=256, dtype=torch.long, max_length=2048)
