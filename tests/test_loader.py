@@ -432,6 +432,12 @@ def test_indices_out_of_range(stores: dict[str, Path]) -> None:
         list(loader)
     with pytest.raises(IndexError):
         TokenCollator(stores["u2"])([0, N])
+    # Our sampler of a larger dataset: its chunk arrives as an array, each index checked.
+    with (
+        Loader(stores["u2"], sampler=GlobalShuffleSampler(N + 50, seed=0), batch_size=8) as loader,
+        pytest.raises(smstore.RecordIndexError, match=r"u2\.smst: the sampler gave record index 2[4-8]\d"),
+    ):
+        list(loader)
 
 
 def test_records_of_partial_items(tmp_path: Path) -> None:
