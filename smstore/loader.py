@@ -5,8 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+
+import numpy as np
 
 from smstore import _core
 from smstore.collate import TokenCollator
@@ -34,9 +36,10 @@ class Loader:
     straight from the store's mapping and pad or pack them (TokenCollator's options, widening
     included) into a ring of ``depth + 2`` reused buffers, at most ``depth`` batches ahead of the
     loop, with the GIL released. The indices come from the
-    sampler's iterator in chunks, so any sampler works (``GlobalShuffleSampler``,
-    ``WindowedShuffleSampler``, ``MixtureSampler``, a list); each ``iter(loader)`` is a new pass of
-    it, as with a DataLoader::
+    sampler in chunks, so any sampler works (``GlobalShuffleSampler``, ``WindowedShuffleSampler``,
+    ``MixtureSampler``, a list): ours hand over each chunk as an int64 array (no Python int per
+    index; the same pass, state and hooks as ``iter(sampler)``), any other iterable is drawn index
+    by index; each ``iter(loader)`` is a new pass of it, as with a DataLoader::
 
         loader = smstore.Loader("tokens.smst", sampler=GlobalShuffleSampler(n, seed=0),
                                 batch_size=256, dtype=torch.long, max_length=2048)
@@ -160,9 +163,13 @@ class Loader:
         self._pid = os.getpid()
         batcher = _core.Batcher(self.store, self._spec, self.threads, self.depth, self._pinned)
         self._batcher = batcher
-        return self._run(self._pass, batcher, iter(self.sampler))
+        ours = sys.modules.get("smstore.sampler")  # not loaded: the sampler is not one of ours
+        if ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
+            # Our samplers hand their chunks over as int64 arrays: no Python int per index.
+            return self._run(self._pass, batcher, _array_feed(batcher, self.sampler._chunks()))
+        return self._run(self._pass, batcher, _iterator_feed(batcher, iter(self.sampler)))
 
-    def _run(self, token: int, batcher: _core.Batcher, indices: Iterator[int]) -> Iterator[dict[str, Any]]:
+    def _run(self, token: int, batcher: _core.Batcher, feed: _Feed) -> Iterator[dict[str, Any]]:
         import torch
 
         # The per-batch work on the loop's thread is kept to a few operations: batches are queued
@@ -171,7 +178,7 @@ class Loader:
         from_numpy, pack = torch.from_numpy, self.collate.layout == "pack"
         pid, chunk, depth, size = self._pid, max(self.depth, 8), self.depth, self.batch_size
         drop_last, copy_to_pinned = self.drop_last, self._copy_to_pinned
-        submit, take = batcher.submit_from, batcher.next
+        take = batcher.next
         exhausted, pending = False, 0  # pending: batches queued and not yet received
         try:
             while True:
@@ -179,7 +186,7 @@ class Loader:
                     self._check_usable(pid)
                     return  # a newer pass replaced this one
                 if not exhausted and pending <= depth:
-                    queued, exhausted = submit(indices, size, chunk, drop_last)
+                    queued, exhausted = feed(size, chunk, drop_last)
                     pending += queued
                 if not pending:
                     break
@@ -285,6 +292,51 @@ class Loader:
             f"Loader({self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
             f"threads={self.threads}, pinned={self._pinned})"
         )
+
+
+# Queues up to max_batches batches of batch_size indices from the sampler: (batches queued, whether
+# the sampler is exhausted). The last, short batch is queued unless drop_last.
+_Feed = Callable[[int, int, bool], tuple[int, bool]]
+
+
+def _iterator_feed(batcher: _core.Batcher, indices: Iterator[int]) -> _Feed:
+    """Any sampler: C++ draws its indices one by one (a list behind ``yield from`` in bulk)."""
+    submit_from = batcher.submit_from
+
+    def feed(size: int, max_batches: int, drop_last: bool) -> tuple[int, bool]:
+        return submit_from(indices, size, max_batches, drop_last)
+
+    return feed
+
+
+def _array_feed(batcher: _core.Batcher, chunks: Iterator[np.ndarray[Any, np.dtype[np.int64]]]) -> _Feed:
+    """Our samplers' chunks (int64 arrays), drawn only as far as the batches asked for need: the
+    same draws as :func:`_iterator_feed` makes of ``iter(sampler)``, so the sampler's hooks run at
+    the same batches."""
+    submit_array = batcher.submit_array
+    rest = np.empty(0, dtype=np.int64)  # the part of the chunks drawn and not yet queued
+
+    def feed(size: int, max_batches: int, drop_last: bool) -> tuple[int, bool]:
+        nonlocal rest
+        want = size * max_batches
+        parts, have, exhausted = [rest] if len(rest) else [], len(rest), False
+        while have < want:
+            block = next(chunks, None)
+            if block is None:
+                exhausted = True
+                break
+            parts.append(block)
+            have += len(block)
+        if not parts:
+            return 0, exhausted
+        indices = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if exhausted:
+            rest = indices[:0]
+        else:  # want is whole batches: the rest waits for the next call
+            indices, rest = indices[:want], indices[want:]
+        return submit_array(indices, size, drop_last), exhausted
+
+    return feed
 
 
 def _cuda_available() -> bool:

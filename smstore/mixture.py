@@ -14,7 +14,7 @@ import heapq
 import math
 import sys
 import warnings
-from collections.abc import Callable, Iterator, Sequence, Sized
+from collections.abc import Callable, Sequence, Sized
 from fractions import Fraction
 from typing import Any
 
@@ -357,6 +357,12 @@ class MixtureOrder:
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The indices at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
         return self.kernel.strided(first, step, count, wrap)
+
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """:meth:`strided`'s indices as an int64 array."""
+        return self.kernel.strided_array(first, step, count, wrap)
 
     def __len__(self) -> int:
         return self.n
@@ -817,10 +823,9 @@ class WindowedMixtureSampler(MixtureSampler):
         nxt += g - at  # back in the pass's (possibly wrapped) positions
         return done + max(1, -(-(nxt - g) // self.world_size))
 
-    def __iter__(self) -> Iterator[int]:
+    def _new_pass(self) -> None:
         self._last_holds = [None] * len(self.residencies)
         self._planned_at = None
-        return super().__iter__()
 
     def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
         state = super().state_dict(local_consumed)

@@ -87,6 +87,12 @@ class FeistelPermutation:
         of a pass, its padding wrapped), as a list: one call into C++, whatever ``count`` is."""
         return _core.feistel_strided(self.n, self._keys, first, step, count, wrap)
 
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """:meth:`strided`'s images as an int64 array (no Python int per index)."""
+        return _core.feistel_strided_array(self.n, self._keys, first, step, count, wrap)
+
     def __getitem__(self, position: int) -> int:
         if not 0 <= position < self.n:
             msg = f"position {position} out of range for a permutation of {self.n}"
@@ -104,6 +110,12 @@ class Order(Protocol):
 
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
         """The records at positions ``(first + i * step) % wrap`` for ``i < count``."""
+        ...
+
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """:meth:`strided`'s records as an int64 array."""
         ...
 
 
@@ -307,6 +319,11 @@ class GlobalShuffleSampler(_SamplerBase):
         first = start + self.rank + i0 * self.world_size
         return perm.strided(first, self.world_size, i1 - i0, self.num_records)  # the padding wraps
 
+    def _local_array(self, perm: Order, start: int, i0: int, i1: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """:meth:`_local_indices` as an int64 array (what :class:`~smstore.Loader` draws)."""
+        first = start + self.rank + i0 * self.world_size
+        return perm.strided_array(first, self.world_size, max(0, i1 - i0), self.num_records)
+
     # -- the Sampler protocol ---------------------------------------------------------------
 
     def __len__(self) -> int:
@@ -316,8 +333,25 @@ class GlobalShuffleSampler(_SamplerBase):
         return self._local_count(self._consumed if self._resume else 0)
 
     def __iter__(self) -> Iterator[int]:
+        return self._start_pass(sys._getframe(1), arrays=False)
+
+    def _chunks(self) -> Iterator[np.ndarray[Any, np.dtype[np.int64]]]:
+        """A pass like ``iter(sampler)``, yielding each chunk of indices as one int64 array instead
+        of its indices one by one (for :class:`~smstore.Loader`, which reads them in bulk).
+
+        The same generator makes both, so the indices, their order and the pass's bookkeeping
+        (the hooks at window starts, :meth:`state_dict`) are the same; a chunk counts as handed
+        out once it is yielded.
+        """
+        return self._start_pass(sys._getframe(1), arrays=True)
+
+    def _new_pass(self) -> None:
+        """Hook: a pass starts (a subclass resets what it tracks per pass)."""
+
+    def _start_pass(self, frame: Any, *, arrays: bool) -> Iterator[Any]:
+        self._new_pass()
         self._sync_world()
-        seen = frameworks.inspect_pass(self, sys._getframe(1))
+        seen = frameworks.inspect_pass(self, frame)
         if seen.epoch is not None:
             self.set_epoch(seen.epoch)
         start = self._consumed if self._resume else 0
@@ -327,9 +361,10 @@ class GlobalShuffleSampler(_SamplerBase):
         self._in_pass, self._pass_finished = True, False
         self._pass_start, self._pass_done, self._pass_chunk, self._pass_chunk_len = start, 0, None, 0
         self._pass_ahead = seen.ahead
-        return self._generate(self._iter_token, self.permutation(), start, self._local_count(start))
+        return self._generate(self._iter_token, self.permutation(), start, self._local_count(start), arrays)
 
-    def _generate(self, token: int, perm: Order, start: int, count: int) -> Iterator[int]:
+    def _generate(self, token: int, perm: Order, start: int, count: int, arrays: bool) -> Iterator[Any]:
+        """The pass's indices one by one, or (``arrays``) its chunks as int64 arrays."""
         done = 0
         chunk = 256  # small first chunks: the first batch after a resume arrives at once
         point = 0  # the next step at which _reached() acts (a window start, say)
@@ -341,10 +376,16 @@ class GlobalShuffleSampler(_SamplerBase):
                 # draw's would add up in one wait of the training loop.
                 chunk = 256
             m = min(chunk, count - done, point - done)
-            values = iter(self._local_indices(perm, start, done, done + m))
-            if token == self._iter_token:
-                self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
-            yield from values
+            if arrays:
+                block = self._local_array(perm, start, done, done + m)
+                if token == self._iter_token:  # handed out whole
+                    self._pass_done, self._pass_chunk, self._pass_chunk_len = done + m, None, 0
+                yield block
+            else:
+                values = iter(self._local_indices(perm, start, done, done + m))
+                if token == self._iter_token:
+                    self._pass_done, self._pass_chunk, self._pass_chunk_len = done, values, m
+                yield from values
             done += m
             chunk = min(chunk * 4, self._max_chunk)
         if token == self._iter_token:
@@ -546,6 +587,12 @@ class WindowedOrder:
         """The records at positions ``(first + i * step) % wrap`` for ``i < count``, as a list."""
         return self._core.strided(first, step, count, wrap)
 
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """:meth:`strided`'s records as an int64 array."""
+        return self._core.strided_array(first, step, count, wrap)
+
     def __len__(self) -> int:
         return self.n
 
@@ -689,9 +736,8 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         nxt += g - at  # back in the pass's (possibly wrapped) positions
         return done + max(1, -(-(nxt - g) // self.world_size))
 
-    def __iter__(self) -> Iterator[int]:
+    def _new_pass(self) -> None:
         self._last_hold = None  # the first hold of a pass is applied before it yields (errors up front)
-        return super().__iter__()
 
     def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
         state = super().state_dict(local_consumed)

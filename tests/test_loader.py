@@ -16,7 +16,8 @@ import pytest
 import smstore
 from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
 from smstore._pack import build_metadata
-from smstore.mixture import Mixture
+from smstore.mixture import Mixture, WindowedMixtureSampler
+from smstore.sampler import ResumableLoader
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader
@@ -39,6 +40,8 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         smstore.pack_arrays((record(i).astype(dtype) for i in range(N)), out[name], dtype=dtype)
     out["lines"] = root / "lines.smst"
     smstore.pack([bytes(record(i) % 251) for i in range(N)], out["lines"], encoding="lines")
+    out["big"] = root / "big.smst"
+    smstore.pack_arrays((record(i).astype(np.uint16) for i in range(BIG)), out["big"], dtype=np.uint16)
     return out
 
 
@@ -134,6 +137,138 @@ def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size
         expected = reference(stores["u2"], make(rank), 10, False, dtype=torch.long)
         with Loader(stores["u2"], sampler=make(rank), batch_size=10, dtype=torch.long, depth=2) as loader:
             assert_same_batches(list(loader), expected)
+
+
+class HoldRecorder:
+    """A residency that records each hold with the batches the loop had received when it came."""
+
+    def __init__(self) -> None:
+        self.received = 0
+        self.holds: list[tuple[int, tuple[int, ...]]] = []
+
+    def hold(self, shards: tuple[int, ...], *, wait: bool = False) -> None:
+        self.holds.append((self.received, tuple(shards)))
+
+    def close(self) -> None:
+        pass
+
+
+BIG = 3000  # records: our samplers draw chunks of 256, 1024, 4096 (cut at window starts)
+
+
+def make_sampler(kind: str, rank: int, world: int, recs: list[HoldRecorder]) -> Any:
+    if kind == "global":
+        return GlobalShuffleSampler(BIG, seed=5, rank=rank, world_size=world)
+    if kind == "windowed":
+        sizes = [400] * 7 + [200]
+        return WindowedShuffleSampler(
+            sizes, window=2, seed=5, rank=rank, world_size=world, lag=30, residency=recs[0]
+        )
+    if kind == "mixture":
+        return MixtureSampler(Mixture([1800, 1200], [0.7, 0.3]), seed=5, rank=rank, world_size=world)
+    return WindowedMixtureSampler(
+        Mixture([1800, 1200], [0.6, 0.4]),
+        window=2,
+        shard_sizes=[[300] * 6, [200] * 6],
+        seed=5,
+        rank=rank,
+        world_size=world,
+        lag=20,
+        residency=recs,
+    )
+
+
+class Plain:
+    """Our sampler behind an iterable of another type: the Loader draws it index by index."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def __iter__(self) -> Any:
+        return iter(self.inner)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (3, 2)])
+@pytest.mark.parametrize("kind", ["global", "windowed", "mixture", "windowed-mixture"])
+def test_our_samplers_chunks_as_arrays_match_the_dataloader(
+    stores: dict[str, Path], kind: str, world: int, rank: int, drop_last: bool
+) -> None:
+    """The Loader takes our samplers' chunks as arrays: the same batches, states after each batch
+    received and residency holds (at the same batches) as the DataLoader and the index-by-index path."""
+    path, b = stores["big"], 7
+    collate = TokenCollator(path, dtype=torch.long)
+
+    def run(loader: Any, recs: list[HoldRecorder], states: bool) -> tuple[list[Any], list[Any], list[Any]]:
+        batches, saved = [], []
+        for batch in loader:
+            batches.append(batch)
+            for r in recs:
+                r.received += 1
+            if states:
+                saved.append({k: v for k, v in loader.state_dict().items() if k != "store_checksum"})
+        if states:
+            saved.append({k: v for k, v in loader.state_dict().items() if k != "store_checksum"})
+        return batches, saved, [r.holds for r in recs]
+
+    recs = [HoldRecorder(), HoldRecorder()]
+    reference_loader = ResumableLoader(
+        DataLoader(
+            range(BIG),
+            sampler=make_sampler(kind, rank, world, recs),
+            batch_size=b,
+            drop_last=drop_last,
+            collate_fn=lambda x: collate._collate_numpy(x, x, torch),
+        )
+    )
+    expected, expected_states, expected_holds = run(reference_loader, recs, True)
+
+    recs = [HoldRecorder(), HoldRecorder()]
+    sampler = make_sampler(kind, rank, world, recs)
+    with Loader(
+        path, sampler=sampler, batch_size=b, drop_last=drop_last, dtype=torch.long, depth=3
+    ) as loader:
+        got, states, holds = run(loader, recs, True)
+    assert_same_batches(got, expected)
+    assert states == expected_states
+    # The holds are those of the DataLoader's pass (which draws a batch at a time: other batches)...
+    assert [[h for _, h in r] for r in holds] == [[h for _, h in r] for r in expected_holds]
+    if kind.startswith("windowed"):
+        assert len(holds[0]) > 2  # the pass went through several windows
+
+    # ... and come at the same batches as when the Loader draws the same pass index by index.
+    recs = [HoldRecorder(), HoldRecorder()]
+    plain = Plain(make_sampler(kind, rank, world, recs))
+    with Loader(path, sampler=plain, batch_size=b, drop_last=drop_last, dtype=torch.long, depth=3) as loader:
+        got_plain, _, holds_plain = run(loader, recs, False)
+    assert_same_batches(got_plain, expected)
+    assert holds == holds_plain
+
+
+@pytest.mark.parametrize("kind", ["global", "windowed", "mixture", "windowed-mixture"])
+def test_chunks_are_the_pass_as_int64_arrays(kind: str) -> None:
+    def make() -> Any:
+        s = make_sampler(kind, 1, 2, [HoldRecorder(), HoldRecorder()])
+        s.set_epoch(2)
+        return s
+
+    s, other = make(), make()
+    chunks = s._chunks()
+    first = [next(chunks), next(chunks)]
+    it = iter(other)
+    drawn = [next(it) for _ in range(sum(len(c) for c in first))]
+    # A chunk counts as handed out once yielded: the state is that of iter() at the same index.
+    assert s.state_dict() == other.state_dict()
+    rest = list(chunks)
+    assert all(isinstance(c, np.ndarray) and c.dtype == np.int64 and c.ndim == 1 for c in first + rest)
+    assert len(rest) >= 1
+    # The same pass as iter(): the same indices in the same order, the same state at its end.
+    assert np.concatenate(first + rest).tolist() == drawn + list(it)
+    assert s.state_dict() == other.state_dict()
+    assert s.state_dict()["consumed"] == s.num_records
 
 
 def test_no_threads_makes_each_batch_on_the_loops_thread(stores: dict[str, Path]) -> None:
@@ -297,6 +432,12 @@ def test_indices_out_of_range(stores: dict[str, Path]) -> None:
         list(loader)
     with pytest.raises(IndexError):
         TokenCollator(stores["u2"])([0, N])
+    # Our sampler of a larger dataset: its chunk arrives as an array, each index checked.
+    with (
+        Loader(stores["u2"], sampler=GlobalShuffleSampler(N + 50, seed=0), batch_size=8) as loader,
+        pytest.raises(smstore.RecordIndexError, match=r"u2\.smst: the sampler gave record index 2[4-8]\d"),
+    ):
+        list(loader)
 
 
 def test_records_of_partial_items(tmp_path: Path) -> None:

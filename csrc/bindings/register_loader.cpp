@@ -151,6 +151,25 @@ public:
         return py::make_tuple(sizes.size(), exhausted);
     }
 
+    // Queues the batches of `indices` (an int64 array: a chunk our samplers computed, no Python int
+    // per index): full batches of batch_size, then the rest as a short batch unless drop_last.
+    // Returns the batches queued.
+    uint64_t submit_array(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& indices,
+                          uint64_t batch_size, bool drop_last) {
+        Batcher& b = core();
+        if (batch_size == 0) throw py::value_error("batch_size must be >= 1");
+        if (indices.ndim() != 1) throw py::value_error("indices must be a 1-D array");
+        auto n = static_cast<size_t>(indices.size());
+        const int64_t* in = indices.data();
+        for (size_t i = 0; i < n; ++i)
+            check_index(static_cast<Py_ssize_t>(in[i]));
+        uint64_t full = n / batch_size, rest = n % batch_size;
+        std::vector<uint64_t> sizes(full, batch_size);
+        if (rest && !drop_last) sizes.push_back(rest);
+        b.submit(reinterpret_cast<const uint64_t*>(in), sizes.data(), sizes.size());  // all >= 0
+        return sizes.size();
+    }
+
     py::tuple next() {
         // Our own reference: another Python thread may close the loader while this one waits
         // without the GIL; the Batcher then stops (next() throws Closed) but lives until we return.
@@ -279,6 +298,8 @@ void register_loader(py::module_& m) {
              py::arg("threads"), py::arg("depth"), py::arg("pinned") = false)
         .def("submit_from", checked(&PyBatcher::submit_from), py::arg("iterator"), py::arg("batch_size"),
              py::arg("max_batches"), py::arg("drop_last"))
+        .def("submit_array", checked(&PyBatcher::submit_array), py::arg("indices"), py::arg("batch_size"),
+             py::arg("drop_last"))
         .def("next", checked(&PyBatcher::next))
         .def("pending", checked(&PyBatcher::pending))
         .def_property_readonly("threads", checked(&PyBatcher::threads))

@@ -103,6 +103,18 @@ void register_mixture(py::module_& m) {
                 }
                 return to_list(out);
             },
+            py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"))
+        .def(
+            "strided_array",
+            [](MixtureOrder& o, uint64_t first, uint64_t step, size_t count, uint64_t wrap) {
+                Int64s out(static_cast<py::ssize_t>(count));
+                int64_t* dst = out.mutable_data();
+                {
+                    py::gil_scoped_release release;
+                    o.strided(first, step, count, wrap, dst);
+                }
+                return out;
+            },
             py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"));
 }
 

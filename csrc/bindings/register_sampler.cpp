@@ -1,5 +1,6 @@
 // smstore._core: the samplers' orders (the Feistel permutation and the windowed order) over
-// arrays of positions, and over a rank's strided share of a pass as a list of ints.
+// arrays of positions, and over a rank's strided share of a pass as a list of ints (what a DataLoader
+// draws) or an int64 array (what smstore.Loader draws: no Python int per index).
 #include <pybind11/functional.h>
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
@@ -68,6 +69,20 @@ void register_sampler(py::module_& m) {
         },
         py::arg("n"), py::arg("round_keys"), py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"),
         "The images of positions (first + i * step) % wrap, i < count, under the Feistel permutation of [0, n).");
+    m.def(
+        "feistel_strided_array",
+        [](uint64_t n, std::vector<uint64_t> round_keys, uint64_t first, uint64_t step, size_t count, uint64_t wrap) {
+            Feistel perm(n, std::move(round_keys));
+            py::array_t<int64_t> out(static_cast<py::ssize_t>(count));
+            int64_t* dst = out.mutable_data();
+            {
+                py::gil_scoped_release release;
+                feistel_strided(perm, first, step, count, wrap, dst);
+            }
+            return out;
+        },
+        py::arg("n"), py::arg("round_keys"), py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"),
+        "feistel_strided's images as an int64 array.");
 
     py::class_<WindowedOrder, std::shared_ptr<WindowedOrder>>(
         m, "WindowedOrder", "The windowed epoch order's tables (smstore.sampler.WindowedOrder evaluates with it).")
@@ -91,6 +106,14 @@ void register_sampler(py::module_& m) {
                 std::vector<int64_t> out(count);
                 o.strided(first, step, count, wrap, out.data());
                 return to_list(out);
+            },
+            py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"))
+        .def(
+            "strided_array",
+            [](WindowedOrder& o, uint64_t first, uint64_t step, size_t count, uint64_t wrap) {
+                py::array_t<int64_t> out(static_cast<py::ssize_t>(count));
+                o.strided(first, step, count, wrap, out.mutable_data());
+                return out;
             },
             py::arg("first"), py::arg("step"), py::arg("count"), py::arg("wrap"));
 }
