@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import signal
@@ -366,9 +367,15 @@ def children() -> set[int]:
 
 
 def resources() -> tuple[set[str], set[str], list[str]]:
-    """This process's open descriptors, the /dev/shm names torch makes (others' come and go on a
-    shared machine), and this process's shared-memory mappings."""
-    fds = set(os.listdir("/proc/self/fd"))
+    """This process's open descriptors of the kinds a loader makes (pipes, shared memory: threads
+    that earlier tests left reading files open and close others meanwhile), the /dev/shm names
+    torch makes (others' come and go on a shared machine), and this process's shared-memory mappings."""
+    fds = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):  # closed since listed
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith(("pipe:", "socket:", "anon_inode:", "/memfd:")) or "/dev/shm" in target:
+                fds.add(f"{fd} -> {target}")
     shm = {name for name in os.listdir("/dev/shm") if name.startswith("torch_")}
     maps = [
         line
