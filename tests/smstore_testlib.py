@@ -8,7 +8,7 @@ import random
 import struct
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -223,3 +223,36 @@ def loader_batches(loader: object, k: int | None = None) -> list[int]:
     """The indices of the first `k` batches (all with None) of a loader of index tensors."""
     # islice takes exactly k batches from the loader (a loop that breaks would receive one more).
     return [x for batch in itertools.islice(loader, k) for x in batch.tolist()]  # type: ignore[call-overload]
+
+
+# World sizes of a resume test, and the batches each rank reads at each (None: the rest).
+RESUME_PLAN: list[tuple[int, int | None]] = [(1, 5), (3, 2), (8, 1), (2, None)]
+
+
+def stateful_resume(
+    sdl: Any, make_sampler: Callable[[int, int], Any], items: int, batch: int, num_workers: int
+) -> tuple[list[int], list[int]]:
+    """Reads through torchdata's StatefulDataLoader (module `sdl`) at the world sizes of RESUME_PLAN:
+    at each, every rank's loader (sampler `make_sampler(rank, world)`) resumes from rank 0's state of
+    the step before and reads its first k batches. Returns what was read, put back at its global
+    positions, and the global position where each step began."""
+    state = None
+    got: list[int] = []
+    starts: list[int] = []
+    for world, k in RESUME_PLAN:
+        streams, saved = [], None
+        for r in range(world):
+            loader = sdl.StatefulDataLoader(
+                range(items), batch_size=batch, sampler=make_sampler(r, world), num_workers=num_workers
+            )
+            if state is not None:
+                loader.load_state_dict(state)
+            it = iter(loader)
+            streams.append(loader_batches(it, k))
+            if r == 0:
+                saved = loader.state_dict()
+            del it
+        starts.append(len(got))
+        got += interleave(streams)
+        state = saved
+    return got, starts

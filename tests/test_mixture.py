@@ -21,7 +21,7 @@ from smstore.mixture import (
 )
 from smstore.sampler import GlobalShuffleSampler, ResumableLoader, round_keys
 
-from .smstore_testlib import interleave, loader_batches
+from .smstore_testlib import RESUME_PLAN, interleave, loader_batches, stateful_resume
 
 
 def epoch_order(mix: Mixture, seed: int, epoch: int = 0) -> list[int]:
@@ -501,25 +501,12 @@ def test_stateful_dataloader_resume_1_3_8_2(num_workers: int) -> None:
     mix = Mixture([150, 40, 90], [0.5, 0.2, 0.3], stop="first_exhausted")
     order = epoch_order(mix, seed=12)
     n, batch = len(order), 3
-    state = None
-    got: list[int] = []
-    last_start = 0
-    for i, (world, k) in enumerate([(1, 5), (3, 2), (8, 1), (2, None)]):
-        streams, saved = [], None
-        for r in range(world):
-            s = MixtureSampler(mix, seed=12, rank=r, world_size=world)
-            loader = sdl.StatefulDataLoader(range(280), batch_size=batch, sampler=s, num_workers=num_workers)
-            if state is not None:
-                loader.load_state_dict(state)
-            it = iter(loader)
-            streams.append([x for b in itertools.islice(it, k) for x in b.tolist()])
-            if r == 0:
-                saved = loader.state_dict()
-            del it
-        last_start = len(got)
-        got += interleave(streams)
-        state = saved
-        assert i == 3 or len(got) == last_start + world * k * batch  # type: ignore[operator]
+    got, starts = stateful_resume(
+        sdl, lambda r, world: MixtureSampler(mix, seed=12, rank=r, world_size=world), 280, batch, num_workers
+    )
+    for i, (world, k) in enumerate(RESUME_PLAN[:-1]):
+        assert starts[i + 1] - starts[i] == world * k * batch  # type: ignore[operator]
+    last_start = starts[-1]
     assert got[:last_start] == order[:last_start]
     assert got[last_start:] == [order[p % n] for p in range(last_start, len(got))]
 

@@ -23,7 +23,7 @@ from smstore.residency import ShardResidency
 from smstore.sampler import ResumableLoader
 
 from .daemon_testlib import Daemon
-from .smstore_testlib import interleave, loader_batches
+from .smstore_testlib import interleave, loader_batches, stateful_resume
 
 # Three sources: two sharded (uneven shards, an empty one), one without shards.
 SHARDS = [[30, 25, 0, 40, 35, 20, 30], [12, 15, 10, 14, 9, 11, 13, 8, 12, 16], None]
@@ -268,24 +268,10 @@ def test_stateful_dataloader_resume_1_3_8_2() -> None:
     mix = Mixture(LENGTHS, WEIGHTS, stop="first_exhausted")
     order = epoch_order(mix, 3, seed=12)
     n, batch = len(order), 3
-    state = None
-    got: list[int] = []
-    last_start = 0
-    for world, k in [(1, 5), (3, 2), (8, 1), (2, None)]:
-        streams, saved = [], None
-        for r in range(world):
-            s = sampler(mix, 3, seed=12, rank=r, world=world)
-            loader = sdl.StatefulDataLoader(range(sum(LENGTHS)), batch_size=batch, sampler=s, num_workers=2)
-            if state is not None:
-                loader.load_state_dict(state)
-            it = iter(loader)
-            streams.append([x for b in itertools.islice(it, k) for x in b.tolist()])
-            if r == 0:
-                saved = loader.state_dict()
-            del it
-        last_start = len(got)
-        got += interleave(streams)
-        state = saved
+    got, starts = stateful_resume(
+        sdl, lambda r, world: sampler(mix, 3, seed=12, rank=r, world=world), sum(LENGTHS), batch, 2
+    )
+    last_start = starts[-1]
     assert got[:last_start] == order[:last_start]
     assert got[last_start:] == [order[p % n] for p in range(last_start, len(got))]
 
