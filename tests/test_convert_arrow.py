@@ -599,6 +599,53 @@ def test_message_lengths_beyond_the_file_are_refused_before_reading(tmp_path: Pa
         assert want in res["refused"], res
 
 
+def footer_blocks(data: bytes | bytearray) -> tuple[int, list[int]]:
+    """An IPC file footer's record-batch count's position and its dictionary blocks' offsets
+    (Footer.dictionaries is field 2, .recordBatches field 3)."""
+    footer = len(data) - 10 - struct.unpack_from("<i", data, len(data) - 10)[0]
+
+    def field(table: int, index: int) -> int:
+        vtable = table - struct.unpack_from("<i", data, table)[0]
+        return table + struct.unpack_from("<H", data, vtable + 4 + 2 * index)[0]
+
+    root = footer + struct.unpack_from("<I", data, footer)[0]
+    batches_at, dicts_at = field(root, 3), field(root, 2)
+    batches_vec = batches_at + struct.unpack_from("<I", data, batches_at)[0]
+    dicts_vec = dicts_at + struct.unpack_from("<I", data, dicts_at)[0]
+    n = struct.unpack_from("<I", data, dicts_vec)[0]
+    dicts = [struct.unpack_from("<q", data, dicts_vec + 4 + 24 * i)[0] for i in range(n)]
+    return batches_vec, dicts
+
+
+def test_a_dictionary_block_is_read_as_pyarrow_reads_it_with_the_first_record_batch(tmp_path: Path) -> None:
+    """pyarrow reads an IPC file's dictionaries with its first record batch: a file listing none
+    reads as no records whatever its dictionary blocks hold (fuzz_arrow found us refusing one);
+    a file with a record batch and a broken dictionary block is refused, naming that block."""
+    t = pa.table({"d": pa.array(["a", "b", "a"]).dictionary_encode(), "s": ["x", "y", "z"]})
+    data = bytearray(write_ipc(tmp_path / "src.arrow", t, "file").read_bytes())
+    batches_vec, dicts = footer_blocks(data)
+    assert len(dicts) == 1
+    assert struct.unpack_from("<I", data, batches_vec)[0] == 1
+    struct.pack_into("<i", data, dicts[0] + 4, 14 << 20)  # its metadata runs past the file's end
+    (tmp_path / "one-batch.arrow").write_bytes(data)
+    struct.pack_into("<I", data, batches_vec, 0)  # the footer lists no record batch
+    (tmp_path / "no-batch.arrow").write_bytes(data)
+    cases: list[tuple[str, str | None]] = [
+        (os.fspath(tmp_path / name), column)
+        for name in ("no-batch.arrow", "one-batch.arrow")
+        for column in (None, "s")
+    ]
+    results = run_cases(cases)
+    assert results[:2] == [{"case": 0, "equal": True}, {"case": 1, "equal": True}], results
+    assert pa.ipc.open_file(cases[0][0]).read_all().num_rows == 0
+    for res, (path, _) in zip(results[2:], cases[2:], strict=True):
+        assert res.get("refused", "").startswith(
+            f"{path}: unreadable at dictionary batch 0: its message at byte {dicts[0]} declares 14680064 bytes"
+        ), res
+    with pytest.raises(pa.ArrowInvalid):  # as pyarrow, whichever column is read
+        pa.ipc.open_file(cases[3][0], options=pa.ipc.IpcReadOptions(included_fields=[1])).get_batch(0)
+
+
 @pytest.mark.parametrize("kind", ["parquet", "ipc-file"])
 def test_rows_with_a_column_name_twice_are_what_pyarrow_reads(tmp_path: Path, kind: str) -> None:
     """A name given to two columns of different types: the rows are to_pylist's (the last wins),
