@@ -23,6 +23,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._pack import publish_file
+from smstore._protocol import CHECKSUM_WORDING, is_checksum
 from smstore.errors import StoreError, StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
 
 __all__ = [
@@ -46,8 +47,6 @@ MANIFEST_NAME = "manifest.json"
 MANIFEST_FORMAT = "smstore-manifest"
 MANIFEST_VERSION = 1
 MAX_MANIFEST_BYTES = 256 << 20  # ~1.5M shards: a larger file is not a manifest we wrote
-
-_HEX16 = re.compile(r"[0-9a-f]{16}\Z")
 
 
 @dataclass(frozen=True)
@@ -219,8 +218,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         if not isinstance(spath, str) or not spath or "\0" in spath:
             raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
         checksum = entry.get("checksum")
-        if not isinstance(checksum, str) or not _HEX16.match(checksum):
-            raise _bad(p, f"{where}.checksum must be 16 lowercase hex digits, not {checksum!r}")
+        if not is_checksum(checksum):
+            raise _bad(p, f"{where}.checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
         shards.append(
             ShardInfo(
                 spath,

@@ -13,13 +13,15 @@ from __future__ import annotations
 import json
 import re
 import struct
-from typing import Any
+from typing import Any, TypeGuard
 
 from smstore.errors import DaemonError
 
 __all__ = [
     "BAD_REQUEST",
     "BUSY",
+    "CHECKSUM",
+    "CHECKSUM_WORDING",
     "CODES",
     "LOAD_FAILED",
     "MAX_HOLD",
@@ -32,11 +34,13 @@ __all__ = [
     "TOO_LARGE",
     "ProtocolError",
     "checksum_arg",
+    "checksum_in",
     "decode_body",
     "encode",
     "frame",
     "frame_length",
     "hold_arg",
+    "is_checksum",
     "key_arg",
     "not_served",
     "page_arg",
@@ -162,12 +166,31 @@ def parse_request(body: bytes) -> dict[str, Any]:
     return obj
 
 
+# A blob's checksum as every part of smstore writes it: its XXH64 in 16 lowercase hex digits (the
+# header's, as `_core` formats it). Requests, manifests, segment names and the command line check it
+# with this pattern and nothing else; people see it as "xxh64:<digits>".
+CHECKSUM = "[0-9a-f]{16}"
+_CHECKSUM_RE = re.compile(CHECKSUM)
+CHECKSUM_WORDING = "16 lowercase hex digits"
+
+
+def is_checksum(value: object) -> TypeGuard[str]:
+    """Whether `value` is a checksum as smstore writes it (`CHECKSUM`)."""
+    return isinstance(value, str) and _CHECKSUM_RE.fullmatch(value) is not None
+
+
+def checksum_in(text: str) -> str | None:
+    """The checksum `text` gives, with or without its "xxh64:" prefix; None if it gives none."""
+    digits = text.removeprefix("xxh64:")
+    return digits if is_checksum(digits) else None
+
+
 def checksum_arg(req: dict[str, Any]) -> str | None:
     value = req.get("checksum")
     if value is None:
         return None
-    if not (isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)):
-        raise ProtocolError(BAD_REQUEST, "'checksum' must be 16 lowercase hex digits")
+    if not is_checksum(value):
+        raise ProtocolError(BAD_REQUEST, f"'checksum' must be {CHECKSUM_WORDING}")
     return value
 
 

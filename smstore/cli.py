@@ -556,6 +556,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
+    from smstore._protocol import checksum_in
     from smstore._store import read_checksum
     from smstore.client import daemon_request
 
@@ -572,7 +573,7 @@ def cmd_unload(args: argparse.Namespace) -> int:
         try:
             checksum = read_checksum(target)
         except OSError:
-            checksum = target.removeprefix("xxh64:") if len(target.removeprefix("xxh64:")) == 16 else None
+            checksum = checksum_in(target)
         if checksum:
             msg["checksum"] = checksum
         try:

@@ -549,3 +549,56 @@ def test_no_load_starts_once_the_loader_thread_is_stopping() -> None:
     loader.wake_w.close()
     assert not loader.thread.is_alive()
     assert calls == ["a"]
+
+
+CHECKSUM_CANDIDATES = [
+    "0123456789abcdef",
+    "0123456789ABCDEF",  # upper case: the core writes lower case only
+    "0123456789abcde",
+    "0123456789abcdef0",
+    "0123456789abcdeg",
+    "0123456789abcdef\n",  # a regular expression's $ lets a line end through
+    " 0123456789abcdef",
+    "",
+]
+
+
+def test_one_checksum_format_checked_one_way(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    """A checksum was checked four ways (a request's argument, a manifest's entry, a segment's name,
+    `smstore unload`'s argument), each with its own code: now each takes _protocol's one check, so
+    they accept and refuse the same strings; no other module spells the format."""
+    from smstore._protocol import CHECKSUM, checksum_in, is_checksum
+    from smstore.daemon.segments import SEGMENT_RE
+
+    out = dataset(tmp_path, shards=2)
+    manifest = out / "manifest.json"
+    original = json.loads(manifest.read_text())
+    d = start_daemon(loaded=0)
+    verdicts = {}
+    for value in CHECKSUM_CANDIDATES:
+        reply = ask(d.sock, {"op": "unload", "checksum": value})
+        assert reply is not None
+        by_request = reply.get("error") != "bad_request"
+        bad = json.loads(json.dumps(original))
+        bad["shards"][0]["checksum"] = value
+        manifest.write_text(json.dumps(bad))
+        try:
+            read_manifest(out)
+        except smstore.StoreFormatError as e:
+            refusal = str(e)
+        else:
+            refusal = ""
+        by_manifest = refusal == ""
+        assert by_manifest or "checksum must be 16 lowercase hex digits" in refusal, refusal
+        by_name = SEGMENT_RE.match(f"smstore-1-2-3-{value}-0123abcd") is not None
+        by_command_line = checksum_in(f"xxh64:{value}") == value and checksum_in(value) == value
+        verdicts[value] = (by_request, by_manifest, by_name, by_command_line)
+        assert verdicts[value] == (is_checksum(value),) * 4, (value, verdicts[value])
+    manifest.write_text(json.dumps(original))
+    assert [v for v, (ok, *_) in verdicts.items() if ok] == ["0123456789abcdef"]
+    spelled = [
+        p.name
+        for p in Path(smstore.__file__).parent.rglob("*.py")
+        if p.name != "_protocol.py" and ("{16}" in p.read_text() or "== 16" in p.read_text())
+    ]
+    assert spelled == [], f"the checksum format spelled outside _protocol.CHECKSUM ({CHECKSUM}): {spelled}"

@@ -192,11 +192,11 @@ def _check_ipc_lengths(path: str, kind: str, *, schema_only: bool = False) -> No
                 raise PackInputError(f"{path}: unreadable at record batch 0: a footer of {footer_len} bytes")
             footer = _Flat(data[size - 10 - footer_len : size - 10], f"{path}: unreadable at its footer")
             root = footer.read("<I", 0)
-            batches = footer.block_offsets(root, 3)  # Footer.recordBatches
+            records = footer.block_offsets(root, 3)  # Footer.recordBatches
             # pyarrow reads a file's dictionaries with its first record batch: a file of none never
             # reads them, and is read as no records whatever its dictionary blocks hold.
-            dictionaries = footer.block_offsets(root, 2) if batches else []  # Footer.dictionaries
-            for name, offsets in (("dictionary batch", dictionaries), ("record batch", batches)):
+            dictionaries = footer.block_offsets(root, 2) if records else []  # Footer.dictionaries
+            for name, offsets in (("dictionary batch", dictionaries), ("record batch", records)):
                 for k, offset in enumerate(offsets):
                     if not 0 <= offset < size:
                         raise PackInputError(f"{path}: unreadable at {name} {k}: it lies at byte {offset}")

@@ -18,6 +18,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import process_alive, socket_path
+from smstore._protocol import CHECKSUM
 from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
 
@@ -42,7 +43,7 @@ SHM_DIR = Path(_core.SHM_DIR)
 
 # /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-<checksum>-<random>: enough for `smstore gc`
 # to tell whose segment it is and whether the daemon that made it is still alive.
-SEGMENT_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-([0-9a-f]{16})-([0-9a-f]{8})$")
+SEGMENT_RE = re.compile(rf"^smstore-(\d+)-(\d+)-(\d+)-({CHECKSUM})-([0-9a-f]{{8}})$")
 # /dev/shm/smstore-<uid>-<daemon pid>-<daemon start time>-lock: see DaemonLock.
 LOCK_RE = re.compile(r"^smstore-(\d+)-(\d+)-(\d+)-lock$")
 
