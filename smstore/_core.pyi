@@ -5,7 +5,7 @@ from typing import Any, SupportsIndex, TypeAlias, overload
 
 import numpy as np
 import numpy.typing as npt
-from typing_extensions import Self
+from typing_extensions import Buffer, Self
 
 from smstore.errors import StoreError as StoreError
 
@@ -290,3 +290,12 @@ class Batcher:
     @property
     def depth(self) -> int: ...
     def close(self) -> None: ...
+
+BLOB_HEADER_SIZE: int
+
+class BlobHasher:
+    def __init__(self) -> None: ...
+    def update(self, data: Buffer) -> None: ...
+    def finish(self, header: Buffer) -> str: ...
+    @property
+    def fed(self) -> int: ...

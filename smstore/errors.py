@@ -10,6 +10,9 @@ __all__ = [
     "IndexStaleError",
     "MixtureError",
     "PackInputError",
+    "RemoteError",
+    "RemoteNotFoundError",
+    "RemoteURLError",
     "RecordIndexError",
     "SharedListError",
     "SharedListMismatchError",
@@ -104,3 +107,15 @@ class IndexStaleError(StoreChangedError):
 
 class WorkerError(StoreError, RuntimeError):
     """A TransformLoader worker failed: its transform raised (the message holds its traceback), or it died."""
+
+
+class RemoteURLError(StoreError, ValueError):
+    """A URL smstore will not use: a scheme off the allow-list (s3, gs, az, https), userinfo, a query, bad characters."""
+
+
+class RemoteError(StoreIOError):
+    """Object storage refused or failed a request (after the retries a retryable error gets); names the object."""
+
+
+class RemoteNotFoundError(RemoteError, StoreNotFoundError):
+    """The object (or its bucket) does not exist."""

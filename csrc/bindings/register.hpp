@@ -74,5 +74,6 @@ void register_shm(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
 void register_mixture(pybind11::module_& m);
 void register_loader(pybind11::module_& m);
+void register_hash(pybind11::module_& m);
 
 }  // namespace smstore::bindings

@@ -1,0 +1,69 @@
+// smstore._core.BlobHasher: the blob checksum rule (format.hpp) fed incrementally, for a download
+// that checks a blob's bytes as they arrive.
+#include <cstring>
+#include <mutex>
+
+#include "format.hpp"
+#include "register.hpp"
+
+namespace py = pybind11;
+
+namespace smstore::bindings {
+namespace {
+
+// One BlobHasher used once: finish() ends it, so a second digest can never silently cover less.
+// The mutex orders update() calls made with the GIL released from different threads.
+struct PyBlobHasher {
+    BlobHasher hasher;
+    uint64_t fed = 0;
+    bool finished = false;
+    std::mutex mu;
+
+    void check_open() const {
+        if (finished) throw Error(Error::Kind::Closed, "this BlobHasher is finished; make a new one");
+    }
+};
+
+void update(PyBlobHasher& h, const py::buffer& data) {
+    py::buffer_info info = data.request();
+    if (info.ndim != 1 || info.strides[0] != info.itemsize)
+        throw py::value_error("BlobHasher.update needs a contiguous 1-D buffer");
+    const size_t size = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+    py::gil_scoped_release release;  // hashing a chunk of many MiB
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.check_open();
+    h.hasher.update(info.ptr, size);
+    h.fed += size;
+}
+
+std::string finish(PyBlobHasher& h, const py::buffer& header) {
+    py::buffer_info info = header.request();
+    if (info.ndim != 1 || info.strides[0] != info.itemsize ||
+        static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize) != kHeaderSize)
+        throw py::value_error("BlobHasher.finish needs the blob's " + std::to_string(kHeaderSize) +
+                              "-byte header as a contiguous buffer");
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.check_open();
+    h.finished = true;
+    return checksum_hex(h.hasher.finish(static_cast<const unsigned char*>(info.ptr)));
+}
+
+uint64_t fed(const PyBlobHasher& h) {
+    return h.fed;
+}
+
+}  // namespace
+
+void register_hash(py::module_& m) {
+    m.attr("BLOB_HEADER_SIZE") = kHeaderSize;
+    py::class_<PyBlobHasher>(m, "BlobHasher",
+                             "A blob's checksum computed as its bytes stream by: update() with the bytes "
+                             "after the header in file order, then finish(header).")
+        .def(py::init<>())
+        .def("update", checked(&update), py::arg("data"), "Hash the next bytes after the header, in file order.")
+        .def("finish", checked(&finish), py::arg("header"),
+             "Hash the header (its checksum field counts as zero) and return the checksum as 16 hex digits.")
+        .def_property_readonly("fed", checked(&fed), "Bytes given to update() so far.");
+}
+
+}  // namespace smstore::bindings
