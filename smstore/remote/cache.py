@@ -1,0 +1,299 @@
+"""The node cache: blobs fetched from object storage kept on local disk, LRU within a byte limit."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from smstore._protocol import CHECKSUM_WORDING, is_checksum
+from smstore.errors import StoreError, StoreIOError
+from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, HEADER, FetchResult, Retry, fetch
+from smstore.remote.urls import RemoteURL, parse_url
+
+__all__ = ["CacheEntry", "NodeCache"]
+
+_SUFFIX = ".smst"
+_PART = ".part"
+_MAGIC = b"\x89SMST\r\n\x1a"
+
+
+@dataclass(frozen=True)
+class CacheEntry:
+    """One blob in the cache: its file, size, and last use (``mtime``, nanoseconds)."""
+
+    path: str
+    size: int
+    last_used_ns: int
+
+
+class NodeCache:
+    """Blobs fetched from object storage, kept in a directory, least recently used evicted first.
+
+    An entry is a complete, verified blob named by its (url, checksum): it is fetched into an
+    unnamed file (or a ``.part`` file where the file system has no ``O_TMPFILE``), its checksum
+    checked, ``fsync``-ed and only then linked under its name. A process killed mid-fetch leaves no
+    entry; a ``.part`` file of a dead process is removed by the next cache opened on the directory.
+    Before an entry is used its size and its header (magic, file size, checksum) are checked
+    against what the caller expects; an entry that fails is removed and fetched again.
+
+    The cache is just its directory, so it survives restarts. Processes sharing it take a lock
+    file: one lock for the entries (listing, eviction, recency), one per entry while it is fetched,
+    so two processes asking for the same blob fetch it once.
+
+    Args:
+        directory: Where the entries live (created if missing).
+        limit_bytes: The most the entries may hold together. Fetches in flight are not counted
+            until they finish, then older entries are evicted until the limit holds again.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], limit_bytes: int) -> None:
+        if limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be positive, not {limit_bytes}")
+        self.directory = os.path.abspath(os.fspath(directory))
+        self.limit_bytes = limit_bytes
+        self._entries = os.path.join(self.directory, "entries")
+        self._locks = os.path.join(self.directory, "locks")
+        try:
+            os.makedirs(self._entries, exist_ok=True)
+            os.makedirs(self._locks, exist_ok=True)
+        except OSError as e:
+            raise StoreIOError(f"{self.directory}: cannot create the cache directory: {e.strerror}") from e
+        with self._lock():
+            self._remove_dead_parts()
+
+    def __repr__(self) -> str:
+        return f"NodeCache({self.directory!r}, limit_bytes={self.limit_bytes})"
+
+    @contextlib.contextmanager
+    def _lock(self, name: str = "cache") -> Iterator[None]:
+        path = os.path.join(self._locks, name + ".lock")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    @staticmethod
+    def _name(url: RemoteURL, checksum: str) -> str:
+        where = hashlib.blake2b(str(url).encode(), digest_size=8).hexdigest()
+        return f"{checksum}-{where}"
+
+    def path_of(self, url: str | RemoteURL, checksum: str) -> str:
+        """Where the entry of (url, checksum) lives, whether or not it is there."""
+        u = url if isinstance(url, RemoteURL) else parse_url(url)
+        return os.path.join(self._entries, self._name(u, checksum) + _SUFFIX)
+
+    def entries(self) -> list[CacheEntry]:
+        """The complete entries, least recently used first."""
+        found = []
+        with os.scandir(self._entries) as it:
+            for e in it:
+                if not e.name.endswith(_SUFFIX):
+                    continue
+                try:
+                    st = e.stat(follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                found.append(CacheEntry(e.path, st.st_size, st.st_mtime_ns))
+        return sorted(found, key=lambda c: (c.last_used_ns, c.path))
+
+    def total_bytes(self) -> int:
+        """Bytes held by complete entries."""
+        return sum(e.size for e in self.entries())
+
+    def get(
+        self,
+        url: str | RemoteURL,
+        *,
+        checksum: str,
+        size: int,
+        chunk_size: int = DEFAULT_CHUNK,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retry: Retry | None = None,
+    ) -> str:
+        """The path of a local, verified copy of the blob at `url`; fetched first if not cached.
+
+        Args:
+            url: The blob's URL.
+            checksum: Its checksum (16 hex digits), as the manifest says.
+            size: Its size in bytes, as the manifest says.
+            chunk_size, concurrency, retry: As :func:`smstore.remote.fetch`.
+
+        Returns:
+            The entry's path; it stays readable while open even if a later get evicts it.
+
+        Raises:
+            StoreError: The blob is larger than the cache's limit.
+            RemoteError, ChecksumMismatchError, ...: As :func:`smstore.remote.fetch`; nothing is cached then.
+        """
+        path, _ = self.get_with_result(
+            url, checksum=checksum, size=size, chunk_size=chunk_size, concurrency=concurrency, retry=retry
+        )
+        return path
+
+    def get_with_result(
+        self,
+        url: str | RemoteURL,
+        *,
+        checksum: str,
+        size: int,
+        chunk_size: int = DEFAULT_CHUNK,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retry: Retry | None = None,
+    ) -> tuple[str, FetchResult | None]:
+        """:meth:`get`, and what was fetched (None when the entry was already cached)."""
+        u = url if isinstance(url, RemoteURL) else parse_url(url)
+        if not is_checksum(checksum):
+            raise ValueError(f"{u}: checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
+        if size > self.limit_bytes:
+            raise StoreError(
+                f"{u}: a blob of {size} bytes does not fit the node cache's limit of {self.limit_bytes} bytes "
+                f"({self.directory}); raise the limit"
+            )
+        path = self.path_of(u, checksum)
+        if self._usable(path, size, checksum):
+            return path, None
+        with self._lock("entry-" + self._name(u, checksum)):
+            if self._usable(path, size, checksum):  # another process fetched it while we waited
+                return path, None
+            with self._lock():
+                self._evict(self.limit_bytes - size, keep=path)
+            result = self._fetch_into_entry(u, path, size, checksum, chunk_size, concurrency, retry)
+            with self._lock():
+                self._evict(self.limit_bytes, keep=path)
+            return path, result
+
+    def _usable(self, path: str, size: int, checksum: str) -> bool:
+        """Whether the entry at `path` is there and its size and header say it is the blob asked for.
+
+        A present entry that does not match is removed (a disk fault, or a hand-edited cache).
+        """
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return False
+        try:
+            st = os.fstat(fd)
+            head = os.pread(fd, HEADER, 0)
+        finally:
+            os.close(fd)
+        good = (
+            st.st_size == size
+            and len(head) == HEADER
+            and head[:8] == _MAGIC
+            and int.from_bytes(head[24:32], "little") == size
+            and f"{int.from_bytes(head[96:104], 'little'):016x}" == checksum
+        )
+        if not good:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+            return False
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path, ns=(time.time_ns(), time.time_ns()))  # the recency LRU orders by
+        return True
+
+    def _fetch_into_entry(
+        self,
+        url: RemoteURL,
+        path: str,
+        size: int,
+        checksum: str,
+        chunk_size: int,
+        concurrency: int,
+        retry: Retry | None,
+    ) -> FetchResult:
+        part: str | None = None
+        try:
+            fd = os.open(self._entries, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise StoreIOError(f"{self._entries}: cannot create a file: {e.strerror}") from e
+            part = f"{path}.{os.getpid()}.{os.urandom(4).hex()}{_PART}"
+            fd = os.open(part, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
+        try:
+            os.ftruncate(fd, size)
+            result = fetch(
+                url,
+                fd,
+                size=size,
+                checksum=checksum,
+                chunk_size=chunk_size,
+                concurrency=concurrency,
+                retry=retry,
+            )
+            os.fsync(fd)
+            if part is None:
+                # An unnamed file gets a temporary name, then the entry's name by rename (atomic).
+                part = f"{path}.{os.getpid()}.{os.urandom(4).hex()}{_PART}"
+                _link_unnamed(fd, part)
+            os.rename(part, path)
+            part = None
+            dfd = os.open(self._entries, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            try:
+                os.fsync(dfd)
+            finally:
+                os.close(dfd)
+            return result
+        finally:
+            os.close(fd)
+            if part is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(part)
+
+    def _evict(self, room: int, *, keep: str) -> None:
+        """Remove least recently used entries (never `keep`) until the rest hold at most `room` bytes."""
+        entries = self.entries()
+        total = sum(e.size for e in entries if e.path != keep)
+        for e in entries:
+            if total <= room:
+                break
+            if e.path == keep:
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(e.path)  # a process reading it keeps its open file
+            total -= e.size
+
+    def _remove_dead_parts(self) -> None:
+        """Remove the ``.part`` files of processes that no longer run (killed mid-fetch)."""
+        with os.scandir(self._entries) as it:
+            for e in it:
+                if not e.name.endswith(_PART):
+                    continue
+                try:
+                    pid = int(e.name.rsplit(".", 3)[-3])
+                except (ValueError, IndexError):
+                    pid = -1
+                if pid > 0 and _alive(pid):
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(e.path)
+
+
+def _link_unnamed(fd: int, path: str) -> None:
+    """Give the ``O_TMPFILE`` file `fd` the name `path`.
+
+    ``linkat`` must follow /proc/self/fd's link: os.link does so only when given a directory fd
+    (with none it calls ``link``, which links the magic link itself and fails with EXDEV).
+    """
+    proc = os.open("/proc/self/fd", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.link(str(fd), path, src_dir_fd=proc, follow_symlinks=True)
+    finally:
+        os.close(proc)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

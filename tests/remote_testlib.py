@@ -1,0 +1,168 @@
+"""A real S3 API server for the remote tests (moto's, on a free port) and a proxy that injects faults."""
+
+from __future__ import annotations
+
+import http.client
+import logging
+import socket
+import struct
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+from moto.server import ThreadedMotoServer
+
+logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
+
+# Faults the proxy can inject, each on one request it would otherwise forward:
+#   reset  - close the connection with a TCP RST before answering
+#   cut    - forward, send the headers and half the body, then RST
+#   500    - answer 500 InternalError;  503 - SlowDown;  429 - TooManyRequests
+#   403    - answer 403 AccessDenied (not retryable)
+#   stall  - read the request, answer nothing until the proxy stops (the client's timeout ends it)
+FAULTS = ("reset", "cut", "500", "503", "429", "403", "stall")
+
+_HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
+
+
+class MotoS3:
+    """moto's S3 server in a thread on 127.0.0.1 and a free port; stop() shuts it down."""
+
+    def __init__(self) -> None:
+        self.server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+        self.server.start()
+        host, port = self.server.get_host_and_port()
+        self.port = port
+        self.endpoint = f"http://{host}:{port}"
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+@dataclass
+class Seen:
+    method: str
+    path: str
+    range: str | None
+    fault: str | None
+
+
+@dataclass
+class FaultProxy:
+    """Forwards HTTP to `upstream_port`; requests for which `matches` is true take the next fault queued."""
+
+    upstream_port: int
+    faults: list[str] = field(default_factory=list)
+    matches: Callable[[str, str, dict[str, str]], bool] = lambda method, path, headers: True
+    seen: list[Seen] = field(default_factory=list)
+    stalled: threading.Event = field(default_factory=threading.Event)  # set when a request stalls
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def __post_init__(self) -> None:
+        proxy = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def _handle(self) -> None:
+                proxy._serve(self)
+
+            do_GET = do_PUT = do_POST = do_HEAD = do_DELETE = _handle
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+        self._thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def inject(self, *faults: str, matches: Callable[[str, str, dict[str, str]], bool] | None = None) -> None:
+        assert all(f in FAULTS for f in faults), faults
+        with self._lock:
+            self.faults = list(faults)
+            if matches is not None:
+                self.matches = matches
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join()
+
+    def _serve(self, h: BaseHTTPRequestHandler) -> None:
+        length = int(h.headers.get("Content-Length") or 0)
+        body = h.rfile.read(length) if length else b""
+        headers = dict(h.headers.items())
+        with self._lock:
+            fault = None
+            if self.faults and self.matches(h.command, h.path, {k.lower(): v for k, v in headers.items()}):
+                fault = self.faults.pop(0)
+            self.seen.append(Seen(h.command, h.path, h.headers.get("Range"), fault))
+        h.close_connection = True
+        if fault == "reset":
+            _reset(h.connection)
+            return
+        if fault == "stall":
+            self.stalled.set()
+            self._stop.wait(60)
+            _reset(h.connection)
+            return
+        if fault in ("500", "503", "429", "403"):
+            code, name = {
+                "500": (500, "InternalError"),
+                "503": (503, "SlowDown"),
+                "429": (429, "TooManyRequests"),
+                "403": (403, "AccessDenied"),
+            }[fault]
+            payload = (
+                f"<?xml version='1.0'?><Error><Code>{name}</Code><Message>injected</Message></Error>".encode()
+            )
+            h.send_response(code)
+            h.send_header("Content-Type", "application/xml")
+            h.send_header("Content-Length", str(len(payload)))
+            h.send_header("Connection", "close")
+            h.end_headers()
+            if h.command != "HEAD":
+                h.wfile.write(payload)
+            return
+        conn = http.client.HTTPConnection("127.0.0.1", self.upstream_port, timeout=60)
+        try:
+            conn.request(
+                h.command,
+                h.path,
+                body=body,
+                headers={k: v for k, v in headers.items() if k.lower() not in _HOP},
+            )
+            resp = conn.getresponse()
+            data = resp.read()
+        finally:
+            conn.close()
+        h.send_response(resp.status, resp.reason)
+        for k, v in resp.getheaders():
+            if k.lower() not in _HOP and k.lower() != "content-length":
+                h.send_header(k, v)
+        h.send_header(
+            "Content-Length", str(len(data)) if h.command != "HEAD" else resp.getheader("Content-Length", "0")
+        )
+        h.send_header("Connection", "close")
+        h.end_headers()
+        if h.command == "HEAD":
+            return
+        if fault == "cut":
+            h.wfile.write(data[: len(data) // 2])
+            h.wfile.flush()
+            _reset(h.connection)
+            return
+        h.wfile.write(data)
+
+
+def _reset(sock: socket.socket) -> None:
+    """Close `sock` so that the peer sees a connection reset (RST), not an orderly end."""
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()

@@ -1,0 +1,492 @@
+"""smstore.remote against a real S3 API server (moto's, started here) behind a fault-injecting proxy."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import xxhash
+
+pytest.importorskip("obstore", reason="the remote extra (obstore) is not installed")
+pytest.importorskip("boto3", reason="the remote extra (boto3) is not installed")
+pytest.importorskip("moto.server", reason="moto[server] is not installed")
+
+import boto3
+from remote_testlib import FaultProxy, MotoS3
+
+import smstore
+from smstore import _core
+from smstore.errors import (
+    ChecksumMismatchError,
+    RemoteError,
+    RemoteNotFoundError,
+    RemoteURLError,
+    StoreClosedError,
+    StoreError,
+)
+from smstore.remote import NodeCache, Retry, fetch, parse_url, publish_remote_dataset, upload
+
+BUCKET = "smstore-test"
+SECRET = "s3cr3t-never-shown-0f9e8d7c"
+CHUNK = 256 << 10  # small ranges, so a blob of a few MiB takes many
+FAST = Retry(attempts=4, base_delay=0.005, max_delay=0.02, timeout=30.0)
+
+
+# --- URLs -----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("url", "fault"),
+    [
+        ("file:///etc/passwd", "scheme 'file' is not allowed"),
+        ("http://example.com/a", "scheme 'http' is not allowed"),
+        ("S3://bucket/a", "scheme 'S3' is not allowed"),
+        ("memory:///a", "scheme 'memory' is not allowed"),
+        ("/local/path", "not a URL"),
+        ("s3://user:pass@bucket/a", "userinfo"),
+        ("https://user@host.example/a", "userinfo"),
+        ("s3://bucket/a?X-Amz-Signature=abc", "query"),
+        ("https://host.example/a#frag", "query or fragment"),
+        ("s3://bucket/a\nb", "control character"),
+        ("s3://bucket/a\x00", "control character"),
+        ("s3://bucket/a b", "control character"),
+        ("s3://bucket/caf\u00e9", "non-ASCII"),
+        ("s3://bucket/a/../b", "'..'"),
+        ("s3://bucket//a", "empty"),
+        ("s3://bucket/", "names no object"),
+        ("s3://Bucket/a", "bad bucket"),
+        ("s3://b/a", "bad bucket"),
+        ("gs://bu..cket/a", "bad bucket"),
+        ("s3://" + "a" * 3000, "longer than"),
+    ],
+)
+def test_bad_urls_are_refused_naming_the_url(url: str, fault: str) -> None:
+    with pytest.raises(RemoteURLError, match=re.escape(fault)) as info:
+        parse_url(url)
+    msg = str(info.value)
+    assert isinstance(info.value, StoreError)
+    assert msg.startswith(repr(url.split("?", 1)[0][:30])[:-1])  # names the URL, control characters escaped
+    assert "X-Amz-Signature" not in msg  # a query (where a token would be) is never echoed
+
+
+def test_good_urls_parse() -> None:
+    assert parse_url("s3://my-bucket/ds/shard-000.smst") == smstore.remote.RemoteURL(
+        "s3", "my-bucket", "ds/shard-000.smst"
+    )
+    assert str(parse_url("gs://b.example.com/x")) == "gs://b.example.com/x"
+    assert parse_url("az://container/a/b").key == "a/b"
+    assert parse_url("https://host.example:8443/data/x.smst").bucket == "host.example:8443"
+    prefix = parse_url("s3://my-bucket/ds", prefix=True)
+    assert prefix.key == "ds/"
+    assert str(prefix.join("shard-000.smst")) == "s3://my-bucket/ds/shard-000.smst"
+    with pytest.raises(RemoteURLError, match="not a prefix"):
+        parse_url("s3://my-bucket/ds/x").join("y")
+
+
+# --- the incremental checksum --------------------------------------------------------------------
+
+
+def test_blob_hasher_follows_the_format_rule_in_any_chunking(tmp_path: Path) -> None:
+    path = tmp_path / "a.smst"
+    smstore.pack([os.urandom(n) for n in range(0, 20_000, 37)], path)
+    blob = path.read_bytes()
+    header = bytearray(blob[:4096])
+    header[96:104] = bytes(8)
+    want = xxhash.xxh64(blob[4096:] + bytes(header)).hexdigest()
+    assert want == _core.peek_checksum(str(path))
+    for step in (1, 7, 4096, 100_000, len(blob)):
+        h = _core.BlobHasher()
+        for at in range(4096, len(blob), step):
+            h.update(memoryview(blob)[at : at + step])
+        assert h.fed == len(blob) - 4096
+        assert h.finish(blob[:4096]) == want  # the stored checksum field is ignored, as the rule says
+    h = _core.BlobHasher()
+    with pytest.raises(ValueError, match="4096-byte header"):
+        h.finish(b"short")
+    h.finish(blob[:4096])
+    with pytest.raises(StoreClosedError, match="finished"):
+        h.update(b"more")
+    with pytest.raises(StoreClosedError, match="finished"):
+        h.finish(blob[:4096])
+
+
+# --- a real S3 server -----------------------------------------------------------------------------
+
+
+class S3:
+    def __init__(self, moto: MotoS3, proxy: FaultProxy) -> None:
+        self.moto, self.proxy = moto, proxy
+        self.client = boto3.client("s3", endpoint_url=moto.endpoint)  # straight to moto: no faults
+
+    def url(self, key: str) -> str:
+        return f"s3://{BUCKET}/{key}"
+
+    def put(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+        return self.url(key)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()  # type: ignore[no-any-return]
+
+    def object_keys(self) -> list[str]:
+        return [o["Key"] for o in self.client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+
+    def multipart_uploads(self) -> list[dict[str, object]]:
+        return self.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3]:
+    moto = MotoS3()
+    proxy = FaultProxy(moto.port)
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": proxy.endpoint,  # every call of smstore.remote goes through the proxy
+        "AWS_ALLOW_HTTP": "true",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+            mp.delenv(k, raising=False)
+        s = S3(moto, proxy)
+        s.client.create_bucket(Bucket=BUCKET)
+        try:
+            yield s
+        finally:
+            proxy.stop()
+            moto.stop()
+
+
+@pytest.fixture
+def proxy(s3: S3) -> Iterator[FaultProxy]:
+    s3.proxy.inject()  # no faults left over from another test
+    s3.proxy.seen.clear()
+    s3.proxy.stalled.clear()
+    yield s3.proxy
+    s3.proxy.inject()
+
+
+def make_blob(path: Path, mib: float, seed: int = 0) -> tuple[bytes, str]:
+    """A blob of about `mib` MiB of awkward records; its bytes and checksum."""
+    rng = __import__("random").Random(seed)
+    n = int(mib * (1 << 20)) // 40_000 + 1
+    smstore.pack([rng.randbytes(rng.randrange(0, 80_000)) for _ in range(n)] + [b"", b"\x00\r\n\xff"], path)
+    blob = path.read_bytes()
+    return blob, _core.peek_checksum(str(path)) or ""
+
+
+@pytest.fixture(scope="module")
+def blob(s3: S3, tmp_path_factory: pytest.TempPathFactory) -> tuple[str, bytes, str]:
+    """One blob of ~3 MiB in the bucket: url, bytes, checksum."""
+    data, checksum = make_blob(tmp_path_factory.mktemp("blob") / "b.smst", 3)
+    return s3.put("blob/b.smst", data), data, checksum
+
+
+def ranged_gets(proxy: FaultProxy) -> list[str]:
+    return [s.range or "" for s in proxy.seen if s.method == "GET" and s.range]
+
+
+# --- fetch ----------------------------------------------------------------------------------------
+
+
+def test_fetch_round_trip_byte_exact_into_a_buffer_and_a_file(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
+) -> None:
+    url, data, checksum = blob
+    buf = bytearray(len(data))
+    res = fetch(url, buf, size=len(data), checksum=checksum, chunk_size=CHUNK, concurrency=4, retry=FAST)
+    assert bytes(buf) == data
+    chunks = -(-len(data) // CHUNK)
+    assert (res.bytes, res.requests, res.retries) == (len(data), chunks, 0)
+    assert sorted(ranged_gets(proxy)) == sorted(
+        f"bytes={i * CHUNK}-{min(len(data), (i + 1) * CHUNK) - 1}" for i in range(chunks)
+    )
+    out = tmp_path / "copy.smst"
+    fd = os.open(out, os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fetch(url, fd, size=len(data), checksum=checksum, chunk_size=CHUNK, concurrency=3, retry=FAST)
+    finally:
+        os.close(fd)
+    assert out.read_bytes() == data
+    with smstore.open(out, verify=True) as st:
+        assert len(st) > 0
+
+
+def test_checksum_mismatch_is_a_clear_error(s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str]) -> None:
+    url, data, checksum = blob
+    bad = bytearray(data)
+    bad[len(bad) // 2] ^= 0x01  # one bit in the records: the header still claims the old checksum
+    bad_url = s3.put("blob/flipped.smst", bytes(bad))
+    with pytest.raises(ChecksumMismatchError, match=rf"{bad_url}: checksum mismatch.*{checksum}"):
+        fetch(bad_url, bytearray(len(bad)), size=len(bad), checksum=checksum, chunk_size=CHUNK, retry=FAST)
+    other = "0123456789abcdef"
+    with pytest.raises(ChecksumMismatchError, match=rf"{url}: checksum mismatch: the manifest says {other}"):
+        fetch(url, bytearray(len(data)), size=len(data), checksum=other, chunk_size=CHUNK, retry=FAST)
+
+
+def test_a_wrong_size_is_refused_before_any_range(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str]
+) -> None:
+    url, data, checksum = blob
+    with pytest.raises(
+        smstore.StoreTruncatedError, match=rf"{url}: the object holds {len(data)} bytes, the manifest says"
+    ):
+        fetch(url, bytearray(len(data) + 1), size=len(data) + 1, checksum=checksum, retry=FAST)
+    with pytest.raises(smstore.StoreFormatError, match="another object"):
+        fetch(url, bytearray(len(data)), size=len(data) - 1, checksum=checksum, retry=FAST)
+    assert ranged_gets(proxy) == []
+
+
+@pytest.mark.parametrize("fault", ["reset", "cut", "500", "503", "429", "stall"])
+def test_retryable_failures_are_retried_then_succeed(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], fault: str
+) -> None:
+    url, data, checksum = blob
+    proxy.inject(fault, fault, matches=lambda method, path, headers: method == "GET" and "range" in headers)
+    retry = Retry(attempts=4, base_delay=0.005, max_delay=0.02, timeout=1.0 if fault == "stall" else 30.0)
+    buf = bytearray(len(data))
+    res = fetch(url, buf, size=len(data), checksum=checksum, chunk_size=CHUNK, concurrency=2, retry=retry)
+    assert bytes(buf) == data
+    assert res.retries == 2
+    assert [s.fault for s in proxy.seen if s.fault] == [fault, fault]
+    assert proxy.faults == []
+
+
+def test_retries_give_up_with_a_clear_error(s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str]) -> None:
+    url, data, checksum = blob
+    proxy.inject(*["500"] * 4, matches=lambda method, path, headers: method == "GET" and "range" in headers)
+    with pytest.raises(RemoteError, match=rf"{url}: request failed after 4 tries: .*500") as info:
+        fetch(
+            url,
+            bytearray(len(data)),
+            size=len(data),
+            checksum=checksum,
+            chunk_size=CHUNK,
+            concurrency=1,
+            retry=FAST,
+        )
+    assert SECRET not in str(info.value)
+
+
+def test_non_retryable_errors_fail_at_once_naming_the_object(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str]
+) -> None:
+    url, data, checksum = blob
+    proxy.inject("403", matches=lambda method, path, headers: method == "GET" and "range" in headers)
+    with pytest.raises(RemoteError, match=rf"{url}: request failed: PermissionDeniedError.*403") as info:
+        fetch(
+            url,
+            bytearray(len(data)),
+            size=len(data),
+            checksum=checksum,
+            chunk_size=CHUNK,
+            concurrency=1,
+            retry=FAST,
+        )
+    assert [s.fault for s in proxy.seen if s.fault] == ["403"]
+    # The one failed range is not tried again, and with one range in flight no other is started.
+    assert len(ranged_gets(proxy)) == 1
+    assert SECRET not in str(info.value)
+    assert SECRET not in repr(info.value)
+    missing = s3.url("blob/missing.smst")
+    with pytest.raises(RemoteNotFoundError, match=rf"{missing}: no such object"):
+        fetch(missing, bytearray(8192), size=8192, checksum=checksum, retry=FAST)
+
+
+# --- the node cache -------------------------------------------------------------------------------
+
+
+def test_cache_keeps_lru_entries_within_its_limit_across_restarts(
+    s3: S3, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    blobs = {}
+    for name in "abc":
+        data, checksum = make_blob(tmp_path / f"{name}.smst", 1, seed=ord(name))
+        blobs[name] = (s3.put(f"lru/{name}.smst", data), data, checksum)
+    sizes = [len(d) for _, d, _ in blobs.values()]
+    limit = sizes[0] + sizes[1] + max(sizes) // 2  # room for two entries, not three
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(cache_dir, limit)
+
+    def get(c: NodeCache, name: str) -> tuple[str, bool]:
+        url, data, checksum = blobs[name]
+        path, res = c.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+        assert Path(path).read_bytes() == data
+        return path, res is not None
+
+    assert get(cache, "a")[1]
+    assert get(cache, "b")[1]
+    assert not get(cache, "a")[1]  # cached; a is now the most recently used
+    before = len(proxy.seen)
+    _, fetched = get(cache, "c")
+    assert fetched
+    assert cache.total_bytes() <= limit
+    kept = {Path(e.path).read_bytes() for e in cache.entries()}
+    assert kept == {blobs["a"][1], blobs["c"][1]}  # b, the least recently used, went
+    # A new cache on the same directory (a restart) serves what is there without a request.
+    again = NodeCache(cache_dir, limit)
+    seen = len(proxy.seen)
+    assert not get(again, "a")[1]
+    assert not get(again, "c")[1]
+    assert len(proxy.seen) == seen
+    assert seen > before
+    with pytest.raises(StoreError, match="does not fit the node cache's limit"):
+        NodeCache(tmp_path / "tiny", 4096).get(blobs["a"][0], checksum=blobs["a"][2], size=len(blobs["a"][1]))
+
+
+def test_cache_checks_an_entry_before_use_and_caches_nothing_bad(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
+) -> None:
+    url, data, checksum = blob
+    cache = NodeCache(tmp_path / "cache", 64 << 20)
+    with pytest.raises(ChecksumMismatchError):
+        cache.get(url, checksum="0123456789abcdef", size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert cache.entries() == []
+    assert os.listdir(tmp_path / "cache" / "entries") == []
+    path = cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    # A damaged entry (its header's checksum field rewritten) is dropped and fetched again.
+    with open(path, "r+b") as f:
+        f.seek(96)
+        f.write(b"\xff" * 8)
+    path2, res = cache.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert res is not None
+    assert path2 == path
+    assert Path(path).read_bytes() == data
+
+
+CHILD = textwrap.dedent(
+    """
+    import sys
+    from smstore.remote import NodeCache, Retry
+    cache = NodeCache(sys.argv[1], 1 << 30)
+    cache.get(sys.argv[2], checksum=sys.argv[3], size=int(sys.argv[4]), chunk_size=int(sys.argv[5]),
+              concurrency=1, retry=Retry(timeout=120.0))
+    """
+)
+
+
+def test_kill_9_mid_fetch_leaves_no_servable_entry(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
+) -> None:
+    url, data, checksum = blob
+    cache_dir = tmp_path / "cache"
+    third = f"bytes={2 * CHUNK}-"
+    proxy.inject("stall", matches=lambda method, path, headers: headers.get("range", "").startswith(third))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHILD, str(cache_dir), url, checksum, str(len(data)), str(CHUNK)], env=env
+    )
+    try:
+        assert proxy.stalled.wait(120), "the child never reached its third range"
+        assert child.poll() is None
+        os.kill(child.pid, signal.SIGKILL)  # two ranges written into its file, the third in flight
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    leftovers = os.listdir(cache_dir / "entries")
+    assert not [n for n in leftovers if n.endswith(".smst")]
+    cache = NodeCache(cache_dir, 1 << 30)  # a restart removes what a dead process left
+    assert os.listdir(cache_dir / "entries") == []
+    proxy.inject()
+    path = cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert Path(path).read_bytes() == data
+
+
+def test_a_part_file_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path: Path) -> None:
+    cache = NodeCache(tmp_path / "cache", 1 << 20)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    entries = tmp_path / "cache" / "entries"
+    orphan = entries / f"{'0' * 16}-{'1' * 16}.smst.{dead.pid}.abcd1234.part"
+    mine = entries / f"{'0' * 16}-{'2' * 16}.smst.{os.getpid()}.abcd1234.part"
+    orphan.write_bytes(b"half a blob")
+    mine.write_bytes(b"in flight")
+    NodeCache(tmp_path / "cache", 1 << 20)
+    assert sorted(os.listdir(entries)) == [mine.name]
+    assert cache.entries() == []
+
+
+# --- upload ---------------------------------------------------------------------------------------
+
+
+def test_upload_round_trip_single_and_multipart(s3: S3, proxy: FaultProxy, tmp_path: Path) -> None:
+    small, _ = make_blob(tmp_path / "small.smst", 0.5, seed=1)
+    big, checksum = make_blob(tmp_path / "big.smst", 12, seed=2)
+    upload(tmp_path / "small.smst", s3.url("up/small.smst"))
+    parts: list[tuple[int, int]] = []
+    upload(
+        tmp_path / "big.smst",
+        s3.url("up/big.smst"),
+        part_size=5 << 20,
+        on_part=lambda n, t: parts.append((n, t)),
+    )
+    assert s3.get("up/small.smst") == small
+    assert s3.get("up/big.smst") == big
+    assert parts == [(1, 3), (2, 3), (3, 3)]
+    buf = bytearray(len(big))
+    fetch(s3.url("up/big.smst"), buf, size=len(big), checksum=checksum, retry=FAST)
+    assert bytes(buf) == big
+    assert s3.multipart_uploads() == []
+    with pytest.raises(RemoteURLError, match="s3:// only"):
+        upload(tmp_path / "small.smst", "gs://bucket/x.smst")
+
+
+def test_an_interrupted_or_failed_multipart_upload_is_aborted(
+    s3: S3, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    make_blob(tmp_path / "big.smst", 12, seed=3)
+
+    def interrupt(n: int, total: int) -> None:
+        if n == 2:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        upload(tmp_path / "big.smst", s3.url("up/interrupted.smst"), part_size=5 << 20, on_part=interrupt)
+    assert s3.multipart_uploads() == []
+    assert "up/interrupted.smst" not in s3.object_keys()
+    proxy.inject("403", matches=lambda method, path, headers: method == "PUT" and "partNumber=2" in path)
+    with pytest.raises(
+        RemoteError, match=r"s3://smstore-test/up/failed.smst: upload of .* failed:.*AccessDenied"
+    ):
+        upload(tmp_path / "big.smst", s3.url("up/failed.smst"), part_size=5 << 20)
+    assert [s.fault for s in proxy.seen if s.fault] == ["403"]
+    assert s3.multipart_uploads() == []
+    assert "up/failed.smst" not in s3.object_keys()
+
+
+def test_publish_uploads_shards_then_the_manifest(s3: S3, proxy: FaultProxy, tmp_path: Path) -> None:
+    local = tmp_path / "ds"
+    rng = __import__("random").Random(5)
+    with smstore.ShardedWriter(local, shard_size=1 << 20) as w:
+        w.extend(rng.randbytes(rng.randrange(1, 50_000)) for _ in range(150))
+    names = sorted(os.listdir(local))
+    assert len(names) > 3
+    assert "manifest.json" in names
+    manifest_url = publish_remote_dataset(local, s3.url("pub/ds"))
+    assert manifest_url == s3.url("pub/ds/manifest.json")
+    puts = [s.path for s in proxy.seen if s.method in ("PUT", "POST")]
+    assert puts[-1].startswith(f"/{BUCKET}/pub/ds/manifest.json")
+    assert all("manifest.json" not in p for p in puts[:-1])
+    for name in names:
+        assert s3.get(f"pub/ds/{name}") == (local / name).read_bytes()
+    # A shard replaced after the manifest was written is refused before anything is uploaded.
+    shard = next(n for n in names if n != "manifest.json")
+    smstore.pack([b"other"], local / shard)
+    proxy.seen.clear()
+    with pytest.raises(
+        smstore.StoreChangedError, match=f"{shard}: its header's checksum is not the manifest's"
+    ):
+        publish_remote_dataset(local, s3.url("pub/ds2/"))
+    assert [s for s in proxy.seen if s.method in ("PUT", "POST")] == []
