@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fcntl
 import os
 import re
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -490,3 +492,38 @@ def test_publish_uploads_shards_then_the_manifest(s3: S3, proxy: FaultProxy, tmp
     ):
         publish_remote_dataset(local, s3.url("pub/ds2/"))
     assert [s for s in proxy.seen if s.method in ("PUT", "POST")] == []
+
+
+def flock_waiters(path: Path) -> int:
+    """How many processes wait for a flock on `path` (the `->` lines of /proc/locks for its inode)."""
+    ino = os.stat(path).st_ino
+    with open("/proc/locks") as f:
+        return sum(1 for line in f if "->" in line and line.split()[6].endswith(f":{ino}"))
+
+
+def test_two_processes_sharing_a_cache_fetch_a_blob_once(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
+) -> None:
+    url, data, checksum = blob
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(cache_dir, 1 << 30)
+    entry = Path(cache.path_of(url, checksum))
+    lock = cache_dir / "locks" / f"entry-{entry.name.removesuffix('.smst')}.lock"
+    lock.touch()
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    args = [str(cache_dir), url, checksum, str(len(data)), str(CHUNK)]
+    fd = os.open(lock, os.O_RDWR)
+    children = []
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # both children queue behind the test on the entry's lock
+        children = [subprocess.Popen([sys.executable, "-c", CHILD, *args], env=env) for _ in range(2)]
+        while flock_waiters(lock) < 2:
+            assert all(c.poll() is None for c in children), "a child ended before it reached the lock"
+            threading.Event().wait(0.05)
+    finally:
+        os.close(fd)  # releases the lock: one child fetches, the other then finds the entry
+        for c in children:
+            c.wait()
+    assert [c.returncode for c in children] == [0, 0]
+    assert entry.read_bytes() == data
+    assert len(ranged_gets(proxy)) == -(-len(data) // CHUNK)  # one fetch's ranges, not two
