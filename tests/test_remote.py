@@ -527,3 +527,37 @@ def test_two_processes_sharing_a_cache_fetch_a_blob_once(
     assert [c.returncode for c in children] == [0, 0]
     assert entry.read_bytes() == data
     assert len(ranged_gets(proxy)) == -(-len(data) // CHUNK)  # one fetch's ranges, not two
+
+
+def test_an_interrupted_fetch_caches_nothing(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
+) -> None:
+    url, data, checksum = blob
+    cache = NodeCache(tmp_path / "cache", 1 << 30)
+    second = f"bytes={CHUNK}-"
+    proxy.inject("stall", matches=lambda method, path, headers: headers.get("range", "").startswith(second))
+    main = threading.main_thread().ident
+    assert main is not None
+
+    def interrupt() -> None:
+        if proxy.stalled.wait(120):
+            signal.pthread_kill(main, signal.SIGINT)  # Ctrl-C while a range is in flight
+
+    t = threading.Thread(target=interrupt)
+    t.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            cache.get(
+                url,
+                checksum=checksum,
+                size=len(data),
+                chunk_size=CHUNK,
+                concurrency=2,
+                retry=Retry(attempts=4, base_delay=0.005, max_delay=0.02, timeout=1.0),
+            )
+    finally:
+        t.join()
+    assert cache.entries() == []
+    assert os.listdir(tmp_path / "cache" / "entries") == []
+    path = cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert Path(path).read_bytes() == data
