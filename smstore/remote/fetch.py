@@ -33,6 +33,7 @@ log = logging.getLogger("smstore.remote")
 
 DEFAULT_CHUNK = 16 << 20  # one ranged GET: large enough to amortise a request, small enough to retry
 DEFAULT_CONCURRENCY = 8  # ranged GETs in flight for one object
+PIECE = 1 << 20  # a range's bytes are written and hashed in pieces of this size as they arrive
 HEADER = _core.BLOB_HEADER_SIZE
 _CHECKSUM_FIELD = 96  # docs/format.md: the header's u64 checksum
 
@@ -223,27 +224,29 @@ class _Sink:
 
 
 class _InOrderHasher:
-    """Hashes ranges as soon as every byte before them has arrived: the checksum needs file order."""
+    """Hashes spans as soon as every byte before them has arrived: the checksum needs file order."""
 
-    def __init__(self, sink: _Sink, size: int, chunk: int) -> None:
-        self.sink, self.size, self.chunk = sink, size, chunk
+    def __init__(self, sink: _Sink, size: int) -> None:
+        self.sink, self.size = sink, size
         self.hasher = _core.BlobHasher()
-        self.done: set[int] = set()
-        self.next = 0
+        self.pending: dict[int, int] = {}  # start -> end of spans that arrived ahead of the frontier
+        self.frontier = HEADER  # every byte before it is hashed (the header is hashed last)
         self.lock = threading.Lock()
 
-    def arrived(self, i: int) -> None:
+    def arrived(self, start: int, end: int) -> None:
+        start = max(start, HEADER)
+        if end <= start:
+            return
         with self.lock:
-            self.done.add(i)
-            while self.next in self.done:
-                start = max(self.next * self.chunk, HEADER)
-                end = min(self.size, (self.next + 1) * self.chunk)
-                if end > start:
-                    self.hasher.update(self.sink.read(start, end - start))
-                self.done.discard(self.next)
-                self.next += 1
+            self.pending[start] = end
+            while self.frontier in self.pending:
+                stop = self.pending.pop(self.frontier)
+                self.hasher.update(self.sink.read(self.frontier, stop - self.frontier))
+                self.frontier = stop
 
     def finish(self) -> str:
+        if self.frontier != self.size:
+            raise AssertionError(f"hashed up to {self.frontier} of {self.size} bytes")
         return self.hasher.finish(self.sink.read(0, HEADER))
 
 
@@ -315,8 +318,11 @@ def fetch(
             f"{u}: the object holds {actual} bytes, the manifest says {size}: another object"
         )
 
+    # Every range must come from the object whose size was checked: one replaced mid-fetch fails
+    # with a precondition error instead of mixing two versions' bytes.
+    same_object = {"if_match": meta["e_tag"]} if meta.get("e_tag") else {}
     chunks = (size + chunk_size - 1) // chunk_size
-    hasher = _InOrderHasher(sink, size, chunk_size)
+    hasher = _InOrderHasher(sink, size)
 
     def get(i: int, failures: list[BaseException]) -> None:
         try:
@@ -330,19 +336,27 @@ def fetch(
 
     def fetch_range(i: int) -> None:
         start, end = i * chunk_size, min(size, (i + 1) * chunk_size)
+        pos = start  # a retry resumes where the bytes stopped
 
-        def once() -> Any:
+        def once() -> None:
+            nonlocal pos
             if stop.is_set():
                 raise _Stopped
-            data = obstore.get_range(store, u.key, start=start, end=end)
-            if len(memoryview(data)) != end - start:
-                raise _ShortRead(f"range {start}-{end} returned {len(memoryview(data))} bytes")
-            return data
+            result = obstore.get(store, u.key, options={"range": (pos, end), **same_object})
+            # Pieces are written and hashed as they arrive, overlapping the transfer.
+            for piece in result.stream(min_chunk_size=PIECE):
+                n = len(piece)
+                if pos + n > end:
+                    raise _ShortRead(f"range {start}-{end} returned more bytes than asked")
+                sink.write(pos, piece)
+                hasher.arrived(pos, pos + n)
+                pos += n
+                if stop.is_set() and pos < end:
+                    raise _Stopped
+            if pos != end:
+                raise _ShortRead(f"range {start}-{end} ended at {pos}")
 
-        data = _with_retries(u, r, stop, count_retry, once)
-        sink.write(start, data)
-        del data
-        hasher.arrived(i)
+        _with_retries(u, r, stop, count_retry, once)
 
     failures: list[BaseException] = []
     pool = ThreadPoolExecutor(max_workers=min(concurrency, chunks), thread_name_prefix="smstore-fetch")
