@@ -101,7 +101,8 @@ class FaultProxy:
         headers = dict(h.headers.items())
         with self._lock:
             fault = None
-            if self.faults and self.matches(h.command, h.path, {k.lower(): v for k, v in headers.items()}):
+            # `matches` sees every request (a test may act on one), and takes the next fault queued.
+            if self.matches(h.command, h.path, {k.lower(): v for k, v in headers.items()}) and self.faults:
                 fault = self.faults.pop(0)
             self.seen.append(Seen(h.command, h.path, h.headers.get("Range"), fault))
         h.close_connection = True

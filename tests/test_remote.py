@@ -172,11 +172,12 @@ def s3() -> Iterator[S3]:
 
 @pytest.fixture
 def proxy(s3: S3) -> Iterator[FaultProxy]:
-    s3.proxy.inject()  # no faults left over from another test
+    every = lambda method, path, headers: True
+    s3.proxy.inject(matches=every)  # no faults or hooks left over from another test
     s3.proxy.seen.clear()
     s3.proxy.stalled.clear()
     yield s3.proxy
-    s3.proxy.inject()
+    s3.proxy.inject(matches=every)
 
 
 def make_blob(path: Path, mib: float, seed: int = 0) -> tuple[bytes, str]:
@@ -561,3 +562,22 @@ def test_an_interrupted_fetch_caches_nothing(
     assert os.listdir(tmp_path / "cache" / "entries") == []
     path = cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
     assert Path(path).read_bytes() == data
+
+
+def test_an_object_replaced_mid_fetch_is_a_clear_error(s3: S3, proxy: FaultProxy, tmp_path: Path) -> None:
+    data, checksum = make_blob(tmp_path / "v1.smst", 1, seed=7)
+    other, _ = make_blob(tmp_path / "v2.smst", 1, seed=8)
+    other = other[: len(data)].ljust(len(data), b"\0")  # the same size: only the ETag tells them apart
+    url = s3.put("replaced/x.smst", data)
+    replaced = []
+
+    def replace_once(method: str, path: str, headers: dict[str, str]) -> bool:
+        if method == "GET" and "range" in headers and not replaced:
+            s3.put("replaced/x.smst", other)  # after the HEAD, before the first range
+            replaced.append(headers.get("if-match"))
+        return False
+
+    proxy.inject(matches=replace_once)
+    with pytest.raises(RemoteError, match=rf"{url}: request failed: PreconditionError"):
+        fetch(url, bytearray(len(data)), size=len(data), checksum=checksum, chunk_size=CHUNK, retry=FAST)
+    assert replaced[0]  # the range asked for the object the HEAD saw

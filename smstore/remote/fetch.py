@@ -25,6 +25,7 @@ from smstore.errors import (
 from smstore.remote.urls import RemoteURL, parse_url
 
 if TYPE_CHECKING:
+    from obstore import GetOptions
     from typing_extensions import Buffer
 
 __all__ = ["DEFAULT_CHUNK", "DEFAULT_CONCURRENCY", "FetchResult", "Retry", "fetch", "object_size"]
@@ -320,7 +321,7 @@ def fetch(
 
     # Every range must come from the object whose size was checked: one replaced mid-fetch fails
     # with a precondition error instead of mixing two versions' bytes.
-    same_object = {"if_match": meta["e_tag"]} if meta.get("e_tag") else {}
+    etag = meta.get("e_tag")
     chunks = (size + chunk_size - 1) // chunk_size
     hasher = _InOrderHasher(sink, size)
 
@@ -342,7 +343,10 @@ def fetch(
             nonlocal pos
             if stop.is_set():
                 raise _Stopped
-            result = obstore.get(store, u.key, options={"range": (pos, end), **same_object})
+            options: GetOptions = {"range": (pos, end)}
+            if etag:
+                options["if_match"] = etag
+            result = obstore.get(store, u.key, options=options)
             # Pieces are written and hashed as they arrive, overlapping the transfer.
             for piece in result.stream(min_chunk_size=PIECE):
                 n = len(piece)
