@@ -366,6 +366,12 @@ def test_cache_checks_an_entry_before_use_and_caches_nothing_bad(
     assert res is not None
     assert path2 == path
     assert Path(path).read_bytes() == data
+    os.truncate(path, len(data) - 1)  # a truncated entry: the header's own checks refuse it
+    _, res = cache.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert res is not None
+    assert Path(path).read_bytes() == data
+    _, res = cache.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert res is None  # a good entry is served as it is
 
 
 CHILD = textwrap.dedent(

@@ -11,16 +11,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from smstore import _core
 from smstore._protocol import CHECKSUM_WORDING, is_checksum
-from smstore.errors import StoreError, StoreIOError
-from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, HEADER, FetchResult, Retry, fetch
+from smstore.errors import StoreError, StoreFormatError, StoreIOError
+from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, FetchResult, Retry, fetch
 from smstore.remote.urls import RemoteURL, parse_url
 
 __all__ = ["CacheEntry", "NodeCache"]
 
 _SUFFIX = ".smst"
 _PART = ".part"
-_MAGIC = b"\x89SMST\r\n\x1a"
 
 
 @dataclass(frozen=True)
@@ -180,17 +180,12 @@ class NodeCache:
         except FileNotFoundError:
             return False
         try:
-            st = os.fstat(fd)
-            head = os.pread(fd, HEADER, 0)
+            header = _core.read_header_fd(fd, path)  # the format's own checks, file size included
+            good = header.file_size == size and header.checksum == checksum
+        except StoreFormatError:
+            good = False
         finally:
             os.close(fd)
-        good = (
-            st.st_size == size
-            and len(head) == HEADER
-            and head[:8] == _MAGIC
-            and int.from_bytes(head[24:32], "little") == size
-            and f"{int.from_bytes(head[96:104], 'little'):016x}" == checksum
-        )
         if not good:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
