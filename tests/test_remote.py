@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import os
 import re
@@ -587,3 +588,27 @@ def test_an_object_replaced_mid_fetch_is_a_clear_error(s3: S3, proxy: FaultProxy
     with pytest.raises(RemoteError, match=rf"{url}: request failed: PreconditionError"):
         fetch(url, bytearray(len(data)), size=len(data), checksum=checksum, chunk_size=CHUNK, retry=FAST)
     assert replaced[0]  # the range asked for the object the HEAD saw
+
+
+def test_cache_without_o_tmpfile_uses_a_part_file_and_leaves_none(
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    url, data, checksum = blob
+    real_open = os.open
+    tried = []
+
+    def no_tmpfile(path: str, flags: int, mode: int = 0o777, **kw: object) -> int:
+        if flags & os.O_TMPFILE == os.O_TMPFILE:
+            tried.append(path)
+            raise OSError(errno.EOPNOTSUPP, "no O_TMPFILE here")
+        return real_open(path, flags, mode, **kw)  # type: ignore[arg-type]
+
+    cache = NodeCache(tmp_path / "cache", 1 << 30)
+    monkeypatch.setattr(os, "open", no_tmpfile)
+    with pytest.raises(ChecksumMismatchError):
+        cache.get(url, checksum="0123456789abcdef", size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert os.listdir(tmp_path / "cache" / "entries") == []  # the failed fetch's .part file is gone
+    path = cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert tried
+    assert os.listdir(tmp_path / "cache" / "entries") == [os.path.basename(path)]
+    assert Path(path).read_bytes() == data
