@@ -34,7 +34,7 @@ from smstore.errors import (
     StoreClosedError,
     StoreError,
 )
-from smstore.remote import NodeCache, Retry, fetch, parse_url, publish_remote_dataset, upload
+from smstore.remote import CacheStats, NodeCache, Retry, fetch, parse_url, publish_remote_dataset, upload
 
 BUCKET = "smstore-test"
 SECRET = "s3cr3t-never-shown-0f9e8d7c"
@@ -325,9 +325,10 @@ def test_cache_keeps_lru_entries_within_its_limit_across_restarts(
 
     def get(c: NodeCache, name: str) -> tuple[str, bool]:
         url, data, checksum = blobs[name]
-        path, res = c.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+        before = c.stats.fetches
+        path = c.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
         assert Path(path).read_bytes() == data
-        return path, res is not None
+        return path, c.stats.fetches > before
 
     assert get(cache, "a")[1]
     assert get(cache, "b")[1]
@@ -363,22 +364,24 @@ def test_cache_checks_an_entry_before_use_and_caches_nothing_bad(
     with open(path, "r+b") as f:
         f.seek(96)
         f.write(b"\xff" * 8)
-    path2, res = cache.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
-    assert res is not None
+    path2 = cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert cache.stats.fetches == 2
     assert path2 == path
     assert Path(path).read_bytes() == data
     os.truncate(path, len(data) - 1)  # a truncated entry: the header's own checks refuse it
-    _, res = cache.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
-    assert res is not None
+    cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert cache.stats.fetches == 3
     assert Path(path).read_bytes() == data
-    _, res = cache.get_with_result(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
-    assert res is None  # a good entry is served as it is
+    cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+    assert cache.stats == CacheStats(
+        hits=1, fetches=3, bytes_fetched=3 * len(data), retries=0
+    )  # served as it is
 
 
 CHILD = textwrap.dedent(
     """
     import sys
-    from smstore.remote import NodeCache, Retry
+    from smstore.remote import CacheStats, NodeCache, Retry
     cache = NodeCache(sys.argv[1], 1 << 30)
     cache.get(sys.argv[2], checksum=sys.argv[3], size=int(sys.argv[4]), chunk_size=int(sys.argv[5]),
               concurrency=1, retry=Retry(timeout=120.0))

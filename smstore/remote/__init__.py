@@ -6,7 +6,7 @@ Neither is imported until a function that needs it runs.
 
 from __future__ import annotations
 
-from smstore.remote.cache import CacheEntry, NodeCache
+from smstore.remote.cache import CacheEntry, CacheStats, NodeCache
 from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, FetchResult, Retry, fetch, object_size
 from smstore.remote.upload import publish_remote_dataset, upload
 from smstore.remote.urls import SCHEMES, RemoteURL, is_remote_url, parse_url
@@ -16,6 +16,7 @@ __all__ = [
     "DEFAULT_CONCURRENCY",
     "SCHEMES",
     "CacheEntry",
+    "CacheStats",
     "FetchResult",
     "NodeCache",
     "RemoteURL",

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -17,10 +18,20 @@ from smstore.errors import StoreError, StoreFormatError, StoreIOError
 from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, FetchResult, Retry, fetch
 from smstore.remote.urls import RemoteURL, parse_url
 
-__all__ = ["CacheEntry", "NodeCache"]
+__all__ = ["CacheEntry", "CacheStats", "NodeCache"]
 
 _SUFFIX = ".smst"
 _PART = ".part"
+
+
+@dataclass
+class CacheStats:
+    """What one NodeCache object did: entries served as they were, fetched, bytes fetched, retries."""
+
+    hits: int = 0
+    fetches: int = 0
+    bytes_fetched: int = 0
+    retries: int = 0
 
 
 @dataclass(frozen=True)
@@ -59,6 +70,8 @@ class NodeCache:
         self.limit_bytes = limit_bytes
         self._entries = os.path.join(self.directory, "entries")
         self._locks = os.path.join(self.directory, "locks")
+        self.stats = CacheStats()
+        self._stats_lock = threading.Lock()
         try:
             os.makedirs(self._entries, exist_ok=True)
             os.makedirs(self._locks, exist_ok=True)
@@ -133,22 +146,6 @@ class NodeCache:
             StoreError: The blob is larger than the cache's limit.
             RemoteError, ChecksumMismatchError, ...: As :func:`smstore.remote.fetch`; nothing is cached then.
         """
-        path, _ = self.get_with_result(
-            url, checksum=checksum, size=size, chunk_size=chunk_size, concurrency=concurrency, retry=retry
-        )
-        return path
-
-    def get_with_result(
-        self,
-        url: str | RemoteURL,
-        *,
-        checksum: str,
-        size: int,
-        chunk_size: int = DEFAULT_CHUNK,
-        concurrency: int = DEFAULT_CONCURRENCY,
-        retry: Retry | None = None,
-    ) -> tuple[str, FetchResult | None]:
-        """:meth:`get`, and what was fetched (None when the entry was already cached)."""
         u = url if isinstance(url, RemoteURL) else parse_url(url)
         if not is_checksum(checksum):
             raise ValueError(f"{u}: checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
@@ -159,16 +156,24 @@ class NodeCache:
             )
         path = self.path_of(u, checksum)
         if self._usable(path, size, checksum):
-            return path, None
+            self._count(hits=1)
+            return path
         with self._lock("entry-" + self._name(u, checksum)):
             if self._usable(path, size, checksum):  # another process fetched it while we waited
-                return path, None
+                self._count(hits=1)
+                return path
             with self._lock():
                 self._evict(self.limit_bytes - size, keep=path)
             result = self._fetch_into_entry(u, path, size, checksum, chunk_size, concurrency, retry)
+            self._count(fetches=1, bytes_fetched=result.bytes, retries=result.retries)
             with self._lock():
                 self._evict(self.limit_bytes, keep=path)
-            return path, result
+            return path
+
+    def _count(self, **add: int) -> None:
+        with self._stats_lock:
+            for k, v in add.items():
+                setattr(self.stats, k, getattr(self.stats, k) + v)
 
     def _usable(self, path: str, size: int, checksum: str) -> bool:
         """Whether the entry at `path` is there and its size and header say it is the blob asked for.
