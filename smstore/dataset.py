@@ -14,7 +14,7 @@ from torch.utils.data._utils import collate as torch_collate
 from smstore._core import RecordReader, _DataExport
 from smstore._decode import Decoder, make_decoder
 from smstore._store import ShardedStore, Store
-from smstore.client import Mode, open_store
+from smstore.client import Mode, StoreHandle
 from smstore.errors import CollateError
 
 __all__ = ["SharedStoreDataset"]
@@ -136,13 +136,10 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         mode: Mode = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        self._handle = StoreHandle(path, mode, socket)  # what pickles: path, options, checksum
         self.decode = decode
         self.transform = transform
-        self.mode: Mode = mode
-        self.socket = os.fspath(socket) if socket is not None else None
-        store = open_store(self.path, mode, self.socket)
-        self.checksum = store.checksum  # every process must read these very bytes
+        store = self._handle.store
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
         # Record counts of the shards, in order (one for a single blob): what windowed samplers need.
@@ -157,8 +154,27 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             StoreChangedError: The file was re-packed since the dataset was created, so this
                 process would read other records than the others (and than ``len`` says).
         """
-        store = open_store(self.path, self.mode, self.socket, checksum=self.checksum)
-        self._bind(store, self._decoder, self.transform)
+        self._bind(self._handle.store, self._decoder, self.transform)
+
+    @property
+    def path(self) -> str:
+        """The blob or sharded dataset, as given."""
+        return self._handle.path
+
+    @property
+    def mode(self) -> Mode:
+        """``"auto"``, ``"daemon"`` or ``"mmap"`` (see :func:`smstore.client.open_store`)."""
+        return self._handle.mode
+
+    @property
+    def socket(self) -> str | None:
+        """The daemon's socket, if one was named."""
+        return self._handle.socket
+
+    @property
+    def checksum(self) -> str:
+        """The contents every process reads (pinned when the dataset was created)."""
+        return self._handle.checksum
 
     @property
     def store(self) -> Store | ShardedStore:
