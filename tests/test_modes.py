@@ -199,9 +199,11 @@ def test_dataset_and_collator_handed_to_a_child_attach_to_the_daemons_segment(
     d = start_daemon(path)
     ds = smstore.SharedStoreDataset(path, decode="bytes", mode="daemon", socket=d.sock)
     collate = smstore.TokenCollator(path, layout="pack", mode="daemon", socket=d.sock)
-    assert len(pickle.dumps(ds)) < 2000 and len(pickle.dumps(collate)) < 2000  # never the data
+    assert len(pickle.dumps(ds)) < 2000
+    assert len(pickle.dumps(collate)) < 2000
     segment = ds.store.segment  # type: ignore[union-attr]
-    assert type(ds.store) is DaemonStore and segment.lstrip("/") in list_segments(d.pid)
+    assert type(ds.store) is DaemonStore
+    assert segment.lstrip("/") in list_segments(d.pid)
     records, gathered, where = run_child(tl.read_through_handles, ds, collate, method=method)
     assert records == recs
     assert gathered == recs
