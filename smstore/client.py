@@ -254,19 +254,22 @@ def open_store(
     The daemon and the file are matched by content: the checksum in the file's header (a 4 KiB
     read) must be one the daemon serves. Each call makes its own connection, so this is safe in
     forked DataLoader workers. This is the one attach policy of every reader that pickles as a
-    path and attaches in each process (``SharedStoreDataset``, ``TokenCollator``).
+    path and attaches in each process (``SharedStoreDataset``, ``TokenCollator``, through
+    :class:`StoreHandle`).
 
     Args:
         path: The ``.smst`` file, or a sharded dataset.
         mode: ``"auto"`` uses the daemon's copy if it serves this file, else maps the file (and
-            logs once, on the ``smstore`` logger, which it chose); ``"daemon"`` requires the
-            daemon; ``"mmap"`` never asks it.
+            logs once, on the ``smstore`` logger, which it chose; falling back warns as every
+            reader does: :func:`smstore._modes.fall_back`); ``"daemon"`` requires the daemon;
+            ``"mmap"`` never asks it.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default).
         checksum: The contents this process must read (the checksum another process saw when it
             opened the blob): a reader created in one process and attached in another never reads
             other records than its creator did.
 
     Raises:
+        ValueError: ``mode`` is none of ``"auto"``, ``"daemon"``, ``"mmap"``.
         DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
         StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).

@@ -46,10 +46,11 @@ class TokenCollator:
                             num_workers=4, collate_fn=collate, pin_memory=True)
 
     ``range(n)`` maps each index to itself, so the worker hands the list of indices to the
-    collator, which gathers. The collator pickles as its path and options and attaches in each
-    worker on first use exactly as ``SharedStoreDataset`` does (same ``mode`` and ``socket``, and
-    the same check that every process reads the contents the collator was created on); or it goes
-    through the ``SharedStoreDataset`` it was given, and so through whatever that dataset attaches to.
+    collator, which gathers. Given a path, the collator pickles as its path and options and
+    attaches in each worker on first use through the same :class:`smstore.client.StoreHandle` as
+    ``SharedStoreDataset`` (same ``mode`` and ``socket``, and the same ``StoreChangedError`` if
+    the file was re-packed since the collator was created); given a ``SharedStoreDataset``, it
+    goes through whatever that dataset attaches to.
 
     Output (a dict of tensors, which ``DataLoader(pin_memory=True)`` pins as a whole):
 

@@ -100,8 +100,9 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
 
     The blob is mapped read-only; every process that reads it (DataLoader workers, local ranks)
     shares the same physical pages, so memory does not grow with the number of processes. The
-    dataset pickles as its path and options only and attaches lazily in each process, so it works
-    with the ``fork``, ``spawn`` and ``forkserver`` start methods. ``ds[i]`` runs in C (see
+    dataset pickles as its path and options only and attaches lazily in each process (through a
+    :class:`smstore.client.StoreHandle`, as ``TokenCollator`` does), so it works with the
+    ``fork``, ``spawn`` and ``forkserver`` start methods. ``ds[i]`` runs in C (see
     ``smstore._core.RecordReader``).
 
     Args:
@@ -114,10 +115,18 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             taking the memoryview.
         transform: Called on each decoded record.
         mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
-            file, else a mapping of the file; ``"daemon"``: require the daemon; ``"mmap"``: never
-            use it. See :func:`smstore.client.open_store`.
+            file, else a mapping of the file (saying so as every reader does: docs/daemon.md,
+            "Modes"); ``"daemon"``: require the daemon; ``"mmap"``: never use it. See
+            :func:`smstore.client.open_store`.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
             Every process the dataset is pickled to uses the same one.
+
+    Raises:
+        ValueError: ``mode`` is none of those.
+        DaemonError: ``mode="daemon"`` and no daemon serves the file.
+        StoreError: The file is missing or not a valid blob. In a process the dataset was
+            pickled to, :class:`smstore.StoreChangedError` on first access if the file was
+            re-packed since (see :class:`smstore.client.StoreHandle`).
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them

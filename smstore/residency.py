@@ -42,9 +42,15 @@ class ShardResidency:
 
     Args:
         path: The manifest, or a directory holding ``manifest.json``.
-        mode: ``"auto"``: the daemon if one answers on ``socket``, else the page cache;
-            ``"daemon"``: require it; ``"mmap"``: the page cache only.
+        mode: ``"auto"``: the daemon if one answers on ``socket``, else the page cache (and,
+            also when the daemon dies later, says so as every reader does: a warning once per
+            process, see :func:`smstore._modes.fall_back`); ``"daemon"``: require it (a
+            :class:`DaemonError` naming the socket); ``"mmap"``: the page cache only, never a
+            daemon.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+
+    Raises:
+        ValueError: ``mode`` is none of those.
 
     Attributes:
         kind: ``"daemon"`` or ``"page cache"``, once the first :meth:`hold` has decided.
