@@ -60,12 +60,12 @@ def fall_back(
 ) -> None:
     """Go on without the daemon, which cannot serve ``subject`` for ``reason``: mode "auto" only.
 
-    ``mode="daemon"`` raises. ``mode="auto"`` says it falls back: a warning, once per process,
-    when a daemon was meant to serve (a socket named with ``socket=`` or ``$SMSTORE_SOCKET``, or
-    one there at all: a running daemon that refused, or a dead one's leftover); every later
-    fallback in the process, and any with no daemon at the per-user default socket (the normal
-    case without one), is logged at INFO, once per subject. ``mode="mmap"`` never gets here: it
-    never contacts a daemon.
+    ``mode="daemon"`` raises. ``mode="auto"`` says it falls back: a warning, once per process (a
+    forked child inherits its parent's), when a daemon was meant to serve (a socket named with
+    ``socket=`` or ``$SMSTORE_SOCKET``, one there at all, a daemon that refused or failed, or a
+    default socket directory that is not this user's); every later fallback in the process, and
+    any with no daemon at the per-user default socket (the normal case without one), is logged at
+    INFO, once per subject. ``mode="mmap"`` never gets here: it never contacts a daemon.
 
     Args:
         mode: The reader's mode.
@@ -82,7 +82,9 @@ def fall_back(
     global _warned_fallback
     what, cost = _INSTEAD[instead]
     sock_at = socket_path(sock)
-    expected = sock_at != default_socket_path() or os.path.lexists(sock_at)
+    # "cannot reach" is how _ipc.connect says that nothing listens: any other reason (a refusal, a
+    # failed exchange, a default directory that is not this user's) means a daemon was meant.
+    expected = sock_at != default_socket_path() or os.path.lexists(sock_at) or "cannot reach" not in reason
     if expected and not _warned_fallback:
         _warned_fallback = True
         _logged.add((subject, "fallback"))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import pickle
@@ -17,6 +18,7 @@ import smstore_testlib as tl
 from daemon_testlib import Daemon, make_records
 
 import smstore
+from smstore import _modes
 from smstore.client import DaemonStore, open_store
 from smstore.daemon.segments import list_segments
 from smstore.residency import ShardResidency
@@ -156,6 +158,32 @@ def test_auto_without_a_daemon_warns_once_per_process_in_one_wording(
     assert len(infos) == 2, logged
     for m in infos:
         assert re.fullmatch(r".+: .+ \(cannot reach an smstore daemon on .+\)", m), m
+
+
+@pytest.mark.parametrize("user", tl.MODE_USERS)
+def test_auto_with_no_daemon_at_the_default_socket_only_logs_at_info(
+    data: tuple[Path, Path, list[bytes]],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    user: str,
+) -> None:
+    """The normal case without a daemon is no warning, from any of the four."""
+    blob, manifest, recs = data
+    monkeypatch.setattr(_modes, "_warned_fallback", False)  # as in a fresh process
+    monkeypatch.setattr(_modes, "_logged", set())
+    monkeypatch.delenv("SMSTORE_SOCKET", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", os.fspath(tmp_path / "runtime"))
+    caplog.set_level(logging.INFO, logger="smstore")
+    assert tl.use_in_mode(user, "auto", os.fspath(blob), os.fspath(manifest), None) == expected(user, recs)
+    said = [
+        (r.levelno, r.getMessage())
+        for r in caplog.records
+        if "instead" in r.getMessage() or "cannot reach" in r.getMessage()
+    ]
+    assert len(said) == 1, said
+    assert said[0][0] == logging.INFO
+    assert "cannot reach an smstore daemon on " + os.fspath(tmp_path / "runtime") in said[0][1]
 
 
 # ---- SharedList's old name for mmap --------------------------------------------------------------
