@@ -78,7 +78,7 @@ def fall_back(
         DaemonError: ``mode="daemon"``, with ``reason``.
     """
     if mode == "daemon":
-        raise DaemonError(f"{subject}: {reason}")
+        raise DaemonError(f"{subject}: {reason}") from None  # the reason says it all
     global _warned_fallback
     what, cost = _INSTEAD[instead]
     sock_at = socket_path(sock)
