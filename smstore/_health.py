@@ -405,10 +405,12 @@ def doctor(
         size = sum(b.size for b in found)
         checks.append(Check("dataset", "ok", f"{d}: {len(found)} blob(s), {_human(size)}"))
     need = sum(_pages(b.size) for b in blobs.values())
+    status: dict[str, Any] | None = None
+    served: dict[str, int] = {}
     try:
         status, served = _segments(path, timeout=2.0)
     except DaemonError as e:
-        status, served, daemon = None, {}, Check("daemon", "warn", str(e))
+        daemon = Check("daemon", "warn", str(e))
     else:
         daemon = Check(
             "daemon",
