@@ -57,7 +57,7 @@ else
 fi
 
 deadline=$((SECONDS + wait_s))
-until "${as_user[@]}" smstore wait --timeout 5 "${datasets[@]}" >/dev/null 2>&1; do
+until "${as_user[@]}" smstore wait --timeout 2 "${datasets[@]}" >/dev/null 2>&1; do
     if [[ -n ${daemon:-} ]] && ! kill -0 "$daemon" 2>/dev/null; then
         say "the smstore daemon exited before serving ${datasets[*]}:"
         tail -n 5 "$logfile" >&2
