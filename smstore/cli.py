@@ -266,9 +266,10 @@ examples:
   smstore pack --format json-list --key images instances_train2017.json -o images.smst
   smstore info corpus.smst ; smstore verify corpus/ ; smstore get corpus.smst 17
   smstore serve corpus.smst &  smstore status ; smstore stop  the node daemon
+  smstore doctor corpus/ ; smstore wait corpus/ --timeout 600   check a node; wait until served
 
 'smstore COMMAND --help' tells more; so do README.md and docs/ (convert.md, packing.md,
-daemon.md) of the smstore sources.
+daemon.md, operations.md) of the smstore sources.
 """
 
 
