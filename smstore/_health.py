@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import resource
 import stat
 import time
@@ -40,6 +41,8 @@ FEW_CONNECTIONS = 64
 # A cgroup v1 limit at or above this means no limit (the kernel writes 2^63 rounded down to a page).
 NO_LIMIT = 1 << 62
 PAGE = os.sysconf("SC_PAGE_SIZE")
+# mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040).
+_OCTAL = re.compile(r"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
@@ -192,7 +195,7 @@ def _mount_of(path: Path, mountinfo: Path) -> tuple[str, str, str] | None:
         fields, rest = left.split(), right.split()
         if not sep or len(fields) < 5 or len(rest) < 3:
             continue
-        point = fields[4].replace("\\040", " ")
+        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         # The last matching line of the longest point wins: later mounts hide earlier ones.
         if inside and (best is None or len(point) >= len(best[0])):

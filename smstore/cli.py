@@ -629,6 +629,9 @@ def _positive_seconds(text: str) -> float:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from smstore._health import doctor
 
+    if args.max_connections is not None and args.max_connections < 1:
+        print("smstore doctor: --max-connections must be at least 1", file=sys.stderr)
+        return 2
     checks = doctor(args.datasets, args.socket, max_connections=args.max_connections)
     for check in checks:
         print(check.line())

@@ -9,6 +9,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from daemon_testlib import Daemon, make_records
 import smstore
 from smstore import _core
 from smstore._health import Check, Probes, doctor
+from smstore._ipc import process_start_time
 from smstore._manifest import read_manifest
 from smstore.client import daemon_request
 from smstore.daemon.segments import list_segments
@@ -138,7 +140,7 @@ def test_doctor_reads_a_cgroup_v1_limit_also_inside_a_cgroup_namespace(tmp_path:
 
 
 def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) -> None:
-    shm = tmp_path / "shm"
+    shm = tmp_path / "s hm"  # mountinfo escapes the space: \040
     shm.mkdir()
     info = tmp_path / "mountinfo"
     info.write_text(
@@ -150,7 +152,7 @@ def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) 
     statuses = by_name(checks, "shm")
     assert statuses[0][0] == "warn"
     assert f"on ext4 (mounted at {tmp_path})" in statuses[0][1]
-    info.write_text(info.read_text() + f"40 30 0:40 / {shm} rw - tmpfs tmpfs rw,size=65536k\n")
+    info.write_text(info.read_text() + f"40 30 0:40 / {tmp_path}/s\\040hm rw - tmpfs tmpfs rw,size=65536k\n")
     checks = doctor([], sock, probes=probes(tmp_path, shm_dir=shm, mountinfo=info))
     assert [s for s, _ in by_name(checks, "shm")] == ["ok"]
 
@@ -521,10 +523,10 @@ def slurm_env(tmp_path: Path, sock: Path) -> Iterator[dict[str, str]]:
     except DaemonError:
         return
     os.kill(pid, signal.SIGTERM)  # the daemon the prolog started, by its pid
-    for _ in range(600):
-        if not os.path.exists(f"/proc/{pid}") or list_segments(pid) == []:
-            break
-        subprocess.run(["sleep", "0.05"], check=True)
+    deadline = time.monotonic() + 30
+    while process_start_time(pid) is not None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert list_segments(pid, locks=True) == []
 
 
 def _script(name: str, env: dict[str, str], **extra: str) -> subprocess.CompletedProcess[str]:
