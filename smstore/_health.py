@@ -15,6 +15,7 @@ from typing import Any
 from smstore import _core
 from smstore._ipc import ensure_private_dir, socket_path
 from smstore._manifest import is_manifest, read_manifest
+from smstore._pack import human_bytes
 from smstore._store import read_checksum
 from smstore.client import daemon_request
 from smstore.daemon.connections import Limits
@@ -102,14 +103,6 @@ def dataset_blobs(path: str) -> list[Blob]:
 
 def _pages(n: int) -> int:
     return -(-n // PAGE) * PAGE
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 # ---- the daemon ----------------------------------------------------------------------------------
@@ -263,27 +256,27 @@ def _check_shm(probes: Probes, need: int, loaded: int) -> Iterator[Check]:
             f"mount a tmpfs on {shm} (mount -t tmpfs -o size=SIZE tmpfs {shm})",
         )
     where = f"{shm} ({mount[1]} at {mount[0]})" if mount is not None else os.fspath(shm)
-    room = f"{_human(available)} free of {_human(total)}"
+    room = f"{human_bytes(available)} free of {human_bytes(total)}"
     if not need:
         yield Check("shm", "ok", f"{where}: {room}")
     elif available + loaded < need:
-        already = f", {_human(loaded)} of it loaded already" if loaded else ""
+        already = f", {human_bytes(loaded)} of it loaded already" if loaded else ""
         yield Check(
             "shm",
             "fail",
-            f"{where}: {room}; the datasets need {_human(need)}{already}",
-            f"free or enlarge {shm} by {_human(need - available - loaded)} ('smstore unload', "
+            f"{where}: {room}; the datasets need {human_bytes(need)}{already}",
+            f"free or enlarge {shm} by {human_bytes(need - available - loaded)} ('smstore unload', "
             f"'smstore gc', mount -o remount,size=SIZE {shm}), or read the files with mode='mmap'",
         )
     else:
-        yield Check("shm", "ok", f"{where}: {room}; the datasets need {_human(need)}")
+        yield Check("shm", "ok", f"{where}: {room}; the datasets need {human_bytes(need)}")
     if total <= CONTAINER_SHM:
         fits = need <= total
         yield Check(
             "container shm",
             "warn" if fits else "fail",
-            f"{shm} is {_human(total)}, a container runtime's default size"
-            + ("" if fits else f": the datasets ({_human(need)}) cannot fit"),
+            f"{shm} is {human_bytes(total)}, a container runtime's default size"
+            + ("" if fits else f": the datasets ({human_bytes(need)}) cannot fit"),
             "give the container more: docker run --shm-size=SIZE (or a tmpfs mount of that size); on "
             f"Kubernetes mount an emptyDir with medium: Memory and sizeLimit: SIZE at {shm}",
         )
@@ -299,23 +292,23 @@ def _check_cgroup(probes: Probes, need: int, loaded: int) -> Check:
     if found is None:
         return Check("cgroup memory", "ok", "no memory limit applies to this cgroup")
     limit, usage, where = found
-    used = f", {_human(usage)} in use" if usage is not None else ""
-    said = f"limit {_human(limit)} ({where}){used}"
+    used = f", {human_bytes(usage)} in use" if usage is not None else ""
+    said = f"limit {human_bytes(limit)} ({where}){used}"
     fix = (
         "shared memory counts against the memory limit of the cgroup that writes it (the daemon's): "
         "raise it (docker run --memory, Kubernetes resources.limits.memory, systemd MemoryMax=) to the "
         "datasets' size plus the daemon's own memory"
     )
     if need > limit:
-        return Check("cgroup memory", "fail", f"{said}; the datasets need {_human(need)}", fix)
+        return Check("cgroup memory", "fail", f"{said}; the datasets need {human_bytes(need)}", fix)
     if usage is not None and need - loaded > limit - usage:
         return Check(
             "cgroup memory",
             "warn",
-            f"{said}; loading the datasets needs {_human(need - loaded)} more",
+            f"{said}; loading the datasets needs {human_bytes(need - loaded)} more",
             fix,
         )
-    return Check("cgroup memory", "ok", said + (f"; the datasets need {_human(need)}" if need else ""))
+    return Check("cgroup memory", "ok", said + (f"; the datasets need {human_bytes(need)}" if need else ""))
 
 
 def _check_nofile(probes: Probes, blobs: int, max_connections: int) -> Check:
@@ -406,7 +399,7 @@ def doctor(
             continue
         blobs.update((b.checksum, b) for b in found)
         size = sum(b.size for b in found)
-        checks.append(Check("dataset", "ok", f"{d}: {len(found)} blob(s), {_human(size)}"))
+        checks.append(Check("dataset", "ok", f"{d}: {len(found)} blob(s), {human_bytes(size)}"))
     need = sum(_pages(b.size) for b in blobs.values())
     status: dict[str, Any] | None = None
     served: dict[str, int] = {}
@@ -433,8 +426,8 @@ def doctor(
             Check(
                 "daemon",
                 "fail",
-                f"its limit ({status['shm'].get('limit_from')}) is {_human(status['shm']['limit'])}; "
-                f"the datasets need {_human(need)}",
+                f"its limit ({status['shm'].get('limit_from')}) is {human_bytes(status['shm']['limit'])}; "
+                f"the datasets need {human_bytes(need)}",
                 "restart it with a larger --shm-limit",
             )
         )
