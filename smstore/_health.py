@@ -13,12 +13,13 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import ensure_private_dir, socket_path
+from smstore._ipc import ensure_private_dir, process_alive, socket_path
 from smstore._manifest import is_manifest, read_manifest
 from smstore._pack import human_bytes
 from smstore._store import read_checksum
 from smstore.client import daemon_request
 from smstore.daemon.connections import Limits
+from smstore.daemon.segments import SEGMENT_RE
 from smstore.errors import DaemonError, StoreError
 
 __all__ = [
@@ -237,6 +238,32 @@ def _cgroup_memory(probes: Probes) -> tuple[int, int | None, str] | None:
     return min(found, key=lambda f: f[0]) if found else None
 
 
+def _left_in_shm(shm: Path, checksums: set[str]) -> dict[str, int]:
+    """Segments of ours in `shm` holding `checksums` that no live daemon serves (checksum -> size).
+
+    A dead daemon's: one restarted on its socket adopts them, and 'smstore gc' frees them
+    otherwise; either way their room is the datasets' already.
+    """
+    found: dict[str, int] = {}
+    if not checksums:
+        return found
+    try:
+        entries = list(os.scandir(shm))
+    except OSError:
+        return found
+    for entry in entries:
+        m = SEGMENT_RE.match(entry.name)
+        if m is None or int(m.group(1)) != os.getuid() or m.group(4) not in checksums:
+            continue
+        if process_alive(int(m.group(2)), int(m.group(3))):
+            continue  # another daemon's, on another socket: not room this one gets
+        try:
+            found[m.group(4)] = entry.stat(follow_symlinks=False).st_size
+        except OSError:
+            continue
+    return found
+
+
 # ---- the checks -------------------------------------------------------------------------------------
 
 
@@ -260,7 +287,7 @@ def _check_shm(probes: Probes, need: int, loaded: int) -> Iterator[Check]:
     if not need:
         yield Check("shm", "ok", f"{where}: {room}")
     elif available + loaded < need:
-        already = f", {human_bytes(loaded)} of it loaded already" if loaded else ""
+        already = f", {human_bytes(loaded)} of it in {shm} already" if loaded else ""
         yield Check(
             "shm",
             "fail",
@@ -414,7 +441,8 @@ def doctor(
             f"pid {status['pid']} answers on {path}: {len(served)} segment(s), "
             f"{status['counts']['loading']} loading",
         )
-    loaded = sum(_pages(served[ck]) for ck in blobs if ck in served)
+    left = _left_in_shm(probes.shm_dir, set(blobs) - set(served))
+    loaded = sum(_pages(size) for ck, size in {**left, **served}.items() if ck in blobs)
     checks += _check_shm(probes, need, loaded)
     checks.append(_check_cgroup(probes, need, loaded))
     limit = max_connections if max_connections is not None else Limits().max_connections

@@ -22,6 +22,7 @@ from smstore import _core
 from smstore._health import Check, Probes, doctor
 from smstore._ipc import process_start_time
 from smstore._manifest import read_manifest
+from smstore._store import read_checksum
 from smstore.client import daemon_request
 from smstore.daemon.segments import list_segments
 from smstore.errors import DaemonError
@@ -253,8 +254,38 @@ def test_doctor_finds_a_containers_64mib_dev_shm(
     (fail,) = lines(res.stdout, "FAIL", "shm")
     assert "/dev/shm (tmpfs at /dev/shm): 64.0 MiB free of 64.0 MiB; the datasets need 65.0 MiB" in fail
     assert lines(res.stdout, "FAIL", "container shm")
-    # The host's /dev/shm never saw that mount.
+    # A dead daemon's segment of the dataset (pid 1 at a start time it never had): its room counts as the
+    # dataset's, since a restarted daemon adopts it ('smstore gc' frees it otherwise).
+    mid = tmp_path / "mid.smst"
+    smstore.pack([b"\0" * (40 * MiB)], mid, durable=False)
+    checksum = read_checksum(mid)
+    assert checksum is not None
+    dead = f"/dev/shm/smstore-{os.getuid()}-1-999999999999-{checksum}-00000000"
+    other = f"/dev/shm/smstore-{os.getuid()}-1-999999999999-{'0' * 16}-00000000"
+
+    def doctor_after(leftover: str) -> subprocess.CompletedProcess[str]:
+        fill = f'head -c {mid.stat().st_size} /dev/zero > {leftover} && exec "$@"'
+        return subprocess.run(
+            [*namespaced_shm_64m, "sh", "-c", fill, "sh", *argv, os.fspath(mid)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+            cwd=tl.SAFE_CWD,
+        )
+
+    res = doctor_after(dead)
+    assert res.returncode == 0, res.stdout + res.stderr
+    (ok,) = lines(res.stdout, "OK", "shm")
+    assert "the datasets need 40.0 MiB" in ok
+    res = doctor_after(other)
+    assert res.returncode == 1, res.stdout + res.stderr
+    (fail,) = lines(res.stdout, "FAIL", "shm")
+    assert "24.0 MiB free of 64.0 MiB; the datasets need 40.0 MiB" in fail
+    # The host's /dev/shm never saw that mount, nor those files.
     assert _core.shm_space("/dev/shm")[1] != 64 * MiB
+    assert not os.path.exists(dead)
+    assert not os.path.exists(other)
 
 
 def _nofile(soft: int, hard: int) -> Callable[[], None]:
