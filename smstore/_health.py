@@ -1,4 +1,4 @@
-"""A node's health for `smstore doctor` and its readiness for `smstore wait`: read-only probes, nothing loaded."""
+"""A node's health (`smstore doctor`) and readiness (`smstore wait`): read-only probes, nothing loaded."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The `smstore` command line: pack, info, verify, get, the node daemon's serve/status/load/unload/stop/gc, doctor and wait."""
+"""The `smstore` command line: pack, info, verify, get; the daemon's serve/status/load/unload/stop/gc; doctor, wait."""
 
 from __future__ import annotations
 

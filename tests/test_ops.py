@@ -1,4 +1,4 @@
-"""Operating a node: `smstore doctor`, `smstore wait`, `smstore serve --require`, and the deploy/ kits, run for real."""
+"""Operating a node: `smstore doctor`, `wait`, `serve --require`, and the deploy/ kits, run for real."""
 
 from __future__ import annotations
 
@@ -203,7 +203,7 @@ def test_doctor_counts_a_sharded_datasets_shards_and_refuses_a_file_that_is_no_d
 
 @pytest.fixture
 def namespaced_shm_64m() -> list[str]:
-    """A command prefix that runs its command with a private 64 MiB tmpfs on /dev/shm (skips if not allowed)."""
+    """A command prefix: run a command with a private 64 MiB tmpfs on /dev/shm (skips if not allowed)."""
     if shutil.which("unshare") is None:
         pytest.skip("unshare(1) is not installed")
     prefix = [
@@ -530,7 +530,7 @@ def test_the_slurm_scripts_are_shellcheck_clean() -> None:
 
 @pytest.fixture
 def slurm_env(tmp_path: Path, sock: Path) -> Iterator[dict[str, str]]:
-    """The environment slurmd gives a prolog (a fake job of this user), smstore on PATH; the daemon stopped after."""
+    """slurmd's environment for a prolog (a fake job of this user), smstore on PATH; the daemon stopped after."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     wrapper = bin_dir / "smstore"
