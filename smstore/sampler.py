@@ -29,6 +29,7 @@ else:
         _SamplerBase = object
 
 __all__ = [
+    "BlockWindowOrder",
     "FeistelPermutation",
     "GlobalShuffleSampler",
     "ResumableLoader",
@@ -595,6 +596,152 @@ class WindowedOrder:
 
     def __len__(self) -> int:
         return self.n
+
+
+class BlockWindowOrder:
+    """An epoch's order drawn from blocks: record ranges read in one go, from many shards at once.
+
+    The design of docs/training.md, "Block windows (design)", as a pure order (no sampler or
+    daemon uses it yet). Each shard is cut into **blocks** of ``block`` consecutive records (its
+    last block shorter); a keyed permutation puts every block of the dataset in one random order;
+    **groups** are runs of ``group`` consecutive blocks of it. The records of group ``j`` are
+    permuted by a keyed bijection and cut into ``spread`` equal parts, part ``t`` going to
+    **window** ``j + t``; the records of each window (parts of groups ``j - spread + 1 .. j``) are
+    permuted by a keyed bijection of the window's positions, and the windows follow each other.
+
+    So every record comes exactly once; the order is a pure function of ``key`` (the seed and
+    epoch go in it), the same for any world size; ``order(p)`` for any positions costs a few
+    binary searches and two Feistel evaluations each (O(1) resume). While window ``w`` is read,
+    groups ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: at most
+    ``(spread + 1) * group * block`` records resident, each block read once, sequentially.
+    ``spread=1`` is plain windows of blocks (the one read and the next); a larger ``spread``
+    spreads each block's records over ``spread`` windows, so source neighbours share a batch
+    less often (docs/training.md states the bound).
+
+    Args:
+        shard_sizes: Records in each shard, in manifest order.
+        block: Records per block (at least 1).
+        group: Blocks per group (at least 1).
+        spread: Windows over which a group's records are spread (at least 1).
+        key: Derives every permutation of the epoch.
+
+    Raises:
+        ValueError: A shard size is negative, or ``block``, ``group`` or ``spread`` is below 1.
+    """
+
+    def __init__(
+        self,
+        shard_sizes: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        block: int,
+        group: int,
+        spread: int,
+        key: str,
+    ) -> None:
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        if sizes.size and int(sizes.min()) < 0:
+            msg = "shard sizes must be >= 0"
+            raise ValueError(msg)
+        for name, value in (("block", block), ("group", group), ("spread", spread)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                msg = f"{name} must be a positive integer, not {value!r}"
+                raise ValueError(msg)
+        self.block, self.group, self.spread, self._key = block, group, spread, key
+        self.n = int(sizes.sum())
+        # Blocks in manifest order: the first record and length of each (none crosses a shard).
+        counts = -(-sizes // block)
+        shard_of = np.repeat(np.arange(len(sizes)), counts)
+        nth = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        self.block_first = starts[shard_of] + nth * block
+        self.block_length = np.minimum(block, sizes[shard_of] - nth * block)
+        self.block_shard = shard_of
+        # The blocks' order, and where each starts in the block-ordered sequence of records.
+        nb = len(self.block_first)
+        self.block_order = FeistelPermutation(nb, f"{key}:blocks".encode())(np.arange(nb, dtype=np.uint64))
+        self._seq_starts = np.concatenate([[0], np.cumsum(self.block_length[self.block_order])]).astype(
+            np.int64
+        )
+        # Group j: sequence positions [group_starts[j], group_starts[j + 1]).
+        self.group_starts = (
+            np.append(self._seq_starts[:-1:group], self.n).astype(np.int64) if nb else np.zeros(1, np.int64)
+        )
+        groups = len(self.group_starts) - 1
+        sizes_g = np.diff(self.group_starts)
+        # Pieces (group j, part t) in window-major order (window w = j + t, then by group).
+        j = np.repeat(np.arange(groups, dtype=np.int64), spread)
+        t = np.tile(np.arange(spread, dtype=np.int64), groups)
+        cut_lo = t * sizes_g[j] // spread
+        cut_hi = (t + 1) * sizes_g[j] // spread
+        by_window = np.lexsort((j, j + t))
+        self._piece_group, self._piece_cut = j[by_window], cut_lo[by_window]
+        piece_sizes = (cut_hi - cut_lo)[by_window]
+        self._piece_starts = np.concatenate([[0], np.cumsum(piece_sizes)[:-1]]).astype(np.int64)
+        window_of_piece = (j + t)[by_window]
+        windows = groups + spread - 1 if groups else 0
+        self.window_starts = np.append(
+            self._piece_starts[np.searchsorted(window_of_piece, np.arange(windows))], self.n
+        ).astype(np.int64)
+
+    @property
+    def window_count(self) -> int:
+        return len(self.window_starts) - 1
+
+    def window_groups(self, w: int) -> range:
+        """The groups window ``w`` draws from (those resident while it is read)."""
+        groups = len(self.group_starts) - 1
+        return range(max(0, w - self.spread + 1), min(w, groups - 1) + 1)
+
+    def group_blocks(self, j: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Block indices (manifest order, see ``block_first``) of group ``j``, as read."""
+        return self.block_order[j * self.group : (j + 1) * self.group]
+
+    def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The records at an array of positions in ``[0, n)``.
+
+        Raises:
+            IndexError: A position is outside ``[0, n)``.
+        """
+        shape: tuple[int, ...] = np.shape(positions)
+        p = np.asarray(positions).astype(np.int64).ravel()
+        if p.size and (int(p.min()) < 0 or int(p.max()) >= self.n):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            msg = f"position {bad} out of range for an order of {self.n}"
+            raise IndexError(msg)
+        # The window's permutation of the position, then the piece (group, part) it falls in.
+        w = np.searchsorted(self.window_starts, p, side="right") - 1
+        slot = np.empty_like(p)
+        for win, at in _runs(w):
+            lo, hi = int(self.window_starts[win]), int(self.window_starts[win + 1])
+            slot[at] = lo + FeistelPermutation(hi - lo, f"{self._key}:window:{win}".encode())(p[at] - lo)
+        piece = np.searchsorted(self._piece_starts, slot, side="right") - 1
+        j = self._piece_group[piece]
+        u = self._piece_cut[piece] + slot - self._piece_starts[piece]
+        # The group's permutation of the part's position, then the record in its block.
+        seq = np.empty_like(p)
+        for g, at in _runs(j):
+            lo, hi = int(self.group_starts[g]), int(self.group_starts[g + 1])
+            seq[at] = lo + FeistelPermutation(hi - lo, f"{self._key}:group:{g}".encode())(u[at])
+        b = np.searchsorted(self._seq_starts, seq, side="right") - 1
+        out: np.ndarray[Any, np.dtype[np.int64]] = (
+            self.block_first[self.block_order[b]] + seq - self._seq_starts[b]
+        )
+        return out.reshape(shape)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _runs(
+    values: np.ndarray[Any, np.dtype[np.int64]],
+) -> Iterator[tuple[int, np.ndarray[Any, np.dtype[np.intp]]]]:
+    """Each distinct value and the indices holding it (one sort, not a scan per value)."""
+    by_value = np.argsort(values, kind="stable")
+    sorted_values = values[by_value]
+    cuts = np.flatnonzero(np.diff(sorted_values)) + 1
+    for chunk in np.split(by_value, cuts):
+        if chunk.size:
+            yield int(values[chunk[0]]), chunk
 
 
 class WindowedShuffleSampler(GlobalShuffleSampler):
