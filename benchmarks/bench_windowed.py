@@ -58,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_core import MiB, Report, log, machine_info, temp_dir, write_results, yes_no
+from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results, yes_no
 
 import smstore
 from smstore import _core
@@ -634,7 +634,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "epoch" in sections:
             log("epoch")
             bench_epoch(report, tmp, args)
-    cmd = " ".join(["python benchmarks/bench_windowed.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_windowed.py", argv)
     write_results(
         args.out,
         "Larger than RAM: windows of shards",
