@@ -5,11 +5,13 @@
 
 Every figure is measured in this one run:
 
-1. **Shuffle quality** of `WindowedShuffleSampler` against an exact global shuffle, and of
-   WebDataset's recipe (shuffled shard list, then its own `_shuffle` buffer) and Mosaic
-   streaming's `py1br` / `py1e` (their own `get_shuffle`, when `mosaicml-streaming` is installed)
-   at the same memory: a buffer or block of two windows' records, since smstore keeps two windows
-   resident (the one read and the next, loading). Two statistics over batches
+1. **Shuffle quality** of `WindowedShuffleSampler` and of the block schedule
+   (`BlockWindowOrder`, docs/training.md "Block windows (design)", with its model's prediction)
+   against an exact global shuffle, and of WebDataset's recipe (shuffled shard list, then its own
+   `_shuffle` buffer) and Mosaic streaming's `py1br` / `py1e` (their own `get_shuffle`; a row says
+   "skipped" when `mosaicml-streaming` is not installed) at the same memory: a buffer, block or
+   set of resident blocks of two windows' records, since smstore keeps two windows resident (the
+   one read and the next, loading). Two statistics over batches
    of `--batch-size` consecutive samples of one epoch, each divided by its value for the exact
    global shuffle (so 1.0 is as good as a global shuffle):
    - *shard spread*: the mean number of distinct shards a batch draws from;
@@ -107,9 +109,7 @@ def block_order(
     sizes: list[int], memory: int, block: int, spread: int, seed: int
 ) -> tuple[str, np.ndarray | str]:
     """The block schedule (``BlockWindowOrder``) within ``memory`` records: ``spread + 1`` groups
-    resident (the ``spread`` a window draws from, and the next, loading), as many blocks a group as
-    fit; spread 0 is the most spread that fits (groups of one block)."""
-    spread = spread or max(1, memory // block - 1)
+    resident (the ``spread`` a window draws from, and the next, loading), as many blocks a group as fit."""
     group = memory // ((spread + 1) * block)
     name = f"block schedule: blocks of {block}, spread {spread}, groups of {group} blocks"
     if group < 1:
@@ -160,7 +160,6 @@ def bench_quality(
     batch: int,
     windows: Sequence[int],
     block: int,
-    spreads: Sequence[int],
 ) -> None:
     rng = np.random.default_rng(0)
     sizes = [int(s) for s in rng.integers(per_shard // 2, per_shard * 3 // 2, size=shards)]
@@ -186,20 +185,21 @@ def bench_quality(
         )
 
     for w in windows:
-        memory = (
-            2 * w * per_shard
-        )  # two windows are resident (the one read, the next): the same memory for all
+        # Two windows are resident (the one read, the next): every row gets that memory.
+        memory = 2 * w * per_shard
         s = WindowedShuffleSampler(sizes, window=w, seed=1, rank=0, world_size=1, residency=False)
         row(f"memory {memory}: smstore window of {w} shards", np.asarray(list(s)))
-        for spread in spreads:
-            name, order = block_order(sizes, memory, block, spread, 1)
-            spread = spread or max(1, memory // block - 1)
-            group = memory // ((spread + 1) * block)
-            bound = ""
+        # Blocks of a fixed size, plain windows of them (spread 1) and spread as far as memory allows;
+        # then blocks of memory / batch records, the design's rule (docs/training.md).
+        for b, most in ((block, False), (block, True), (max(1, memory // batch), True)):
+            spread = max(1, memory // b - 1) if most else 1
+            name, order = block_order(sizes, memory, b, spread, 1)
+            group = memory // ((spread + 1) * b)
+            model = ""
             if group >= 1:
-                b_spread, b_ratio = block_model(n, shards, batch, block, group, spread)
-                bound = f" (model: >= {b_spread:.1f} shards/batch, neighbour ratio {b_ratio:.3f})"
-            row(f"memory {memory}: {name}", order, bound)
+                m_spread, m_ratio = block_model(n, shards, batch, b, group, spread)
+                model = f" (model: >= {m_spread:.1f} shards/batch, neighbour ratio {m_ratio:.3f})"
+            row(f"memory {memory}: {name}", order, model)
         row(
             f"memory {memory}: WebDataset shard shuffle + _shuffle({memory})",
             webdataset_order(sizes, memory, 1),
@@ -214,8 +214,10 @@ def bench_quality(
         "neighbours = global rate / ours (1.0 = source neighbours no more often together than in a global shuffle)"
     )
     report.notes.append(
-        f"block schedule: smstore.sampler.BlockWindowOrder, blocks of {block} records (4 MiB at 64 KiB a record); "
-        "the model is docs/training.md's (shards of equal size), printed beside what was measured"
+        "block schedule: smstore.sampler.BlockWindowOrder (docs/training.md, 'Block windows (design)'); "
+        f"blocks of {block} records, and of memory / batch records (the design's rule); spread 1 is plain "
+        "windows of blocks, the larger spreads are the most that fit; the model (shards of equal size, the "
+        "epoch's first and last windows left out) is printed beside what was measured"
     )
 
 
@@ -583,14 +585,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="skip the second epoch, with the least safe lag",
     )
     p.add_argument(
-        "--block-records", type=int, default=64, help="records a block (the block schedule's rows)"
-    )
-    p.add_argument(
-        "--spread",
-        dest="spreads",
+        "--block-records",
         type=int,
-        action="append",
-        help="the block schedule's spread, repeatable; 0: the most that fits (default: 1, 8 and 0)",
+        default=64,
+        help="records a block in the block schedule's fixed-size rows",
     )
     p.add_argument("--load-mib", type=int, default=1024)
     p.add_argument("--load-repeats", type=int, default=15)
@@ -600,7 +598,6 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--window", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.spreads = args.spreads or [1, 8, 0]
     if args.quick:
         args.budget_mib, args.shards, args.load_mib, args.load_repeats = 48, 24, 256, 5
         args.lag = min(args.lag, 2048)  # windows of ~20000 samples: the lag stays under a quarter
@@ -626,7 +623,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch=args.batch_size * 4,
                 windows=[1, 4, 16],
                 block=args.block_records,
-                spreads=args.spreads,
             )
         if "load" in sections:
             log("load vs cp")
