@@ -190,8 +190,8 @@ def bench_quality(
         s = WindowedShuffleSampler(sizes, window=w, seed=1, rank=0, world_size=1, residency=False)
         row(f"memory {memory}: smstore window of {w} shards", np.asarray(list(s)))
         # Blocks of a fixed size, plain windows of them (spread 1) and spread as far as memory allows;
-        # then blocks of memory / batch records, the design's rule (docs/training.md).
-        for b, most in ((block, False), (block, True), (max(1, memory // batch), True)):
+        # then blocks of memory / (2 x batch) records, the design's rule (docs/training.md).
+        for b, most in ((block, False), (block, True), (max(1, memory // (2 * batch)), True)):
             spread = max(1, memory // b - 1) if most else 1
             name, order = block_order(sizes, memory, b, spread, 1)
             group = memory // ((spread + 1) * b)
@@ -215,7 +215,7 @@ def bench_quality(
     )
     report.notes.append(
         "block schedule: smstore.sampler.BlockWindowOrder (docs/training.md, 'Block windows (design)'); "
-        f"blocks of {block} records, and of memory / batch records (the design's rule); spread 1 is plain "
+        f"blocks of {block} records, and of memory / (2 x batch) records (the design's rule); spread 1 is plain "
         "windows of blocks, the larger spreads are the most that fit; the model (shards of equal size, the "
         "epoch's first and last windows left out) is printed beside what was measured"
     )
