@@ -111,7 +111,7 @@ def block_order(
     """The block schedule (``BlockWindowOrder``) within ``memory`` records: ``spread + 1`` groups
     resident (the ``spread`` a window draws from, and the next, loading), as many blocks a group as fit."""
     group = memory // ((spread + 1) * block)
-    name = f"block schedule: blocks of {block}, spread {spread}, groups of {group} blocks"
+    name = f"block schedule: blocks of {block}, spread {spread}, groups of {group * block} records"
     if group < 1:
         return name, f"skipped: {memory} records cannot hold {spread + 1} groups of one block of {block}"
     order = BlockWindowOrder(sizes, block=block, group=group, spread=spread, key=f"bench-blocks:{seed}")

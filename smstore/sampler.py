@@ -603,17 +603,20 @@ class BlockWindowOrder:
 
     The design of docs/training.md, "Block windows (design)", as a pure order (no sampler or
     daemon uses it yet). Each shard is cut into **blocks** of ``block`` consecutive records (its
-    last block shorter); a keyed permutation puts every block of the dataset in one random order;
-    **groups** are runs of ``group`` consecutive blocks of it. The records of group ``j`` are
-    permuted by a keyed bijection and cut into ``spread`` equal parts, part ``t`` going to
-    **window** ``j + t``; the records of each window (parts of groups ``j - spread + 1 .. j``) are
-    permuted by a keyed bijection of the window's positions, and the windows follow each other.
+    last block shorter); a keyed permutation puts every block of the dataset in one random order,
+    the **sequence**; **groups** are runs of ``G = group * block`` consecutive records of the
+    sequence (the last one shorter). The records of group ``j`` are permuted by a keyed bijection
+    and cut into ``spread`` parts as even as whole records allow, part ``t`` going to **window**
+    ``j + t``; the records of each window (parts of groups ``j - spread + 1 .. j``) are permuted by
+    a keyed bijection of the window's positions, and the windows follow each other.
 
     So every record comes exactly once; the order is a pure function of ``key`` (the seed and
     epoch go in it), the same for any world size; ``order(p)`` for any positions costs a few
-    binary searches and two Feistel evaluations each (O(1) resume). While window ``w`` is read,
-    groups ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: at most
-    ``(spread + 1) * group * block`` records resident, each block read once, sequentially.
+    binary searches and two Feistel evaluations each (O(1) resume), with tables of one entry a
+    block, a window and a part (never groups x parts). While window ``w`` is read, groups
+    ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: the blocks of sequence
+    positions ``[(w - spread + 1) G, (w + 2) G)``, a sliding run of the block order of at most
+    ``(spread + 1) G`` records and the two blocks at its ends, each block read once, sequentially.
     ``spread=1`` is plain windows of blocks (the one read and the next); a larger ``spread``
     spreads each block's records over ``spread`` windows, so source neighbours share a batch
     less often (docs/training.md states the bound).
@@ -621,7 +624,7 @@ class BlockWindowOrder:
     Args:
         shard_sizes: Records in each shard, in manifest order.
         block: Records per block (at least 1).
-        group: Blocks per group (at least 1).
+        group: Blocks' worth of records per group (at least 1).
         spread: Windows over which a group's records are spread (at least 1).
         key: Derives every permutation of the epoch.
 
@@ -647,7 +650,7 @@ class BlockWindowOrder:
                 msg = f"{name} must be a positive integer, not {value!r}"
                 raise ValueError(msg)
         self.block, self.group, self.spread, self._key = block, group, spread, key
-        self.n = int(sizes.sum())
+        self.n = n = int(sizes.sum())
         # Blocks in manifest order: the first record and length of each (none crosses a shard).
         counts = -(-sizes // block)
         shard_of = np.repeat(np.arange(len(sizes)), counts)
@@ -656,32 +659,48 @@ class BlockWindowOrder:
         self.block_first = starts[shard_of] + nth * block
         self.block_length = np.minimum(block, sizes[shard_of] - nth * block)
         self.block_shard = shard_of
-        # The blocks' order, and where each starts in the block-ordered sequence of records.
+        # The sequence: the blocks' order, and where each block starts in it.
         nb = len(self.block_first)
         self.block_order = FeistelPermutation(nb, f"{key}:blocks".encode())(np.arange(nb, dtype=np.uint64))
         self._seq_starts = np.concatenate([[0], np.cumsum(self.block_length[self.block_order])]).astype(
             np.int64
         )
-        # Group j: sequence positions [group_starts[j], group_starts[j + 1]).
-        self.group_starts = (
-            np.append(self._seq_starts[:-1:group], self.n).astype(np.int64) if nb else np.zeros(1, np.int64)
-        )
-        groups = len(self.group_starts) - 1
-        sizes_g = np.diff(self.group_starts)
-        # Pieces (group j, part t) in window-major order (window w = j + t, then by group).
-        j = np.repeat(np.arange(groups, dtype=np.int64), spread)
-        t = np.tile(np.arange(spread, dtype=np.int64), groups)
-        cut_lo = t * sizes_g[j] // spread
-        cut_hi = (t + 1) * sizes_g[j] // spread
-        by_window = np.lexsort((j, j + t))
-        self._piece_group, self._piece_cut = j[by_window], cut_lo[by_window]
-        piece_sizes = (cut_hi - cut_lo)[by_window]
-        self._piece_starts = np.concatenate([[0], np.cumsum(piece_sizes)[:-1]]).astype(np.int64)
-        window_of_piece = (j + t)[by_window]
+        # Groups: sequence positions [j G, (j + 1) G); all of G records but the last.
+        size = self.group_records = group * block
+        groups = -(-n // size)
+        self.group_starts = np.minimum(np.arange(groups + 1, dtype=np.int64) * size, n)
+        self._last = n - (groups - 1) * size if groups else 0
+        # cut[t]: a full group's records in its parts before part t (cut[spread] = G).
+        self._cut = np.arange(spread + 1, dtype=np.int64) * size // spread
+        self._cut_sums = np.concatenate([[0], np.cumsum(self._cut)]).astype(np.int64)  # sum of cut[:d]
         windows = groups + spread - 1 if groups else 0
-        self.window_starts = np.append(
-            self._piece_starts[np.searchsorted(window_of_piece, np.arange(windows))], self.n
-        ).astype(np.int64)
+        self.window_starts = np.append(self._before(np.arange(windows, dtype=np.int64)), n).astype(np.int64)
+
+    def _cut_of(
+        self, j: np.ndarray[Any, Any], t: np.ndarray[Any, Any]
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Records of group ``j`` in its parts before part ``t`` (0 <= t <= spread)."""
+        groups = len(self.group_starts) - 1
+        last = t * self._last // self.spread
+        out: np.ndarray[Any, np.dtype[np.int64]] = np.where(j == groups - 1, last, self._cut[t])
+        return out
+
+    def _before(self, w: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Positions before window ``w``: whole groups ``<= w - spread``, and the parts before
+        ``w`` of groups ``w - spread + 1 .. w``."""
+        groups, s = len(self.group_starts) - 1, self.spread
+        whole = np.clip(w - s + 1, 0, groups)
+        lo = whole  # the first group with parts in or after window w
+        hi = np.minimum(w, groups - 1)  # the last group with parts in or before it
+        full_hi = np.minimum(hi, groups - 2)  # the groups of G records among them
+        # Sum over j in [lo, full_hi] of cut[w - j] = sum of cut[d] for d in [w - full_hi, w - lo].
+        some = full_hi >= lo
+        d_lo, d_hi = np.where(some, w - full_hi, 0), np.where(some, w - lo + 1, 0)
+        partial = self._cut_sums[np.clip(d_hi, 0, s + 1)] - self._cut_sums[np.clip(d_lo, 0, s + 1)]
+        last_in = (lo <= groups - 1) & (groups - 1 <= hi)
+        partial = partial + np.where(last_in, np.clip(w - groups + 1, 0, s) * self._last // s, 0)
+        total: np.ndarray[Any, np.dtype[np.int64]] = self.group_starts[whole] + partial
+        return total
 
     @property
     def window_count(self) -> int:
@@ -693,8 +712,11 @@ class BlockWindowOrder:
         return range(max(0, w - self.spread + 1), min(w, groups - 1) + 1)
 
     def group_blocks(self, j: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Block indices (manifest order, see ``block_first``) of group ``j``, as read."""
-        return self.block_order[j * self.group : (j + 1) * self.group]
+        """Block indices (manifest order, see ``block_first``) holding group ``j``'s records, as read."""
+        lo, hi = int(self.group_starts[j]), int(self.group_starts[j + 1])
+        first = int(np.searchsorted(self._seq_starts, lo, side="right")) - 1
+        end = int(np.searchsorted(self._seq_starts, hi, side="left"))
+        return self.block_order[first:end]
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The records at an array of positions in ``[0, n)``.
@@ -708,20 +730,29 @@ class BlockWindowOrder:
             bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
             msg = f"position {bad} out of range for an order of {self.n}"
             raise IndexError(msg)
-        # The window's permutation of the position, then the piece (group, part) it falls in.
+        groups, s = len(self.group_starts) - 1, self.spread
+        # The window's permutation of the position: its place q among the window's parts.
         w = np.searchsorted(self.window_starts, p, side="right") - 1
-        slot = np.empty_like(p)
+        q = np.empty_like(p)
         for win, at in _runs(w):
-            lo, hi = int(self.window_starts[win]), int(self.window_starts[win + 1])
-            slot[at] = lo + FeistelPermutation(hi - lo, f"{self._key}:window:{win}".encode())(p[at] - lo)
-        piece = np.searchsorted(self._piece_starts, slot, side="right") - 1
-        j = self._piece_group[piece]
-        u = self._piece_cut[piece] + slot - self._piece_starts[piece]
-        # The group's permutation of the part's position, then the record in its block.
+            begin, end = int(self.window_starts[win]), int(self.window_starts[win + 1])
+            q[at] = FeistelPermutation(end - begin, f"{self._key}:window:{win}".encode())(p[at] - begin)
+        # The window holds part w - j of groups j = lo .. hi, in that order; every part but the
+        # last group's has cut[w - j + 1] - cut[w - j] records, so part j starts at
+        # cut[w - lo + 1] - cut[w - j + 1]: the last part starting at or before q is the one.
+        lo = np.maximum(0, w - s + 1)
+        hi = np.minimum(w, groups - 1)
+        top = self._cut[w - lo + 1]
+        u = np.maximum(np.searchsorted(self._cut, top - q, side="left"), w - hi + 1)
+        j = w - u + 1
+        t = w - j
+        offset = top - self._cut[u]
+        # The group's permutation of the record's place in the group, then the record in its block.
+        in_group = self._cut_of(j, t) + q - offset
         seq = np.empty_like(p)
         for g, at in _runs(j):
-            lo, hi = int(self.group_starts[g]), int(self.group_starts[g + 1])
-            seq[at] = lo + FeistelPermutation(hi - lo, f"{self._key}:group:{g}".encode())(u[at])
+            lo_g, hi_g = int(self.group_starts[g]), int(self.group_starts[g + 1])
+            seq[at] = lo_g + FeistelPermutation(hi_g - lo_g, f"{self._key}:group:{g}".encode())(in_group[at])
         b = np.searchsorted(self._seq_starts, seq, side="right") - 1
         out: np.ndarray[Any, np.dtype[np.int64]] = (
             self.block_first[self.block_order[b]] + seq - self._seq_starts[b]

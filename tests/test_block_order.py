@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
@@ -28,6 +30,17 @@ def full(o: BlockWindowOrder) -> np.ndarray:
     return o(np.arange(o.n))
 
 
+def group_of_records(o: BlockWindowOrder) -> np.ndarray:
+    """Each record's group, from its place in the sequence (the blocks in their keyed order)."""
+    sequence = [
+        np.arange(o.block_first[b], o.block_first[b] + o.block_length[b]) for b in o.block_order.tolist()
+    ]
+    records = np.concatenate([*sequence, np.zeros(0, np.int64)])
+    group = np.empty(o.n, dtype=np.int64)
+    group[records] = np.searchsorted(o.group_starts, np.arange(o.n), side="right") - 1
+    return group
+
+
 @pytest.mark.parametrize(("sizes", "block", "group", "spread"), CASES)
 def test_every_record_comes_exactly_once(sizes: list[int], block: int, group: int, spread: int) -> None:
     o = BlockWindowOrder(sizes, block=block, group=group, spread=spread, key="k")
@@ -50,10 +63,13 @@ def test_blocks_are_runs_of_consecutive_records_of_one_shard(
         assert first + length <= starts[shard + 1]
         covered += range(first, first + length)
     assert covered == list(range(sum(sizes)))
-    # Each block is in exactly one group: read once per epoch.
+    # The groups' blocks cover every block, in the sequence's order; neighbouring groups share
+    # at most the one block at their edge (each block is read once, while either needs it).
     groups = len(o.group_starts) - 1
-    in_groups = np.concatenate([o.group_blocks(j) for j in range(groups)] or [np.zeros(0, np.int64)])
-    assert sorted(in_groups.tolist()) == list(range(len(o.block_first)))
+    blocks = [o.group_blocks(j).tolist() for j in range(groups)]
+    assert sorted({b for bs in blocks for b in bs}) == list(range(len(o.block_first)))
+    for a, b in itertools.pairwise(blocks):
+        assert len(set(a) & set(b)) <= 1
 
 
 @pytest.mark.parametrize(("sizes", "block", "group", "spread"), CASES)
@@ -64,16 +80,21 @@ def test_a_window_reads_only_the_groups_resident_for_it(
     (spread + 1) groups resident, and every record of a group comes out in its spread windows."""
     o = BlockWindowOrder(sizes, block=block, group=group, spread=spread, key="k")
     records = full(o)
-    group_of_record = np.full(o.n, -1)
-    for j in range(len(o.group_starts) - 1):
-        for b in o.group_blocks(j).tolist():
-            first, length = int(o.block_first[b]), int(o.block_length[b])
-            group_of_record[first : first + length] = j
+    group_of_record = group_of_records(o)
     for w in range(o.window_count):
         lo, hi = int(o.window_starts[w]), int(o.window_starts[w + 1])
         allowed = set(o.window_groups(w))
         assert len(allowed) <= spread
         assert set(group_of_record[records[lo:hi]].tolist()) <= allowed
+        # Resident meanwhile: those groups and the next (loading), a run of the block order of
+        # (spread + 1) G records and the two blocks cut at its ends.
+        needed = {
+            b
+            for j in range(w - spread + 1, w + 2)
+            if 0 <= j < len(o.group_starts) - 1
+            for b in o.group_blocks(j).tolist()
+        }
+        assert sum(int(o.block_length[b]) for b in needed) <= (spread + 1) * group * block + 2 * (block - 1)
     assert o.window_starts[-1] == o.n
 
 
@@ -84,12 +105,7 @@ def test_a_group_is_spread_evenly_over_its_windows() -> None:
     records = full(o)
     window_of_position = np.searchsorted(o.window_starts, np.arange(o.n), side="right") - 1
     j = 5
-    mine = np.concatenate(
-        [
-            np.arange(o.block_first[b], o.block_first[b] + o.block_length[b])
-            for b in o.group_blocks(j).tolist()
-        ]
-    )
+    mine = np.flatnonzero(group_of_records(o) == j)
     where = np.flatnonzero(np.isin(records, mine))
     counts = np.bincount(window_of_position[where] - j, minlength=spread)
     assert len(counts) == spread
@@ -155,3 +171,15 @@ def test_positions_outside_the_order_are_refused() -> None:
     for bad in (-1, o.n):
         with pytest.raises(IndexError, match=f"position {bad} out of range"):
             o(np.array([0, bad]))
+
+
+def test_a_long_epoch_with_a_wide_spread_is_read_anywhere_at_once() -> None:
+    """Ten million records in 1.25 million blocks spread over 100,000 windows each: the tables grow
+    with blocks and windows, not with groups x spread (10^11 entries), and the last positions are
+    read without the others."""
+    o = BlockWindowOrder([1_000_000] * 10, block=8, group=1, spread=100_000, key="k")
+    assert o.window_count == 1_250_000 + 100_000 - 1
+    tail = o(np.arange(o.n - 1000, o.n))
+    assert len(set(tail.tolist())) == 1000
+    assert int(tail.min()) >= 0
+    assert int(tail.max()) < o.n
