@@ -602,21 +602,21 @@ class BlockWindowOrder:
     """An epoch's order drawn from blocks: record ranges read in one go, from many shards at once.
 
     The design of docs/training.md, "Block windows (design)", as a pure order (no sampler or
-    daemon uses it yet). Each shard is cut into **blocks** of ``block`` consecutive records (its
-    last block shorter); a keyed permutation puts every block of the dataset in one random order,
-    the **sequence**; **groups** are runs of ``G = group * block`` consecutive records of the
-    sequence (the last one shorter). The records of group ``j`` are permuted by a keyed bijection
-    and cut into ``spread`` parts as even as whole records allow, part ``t`` going to **window**
-    ``j + t``; the records of each window (parts of groups ``j - spread + 1 .. j``) are permuted by
-    a keyed bijection of the window's positions, and the windows follow each other.
+    daemon uses it yet). The dataset's records, in manifest order, are cut into **blocks** of
+    ``block`` consecutive records (the last shorter; a block that runs past a shard's end is read as
+    a piece of each shard); a keyed permutation puts the blocks in one random order, the
+    **sequence**; **groups** are runs of ``group`` consecutive blocks of it, ``G = group * block``
+    records each but the last. The records of group ``j`` are permuted by a keyed bijection and cut
+    into ``spread`` parts as even as whole records allow, part ``t`` going to **window** ``j + t``;
+    the records of each window (parts of groups ``j - spread + 1 .. j``) are permuted by a keyed
+    bijection of the window's positions, and the windows follow each other.
 
     So every record comes exactly once; the order is a pure function of ``key`` (the seed and
     epoch go in it), the same for any world size; ``order(p)`` for any positions costs a few
     binary searches and two Feistel evaluations each (O(1) resume), with tables of one entry a
     block, a window and a part (never groups x parts). While window ``w`` is read, groups
-    ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: the blocks of sequence
-    positions ``[(w - spread + 1) G, (w + 2) G)``, a sliding run of the block order of at most
-    ``(spread + 1) G`` records and the two blocks at its ends, each block read once, sequentially.
+    ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: a sliding run of
+    ``(spread + 1) * group`` blocks of the sequence, each block read once, sequentially.
     ``spread=1`` is plain windows of blocks (the one read and the next); a larger ``spread``
     spreads each block's records over ``spread`` windows, so source neighbours share a batch
     less often (docs/training.md states the bound).
@@ -624,7 +624,7 @@ class BlockWindowOrder:
     Args:
         shard_sizes: Records in each shard, in manifest order.
         block: Records per block (at least 1).
-        group: Blocks' worth of records per group (at least 1).
+        group: Blocks per group (at least 1).
         spread: Windows over which a group's records are spread (at least 1).
         key: Derives every permutation of the epoch.
 
@@ -651,21 +651,21 @@ class BlockWindowOrder:
                 raise ValueError(msg)
         self.block, self.group, self.spread, self._key = block, group, spread, key
         self.n = n = int(sizes.sum())
-        # Blocks in manifest order: the first record and length of each (none crosses a shard).
-        counts = -(-sizes // block)
-        shard_of = np.repeat(np.arange(len(sizes)), counts)
-        nth = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
-        starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-        self.block_first = starts[shard_of] + nth * block
-        self.block_length = np.minimum(block, sizes[shard_of] - nth * block)
-        self.block_shard = shard_of
-        # The sequence: the blocks' order, and where each block starts in it.
-        nb = len(self.block_first)
-        self.block_order = FeistelPermutation(nb, f"{key}:blocks".encode())(np.arange(nb, dtype=np.uint64))
-        self._seq_starts = np.concatenate([[0], np.cumsum(self.block_length[self.block_order])]).astype(
-            np.int64
-        )
-        # Groups: sequence positions [j G, (j + 1) G); all of G records but the last.
+        # Blocks: records [i b, (i + 1) b) of the dataset, all of b records but the last, so groups
+        # of whole blocks all hold G records and share one table of parts. A block that runs past
+        # a shard's end is read as a piece of each shard (each piece sequential).
+        nb = -(-self.n // block)
+        self.block_first = np.arange(nb, dtype=np.int64) * block
+        self.block_length = np.minimum(block, self.n - self.block_first)
+        starts = np.cumsum(sizes)
+        self.block_shard = np.searchsorted(starts, self.block_first, side="right").astype(np.int64)
+        # The sequence: the whole blocks in a keyed order, then the short last block if any (so
+        # sequence position k * block starts the k-th block of it).
+        whole = self.n // block
+        self.block_order = np.concatenate(
+            [FeistelPermutation(whole, f"{key}:blocks".encode())(np.arange(whole, dtype=np.uint64)), [nb - 1]]
+        )[:nb].astype(np.int64)
+        # Groups: sequence positions [j G, (j + 1) G), whole blocks; all of G records but the last.
         size = self.group_records = group * block
         groups = -(-n // size)
         self.group_starts = np.minimum(np.arange(groups + 1, dtype=np.int64) * size, n)
@@ -712,11 +712,8 @@ class BlockWindowOrder:
         return range(max(0, w - self.spread + 1), min(w, groups - 1) + 1)
 
     def group_blocks(self, j: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Block indices (manifest order, see ``block_first``) holding group ``j``'s records, as read."""
-        lo, hi = int(self.group_starts[j]), int(self.group_starts[j + 1])
-        first = int(np.searchsorted(self._seq_starts, lo, side="right")) - 1
-        end = int(np.searchsorted(self._seq_starts, hi, side="left"))
-        return self.block_order[first:end]
+        """Block indices (see ``block_first``) of group ``j``, as read."""
+        return self.block_order[j * self.group : (j + 1) * self.group]
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The records at an array of positions in ``[0, n)``.
@@ -753,9 +750,8 @@ class BlockWindowOrder:
         for g, at in _runs(j):
             lo_g, hi_g = int(self.group_starts[g]), int(self.group_starts[g + 1])
             seq[at] = lo_g + FeistelPermutation(hi_g - lo_g, f"{self._key}:group:{g}".encode())(in_group[at])
-        b = np.searchsorted(self._seq_starts, seq, side="right") - 1
-        out: np.ndarray[Any, np.dtype[np.int64]] = (
-            self.block_first[self.block_order[b]] + seq - self._seq_starts[b]
+        out: np.ndarray[Any, np.dtype[np.int64]] = self.block_first[self.block_order[seq // self.block]] + (
+            seq % self.block
         )
         return out.reshape(shape)
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import itertools
-
 import numpy as np
 import pytest
 
@@ -49,27 +47,30 @@ def test_every_record_comes_exactly_once(sizes: list[int], block: int, group: in
 
 
 @pytest.mark.parametrize(("sizes", "block", "group", "spread"), CASES)
-def test_blocks_are_runs_of_consecutive_records_of_one_shard(
+def test_blocks_are_runs_of_consecutive_records_and_groups_share_none(
     sizes: list[int], block: int, group: int, spread: int
 ) -> None:
     o = BlockWindowOrder(sizes, block=block, group=group, spread=spread, key="k")
-    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    n = sum(sizes)
+    ends = np.cumsum(sizes)
     covered = []
-    for first, length, shard in zip(
-        o.block_first.tolist(), o.block_length.tolist(), o.block_shard.tolist(), strict=True
+    for i, (first, length, shard) in enumerate(
+        zip(o.block_first.tolist(), o.block_length.tolist(), o.block_shard.tolist(), strict=True)
     ):
-        assert 1 <= length <= block
-        assert starts[shard] <= first
-        assert first + length <= starts[shard + 1]
+        assert first == i * block
+        assert length == (block if i < len(o.block_first) - 1 else n - first)
+        assert (ends[shard - 1] if shard else 0) <= first < ends[shard]  # the shard of its first record
         covered += range(first, first + length)
-    assert covered == list(range(sum(sizes)))
-    # The groups' blocks cover every block, in the sequence's order; neighbouring groups share
-    # at most the one block at their edge (each block is read once, while either needs it).
+    assert covered == list(range(n))
+    # Groups are runs of whole blocks of the sequence: each block in one group, read once; the
+    # short last block (if any) comes last, so every group but the last holds G records.
     groups = len(o.group_starts) - 1
     blocks = [o.group_blocks(j).tolist() for j in range(groups)]
-    assert sorted({b for bs in blocks for b in bs}) == list(range(len(o.block_first)))
-    for a, b in itertools.pairwise(blocks):
-        assert len(set(a) & set(b)) <= 1
+    assert sorted(b for bs in blocks for b in bs) == list(range(len(o.block_first)))
+    sizes_g = np.diff(o.group_starts)
+    assert set(sizes_g[:-1].tolist()) <= {group * block}
+    for j, bs in enumerate(blocks):
+        assert sum(int(o.block_length[b]) for b in bs) == sizes_g[j]
 
 
 @pytest.mark.parametrize(("sizes", "block", "group", "spread"), CASES)
@@ -86,15 +87,14 @@ def test_a_window_reads_only_the_groups_resident_for_it(
         allowed = set(o.window_groups(w))
         assert len(allowed) <= spread
         assert set(group_of_record[records[lo:hi]].tolist()) <= allowed
-        # Resident meanwhile: those groups and the next (loading), a run of the block order of
-        # (spread + 1) G records and the two blocks cut at its ends.
+        # Resident meanwhile: those groups and the next (loading), (spread + 1) G records at most.
         needed = {
             b
             for j in range(w - spread + 1, w + 2)
             if 0 <= j < len(o.group_starts) - 1
             for b in o.group_blocks(j).tolist()
         }
-        assert sum(int(o.block_length[b]) for b in needed) <= (spread + 1) * group * block + 2 * (block - 1)
+        assert sum(int(o.block_length[b]) for b in needed) <= (spread + 1) * group * block
     assert o.window_starts[-1] == o.n
 
 
