@@ -122,14 +122,14 @@ def block_model(n: int, shards: int, batch: int, block: int, group: int, spread:
     """What docs/training.md's model of the block schedule predicts: (shards a batch, neighbour ratio),
     shards of equal size, every group of ``group * block`` records.
 
-    A group's records are cut into ``spread`` parts of ``c_t`` records (as even as whole records
-    allow), part ``t`` placed at random in window ``group + t`` of ``group * block`` positions. Two
-    records of one block fall in parts ``t, t'`` with probability ``c_t (c_t' - [t = t']) / (G (G - 1))``
-    and then share a batch with probability ``E[max(0, 1 - |distance| / batch)]``. The model leaves
-    out the epoch's first and last ``spread`` windows, which draw from fewer groups (memory filling
-    and draining). A batch draws from the ``group * (spread + batch / window)`` blocks
-    whose parts fill the windows it covers, at random (fewer distinct ones than balanced parts give:
-    the spread is a lower estimate), and those blocks come from random shards.
+    Group ``j``'s ``G`` records are cut into ``spread`` parts of ``c_t`` records (as even as whole
+    records allow), part ``t`` placed at random in window ``j + t`` of ``G`` positions. Two records
+    of one block fall in parts ``t, t'`` with probability ``c_t (c_t' - [t = t']) / (G (G - 1))`` and
+    then share a batch with probability ``E[max(0, 1 - |distance| / batch)]``. The model leaves out
+    the epoch's first and last ``spread`` windows, which draw from fewer groups (memory filling and
+    draining). A batch draws from the ``group * (spread + batch / G)`` blocks whose parts fill the
+    windows it covers, at random (fewer distinct ones than balanced parts give: the spread is a
+    lower estimate), and those blocks come from random shards.
     """
     window = group * block
     t = np.arange(spread + 1)
@@ -138,7 +138,7 @@ def block_model(n: int, shards: int, batch: int, block: int, group: int, spread:
     pairs = np.correlate(c, c, mode="full")[spread - 1 :]  # sum over t of c_t c_(t + d), d >= 0
     pairs[0] -= c.sum()
     pairs[1:] *= 2
-    p_delta = pairs / (window * (window - 1))
+    p_delta = pairs / max(1, window * (window - 1))
     v = np.linspace(-1, 1, 401)  # U1 - U2 of two uniform places in their windows: triangular
     w = 1 - np.abs(v)
     w /= w.sum()
