@@ -35,7 +35,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from bench_core import MiB, Report, log, machine_info, temp_dir, write_results, yes_no
+from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results, yes_no
 
 import smstore
 from smstore.convert import convert_arrow, convert_json_list, convert_megatron, convert_webdataset
@@ -395,7 +395,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_megatron(report, tmp, args.repeats)
         bench_json(report, tmp, args.repeats)
         bench_json_coco(report, tmp, args.repeats)
-    cmd = " ".join(["python benchmarks/bench_convert.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_convert.py", argv)
     write_results(
         args.out,
         "Converters",

@@ -133,12 +133,51 @@ class Report:
         return "\n".join(out)
 
 
-def portable(text: str) -> str:
-    """`text` without the absolute paths of this machine: the repository's root becomes relative and
-    temporary directories become `$TMPDIR`, so a results file says nothing of where it ran."""
+def _machine_dirs() -> list[tuple[str, str]]:
+    """(directory of this machine, how a results file names it), the most specific first."""
     root = str(Path(__file__).resolve().parent.parent)
-    text = text.replace(root + os.sep, "").replace(root, ".")
-    return re.sub(re.escape(tempfile.gettempdir().rstrip(os.sep)) + r"(?=/|\b)", "$TMPDIR", text)
+    dirs = [(root, "."), (tempfile.gettempdir().rstrip(os.sep), "$TMPDIR"), (os.path.expanduser("~"), "~")]
+    both = [(d, shown) for d, shown in dirs] + [(os.path.realpath(d), shown) for d, shown in dirs]
+    return sorted({(d, shown) for d, shown in both if d not in ("", os.sep)}, key=lambda x: -len(x[0]))
+
+
+def portable_path(path: str) -> str:
+    """``path`` as a results file names it: relative to the repository, under ``$TMPDIR`` or ``~``,
+    and any other absolute path by its last part alone (``.../name``)."""
+    if not os.path.isabs(path):
+        return path
+    norm = os.path.normpath(path)
+    for base, shown in _machine_dirs():
+        if norm == base:
+            return shown
+        if norm.startswith(base + os.sep):
+            rest = norm[len(base) + 1 :]
+            return rest if shown == "." else f"{shown}/{rest}"
+    return f".../{os.path.basename(norm)}" if os.path.basename(norm) else norm
+
+
+def command_line(program: str, argv: Sequence[str] | None = None) -> str:
+    """How this run was started (``program`` and ``argv``, default ``sys.argv[1:]``), every path
+    argument (``--out PATH``, ``--tmpdir=PATH``) as :func:`portable_path` names it."""
+    shown = []
+    for arg in sys.argv[1:] if argv is None else argv:
+        option, eq, value = arg.partition("=")
+        shown.append(
+            f"{option}={portable_path(value)}" if eq and option.startswith("-") else portable_path(arg)
+        )
+    return " ".join([program, *shown])
+
+
+def portable(text: str) -> str:
+    """`text` without the absolute paths of this machine: the repository's root becomes relative,
+    temporary directories `$TMPDIR` and the home directory `~`, so a results file says nothing of
+    where it ran. (Paths elsewhere reach a results file only as arguments: see `command_line`.)"""
+    for base, shown in _machine_dirs():
+        if shown == ".":
+            text = text.replace(base + os.sep, "").replace(base, ".")
+        else:
+            text = re.sub(re.escape(base) + r"(?=/|\b)", lambda _m, s=shown: s, text)
+    return text
 
 
 def write_results(out: Path, title: str, intro: list[str], header: list[str], report: Report) -> None:
@@ -808,7 +847,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             bench_pack(report, tmp, lines_file, stats.records, args.pack_mib, args.pack_repeats)
     elapsed = time.perf_counter() - started
     load_after = os.getloadavg()
-    cmd = " ".join(["python", os.path.relpath(__file__), *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_core.py", argv)
     corpus = (
         f"- corpus: first {stats.records} lines of the Python {platform.python_version()} standard library's "
         f".py files (sorted paths, cycled if short), {stats.data_bytes / MiB:.1f} MiB of record data, "

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from bench_core import portable
 from contenders import daemon
 
 import smstore
@@ -315,7 +316,9 @@ def main() -> None:
     print(text)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# bench_daemon.py ({args.records} records, {size / 2**20:.0f} MiB blob)\n\n{text}")
+    out.write_text(
+        portable(f"# bench_daemon.py ({args.records} records, {size / 2**20:.0f} MiB blob)\n\n{text}")
+    )
 
 
 if __name__ == "__main__":

@@ -42,13 +42,13 @@ def rank(form: str, port: str, source: str) -> None:
     if form == "list":
         dicts = make_dicts(N)
         steps.append(("dicts built", anon_mib()))
-        lst = smstore.SharedList(dicts, mode="local")
+        lst = smstore.SharedList(dicts, mode="mmap")
         steps.append(("SharedList(dicts) returned", anon_mib()))
         del dicts
         gc.collect()
         steps.append(("dicts freed, gc", anon_mib()))
     else:
-        lst = smstore.SharedList.from_file(source, "json", mode="local")
+        lst = smstore.SharedList.from_file(source, "json", mode="mmap")
         steps.append(("SharedList.from_file returned", anon_mib()))
     ctypes.CDLL("libc.so.6").malloc_trim(0)
     steps.append(("after malloc_trim(0)", anon_mib()))

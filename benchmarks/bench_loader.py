@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_core import Report, log, machine_info, smaps_rollup, temp_dir, write_results, yes_no
+from bench_core import Report, command_line, log, machine_info, smaps_rollup, temp_dir, write_results, yes_no
 
 import smstore
 from smstore import GlobalShuffleSampler, Loader, TokenCollator
@@ -432,7 +432,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     with temp_dir(None) as tmp:
         header = machine_info(tmp)
-    cmd = " ".join(["python benchmarks/bench_loader.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_loader.py", argv)
     write_results(
         args.out,
         "Token batches at memory speed: smstore.Loader",

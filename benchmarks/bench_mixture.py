@@ -35,14 +35,13 @@ import argparse
 import itertools
 import random
 import statistics
-import sys
 import time
 import tracemalloc
 from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
-from bench_core import Report, log, machine_info, temp_dir, write_results, yes_no
+from bench_core import Report, command_line, log, machine_info, temp_dir, write_results, yes_no
 
 from smstore.mixture import Mixture, MixtureOrder, MixtureSampler, WindowedMixtureSampler
 from smstore.sampler import GlobalShuffleSampler
@@ -316,7 +315,7 @@ def main(argv: list[str] | None = None) -> None:
     ]
     with temp_dir(None) as tmp:
         header = machine_info(tmp)
-    cmd = " ".join(["python benchmarks/bench_mixture.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_mixture.py", argv)
     write_results(
         args.out,
         "Mixtures",

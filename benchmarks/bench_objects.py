@@ -181,7 +181,9 @@ def main() -> None:
     git = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
     ).stdout.strip()
-    cmd = " ".join(["python benchmarks/bench_objects.py", *sys.argv[1:]])
+    from bench_core import command_line
+
+    cmd = command_line("python benchmarks/bench_objects.py")
     print(f"- command: `{cmd} > benchmarks/results/objects.md`")
     print(
         f"- date: {datetime.now(timezone.utc).isoformat(timespec='seconds')}; git {git}; load average before: {load:.2f}"

@@ -33,6 +33,7 @@ from bench_core import (
     MiB,
     Report,
     best_of,
+    command_line,
     log,
     loop_empty,
     loop_getitem,
@@ -228,7 +229,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             log("pack RSS")
             bench_pack_rss(report, tmp, args.rss_records)
     kind = f"random, ~{args.record_bytes} bytes each" if args.record_bytes else "stdlib source lines"
-    cmd = " ".join(["python benchmarks/bench_shards.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_shards.py", argv)
     write_results(
         args.out,
         "Sharded datasets",

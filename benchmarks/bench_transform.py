@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_core import MiB, Report, log, machine_info, temp_dir, write_results
+from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results
 from procs import descendants, pss_bytes
 
 import smstore
@@ -244,7 +244,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ),
     ]
     load_after = os.getloadavg()
-    cmd = " ".join(["python benchmarks/bench_transform.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_transform.py", argv)
     write_results(
         args.out,
         "Decoded records: TransformLoader vs DataLoader",

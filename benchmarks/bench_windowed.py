@@ -5,11 +5,13 @@
 
 Every figure is measured in this one run:
 
-1. **Shuffle quality** of `WindowedShuffleSampler` against an exact global shuffle, and of
-   WebDataset's recipe (shuffled shard list, then its own `_shuffle` buffer) and Mosaic
-   streaming's `py1br` / `py1e` (their own `get_shuffle`, when `mosaicml-streaming` is installed)
-   at the same memory: a buffer or block of two windows' records, since smstore keeps two windows
-   resident (the one read and the next, loading). Two statistics over batches
+1. **Shuffle quality** of `WindowedShuffleSampler` and of the block schedule
+   (`BlockWindowOrder`, docs/training.md "Block windows (design)", with its model's prediction)
+   against an exact global shuffle, and of WebDataset's recipe (shuffled shard list, then its own
+   `_shuffle` buffer) and Mosaic streaming's `py1br` / `py1e` (their own `get_shuffle`; a row says
+   "skipped" when `mosaicml-streaming` is not installed) at the same memory: a buffer, block or
+   set of resident blocks of two windows' records, since smstore keeps two windows resident (the
+   one read and the next, loading). Two statistics over batches
    of `--batch-size` consecutive samples of one epoch, each divided by its value for the exact
    global shuffle (so 1.0 is as good as a global shuffle):
    - *shard spread*: the mean number of distinct shards a batch draws from;
@@ -58,12 +60,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_core import MiB, Report, log, machine_info, temp_dir, write_results, yes_no
+from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results, yes_no
 
 import smstore
 from smstore import _core
 from smstore._manifest import read_manifest
-from smstore.sampler import GlobalShuffleSampler, WindowedShuffleSampler
+from smstore.sampler import BlockWindowOrder, GlobalShuffleSampler, WindowedShuffleSampler
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -103,7 +105,62 @@ def mosaic_order(sizes: list[int], algo: str, block: int, seed: int) -> np.ndarr
     return np.asarray(get_shuffle(algo, np.asarray(sizes, np.int64), 1, seed, 0, block), dtype=np.int64)
 
 
-def bench_quality(report: Report, shards: int, per_shard: int, batch: int, windows: Sequence[int]) -> None:
+def block_order(
+    sizes: list[int], memory: int, block: int, spread: int, seed: int
+) -> tuple[str, np.ndarray | str]:
+    """The block schedule (``BlockWindowOrder``) within ``memory`` records: ``spread + 1`` groups
+    resident (the ``spread`` a window draws from, and the next, loading), as many blocks a group as fit."""
+    group = memory // ((spread + 1) * block)
+    name = f"block schedule: blocks of {block}, spread {spread}, groups of {group * block} records"
+    if group < 1:
+        return name, f"skipped: {memory} records cannot hold {spread + 1} groups of one block of {block}"
+    order = BlockWindowOrder(sizes, block=block, group=group, spread=spread, key=f"bench-blocks:{seed}")
+    return f"{name} ({(spread + 1) * group * block} records resident)", order(np.arange(order.n))
+
+
+def block_model(n: int, shards: int, batch: int, block: int, group: int, spread: int) -> tuple[float, float]:
+    """What docs/training.md's model of the block schedule predicts: (shards a batch, neighbour ratio),
+    shards of equal size, every group of ``group * block`` records.
+
+    Group ``j``'s ``G`` records are cut into ``spread`` parts of ``c_t`` records (as even as whole
+    records allow), part ``t`` placed at random in window ``j + t`` of ``G`` positions. Two records
+    of one block fall in parts ``t, t'`` with probability ``c_t (c_t' - [t = t']) / (G (G - 1))`` and
+    then share a batch with probability ``E[max(0, 1 - |distance| / batch)]``. The model leaves out
+    the epoch's first and last ``spread`` windows, which draw from fewer groups (memory filling and
+    draining). A batch draws from the ``group * (spread + batch / G)`` blocks whose parts fill the
+    windows it covers, at random (fewer distinct ones than balanced parts give: the spread is a
+    lower estimate), and those blocks come from random shards.
+    """
+    window = group * block
+    t = np.arange(spread + 1)
+    cuts = t * window // spread
+    c = np.diff(cuts).astype(np.float64)
+    pairs = np.correlate(c, c, mode="full")[spread - 1 :]  # sum over t of c_t c_(t + d), d >= 0
+    pairs[0] -= c.sum()
+    pairs[1:] *= 2
+    p_delta = pairs / max(1, window * (window - 1))
+    v = np.linspace(-1, 1, 401)  # U1 - U2 of two uniform places in their windows: triangular
+    w = 1 - np.abs(v)
+    w /= w.sum()
+    d = np.abs(np.arange(spread)[:, None] + v[None, :]) * window
+    together = (np.clip(1 - d / batch, 0, None) * w).sum(axis=1)
+    # Pairs across a block edge (about 1 in ``block``) fall in unrelated groups: a global shuffle's rate.
+    global_rate = (batch - 1) / (n - 1)
+    rate = (1 - 1 / block) * float((p_delta * together).sum()) + global_rate / block
+    blocks = group * (spread + batch / window)  # a batch covers 1 + batch / window windows on average
+    distinct_blocks = blocks * (1 - (1 - 1 / blocks) ** batch)
+    spread_shards = shards * (1 - (1 - 1 / shards) ** distinct_blocks)
+    return spread_shards, global_rate / rate
+
+
+def bench_quality(
+    report: Report,
+    shards: int,
+    per_shard: int,
+    batch: int,
+    windows: Sequence[int],
+    block: int,
+) -> None:
     rng = np.random.default_rng(0)
     sizes = [int(s) for s in rng.integers(per_shard // 2, per_shard * 3 // 2, size=shards)]
     n = sum(sizes)
@@ -115,7 +172,7 @@ def bench_quality(report: Report, shards: int, per_shard: int, batch: int, windo
         f"{g_spread:.1f} shards/batch, neighbours together {g_near:.2e}",
     )
 
-    def row(name: str, order: np.ndarray | str) -> None:
+    def row(name: str, order: np.ndarray | str, bound: str = "") -> None:
         if isinstance(order, str):
             report.add(name, order)
             return
@@ -123,20 +180,44 @@ def bench_quality(report: Report, shards: int, per_shard: int, batch: int, windo
         spread, near = quality_stats(order, shard_of, batch)
         report.add(
             name,
-            f"{spread:.1f} shards/batch, neighbours together {near:.2e}",
+            f"{spread:.1f} shards/batch, neighbours together {near:.2e}{bound}",
             ratio=f"spread {spread / g_spread:.2f}, neighbours {g_near / max(near, 1e-12):.3f}",
         )
 
     for w in windows:
+        # Two windows are resident (the one read, the next): every row gets that memory.
+        memory = 2 * w * per_shard
         s = WindowedShuffleSampler(sizes, window=w, seed=1, rank=0, world_size=1, residency=False)
-        row(f"smstore window of {w} shards", np.asarray(list(s)))
-        buffer = 2 * w * per_shard  # the same memory: two windows are resident (the one read, the next)
-        row(f"WebDataset shard shuffle + _shuffle({buffer})", webdataset_order(sizes, buffer, 1))
+        row(f"memory {memory}: smstore window of {w} shards", np.asarray(list(s)))
+        # Blocks of a fixed size, plain windows of them (spread 1) and spread as far as memory allows;
+        # then blocks of memory / (2 x batch) records, the design's rule (docs/training.md).
+        for b, most in ((block, False), (block, True), (max(1, memory // (2 * batch)), True)):
+            spread = max(1, memory // b - 1) if most else 1
+            name, order = block_order(sizes, memory, b, spread, 1)
+            group = memory // ((spread + 1) * b)
+            model = ""
+            if group >= 1:
+                m_spread, m_ratio = block_model(n, shards, batch, b, group, spread)
+                model = f" (model: >= {m_spread:.1f} shards/batch, neighbour ratio {m_ratio:.3f})"
+            row(f"memory {memory}: {name}", order, model)
+        row(
+            f"memory {memory}: WebDataset shard shuffle + _shuffle({memory})",
+            webdataset_order(sizes, memory, 1),
+        )
         for algo in ("py1br", "py1e"):
-            row(f"Mosaic streaming {algo}, block {buffer}", mosaic_order(sizes, algo, buffer, 1))
+            row(
+                f"memory {memory}: Mosaic streaming {algo}, block {memory}",
+                mosaic_order(sizes, algo, memory, 1),
+            )
     report.notes.append(
         "ratios: spread = ours / global (1.0 = as many shards per batch as a global shuffle); "
         "neighbours = global rate / ours (1.0 = source neighbours no more often together than in a global shuffle)"
+    )
+    report.notes.append(
+        "block schedule: smstore.sampler.BlockWindowOrder (docs/training.md, 'Block windows (design)'); "
+        f"blocks of {block} records, and of memory / (2 x batch) records (the design's rule); spread 1 is plain "
+        "windows of blocks, the larger spreads are the most that fit; the model (shards of equal size, the "
+        "epoch's first and last windows left out) is printed beside what was measured"
     )
 
 
@@ -503,6 +584,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         action="store_false",
         help="skip the second epoch, with the least safe lag",
     )
+    p.add_argument(
+        "--block-records",
+        type=int,
+        default=64,
+        help="records a block in the block schedule's fixed-size rows",
+    )
     p.add_argument("--load-mib", type=int, default=1024)
     p.add_argument("--load-repeats", type=int, default=15)
     # One rank of the epoch section (run by the benchmark itself).
@@ -529,14 +616,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         header = machine_info(tmp)
         if "quality" in sections:
             log("shuffle quality")
-            bench_quality(report, shards=200, per_shard=1000, batch=args.batch_size * 4, windows=[1, 4, 16])
+            bench_quality(
+                report,
+                shards=200,
+                per_shard=1000,
+                batch=args.batch_size * 4,
+                windows=[1, 4, 16],
+                block=args.block_records,
+            )
         if "load" in sections:
             log("load vs cp")
             bench_load(report, tmp, args.load_mib, args.load_repeats)
         if "epoch" in sections:
             log("epoch")
             bench_epoch(report, tmp, args)
-    cmd = " ".join(["python benchmarks/bench_windowed.py", *(argv if argv is not None else sys.argv[1:])])
+    cmd = command_line("python benchmarks/bench_windowed.py", argv)
     write_results(
         args.out,
         "Larger than RAM: windows of shards",

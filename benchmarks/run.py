@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from .bench_core import command_line
 from .contenders import (
     BY_KEY,
     CONTENDERS,
@@ -515,7 +516,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     chosen = [c for c in CONTENDERS if not args.contender or c.key in args.contender]
     results: dict[str, Any] = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "command": " ".join(["python -m benchmarks", *(argv if argv is not None else sys.argv[1:])]),
+        "command": command_line("python -m benchmarks", argv),
         "preset": "full" if args.full else "quick" if args.quick else "custom",
         "machine": machine(),
         "versions": versions(),

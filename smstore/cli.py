@@ -1,4 +1,4 @@
-"""The `smstore` command line: pack, info, verify, get, and the node daemon's serve/status/load/unload/stop/gc."""
+"""The `smstore` command line: pack, info, verify, get; the daemon's serve/status/load/unload/stop/gc; doctor, wait."""
 
 from __future__ import annotations
 
@@ -266,9 +266,10 @@ examples:
   smstore pack --format json-list --key images instances_train2017.json -o images.smst
   smstore info corpus.smst ; smstore verify corpus/ ; smstore get corpus.smst 17
   smstore serve corpus.smst &  smstore status ; smstore stop  the node daemon
+  smstore doctor corpus/ ; smstore wait corpus/ --timeout 600   check a node; wait until served
 
 'smstore COMMAND --help' tells more; so do README.md and docs/ (convert.md, packing.md,
-daemon.md) of the smstore sources.
+daemon.md, operations.md) of the smstore sources.
 """
 
 
@@ -458,6 +459,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         read_rate=args.max_read_rate or 0,
         limits=limits,
         background=args.background,
+        require=args.require,
     )
 
 
@@ -612,6 +614,46 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive_seconds(text: str) -> float:
+    """A positive, finite number of seconds; ArgumentTypeError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):  # also refuses nan
+        msg = f"{text!r} is not a positive number of seconds"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from smstore._health import doctor
+
+    if args.max_connections is not None and args.max_connections < 1:
+        print("smstore doctor: --max-connections must be at least 1", file=sys.stderr)
+        return 2
+    checks = doctor(args.datasets, args.socket, max_connections=args.max_connections)
+    for check in checks:
+        print(check.line())
+    failed = sum(c.status == "fail" for c in checks)
+    warned = sum(c.status == "warn" for c in checks)
+    print(f"{failed} failed, {warned} warning(s), {len(checks) - failed - warned} ok")
+    return 1 if failed else 0
+
+
+def cmd_wait(args: argparse.Namespace) -> int:
+    from smstore._health import wait_served
+    from smstore._ipc import socket_path
+
+    start = time.monotonic()
+    blobs = wait_served(args.datasets, socket_path(args.socket), args.timeout)
+    print(
+        f"{', '.join(args.datasets)}: served ({len(blobs)} blob(s), {_human(sum(b.size for b in blobs))}) "
+        f"after {time.monotonic() - start:.1f} s"
+    )
+    return 0
+
+
 def _add_daemon_commands(sub: Any) -> None:
     def with_socket(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
         p.add_argument("--socket", help="the daemon's socket (default: $SMSTORE_SOCKET or a per-user path)")
@@ -652,6 +694,12 @@ def _add_daemon_commands(sub: Any) -> None:
         metavar="N",
         help="connections per uid other than the owner's (default 256)",
     )
+    p.add_argument(
+        "--require",
+        action="store_true",
+        help="exit non-zero, naming the file and the fault, if a file given here fails to load "
+        "(default: log the failure and go on serving)",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)
 
@@ -680,6 +728,32 @@ def _add_daemon_commands(sub: Any) -> None:
 
     p = with_socket(sub.add_parser("gc", help="remove segments and sockets left by daemons that died"))
     p.set_defaults(func=cmd_gc)
+
+    p = with_socket(
+        sub.add_parser(
+            "doctor",
+            help="check this node (/dev/shm, memory limit, open files, socket directory, daemon) and say "
+            "how to fix what fails; exit 1 on a failure",
+        )
+    )
+    p.add_argument("datasets", nargs="*", help="blobs or sharded datasets to check the room for")
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        metavar="N",
+        help="the daemon's --max-connections, for the open-files check (default 4096)",
+    )
+    p.set_defaults(func=cmd_doctor)
+
+    p = with_socket(
+        sub.add_parser(
+            "wait",
+            help="block until the daemon serves every blob of the datasets (exit 0), or time out (exit 1)",
+        )
+    )
+    p.add_argument("datasets", nargs="+", help="blobs or sharded datasets (every shard must be loaded)")
+    p.add_argument("--timeout", type=_positive_seconds, default=300.0, metavar="SECONDS", help="default 300")
+    p.set_defaults(func=cmd_wait)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

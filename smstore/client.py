@@ -9,11 +9,12 @@ import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from smstore import _core
-from smstore._ipc import connect, default_socket_path, exchange, request, socket_path
+from smstore._ipc import connect, exchange, request, socket_path
 from smstore._manifest import ShardInfo, is_manifest, read_manifest
+from smstore._modes import Mode, check_mode, fall_back, log_once
 from smstore._protocol import NOT_SERVED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
@@ -22,6 +23,8 @@ from smstore.errors import DaemonError, StoreChangedError
 __all__ = [
     "DaemonSession",
     "DaemonStore",
+    "Mode",
+    "StoreHandle",
     "attach_shared",
     "daemon_request",
     "open_store",
@@ -29,10 +32,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("smstore")
-
-Mode = Literal["auto", "daemon", "mmap"]
-_MODES = ("auto", "daemon", "mmap")
-_logged: set[tuple[str, str]] = set()
 
 
 class DaemonStore(Store):
@@ -239,39 +238,6 @@ def attach_shared(
     return fd, reply, conn
 
 
-def _log_once(path: str, choice: str, message: str, *args: object) -> None:
-    if (path, choice) not in _logged:
-        _logged.add((path, choice))
-        log.info(message, *args)
-
-
-_warned_fallback = False  # whether this process has warned that mode="auto" mapped a file instead
-
-
-def _fall_back(path: str, reason: str, sock_at: Path) -> None:
-    """Say that mode="auto" maps the file at `path` instead of using the daemon, and why.
-
-    A warning, once per process, when a daemon was meant to serve it (it runs but does not serve
-    this file, it failed, or a socket was named or left behind): every process then reads the
-    file through the page cache, which is what the daemon was there to avoid. With no daemon at
-    the per-user default socket, the normal case without one, it is only logged at INFO.
-    """
-    global _warned_fallback
-    expected = sock_at != default_socket_path() or os.path.lexists(sock_at) or "cannot reach" not in reason
-    if expected and not _warned_fallback:
-        _warned_fallback = True
-        _logged.add((path, "mmap"))
-        log.warning(
-            "%s: mapping the file instead of using the smstore daemon: %s. Every process "
-            "then reads the file through the page cache (pass mode='mmap' to skip the daemon without this "
-            "warning; later fallbacks in this process are logged at INFO)",
-            path,
-            reason,
-        )
-        return
-    _log_once(path, "mmap", "%s: mapping the file (%s)", path, reason)
-
-
 def open_store(
     path: str | os.PathLike[str],
     mode: Mode = "auto",
@@ -288,19 +254,22 @@ def open_store(
     The daemon and the file are matched by content: the checksum in the file's header (a 4 KiB
     read) must be one the daemon serves. Each call makes its own connection, so this is safe in
     forked DataLoader workers. This is the one attach policy of every reader that pickles as a
-    path and attaches in each process (``SharedStoreDataset``, ``TokenCollator``).
+    path and attaches in each process (``SharedStoreDataset``, ``TokenCollator``, through
+    :class:`StoreHandle`).
 
     Args:
         path: The ``.smst`` file, or a sharded dataset.
         mode: ``"auto"`` uses the daemon's copy if it serves this file, else maps the file (and
-            logs once, on the ``smstore`` logger, which it chose); ``"daemon"`` requires the
-            daemon; ``"mmap"`` never asks it.
+            logs once, on the ``smstore`` logger, which it chose; falling back warns as every
+            reader does: :func:`smstore._modes.fall_back`); ``"daemon"`` requires the daemon;
+            ``"mmap"`` never asks it.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default).
         checksum: The contents this process must read (the checksum another process saw when it
             opened the blob): a reader created in one process and attached in another never reads
             other records than its creator did.
 
     Raises:
+        ValueError: ``mode`` is none of ``"auto"``, ``"daemon"``, ``"mmap"``.
         DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
         StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).
@@ -316,10 +285,74 @@ def open_store(
     return store
 
 
+class StoreHandle:
+    """The store of a reader that pickles as a path: opened in each process that reads it, contents pinned.
+
+    Made in one process, it opens the blob (or sharded dataset) there with :func:`open_store` and
+    pins its checksum. It pickles as ``path``, ``mode``, ``socket`` and ``checksum`` only, never a
+    mapping or a connection; a process that unpickles it (a ``spawn`` or ``forkserver`` worker)
+    opens its own store on first use of :attr:`store`, through :func:`open_store` with that
+    checksum, so it reads the very contents its creator read or raises. A ``fork`` child keeps
+    its parent's mapping (the daemon connection behind it is dropped at the fork). The one
+    re-attach logic of ``SharedStoreDataset`` and ``TokenCollator``.
+
+    Args:
+        path: The ``.smst`` file, or a sharded dataset.
+        mode: ``"auto"``, ``"daemon"`` or ``"mmap"``, as in :func:`open_store`.
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default), the
+            same in every process the handle is pickled to.
+
+    Raises:
+        ValueError: ``mode`` is none of those.
+        DaemonError: ``mode="daemon"`` and no daemon serves the file.
+        StoreError: The file is missing or not a valid blob.
+    """
+
+    __slots__ = ("_store", "checksum", "mode", "path", "socket")
+
+    def __init__(
+        self, path: str | os.PathLike[str], mode: Mode = "auto", socket: str | os.PathLike[str] | None = None
+    ) -> None:
+        self.path = os.fspath(path)
+        self.mode: Mode = check_mode(mode)
+        self.socket = os.fspath(socket) if socket is not None else None
+        self._store: Store | ShardedStore | None = open_store(self.path, self.mode, self.socket)
+        self.checksum: str = self._store.checksum  # every process must read these very bytes
+
+    @property
+    def store(self) -> Store | ShardedStore:
+        """The store this process reads (opened on first use in a process, and again once closed).
+
+        Raises:
+            StoreChangedError: The file holds other contents than when the handle was made (it was
+                re-packed or overwritten since): the message names the file and both checksums.
+        """
+        store = self._store
+        if store is None or store.closed:
+            store = self._store = open_store(self.path, self.mode, self.socket, checksum=self.checksum)
+        return store
+
+    @property
+    def attached(self) -> bool:
+        """Whether this process has its store open (a handle just unpickled has not)."""
+        return self._store is not None and not self._store.closed
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"path": self.path, "mode": self.mode, "socket": self.socket, "checksum": self.checksum}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.path = state["path"]
+        self.mode = check_mode(state["mode"])
+        self.socket = state["socket"]
+        self.checksum = state["checksum"]
+        self._store = None
+
+    def __repr__(self) -> str:
+        return f"StoreHandle({self.path!r}, mode={self.mode!r}, checksum={self.checksum!r})"
+
+
 def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[str] | None) -> Any:
-    if mode not in _MODES:
-        msg = f"mode must be one of {', '.join(_MODES)}, not {mode!r}"
-        raise ValueError(msg)
+    mode = check_mode(mode)
     spath = os.fspath(path)
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
@@ -481,9 +514,7 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:
-        if mode == "daemon":
-            raise
-        _fall_back(spath, str(e), sock_at)
+        fall_back(mode, spath, str(e), sock_at, "file")
         return Store(spath)
     if not reply.get("ok") or fd is None:
         if conn is not None:
@@ -499,9 +530,7 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
             reason = f"the smstore daemon on {sock_at} does not serve this file: {reply.get('message')}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
-        if mode == "daemon":
-            raise DaemonError(f"{spath}: {reason}")
-        _fall_back(spath, reason, sock_at)
+        fall_back(mode, spath, reason, sock_at, "file")
         return Store(spath)
     try:
         if conn is not None:
@@ -517,5 +546,5 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
         raise
     finally:
         os.close(fd)  # the mapping holds the segment now
-    _log_once(spath, "daemon", "%s: using the smstore daemon's shared-memory copy %s", spath, store.segment)
+    log_once(spath, "daemon", "%s: using the smstore daemon's shared-memory copy %s", spath, store.segment)
     return store

@@ -12,7 +12,7 @@ from smstore import _core
 from smstore._decode import partial_items_error, torch_dtype
 from smstore._pack import numpy_dtype
 from smstore._store import ShardedStore, Store
-from smstore.client import Mode, open_store
+from smstore.client import Mode, StoreHandle
 
 __all__ = ["TokenCollator", "batch_tensors", "pinned_memory_available"]
 
@@ -46,10 +46,11 @@ class TokenCollator:
                             num_workers=4, collate_fn=collate, pin_memory=True)
 
     ``range(n)`` maps each index to itself, so the worker hands the list of indices to the
-    collator, which gathers. The collator pickles as its path and options and attaches in each
-    worker on first use exactly as ``SharedStoreDataset`` does (same ``mode`` and ``socket``, and
-    the same check that every process reads the contents the collator was created on); or it goes
-    through the ``SharedStoreDataset`` it was given, and so through whatever that dataset attaches to.
+    collator, which gathers. Given a path, the collator pickles as its path and options and
+    attaches in each worker on first use through the same :class:`smstore.client.StoreHandle` as
+    ``SharedStoreDataset`` (same ``mode`` and ``socket``, and the same ``StoreChangedError`` if
+    the file was re-packed since the collator was created); given a ``SharedStoreDataset``, it
+    goes through whatever that dataset attaches to.
 
     Output (a dict of tensors, which ``DataLoader(pin_memory=True)`` pins as a whole):
 
@@ -128,16 +129,11 @@ class TokenCollator:
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             msg = f"pad_to_multiple_of must be >= 1, not {pad_to_multiple_of}"
             raise ValueError(msg)
-        if isinstance(source, (str, os.PathLike)):
-            self._path: str | None = os.fspath(source)
-            self._source: Any = None
-        else:
-            self._path = None
-            self._source = source
+        # A path is opened through a handle (what pickles: path, options, checksum); any other
+        # source is read through as given.
+        self._handle = StoreHandle(source, mode, socket) if isinstance(source, (str, os.PathLike)) else None
+        self._source: Any = None if self._handle is not None else source
         self.layout: Layout = layout
-        self.mode: Mode = mode
-        self.socket = os.fspath(socket) if socket is not None else None
-        self.checksum: str | None = None
         self.pad_value = int(pad_value)
         self.max_length = max_length
         self.truncation = truncation
@@ -147,11 +143,8 @@ class TokenCollator:
         self.dtype = dtype
         self.pin_memory = pin_memory
         self.return_indices = return_indices
-        self._store: Store | ShardedStore | None = None
         self._spec: _core.BatchSpec | Literal[False] | None = None  # made on first use, per process
         store = self.store
-        if self._path is not None:
-            self.checksum = store.checksum  # every process must read these very bytes
         # Array records carry their dtype; any other record is a byte string: uint8 tokens.
         enc = store.encoding
         self.record_dtype = numpy_dtype(enc, store.path) if enc.startswith("npy:") else np.dtype(np.uint8)
@@ -163,13 +156,30 @@ class TokenCollator:
 
     @property
     def store(self) -> Store | ShardedStore:
-        """The Store records come from (opened in this process on first use)."""
-        if self._source is not None:
-            return self._source.store if hasattr(self._source, "store") else self._source  # type: ignore[no-any-return]
-        if self._store is None:
-            assert self._path is not None
-            self._store = open_store(self._path, self.mode, self.socket, checksum=self.checksum)
-        return self._store
+        """The Store records come from (with a path: opened in this process on first use).
+
+        Raises:
+            StoreChangedError: The file was re-packed since the collator was created (the
+                same error as ``SharedStoreDataset``'s).
+        """
+        if self._handle is not None:
+            return self._handle.store
+        return self._source.store if hasattr(self._source, "store") else self._source  # type: ignore[no-any-return]
+
+    @property
+    def mode(self) -> Mode | None:
+        """With a path: ``"auto"``, ``"daemon"`` or ``"mmap"`` (see ``SharedStoreDataset``); else None."""
+        return self._handle.mode if self._handle is not None else None
+
+    @property
+    def socket(self) -> str | None:
+        """With a path: the daemon's socket, if one was named."""
+        return self._handle.socket if self._handle is not None else None
+
+    @property
+    def checksum(self) -> str | None:
+        """With a path: the contents every process reads (pinned when the collator was created)."""
+        return self._handle.checksum if self._handle is not None else None
 
     def __len__(self) -> int:
         """The number of records in the store."""
@@ -177,8 +187,7 @@ class TokenCollator:
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_store"] = None  # path and options only; each process maps the blob itself
-        state["_spec"] = None
+        state["_spec"] = None  # made again in each process (the handle pickles as path and options)
         return state
 
     def _check_pad_value(self) -> None:
@@ -322,7 +331,7 @@ class TokenCollator:
         }
 
     def __repr__(self) -> str:
-        where = self._path if self._path is not None else repr(self._source)
+        where = self._handle.path if self._handle is not None else repr(self._source)
         return f"TokenCollator({where!r}, layout={self.layout!r}, max_length={self.max_length})"
 
 

@@ -14,7 +14,7 @@ from torch.utils.data._utils import collate as torch_collate
 from smstore._core import RecordReader, _DataExport
 from smstore._decode import Decoder, make_decoder
 from smstore._store import ShardedStore, Store
-from smstore.client import Mode, open_store
+from smstore.client import Mode, StoreHandle
 from smstore.errors import CollateError
 
 __all__ = ["SharedStoreDataset"]
@@ -100,8 +100,9 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
 
     The blob is mapped read-only; every process that reads it (DataLoader workers, local ranks)
     shares the same physical pages, so memory does not grow with the number of processes. The
-    dataset pickles as its path and options only and attaches lazily in each process, so it works
-    with the ``fork``, ``spawn`` and ``forkserver`` start methods. ``ds[i]`` runs in C (see
+    dataset pickles as its path and options only and attaches lazily in each process (through a
+    :class:`smstore.client.StoreHandle`, as ``TokenCollator`` does), so it works with the
+    ``fork``, ``spawn`` and ``forkserver`` start methods. ``ds[i]`` runs in C (see
     ``smstore._core.RecordReader``).
 
     Args:
@@ -114,10 +115,18 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             taking the memoryview.
         transform: Called on each decoded record.
         mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
-            file, else a mapping of the file; ``"daemon"``: require the daemon; ``"mmap"``: never
-            use it. See :func:`smstore.client.open_store`.
+            file, else a mapping of the file (saying so as every reader does: docs/daemon.md,
+            "Modes"); ``"daemon"``: require the daemon; ``"mmap"``: never use it. See
+            :func:`smstore.client.open_store`.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
             Every process the dataset is pickled to uses the same one.
+
+    Raises:
+        ValueError: ``mode`` is none of those.
+        DaemonError: ``mode="daemon"`` and no daemon serves the file.
+        StoreError: The file is missing or not a valid blob. In a process the dataset was
+            pickled to, :class:`smstore.StoreChangedError` on first access if the file was
+            re-packed since (see :class:`smstore.client.StoreHandle`).
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
@@ -136,13 +145,10 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         mode: Mode = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
-        self.path = os.fspath(path)
+        self._handle = StoreHandle(path, mode, socket)  # what pickles: path, options, checksum
         self.decode = decode
         self.transform = transform
-        self.mode: Mode = mode
-        self.socket = os.fspath(socket) if socket is not None else None
-        store = open_store(self.path, mode, self.socket)
-        self.checksum = store.checksum  # every process must read these very bytes
+        store = self._handle.store
         self._len = len(store)
         self.metadata: dict[str, Any] = store.metadata
         # Record counts of the shards, in order (one for a single blob): what windowed samplers need.
@@ -157,8 +163,27 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
             StoreChangedError: The file was re-packed since the dataset was created, so this
                 process would read other records than the others (and than ``len`` says).
         """
-        store = open_store(self.path, self.mode, self.socket, checksum=self.checksum)
-        self._bind(store, self._decoder, self.transform)
+        self._bind(self._handle.store, self._decoder, self.transform)
+
+    @property
+    def path(self) -> str:
+        """The blob or sharded dataset, as given."""
+        return self._handle.path
+
+    @property
+    def mode(self) -> Mode:
+        """``"auto"``, ``"daemon"`` or ``"mmap"`` (see :func:`smstore.client.open_store`)."""
+        return self._handle.mode
+
+    @property
+    def socket(self) -> str | None:
+        """The daemon's socket, if one was named."""
+        return self._handle.socket
+
+    @property
+    def checksum(self) -> str:
+        """The contents every process reads (pinned when the dataset was created)."""
+        return self._handle.checksum
 
     @property
     def store(self) -> Store | ShardedStore:

@@ -22,9 +22,10 @@ from typing import Any
 
 from smstore._ipc import connect, exchange, request, socket_path
 from smstore._manifest import read_manifest
+from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import encode
 from smstore._protocol import frame as framed
-from smstore.client import DaemonSession, Mode
+from smstore.client import DaemonSession
 from smstore.errors import DaemonError
 
 __all__ = ["ShardResidency"]
@@ -41,9 +42,15 @@ class ShardResidency:
 
     Args:
         path: The manifest, or a directory holding ``manifest.json``.
-        mode: ``"auto"``: the daemon if one answers on ``socket``, else the page cache;
-            ``"daemon"``: require it; ``"mmap"``: the page cache only.
+        mode: ``"auto"``: the daemon if one answers on ``socket``, else the page cache (and,
+            also when the daemon dies later, says so as every reader does: a warning once per
+            process, see :func:`smstore._modes.fall_back`); ``"daemon"``: require it (a
+            :class:`DaemonError` naming the socket); ``"mmap"``: the page cache only, never a
+            daemon.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+
+    Raises:
+        ValueError: ``mode`` is none of those.
 
     Attributes:
         kind: ``"daemon"`` or ``"page cache"``, once the first :meth:`hold` has decided.
@@ -56,13 +63,13 @@ class ShardResidency:
         mode: Mode = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
+        self.mode: Mode = check_mode(mode)
         manifest = read_manifest(path)
         self.path = manifest.path
         self.shards = [
             (os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)
         ]
         self.sizes = [s.file_size for s in manifest.shards]
-        self.mode: Mode = mode
         self.socket = socket_path(socket)
         self.kind: str | None = None
         self._daemon = DaemonSession(self.socket)  # its connection (dropped in a forked child)
@@ -128,10 +135,8 @@ class ShardResidency:
                 try:
                     self._hold_in_daemon(wanted)
                 except _Unreachable as e:
-                    if self.mode == "daemon":
-                        raise DaemonError(str(e)) from None
                     # The daemon died: read ahead into the page cache until one answers again.
-                    log.warning("%s: %s; reading the next shards ahead into the page cache", self.path, e)
+                    fall_back(self.mode, self.path, str(e), self.socket, "shards")
                     self.kind = None
                     self._hold_in_page_cache(wanted)
             else:
@@ -144,11 +149,7 @@ class ShardResidency:
         try:
             self._conn = connect(self.socket)
         except DaemonError as e:
-            if self.mode == "daemon":
-                raise
-            log.info(
-                "%s: no smstore daemon (%s): reading the next shards ahead into the page cache", self.path, e
-            )
+            fall_back(self.mode, self.path, str(e), self.socket, "shards")
             return "page cache"
         return "daemon"
 

@@ -29,6 +29,7 @@ else:
         _SamplerBase = object
 
 __all__ = [
+    "BlockWindowOrder",
     "FeistelPermutation",
     "GlobalShuffleSampler",
     "ResumableLoader",
@@ -595,6 +596,179 @@ class WindowedOrder:
 
     def __len__(self) -> int:
         return self.n
+
+
+class BlockWindowOrder:
+    """An epoch's order drawn from blocks: record ranges read in one go, from many shards at once.
+
+    The design of docs/training.md, "Block windows (design)", as a pure order (no sampler or
+    daemon uses it yet). The dataset's records, in manifest order, are cut into **blocks** of
+    ``block`` consecutive records (the last shorter; a block that runs past a shard's end is read as
+    a piece of each shard); a keyed permutation puts the blocks in one random order, the
+    **sequence**; **groups** are runs of ``group`` consecutive blocks of it, ``G = group * block``
+    records each but the last. The records of group ``j`` are permuted by a keyed bijection and cut
+    into ``spread`` parts as even as whole records allow, part ``t`` going to **window** ``j + t``;
+    the records of each window (parts of groups ``j - spread + 1 .. j``) are permuted by a keyed
+    bijection of the window's positions, and the windows follow each other.
+
+    So every record comes exactly once; the order is a pure function of ``key`` (the seed and
+    epoch go in it), the same for any world size; ``order(p)`` for any positions costs a few
+    binary searches and two Feistel evaluations each (O(1) resume), with tables of one entry a
+    block, a window and a part (never groups x parts). While window ``w`` is read, groups
+    ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: a sliding run of
+    ``(spread + 1) * group`` blocks of the sequence, each block read once, sequentially.
+    ``spread=1`` is plain windows of blocks (the one read and the next); a larger ``spread``
+    spreads each block's records over ``spread`` windows, so source neighbours share a batch
+    less often (docs/training.md states the bound).
+
+    Args:
+        shard_sizes: Records in each shard, in manifest order.
+        block: Records per block (at least 1).
+        group: Blocks per group (at least 1).
+        spread: Windows over which a group's records are spread (at least 1).
+        key: Derives every permutation of the epoch.
+
+    Raises:
+        ValueError: A shard size is negative, or ``block``, ``group`` or ``spread`` is below 1.
+    """
+
+    def __init__(
+        self,
+        shard_sizes: Sequence[int] | np.ndarray[Any, Any],
+        *,
+        block: int,
+        group: int,
+        spread: int,
+        key: str,
+    ) -> None:
+        sizes = np.asarray(shard_sizes, dtype=np.int64)
+        if sizes.size and int(sizes.min()) < 0:
+            msg = "shard sizes must be >= 0"
+            raise ValueError(msg)
+        for name, value in (("block", block), ("group", group), ("spread", spread)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                msg = f"{name} must be a positive integer, not {value!r}"
+                raise ValueError(msg)
+        self.block, self.group, self.spread, self._key = block, group, spread, key
+        self.n = n = int(sizes.sum())
+        # Blocks: records [i b, (i + 1) b) of the dataset, all of b records but the last, so groups
+        # of whole blocks all hold G records and share one table of parts. A block that runs past
+        # a shard's end is read as a piece of each shard (each piece sequential).
+        nb = -(-self.n // block)
+        self.block_first = np.arange(nb, dtype=np.int64) * block
+        self.block_length = np.minimum(block, self.n - self.block_first)
+        starts = np.cumsum(sizes)
+        self.block_shard = np.searchsorted(starts, self.block_first, side="right").astype(np.int64)
+        # The sequence: the whole blocks in a keyed order, then the short last block if any (so
+        # sequence position k * block starts the k-th block of it).
+        whole = self.n // block
+        self.block_order = np.concatenate(
+            [FeistelPermutation(whole, f"{key}:blocks".encode())(np.arange(whole, dtype=np.uint64)), [nb - 1]]
+        )[:nb].astype(np.int64)
+        # Groups: sequence positions [j G, (j + 1) G), whole blocks; all of G records but the last.
+        size = self.group_records = group * block
+        groups = -(-n // size)
+        self.group_starts = np.minimum(np.arange(groups + 1, dtype=np.int64) * size, n)
+        self._last = n - (groups - 1) * size if groups else 0
+        # cut[t]: a full group's records in its parts before part t (cut[spread] = G).
+        self._cut = np.arange(spread + 1, dtype=np.int64) * size // spread
+        self._cut_sums = np.concatenate([[0], np.cumsum(self._cut)]).astype(np.int64)  # sum of cut[:d]
+        windows = groups + spread - 1 if groups else 0
+        self.window_starts = np.append(self._before(np.arange(windows, dtype=np.int64)), n).astype(np.int64)
+
+    def _cut_of(
+        self, j: np.ndarray[Any, Any], t: np.ndarray[Any, Any]
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Records of group ``j`` in its parts before part ``t`` (0 <= t <= spread)."""
+        groups = len(self.group_starts) - 1
+        last = t * self._last // self.spread
+        out: np.ndarray[Any, np.dtype[np.int64]] = np.where(j == groups - 1, last, self._cut[t])
+        return out
+
+    def _before(self, w: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Positions before window ``w``: whole groups ``<= w - spread``, and the parts before
+        ``w`` of groups ``w - spread + 1 .. w``."""
+        groups, s = len(self.group_starts) - 1, self.spread
+        whole = np.clip(w - s + 1, 0, groups)
+        lo = whole  # the first group with parts in or after window w
+        hi = np.minimum(w, groups - 1)  # the last group with parts in or before it
+        full_hi = np.minimum(hi, groups - 2)  # the groups of G records among them
+        # Sum over j in [lo, full_hi] of cut[w - j] = sum of cut[d] for d in [w - full_hi, w - lo].
+        some = full_hi >= lo
+        d_lo, d_hi = np.where(some, w - full_hi, 0), np.where(some, w - lo + 1, 0)
+        partial = self._cut_sums[np.clip(d_hi, 0, s + 1)] - self._cut_sums[np.clip(d_lo, 0, s + 1)]
+        last_in = (lo <= groups - 1) & (groups - 1 <= hi)
+        partial = partial + np.where(last_in, np.clip(w - groups + 1, 0, s) * self._last // s, 0)
+        total: np.ndarray[Any, np.dtype[np.int64]] = self.group_starts[whole] + partial
+        return total
+
+    @property
+    def window_count(self) -> int:
+        return len(self.window_starts) - 1
+
+    def window_groups(self, w: int) -> range:
+        """The groups window ``w`` draws from (those resident while it is read)."""
+        groups = len(self.group_starts) - 1
+        return range(max(0, w - self.spread + 1), min(w, groups - 1) + 1)
+
+    def group_blocks(self, j: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Block indices (see ``block_first``) of group ``j``, as read."""
+        return self.block_order[j * self.group : (j + 1) * self.group]
+
+    def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The records at an array of positions in ``[0, n)``.
+
+        Raises:
+            IndexError: A position is outside ``[0, n)``.
+        """
+        shape: tuple[int, ...] = np.shape(positions)
+        p = np.asarray(positions).astype(np.int64).ravel()
+        if p.size and (int(p.min()) < 0 or int(p.max()) >= self.n):
+            bad = int(p.min()) if int(p.min()) < 0 else int(p.max())
+            msg = f"position {bad} out of range for an order of {self.n}"
+            raise IndexError(msg)
+        groups, s = len(self.group_starts) - 1, self.spread
+        # The window's permutation of the position: its place q among the window's parts.
+        w = np.searchsorted(self.window_starts, p, side="right") - 1
+        q = np.empty_like(p)
+        for win, at in _runs(w):
+            begin, end = int(self.window_starts[win]), int(self.window_starts[win + 1])
+            q[at] = FeistelPermutation(end - begin, f"{self._key}:window:{win}".encode())(p[at] - begin)
+        # The window holds part w - j of groups j = lo .. hi, in that order; every part but the
+        # last group's has cut[w - j + 1] - cut[w - j] records, so part j starts at
+        # cut[w - lo + 1] - cut[w - j + 1]: the last part starting at or before q is the one.
+        lo = np.maximum(0, w - s + 1)
+        hi = np.minimum(w, groups - 1)
+        top = self._cut[w - lo + 1]
+        u = np.maximum(np.searchsorted(self._cut, top - q, side="left"), w - hi + 1)
+        j = w - u + 1
+        t = w - j
+        offset = top - self._cut[u]
+        # The group's permutation of the record's place in the group, then the record in its block.
+        in_group = self._cut_of(j, t) + q - offset
+        seq = np.empty_like(p)
+        for g, at in _runs(j):
+            lo_g, hi_g = int(self.group_starts[g]), int(self.group_starts[g + 1])
+            seq[at] = lo_g + FeistelPermutation(hi_g - lo_g, f"{self._key}:group:{g}".encode())(in_group[at])
+        out: np.ndarray[Any, np.dtype[np.int64]] = self.block_first[self.block_order[seq // self.block]] + (
+            seq % self.block
+        )
+        return out.reshape(shape)
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _runs(
+    values: np.ndarray[Any, np.dtype[np.int64]],
+) -> Iterator[tuple[int, np.ndarray[Any, np.dtype[np.intp]]]]:
+    """Each distinct value and the indices holding it (one sort, not a scan per value)."""
+    by_value = np.argsort(values, kind="stable")
+    sorted_values = values[by_value]
+    cuts = np.flatnonzero(np.diff(sorted_values)) + 1
+    for chunk in np.split(by_value, cuts):
+        if chunk.size:
+            yield int(values[chunk[0]]), chunk
 
 
 class WindowedShuffleSampler(GlobalShuffleSampler):

@@ -11,12 +11,14 @@ import os
 import pickle
 import signal
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal, overload
 
 from smstore import _core
 from smstore._localjob import Peer, Server, address_for, connect, topology
+from smstore._modes import Mode, check_mode, fall_back
 from smstore._objects import ContentHash, ObjectStore, encode_objects
 from smstore._pack import build_metadata, human_bytes
 from smstore._sources import daemon_key, file_key, file_loader
@@ -318,10 +320,13 @@ class SharedList(Sequence[Any]):
         mode: ``"auto"``: when an ``smstore serve`` daemon answers, local rank 0 hands it the copy
             it built, and first asks it for a copy of the same contents that another job already
             shared (then nothing is built; this costs one hashing pass over a sequence first);
-            without a daemon, as ``"local"``. ``"daemon"``: the same, but a missing daemon is an
-            error. ``"local"``: never ask a daemon. The other local ranks and the workers receive
-            the copy from local rank 0 either way; the daemon holds a shared copy while any process
-            is attached to it through the daemon, and lists it in ``smstore status``.
+            without a daemon, as ``"mmap"``, and says so as every reader does (see
+            ``docs/daemon.md``, "Modes"). ``"daemon"``: the same, but a missing daemon is a
+            :class:`DaemonError` naming the socket. ``"mmap"``: never ask a daemon; this node's
+            own segment. ``"local"`` is a deprecated alias of ``"mmap"`` (it warns
+            ``DeprecationWarning``). The other local ranks and the workers receive the copy from
+            local rank 0 either way; the daemon holds a shared copy while any process is attached
+            to it through the daemon, and lists it in ``smstore status``.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
 
     Raises:
@@ -344,10 +349,10 @@ class SharedList(Sequence[Any]):
         timeout: float = 1800.0,
         check: bool = True,
         room_limit: int = 0,
-        mode: Literal["auto", "daemon", "local"] = "auto",
+        mode: Mode | Literal["local"] = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
-        self._open(objects, None, name, encoding, timeout, check, room_limit, mode, socket)
+        self._open(objects, None, name, encoding, timeout, check, room_limit, _no_local(mode), socket)
 
     @classmethod
     def from_loader(
@@ -360,7 +365,7 @@ class SharedList(Sequence[Any]):
         encoding: str = "pickle",
         timeout: float = 1800.0,
         room_limit: int = 0,
-        mode: Literal["auto", "daemon", "local"] = "auto",
+        mode: Mode | Literal["local"] = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> SharedList:
         """A SharedList whose objects only one process per node ever holds: ``load()``'s, in a short-lived child.
@@ -386,7 +391,9 @@ class SharedList(Sequence[Any]):
             SharedListMismatchError: This rank's ``key`` differs from local rank 0's.
         """
         lst = cls.__new__(cls)
-        lst._open(None, (load, key, state), name, encoding, timeout, True, room_limit, mode, socket)
+        lst._open(
+            None, (load, key, state), name, encoding, timeout, True, room_limit, _no_local(mode), socket
+        )
         return lst
 
     @classmethod
@@ -401,7 +408,7 @@ class SharedList(Sequence[Any]):
         encoding: str = "pickle",
         timeout: float = 1800.0,
         room_limit: int = 0,
-        mode: Literal["auto", "daemon", "local"] = "auto",
+        mode: Mode | Literal["local"] = "auto",
         socket: str | os.PathLike[str] | None = None,
     ) -> SharedList:
         """A SharedList of the objects in a file, parsed once per node (see :meth:`from_loader`).
@@ -428,7 +435,7 @@ class SharedList(Sequence[Any]):
             encoding=encoding,
             timeout=timeout,
             room_limit=room_limit,
-            mode=mode,
+            mode=_no_local(mode),
             socket=socket,
         )
 
@@ -441,13 +448,11 @@ class SharedList(Sequence[Any]):
         timeout: float,
         check: bool,
         room_limit: int,
-        mode: str,
+        mode: Mode,
         socket: str | os.PathLike[str] | None,
     ) -> None:
         """Build (local rank 0) or receive the shared copy of ``objects`` or of ``loader = (load, key, state)``."""
-        if mode not in ("auto", "daemon", "local"):
-            msg = f"mode must be 'auto', 'daemon' or 'local', not {mode!r}"
-            raise ValueError(msg)
+        mode = check_mode(mode)
         start = time.perf_counter()
         self.name = name if name is not None else f"list{next(_sequence)}"
         self._server: Server | None = None
@@ -510,21 +515,14 @@ class SharedList(Sequence[Any]):
         loader: tuple[Callable[[], Iterable[Any]], str, Callable[[], Any] | None],
         encoding: str,
         room_limit: int,
-        mode: str,
+        mode: Mode,
         sock: str | os.PathLike[str] | None,
     ) -> tuple[int, dict[str, Any]]:
         """Local rank 0 of the loader form: the daemon's copy under the key, else a child loads it."""
-        from smstore.client import attach_shared, daemon_request, keep_attached, share_with_daemon
+        from smstore.client import attach_shared, keep_attached
 
         load, key, state = loader
-        daemon = mode != "local"
-        if daemon:
-            try:
-                daemon_request({"op": "status"}, sock, timeout=5.0)
-            except DaemonError:
-                if mode == "daemon":
-                    raise
-                daemon = False
+        daemon = mode != "mmap" and self._daemon_answers(mode, sock)
         if daemon:
             found = attach_shared(daemon_key(key), sock)
             if found is not None:
@@ -542,14 +540,7 @@ class SharedList(Sequence[Any]):
         if state is not None:
             info["state"] = pickle.dumps(loaded_state, protocol=5).hex()
         if daemon:
-            try:
-                _reply, self._conn = share_with_daemon(fd, daemon_key(key), sock)
-                keep_attached(self)
-                self.via_daemon = "shared"
-            except DaemonError:
-                if mode == "daemon":
-                    os.close(fd)
-                    raise
+            self._share(fd, daemon_key(key), mode, sock)
         return fd, info
 
     def _from_daemon_or_build(
@@ -557,19 +548,13 @@ class SharedList(Sequence[Any]):
         objects: Iterable[Any],
         encoding: str,
         room_limit: int,
-        mode: str,
+        mode: Mode,
         sock: str | os.PathLike[str] | None,
     ) -> tuple[int, dict[str, Any]]:
         """Local rank 0: a copy the daemon already serves, else a new one (handed to the daemon if any)."""
-        from smstore.client import attach_shared, daemon_request, keep_attached, share_with_daemon
+        from smstore.client import attach_shared, keep_attached
 
-        if mode == "local":
-            return _build(objects, self.name, encoding, room_limit)
-        try:
-            daemon_request({"op": "status"}, sock, timeout=5.0)  # one round trip: is there a daemon?
-        except DaemonError:
-            if mode == "daemon":
-                raise
+        if mode == "mmap" or not self._daemon_answers(mode, sock):
             return _build(objects, self.name, encoding, room_limit)
         if isinstance(objects, Sequence):  # an iterator could be read only once: build it directly
             content = ContentHash()
@@ -582,15 +567,33 @@ class SharedList(Sequence[Any]):
                 self.via_daemon = "attached"
                 return fd, {"content": content.hexdigest(), "encoding": encoding, "records": content.count}
         fd, info = _build(objects, self.name, encoding, room_limit)
+        self._share(fd, info["content"], mode, sock)
+        return fd, info
+
+    def _daemon_answers(self, mode: Mode, sock: str | os.PathLike[str] | None) -> bool:
+        """Whether a daemon answers (one round trip); without one, mode "daemon" raises."""
+        from smstore.client import daemon_request
+
         try:
-            _reply, self._conn = share_with_daemon(fd, info["content"], sock)
-            keep_attached(self)
-            self.via_daemon = "shared"
-        except DaemonError:
+            daemon_request({"op": "status"}, sock, timeout=5.0)
+        except DaemonError as e:
+            fall_back(mode, f"SharedList {self.name!r}", str(e), sock, "list")
+            return False
+        return True
+
+    def _share(self, fd: int, key: str, mode: Mode, sock: str | os.PathLike[str] | None) -> None:
+        """Hand the copy at ``fd`` to the daemon under ``key``; if it refuses, mode "daemon" raises."""
+        from smstore.client import keep_attached, share_with_daemon
+
+        try:
+            _reply, self._conn = share_with_daemon(fd, key, sock)
+        except DaemonError as e:
             if mode == "daemon":
                 os.close(fd)
-                raise
-        return fd, info
+            fall_back(mode, f"SharedList {self.name!r}", str(e), sock, "list")
+            return
+        keep_attached(self)
+        self.via_daemon = "shared"
 
     def _drop_connection(self) -> None:
         """Leave the daemon's client list (close, and in forked children: the parent's stays)."""
@@ -753,6 +756,18 @@ class SharedList(Sequence[Any]):
         if self._closed:
             return f"<SharedList {self.name!r} (closed)>"
         return f"<SharedList {self.name!r}: {len(self)} objects, {self.nbytes} bytes shared>"
+
+
+def _no_local(mode: Mode | Literal["local"]) -> Mode:
+    """``mode``, with the deprecated ``"local"`` read as ``"mmap"`` (warned, at the caller's caller)."""
+    if mode == "local":
+        msg = (
+            "SharedList: mode='local' is deprecated; pass mode='mmap' (the same: this node's own copy, "
+            "never a daemon)"
+        )
+        warnings.warn(msg, DeprecationWarning, stacklevel=3)
+        return "mmap"
+    return mode
 
 
 def _short(obj: Any, limit: int = 120) -> str:

@@ -256,3 +256,75 @@ def stateful_resume(
         got += interleave(streams)
         state = saved
     return got, starts
+
+
+# ---- one mode rule, one handle (tests/test_modes.py) -------------------------------------------
+
+MODE_USERS = ("dataset", "collator", "residency", "shared_list")
+
+
+def use_in_mode(user: str, mode: str, blob: str, manifest: str, sock: str | None) -> Any:
+    """Read through one of the four users of ``mode=`` and return what it read (bytes, or the held shards)."""
+    import smstore
+    from smstore.residency import ShardResidency
+
+    if user == "dataset":
+        ds = smstore.SharedStoreDataset(blob, decode="bytes", mode=mode, socket=sock)  # type: ignore[arg-type]
+        return [ds[i] for i in range(len(ds))]
+    if user == "collator":
+        collate = smstore.TokenCollator(blob, layout="pack", mode=mode, socket=sock)  # type: ignore[arg-type]
+        out = collate(list(range(len(collate))))
+        cu = out["cu_seqlens"].tolist()
+        data = out["tokens"].numpy().tobytes()
+        return [data[a:b] for a, b in itertools.pairwise(cu)]
+    if user == "residency":
+        residency = ShardResidency(manifest, mode=mode, socket=sock)  # type: ignore[arg-type]
+        try:
+            residency.hold([1, 0], wait=True)
+            return (residency.kind, residency.held)
+        finally:
+            residency.close()
+    if user == "shared_list":
+        lst = smstore.SharedList(
+            [f"object {i}" for i in range(50)], name=f"modes-{os.getpid()}", mode=mode, socket=sock
+        )  # type: ignore[arg-type]
+        try:
+            return list(lst)
+        finally:
+            lst.close()
+    raise AssertionError(user)
+
+
+def fallbacks_in_a_fresh_process(order: Sequence[str], blob: str, manifest: str, sock: str, q: Any) -> None:
+    """A spawned child: the users of mode="auto" in ``order`` with no daemon on ``sock``; puts what
+    each read and every record the ``smstore`` logger emitted, as (level, message)."""
+    import logging
+
+    records: list[logging.LogRecord] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("smstore")
+    logger.addHandler(Keep(logging.INFO))
+    logger.setLevel(logging.INFO)
+    try:
+        read = {user: use_in_mode(user, "auto", blob, manifest, sock) for user in order}
+        q.put((read, [(r.levelno, r.getMessage()) for r in records]))
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
+        q.put(e)
+
+
+def read_through_handles(ds: Any, collate: Any, q: Any) -> None:
+    """A multiprocessing child: what a SharedStoreDataset and a TokenCollator it was handed read, and from where."""
+    try:
+        records = [ds[i] for i in range(len(ds))]
+        out = collate(list(range(len(collate))))
+        cu = out["cu_seqlens"].tolist()
+        data = out["tokens"].numpy().tobytes()
+        gathered = [data[a:b] for a, b in itertools.pairwise(cu)]
+        where = [(type(s).__name__, getattr(s, "segment", None)) for s in (ds.store, collate.store)]
+        q.put((records, gathered, where))
+    except BaseException as e:  # noqa: BLE001 - the parent raises it
+        q.put(e)

@@ -33,7 +33,7 @@ from daemon_testlib import (
 )
 
 import smstore
-from smstore import _core
+from smstore import _core, _modes
 from smstore.client import DaemonStore, daemon_request, open_store
 from smstore.daemon.segments import list_segments
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
@@ -80,8 +80,8 @@ def test_auto_falling_back_from_a_daemon_warns_once_per_process(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(smstore.client, "_warned_fallback", False, raising=False)  # a fresh process
-    monkeypatch.setattr(smstore.client, "_logged", set())
+    monkeypatch.setattr(_modes, "_warned_fallback", False)  # a fresh process
+    monkeypatch.setattr(_modes, "_logged", set())
     caplog.set_level(logging.INFO, logger="smstore")
     path, recs = blob
     other = tmp_path / "other.smst"
@@ -103,8 +103,8 @@ def test_auto_without_any_daemon_stays_quiet(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # No daemon at the per-user default socket is the normal case without one: no warning.
-    monkeypatch.setattr(smstore.client, "_warned_fallback", False, raising=False)
-    monkeypatch.setattr(smstore.client, "_logged", set())
+    monkeypatch.setattr(_modes, "_warned_fallback", False)
+    monkeypatch.setattr(_modes, "_logged", set())
     monkeypatch.delenv("SMSTORE_SOCKET", raising=False)
     monkeypatch.setenv("XDG_RUNTIME_DIR", os.fspath(tmp_path))
     caplog.set_level(logging.INFO, logger="smstore")

@@ -107,10 +107,42 @@ def test_machine_paths_are_found() -> None:
     assert machine_paths("- temp files: ext4; `--out $TMPDIR/r.md`; see benchmarks/results/r.md") == []
 
 
+def test_a_results_header_names_no_path_of_the_machine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The command line a results file quotes names its paths (``--out``, ``--tmpdir``) relative to
+    the repository or by their last part, wherever they are: the header quoted them as given."""
+    if str(ROOT) not in sys.path:
+        monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.bench_core import Report, command_line, write_results
+
+    home = tmp_path / "home" / "someone"
+    monkeypatch.setenv("HOME", str(home))
+    argv = [
+        "--out",
+        "/home/someone/results/windowed.md",
+        "--tmpdir=/scratch/fast",
+        str(ROOT / "benchmarks" / "results" / "windowed.md"),
+        str(home / "w.md"),
+        "--quick",
+    ]
+    cmd = command_line("python benchmarks/bench_windowed.py", argv)
+    out = tmp_path / "out.md"
+    write_results(out, "A run", [f"`{cmd}` on a day."], ["- temp files: ext4"], Report())
+    text = out.read_text()
+    assert machine_paths(text) == []
+    assert (
+        "`python benchmarks/bench_windowed.py --out .../windowed.md --tmpdir=.../fast "
+        "benchmarks/results/windowed.md ~/w.md --quick`"
+    ) in text
+
+
 def test_results_files_name_no_path_of_the_machine() -> None:
-    """A results file says what ran and on what, never where: no temp dir, checkout or home path."""
+    """A results file (the tables and a run's raw JSON) says what ran and on what, never where: no
+    temp dir, checkout or home path."""
     found = {
         str(f.relative_to(ROOT)): machine_paths(f.read_text())
-        for f in sorted((ROOT / "benchmarks" / "results").glob("*.md"))
+        for pattern in ("*.md", "*.json")
+        for f in sorted((ROOT / "benchmarks" / "results").glob(pattern))
     }
     assert {f: p for f, p in found.items() if p} == {}

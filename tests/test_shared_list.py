@@ -461,16 +461,16 @@ def test_loader_errors_reach_local_rank_0_as_raised_and_leak_nothing() -> None:
         raise KeyError("no such field")
 
     with pytest.raises(KeyError, match="no such field"):
-        SharedList.from_loader(broken, key="broken", name="broken", mode="local")
+        SharedList.from_loader(broken, key="broken", name="broken", mode="mmap")
     with pytest.raises(smstore.PackInputError, match=r"object 1 \(function\)"):
-        SharedList.from_loader(lambda: [1, lambda: 2, 3], key="bad", name="bad-loader", mode="local")
+        SharedList.from_loader(lambda: [1, lambda: 2, 3], key="bad", name="bad-loader", mode="mmap")
     with pytest.raises(smstore.SharedListError, match="killed by signal 9"):
         SharedList.from_loader(
-            lambda: os.kill(os.getpid(), signal.SIGKILL), key="dies", name="dies", mode="local"
+            lambda: os.kill(os.getpid(), signal.SIGKILL), key="dies", name="dies", mode="mmap"
         )
     assert set(os.listdir("/proc/self/fd")) <= fds_before
     assert memfds_named("broken") == memfds_named("bad-loader") == memfds_named("dies") == []
-    lst = SharedList.from_loader(lambda: iter(range(5)), key="ok", state=lambda: {"n": 5}, mode="local")
+    lst = SharedList.from_loader(lambda: iter(range(5)), key="ok", state=lambda: {"n": 5}, mode="mmap")
     assert (list(lst), lst.loader_state) == ([0, 1, 2, 3, 4], {"n": 5})
     lst.close()
 

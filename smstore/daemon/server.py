@@ -304,6 +304,21 @@ class Daemon(Server):
         self.expire()
         self.state.flush()
 
+    def require(self, files: list[str]) -> None:
+        """Serve until every one of `files` (given at start) has loaded or failed; raise if any failed.
+
+        Raises:
+            DaemonError: Naming each file that failed to load and why.
+        """
+        paths = [os.fspath(Path(f).absolute()) for f in files]
+        while not self.stopping and any(p in self.serving.loading for p in paths):
+            self.run_once(0.5)
+        whys = [(p, self.serving.failures[p]) for p in paths if p in self.serving.failures]
+        failed = [why if why.startswith(p) else f"{p}: {why}" for p, why in whys]
+        if failed:
+            msg = f"--require: {len(failed)} file(s) given at start failed to load: " + "; ".join(failed)
+            raise DaemonError(msg)
+
     def run(self) -> None:
         """Serve until `stop`, SIGTERM or SIGINT."""
         while not self.stopping:
@@ -383,8 +398,12 @@ def serve(
     read_rate: int = 0,
     limits: Limits | None = None,
     background: bool = True,
+    require: bool = False,
 ) -> int:
     """Run the daemon in the foreground until stopped. Returns the exit status.
+
+    With `require`, a file of `files` that fails to load stops the daemon: `DaemonError` names
+    the file and the fault (a launcher sees the exit status instead of a daemon serving less).
 
     With `background` (the default), the daemon's threads run under ``SCHED_BATCH``: a request
     that wakes the daemon (a rank's fire-and-forget ``hold`` at a window switch) never preempts
@@ -412,6 +431,8 @@ def serve(
     signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
     try:
         daemon.start(files)
+        if require:
+            daemon.require(files)
         daemon.run()
     finally:
         daemon.shutdown()

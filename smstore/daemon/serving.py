@@ -79,6 +79,7 @@ class Serving:
         # Readers waiting for a held shard still on its way (connection id, checksum), by path.
         self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
         self.loads = 0  # loads finished (or failed) since the start
+        self.failures: dict[str, str] = {}  # path -> why its last load failed (until it loads)
 
     def drop(self, seg: Segment) -> None:
         """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
@@ -116,8 +117,10 @@ class Serving:
                 log.error("failed to load %s: %s", path, result.error)
                 failure = str(result.error)[:1000]
                 self.planner.load_failed(path, failure)
+                self.failures[path] = failure
                 reply = refusal(type(result.error).__name__, failure)
             else:
+                self.failures.pop(path, None)
                 # Marked before _register writes the state file, which records it as held.
                 self.planner.load_done(path, result.checksum, asked=bool(waiters))
                 seg = self.register(path, result)
