@@ -350,14 +350,17 @@ def bench_epoch(
         events = [
             json.loads(line) for f in run.dir.glob("events-*.jsonl") for line in f.read_text().splitlines()
         ]
+        # The first attach of each shard in each worker (a later one re-attaches a shard the worker
+        # released while it was still held), by the thread, of a shard loaded after the worker began.
         first: dict[int, float] = {}
-        for e in events:
-            if e["kind"] == "attach":
-                first[e["pid"]] = min(first.get(e["pid"], e["t"]), e["t"])
+        firsts: dict[tuple[int, str], dict[str, Any]] = {}
+        for e in sorted((e for e in events if e["kind"] == "attach"), key=lambda e: e["t"]):
+            first.setdefault(e["pid"], e["t"])
+            firsts.setdefault((e["pid"], e["checksum"]), e)
         delays = [
             (e["t"] - e["loaded_at"]) * 1000
-            for e in events
-            if e["kind"] == "attach" and e["ahead"] and e["loaded_at"] > first[e["pid"]]
+            for e in firsts.values()
+            if e["ahead"] and e["loaded_at"] > first[e["pid"]]
         ]
         on_read = [e["seconds"] * 1000 for e in events if e["kind"] == "read_attach"]
         ahead = sum(1 for e in events if e["kind"] == "attach" and e["ahead"])
@@ -367,7 +370,7 @@ def bench_epoch(
         tag = f"{name}: epoch, R={args.ranks} x K={workers}"
         d = np.asarray(delays) if delays else np.zeros(1)
         report.add(
-            f"{tag}: pre-attach delay after a shard's load ({len(delays)} attaches)",
+            f"{tag}: pre-attach delay after a shard's load ({len(delays)} first attaches)",
             f"median {np.median(d):.1f} ms, p90 {np.percentile(d, 90):.1f} ms, max {d.max():.1f} ms",
         )
         report.add(
@@ -381,16 +384,16 @@ def bench_epoch(
             ratio=f"{p99['switch'] / p99['steady']:.2f}x",
         )
         report.add(
-            f"{tag}: daemon loop CPU and wake-ups a second over the epoch ({t1 - t0:.1f} s)",
-            f"{cpu[0]:.2f} ms/s, {cpu[1]:.1f} wake-ups/s",
+            f"{tag}: daemon loop CPU and wake-ups over the epoch",
+            f"{cpu[0] * (t1 - t0):.0f} ms, {cpu[1] * (t1 - t0):.0f} wake-ups in {t1 - t0:.1f} s",
         )
         RESULTS_RAW.setdefault(name, {})[f"epoch{workers}"] = {
             "delay_median_ms": float(np.median(d)),
             "delay_max_ms": float(d.max()),
             "on_read": len(on_read),
             "switch_p99_ms": p99["switch"],
-            "daemon_ms": cpu[0],
-            "daemon_wakeups": cpu[1],
+            "daemon_ms": cpu[0] * (t1 - t0),
+            "daemon_wakeups": cpu[1] * (t1 - t0),
         }
 
 

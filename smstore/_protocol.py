@@ -26,6 +26,7 @@ __all__ = [
     "LOAD_FAILED",
     "MAX_HOLD",
     "MAX_MESSAGE",
+    "MAX_WAIT",
     "NOT_FOUND",
     "NOT_SERVED",
     "NO_ROOM",
@@ -39,6 +40,7 @@ __all__ = [
     "encode",
     "frame",
     "frame_length",
+    "held_arg",
     "hold_arg",
     "is_checksum",
     "key_arg",
@@ -139,6 +141,10 @@ def not_served(what: str, why: str | None = None) -> dict[str, Any]:
 
 # At most this many shards in one 'hold' (a window and the next of a large dataset fit many times).
 MAX_HOLD = 65536
+
+# The longest a 'held' request may wait for a change (seconds): a parked request never pins a
+# connection for longer, and a client's timeout for it is this and a margin.
+MAX_WAIT = 60.0
 
 # A status reply lists at most this many segments (a page: the request's "offset" asks for the next).
 STATUS_PAGE = 1000
@@ -246,3 +252,13 @@ def hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
     if len(shards) > MAX_HOLD or any(k < 0 for k in shards):
         raise ProtocolError(BAD_REQUEST, f"'shards' must hold at most {MAX_HOLD} indices, each >= 0")
     return manifest, shards
+
+
+def held_arg(req: dict[str, Any]) -> tuple[int | None, float]:
+    """A 'held' request: the version its client saw last (None: none yet), and how long it may wait for a change."""
+    since, wait = req.get("since"), req.get("wait", 0)
+    if since is not None and (type(since) is not int or since < 0):
+        raise ProtocolError(BAD_REQUEST, "'since' must be an integer >= 0 (a 'version' the daemon sent)")
+    if type(wait) not in (int, float) or not 0 <= wait <= MAX_WAIT:  # NaN fails the range check too
+        raise ProtocolError(BAD_REQUEST, f"'wait' must be a number of seconds from 0 to {MAX_WAIT:g}")
+    return since, float(wait)

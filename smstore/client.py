@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
@@ -15,7 +16,7 @@ from smstore import _core
 from smstore._ipc import connect, exchange, request, socket_path
 from smstore._manifest import ShardInfo, is_manifest, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, log_once
-from smstore._protocol import NOT_SERVED, encode
+from smstore._protocol import MAX_WAIT, NOT_SERVED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
 from smstore.errors import DaemonError, StoreChangedError
@@ -373,16 +374,20 @@ class _Preattacher:
     and unmaps those it no longer holds.
 
     A windowed sampler makes the daemon hold the window being read and the next (see
-    :class:`smstore.residency.ShardResidency`). A thread of each reading process asks the daemon
-    which shards are held, attaches those of its dataset that it has not opened yet (waiting for
-    the ones still loading) and keeps them ready, so that the first read of a new window finds its
+    :class:`smstore.residency.ShardResidency`). A thread of each reading process follows what is
+    held: it asks the daemon (``held``), attaches the held shards of its dataset that are resident
+    and not opened yet, and keeps them ready, so that the first read of a new window finds its
     shards attached instead of making a round trip to the daemon per shard on the critical path.
-    Ready shards the daemon no longer holds are closed. The thread has its own connection, and a
-    forked child starts its own thread on its first read.
+    Ready shards the daemon no longer holds are closed. Then it asks again with the version it
+    saw: the daemon answers when what is held, or resident, changes (or after `WAIT` seconds), so
+    the thread sleeps in a read between two changes instead of asking 10 times a second. The
+    question has its own connection (a parked question never delays a detach on the session's),
+    and a forked child starts its own thread on its first read.
     """
 
-    POLL = 0.1  # seconds between two questions to the daemon while it holds shards of ours
-    IDLE_POLL = 0.5  # ... and while it holds none
+    WAIT = 30.0  # seconds the daemon may keep a question before it answers "no change"
+    POLL = 0.1  # seconds before asking again after an answer with no change (a daemon over its
+    # limit of parked questions answers at once) or after a failure (no daemon now)
 
     def __init__(
         self,
@@ -398,7 +403,8 @@ class _Preattacher:
         self.ready: dict[str, DaemonStore] = {}
         self._pid = -1
         self._stop = threading.Event()
-        self._poll = self.IDLE_POLL
+        self._conn: socket.socket | None = None  # the thread's, for its questions
+        keep_attached(self)
 
     def take(self, checksum: str) -> DaemonStore | None:
         """The attached shard holding `checksum`, if the thread has one ready (it is handed over)."""
@@ -414,23 +420,38 @@ class _Preattacher:
 
     def _run(self) -> None:
         pid = os.getpid()
-        while not self._stop.wait(self._poll) and pid == os.getpid():
+        seen: int | None = None  # the version of the held shards handled last
+        while not self._stop.is_set() and pid == os.getpid():
+            version = None
             try:
-                self._once()
+                version = self._once(seen)
             except (DaemonError, OSError):
-                self.session.close()  # no daemon now: the reads attach (or fail) on their own
+                self._drop_connection()  # no daemon now: the reads attach (or fail) on their own
+                self.session.close()
             except Exception:
                 log.debug("pre-attaching failed", exc_info=True)
+            if version is None or version == seen:
+                self._stop.wait(self.POLL)
+            seen = version
 
-    def _once(self) -> None:
-        with self.session.lock:
-            if self.session.conn is None:
-                self.session.conn = connect(self.session.path)
-            reply, fd = exchange(self.session.conn, {"op": "held"}, self.session.path)
+    def _once(self, since: int | None) -> int | None:
+        """Handle the held shards, once they changed since version `since`; the version handled."""
+        if self._conn is None:
+            self._conn = connect(self.session.path)
+            self._conn.settimeout(MAX_WAIT + 10.0)
+        question: dict[str, Any] = {"op": "held", "wait": self.WAIT}
+        if since is not None:
+            question["since"] = since
+        reply, fd = exchange(self._conn, question, self.session.path)
         if fd is not None:
             os.close(fd)
+        version = reply.get("version")
+        if not isinstance(version, int):
+            version = None  # a daemon that does not park questions (older): asked again after POLL
+        elif version == since:
+            return since
+        not_resident = set(reply.get("not_resident", ()))
         held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
-        self._poll = self.POLL if held else self.IDLE_POLL
         wanted = {c for _p, c in held}
         if held:
             # The ranks read a window of this dataset: a shard they no longer hold is unmapped now
@@ -442,11 +463,16 @@ class _Preattacher:
             if checksum not in wanted and (store := self.ready.pop(checksum, None)) is not None:
                 store.close()  # released: do not keep it mapped
         for path, checksum in held:
-            if checksum in self.ready or self.is_open(self.checksums[checksum]) or self._stop.is_set():
+            if (
+                checksum in not_resident
+                or checksum in self.ready
+                or self.is_open(self.checksums[checksum])
+                or self._stop.is_set()
+            ):
                 continue
             reply, fd = self.session.attach(checksum)  # resident ones only: this connection never waits
             if fd is None:
-                continue  # not loaded yet (or any more): asked again at the next poll
+                continue  # unloaded meanwhile: the next change says so
             try:
                 store = DaemonStore(fd, path, reply, None, self.session)
             finally:
@@ -455,6 +481,12 @@ class _Preattacher:
                 store.close()
                 continue
             self.ready[checksum] = store
+        return version
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
 
     def close(self) -> None:
         self._stop.set()
@@ -462,6 +494,9 @@ class _Preattacher:
             store.close()
         self.ready.clear()
         self.session.close()
+        # Wakes the thread if it waits for an answer (shutdown: close() alone does not end a recv).
+        with contextlib.suppress(OSError, AttributeError):
+            self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
 
 def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None) -> ShardedStore:

@@ -5,7 +5,10 @@ a connection holds at most one request and one reply at a time (it is not read w
 pending), a request is at most ``max_request`` bytes and must arrive within ``io_timeout`` of its
 first byte, a reply must be read within ``io_timeout``, a new connection must complete a request
 within ``io_timeout``, each uid other than the owner's has at most ``max_per_uid`` connections,
-and ``owner_reserve`` of ``max_connections`` are kept for the owner. A file descriptor sent in a
+and ``owner_reserve`` of ``max_connections`` are kept for the owner. A request may be parked (answered
+later, on a change: a reader's ``held`` waiting for what the ranks hold to change): at most
+``max_parked`` at a time, ``owner_reserve`` of them for the owner, each until a deadline of at most
+``MAX_WAIT`` seconds, and answered at once if its client sends more or closes. A file descriptor sent in a
 reply is a duplicate made when the reply was queued, so it is the one requested however long the
 reply waits, and whatever happens to the original meanwhile.
 """
@@ -54,10 +57,11 @@ class Limits:
     owner_reserve: int = 64
     max_request: int = 64 << 10
     io_timeout: float = 5.0
+    max_parked: int = 1024
 
     def __post_init__(self) -> None:
-        if not 0 < self.owner_reserve < self.max_connections or self.max_per_uid < 1:
-            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections and max_per_uid >= 1"
+        if not 0 < self.owner_reserve < min(self.max_connections, self.max_parked) or self.max_per_uid < 1:
+            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections, max_parked and max_per_uid >= 1"
             raise ValueError(msg)
         if not 16 <= self.max_request <= 1 << 20:
             msg = f"max_request must be between 16 bytes and 1 MiB, not {self.max_request}"
@@ -85,6 +89,7 @@ class Conn:
     served: bool = False  # completed at least one request
     close_after_send: bool = False
     busy: bool = False  # waiting for a load to finish: not read meanwhile, no timeout
+    parked: bool = False  # its request is answered on a change or at its deadline (`Server.park`)
     attached: set[str] = field(default_factory=set)
     events: int = 0  # what the selector watches now
     # A descriptor the client sent (at most one, for its next request; closed if that request does
@@ -103,7 +108,7 @@ class Conn:
 
     def deadline(self, timeout: float) -> float | None:
         """When this connection is dropped unless it makes progress (None: it may idle)."""
-        if self.busy:
+        if self.busy or self.parked:
             return None
         if self.out:
             return self.out_since + timeout
@@ -126,6 +131,7 @@ class Server:
         self.uid = uid
         self.limits = limits
         self.conns: dict[int, Conn] = {}
+        self.parked: dict[int, float] = {}  # connection id -> when its parked request is answered
         self.per_uid: dict[int, int] = {}
         self.ids = itertools.count(1)  # connection ids are never reused, unlike fd numbers
         self.sel = selectors.DefaultSelector()
@@ -146,6 +152,35 @@ class Server:
 
     def on_close(self, cid: int, conn: Conn) -> None:
         """Forget what `conn` held."""
+
+    def wake(self, cid: int) -> None:
+        """Answer a parked request now: its deadline passed, or its client sent more."""
+        raise NotImplementedError
+
+    # ---- parking ---------------------------------------------------------------------------------
+
+    def park(self, cid: int, seconds: float) -> bool:
+        """Answer `cid`'s request later: by `wake` after `seconds`, or sooner (see `unpark`).
+
+        False if the limit on parked requests is reached (the owner's reserve counted): the caller
+        answers at once. A parked connection is still read: what its client sends (or its close)
+        wakes the request first.
+        """
+        conn = self.conns[cid]
+        lim = self.limits
+        if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.owner_reserve):
+            return False
+        conn.parked = True
+        self.parked[cid] = time.monotonic() + seconds
+        return True
+
+    def unpark(self, cid: int) -> bool:
+        """Take `cid` off the parked requests; True if it was parked (its reply is the caller's to send)."""
+        conn = self.conns.get(cid)
+        if self.parked.pop(cid, None) is None or conn is None:
+            return False
+        conn.parked = False
+        return True
 
     # ---- accepting ------------------------------------------------------------------------------
 
@@ -242,6 +277,9 @@ class Server:
     def parse(self, cid: int) -> None:
         """Serve the complete requests in the input buffer, one at a time: never while a reply is pending."""
         conn = self.conns.get(cid)
+        if conn is not None and conn.parked and conn.inbuf and self.unpark(cid):
+            self.wake(cid)  # one request at a time: the parked one is answered before the next is read
+            conn = self.conns.get(cid)
         while (
             conn is not None and not (conn.busy or conn.out or conn.close_after_send) and len(conn.inbuf) >= 4
         ):
@@ -274,13 +312,18 @@ class Server:
 
     # ---- writing --------------------------------------------------------------------------------
 
-    def reply(self, cid: int, msg: dict[str, Any], *, fd: int | None = None, close: bool = False) -> None:
-        """Queue a reply (with a duplicate of `fd`, sent along) and send what the socket takes now."""
+    def reply(
+        self, cid: int, msg: dict[str, Any] | bytes, *, fd: int | None = None, close: bool = False
+    ) -> None:
+        """Queue a reply (with a duplicate of `fd`, sent along) and send what the socket takes now.
+
+        `msg` may be a frame already encoded (one reply sent to many connections is encoded once).
+        """
         conn = self.conns.get(cid)
         if conn is None:
             return
         try:
-            data = encode(msg)
+            data = msg if isinstance(msg, bytes) else encode(msg)
         except (DaemonError, TypeError, ValueError) as e:
             data = encode({"ok": False, "error": "reply_failed", "message": str(e)[:1000]})
             fd = None
@@ -355,6 +398,7 @@ class Server:
         conn = self.conns.pop(cid, None)
         if conn is None:
             return
+        self.parked.pop(cid, None)
         self.per_uid[conn.uid] -= 1
         if not self.per_uid[conn.uid]:
             del self.per_uid[conn.uid]
@@ -370,8 +414,11 @@ class Server:
         conn.sock.close()
 
     def expire(self) -> None:
-        """Drop connections that stalled past the I/O timeout."""
+        """Answer the parked requests whose deadline passed; drop connections that stalled past the I/O timeout."""
         now = time.monotonic()
+        for cid in [c for c, until in self.parked.items() if until <= now]:
+            if self.unpark(cid):
+                self.wake(cid)
         timeout = self.limits.io_timeout
         for cid, conn in list(self.conns.items()):
             deadline = conn.deadline(timeout)

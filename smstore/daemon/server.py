@@ -23,6 +23,7 @@ from smstore._protocol import (
     STATUS_PAGE,
     ProtocolError,
     checksum_arg,
+    held_arg,
     hold_arg,
     page_arg,
     path_arg,
@@ -147,6 +148,7 @@ class Daemon(Server):
             read_rate=read_rate,
         )
         self.stopping = False
+        self.served_held = 0  # 'held' requests served: what readers following the holds cost
         self.lock: DaemonLock | None = None
         # shutdown() removes only what start() made: a second daemon refused on a live socket
         # must leave the socket and state file of the first alone.
@@ -257,10 +259,10 @@ class Daemon(Server):
         if op == "attach":
             self.serving.attach_request(cid, conn, req)
         elif op == "held":
-            # What the ranks hold, so that readers attach it before they read it.
-            self.reply(
-                cid, {"ok": True, "shards": [[p, c] for c, p in self.serving.planner.wanted().items()]}
-            )
+            # What the ranks hold, so that readers attach it before they read it: with "since" and
+            # "wait", parked until it changes.
+            self.served_held += 1
+            self.serving.held(cid, *held_arg(req))
         elif op == "detach":
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
@@ -286,6 +288,9 @@ class Daemon(Server):
 
     def on_close(self, cid: int, conn: Conn) -> None:
         self.serving.closed(cid, conn)
+
+    def wake(self, cid: int) -> None:
+        self.reply(cid, self.serving.held_frame())  # the only requests parked: 'held' ones
 
     # ---- the loop ---------------------------------------------------------------------------
 
@@ -367,6 +372,8 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
             "unclaimed": len(daemon.serving.planner.unclaimed),
             "released": len(daemon.serving.planner.released),
             "failed": len(failed),
+            "held_requests": daemon.served_held,
+            "parked": len(daemon.parked),
         },
         "segments": page,
         "offset": offset,

@@ -17,6 +17,7 @@ from smstore._protocol import (
     NO_ROOM,
     ProtocolError,
     checksum_arg,
+    encode,
     key_arg,
     not_served,
     path_arg,
@@ -27,6 +28,7 @@ from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
 from smstore.daemon.planner import Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
 from smstore.daemon.state import StateFile
+from smstore.errors import DaemonError
 
 __all__ = ["Serving", "describe"]
 
@@ -80,6 +82,11 @@ class Serving:
         self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
         self.loads = 0  # loads finished (or failed) since the start
         self.failures: dict[str, str] = {}  # path -> why its last load failed (until it loads)
+        # What readers follow (`held`): the held shards and those not resident yet, its version
+        # (one more at each change), and its reply, encoded once for every reader.
+        self.held_version = 0
+        self._held_seen: tuple[list[list[str]], list[str]] | None = None
+        self._held_frame = b""
 
     def drop(self, seg: Segment) -> None:
         """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
@@ -242,6 +249,42 @@ class Serving:
             self.state.changed()
         if plan.loads:
             log.info("loading %d held shard(s): %s", len(plan.loads), ", ".join(p for p, _ in plan.loads))
+        if self.server.parked:
+            self.held_changed()
+
+    # ---- what readers follow: the held shards, sent at once or at their next change -------------
+
+    def held(self, cid: int, since: int | None, wait: float) -> None:
+        """Reply with the held shards: at once if they changed since version `since`, else at their
+        next change, or after `wait` seconds (parked, within the server's limits; at once if none)."""
+        frame = self.held_frame()
+        if since == self.held_version and wait and self.server.park(cid, wait):
+            return
+        self.server.reply(cid, frame)
+
+    def held_changed(self) -> None:
+        """The holds or the segments may have changed: readers parked on `held` hear if they did."""
+        version = self.held_version
+        frame = self.held_frame()
+        if self.held_version != version:
+            for cid in list(self.server.parked):
+                if self.server.unpark(cid):
+                    self.server.reply(cid, frame)
+
+    def held_frame(self) -> bytes:
+        """The reply to `held`: every held shard as ``[path, checksum]`` in the holders' order, the
+        checksums among them not resident yet, and the version (changed at every change of either)."""
+        wanted = self.planner.wanted()
+        seen = ([[p, c] for c, p in wanted.items()], [c for c in wanted if c not in self.segments])
+        if seen != self._held_seen:
+            self._held_seen = seen
+            self.held_version += 1
+            reply = {"ok": True, "shards": seen[0], "not_resident": seen[1], "version": self.held_version}
+            try:
+                self._held_frame = encode(reply)
+            except DaemonError as e:  # held shards by the ten thousand with long paths
+                self._held_frame = encode(refusal("reply_failed", str(e), version=self.held_version))
+        return self._held_frame
 
     def detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
         """A reader unmapped a segment (it stays attached through its connection otherwise).
