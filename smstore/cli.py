@@ -443,8 +443,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits = Limits(
             max_connections=args.max_connections or defaults.max_connections,
             max_per_uid=args.max_per_uid or defaults.max_per_uid,
-            owner_reserve=min(defaults.owner_reserve, max(1, (args.max_connections or 4096) // 8)),
+            owner_reserve=min(
+                defaults.owner_reserve,
+                max(1, min(args.max_connections or 4096, args.max_parked or defaults.max_parked) // 8),
+            ),
             io_timeout=timeout or defaults.io_timeout,
+            max_parked=args.max_parked or defaults.max_parked,
         )
     except ValueError as e:
         print(f"smstore serve: {e}", file=sys.stderr)
@@ -699,6 +703,13 @@ def _add_daemon_commands(sub: Any) -> None:
         action="store_true",
         help="exit non-zero, naming the file and the fault, if a file given here fails to load "
         "(default: log the failure and go on serving)",
+    )
+    p.add_argument(
+        "--max-parked",
+        type=int,
+        metavar="N",
+        help="readers' 'held' requests waiting for a change at a time (default 1024, an eighth of them "
+        "up to 64 kept for the owner; beyond it a reader asks again every 100 ms)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)

@@ -387,7 +387,8 @@ class _Preattacher:
 
     WAIT = 30.0  # seconds the daemon may keep a question before it answers "no change"
     POLL = 0.1  # seconds before asking again after an answer with no change (a daemon over its
-    # limit of parked questions answers at once) or after a failure (no daemon now)
+    # limit of parked questions answers at once)
+    RETRY = 0.5  # ... and after a failure (no daemon now)
 
     def __init__(
         self,
@@ -422,14 +423,16 @@ class _Preattacher:
         pid = os.getpid()
         seen: int | None = None  # the version of the held shards handled last
         while not self._stop.is_set() and pid == os.getpid():
-            version = None
             try:
                 version = self._once(seen)
-            except (DaemonError, OSError):
+            except Exception as e:
+                if not isinstance(e, (DaemonError, OSError)):
+                    log.debug("pre-attaching failed", exc_info=True)
                 self._drop_connection()  # no daemon now: the reads attach (or fail) on their own
                 self.session.close()
-            except Exception:
-                log.debug("pre-attaching failed", exc_info=True)
+                seen = None
+                self._stop.wait(self.RETRY)
+                continue
             if version is None or version == seen:
                 self._stop.wait(self.POLL)
             seen = version

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import contextlib
 import grp
+import json
 import os
+import select
 import shutil
 import signal
 import socket
@@ -37,7 +39,7 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
-from smstore.client import open_store
+from smstore.client import daemon_request, open_store
 from smstore.daemon.segments import list_segments
 from smstore.daemon.state import state_path
 
@@ -573,3 +575,149 @@ def test_stray_descriptors_are_closed_and_share_checks_its_input(
     assert open_fds(d.pid) <= before  # none of the 120 descriptors sent was kept
     assert len(d.status()["segments"]) == 1
     assert_alive_and_clean(d)
+
+
+# ---- readers parked on 'held' ------------------------------------------------------------------------
+
+
+def ask_held(s: socket.socket, **args: Any) -> None:
+    s.sendall(frame(json.dumps({"op": "held", **args}).encode()))
+
+
+def test_parked_held_requests_are_bounded_and_released(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    """At most --max-parked wait for a change; the rest are answered at once. A parked request is
+    answered when its client sends more, dropped when it closes, and ends with the daemon."""
+    path, _ = blob
+    d = start_daemon(path, args=("--max-parked", "4"))
+    first = raw(d.sock)
+    ask_held(first)
+    now = read_reply(first)
+    assert now is not None
+    assert now["ok"] is True
+    assert now["shards"] == []
+    assert now["not_resident"] == []
+    version = now["version"]
+    socks = [raw(d.sock) for _ in range(6)]
+    try:
+        for s in socks:
+            ask_held(s, since=version, wait=60)
+        status = wait_status(d, lambda st: st["counts"]["held_requests"] == 7)
+        assert status["counts"]["parked"] == 4
+        # The two over the limit were answered at once (before status was), with nothing new.
+        answered = select.select(socks, [], [], 0)[0]
+        assert len(answered) == 2
+        for s in answered:
+            assert read_reply(s) == now
+        parked = [s for s in socks if s not in answered]
+        parked[0].close()  # a client that goes takes its parked request with it
+        assert wait_status(d, lambda st: st["counts"]["parked"] == 3)["counts"]["parked"] == 3
+        parked[1].sendall(STATUS)  # one request at a time: the parked one is answered first
+        assert read_reply(parked[1]) == now
+        assert (reply := read_reply(parked[1])) is not None
+        assert reply["counts"]["parked"] == 2
+        # Stopping the daemon ends the two left (a socket timeout of 10 s, a wait of 60 s).
+        cli("stop", sock=d.sock)
+        for s in parked[2:]:
+            assert s.recv(10) == b""
+    finally:
+        first.close()
+        for s in socks:
+            s.close()
+    d.proc.wait(timeout=30)
+
+
+def test_held_arguments_are_checked(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    path, _ = blob
+    d = start_daemon(path)
+    s = raw(d.sock)
+    try:
+        for body in (
+            b'{"op":"held","since":-1}',
+            b'{"op":"held","since":"1"}',
+            b'{"op":"held","since":1.5}',
+            b'{"op":"held","since":true}',
+            b'{"op":"held","wait":-1}',
+            b'{"op":"held","wait":61}',
+            b'{"op":"held","wait":NaN}',
+            b'{"op":"held","wait":Infinity}',
+            b'{"op":"held","wait":"5"}',
+        ):
+            s.sendall(frame(body))
+            reply = read_reply(s)
+            assert reply is not None, body
+            assert reply["error"] == "bad_request", (body, reply)
+        assert d.status()["counts"]["parked"] == 0
+    finally:
+        s.close()
+    assert_alive_and_clean(d)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_other_uid_cannot_take_the_owners_parked_requests(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """A group member parks at most --max-parked less the owner's reserve; the owner still parks."""
+    path, _ = blob
+    try:
+        group = grp.getgrnam("users")
+    except KeyError:
+        pytest.skip("no 'users' group")
+    sock = public_rundir(request, group.gr_gid) / "smstore.sock"
+    # An eighth of 16 for the owner: 2.
+    d = start_daemon(path, args=("--group", "users", "--max-parked", "16"), at=sock, loaded=1)
+    version = daemon_request({"op": "held"}, sock)["version"]
+    r, w = os.pipe()
+    go_r, go_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        try:
+            os.close(r)
+            os.close(go_w)
+            os.setgroups([group.gr_gid])
+            os.setgid(65534)
+            os.setuid(65534)
+            conns = []
+            for _ in range(20):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                s.connect(os.fspath(sock))
+                ask_held(s, since=version, wait=60)
+                conns.append(s)
+            wait_status(d, lambda st: st["counts"]["held_requests"] == 21)
+            result = str(len(select.select(conns, [], [], 0)[0]))
+        except BaseException as e:  # noqa: BLE001 - reported to the parent
+            result = f"{type(e).__name__}: {e}"
+        os.write(w, result.encode() + b"\n")
+        os.read(go_r, 1)  # keep the connections until the parent checked
+        os._exit(0)
+    os.close(w)
+    os.close(go_r)
+    try:
+        with os.fdopen(r, "rb") as f:
+            answered_at_once = f.readline().decode().strip()
+        assert answered_at_once == "6", answered_at_once  # 14 parked, the other 6 answered
+        owner = [raw(sock) for _ in range(2)]
+        for s in owner:
+            ask_held(s, since=version, wait=60)
+        status = wait_status(d, lambda st: st["counts"]["held_requests"] == 23)
+        assert status["counts"]["parked"] == 16
+        assert select.select(owner, [], [], 0)[0] == []  # both parked, in the owner's reserve
+        for s in owner:
+            s.close()
+    finally:
+        os.close(go_w)
+        os.waitpid(pid, 0)
+    assert_alive_and_clean(d)
+
+
+def wait_status(
+    d: Daemon, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20
+) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while not predicate(status := d.status()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return status

@@ -676,3 +676,46 @@ def test_malformed_holds_are_refused_and_the_daemon_serves_on(
     assert d.status()["segments"] == []
     with smstore.open_store(out, mode="auto") as store:
         assert store[len(recs) - 1] == recs[-1]
+
+
+def test_readers_preattach_the_next_window_without_polling(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A reader's thread asks 'held' once per change of the holds or of what is loaded, and
+    attaches a newly held shard when its load ends, before any read of it."""
+    out, recs = sharded(tmp_path, shards=4)
+    m = read_manifest(out)
+    starts = np.concatenate([[0], np.cumsum([s.records for s in m.shards])])
+    d = start_daemon(loaded=0)
+    rank = ShardResidency(out, mode="daemon")
+    store = smstore.open_store(out, mode="daemon")
+    try:
+        rank.hold([0, 1], wait=True)
+        wait_for(d, lambda st: len(st["segments"]) == 2 and not st["loading"])
+        assert store[0] == recs[0]  # the first read starts the thread
+        # It asked once, attached shard 1 (held, not read yet), and asks again: parked until a change.
+        status = wait_for(d, lambda st: st["counts"]["parked"] == 1)
+        assert status["counts"]["parked"] == 1
+        assert os.getpid() in d.segment(m.shards[1].checksum)["clients"]
+        asked = d.status()["counts"]["held_requests"]
+        time.sleep(0.5)  # a polling reader would ask about 5 times meanwhile
+        assert d.status()["counts"]["held_requests"] == asked
+        rank.hold([2, 3])
+        status = wait_for(
+            d,
+            lambda st: (
+                {m.shards[k].checksum for k in (2, 3)} <= checksums(st)
+                and all(os.getpid() in s["clients"] for s in st["segments"])
+                and st["counts"]["parked"] == 1
+            ),
+        )
+        assert all(os.getpid() in s["clients"] for s in status["segments"]), status["segments"]
+        # One question per change at most: the hold, each shard's load, each release.
+        assert status["counts"]["held_requests"] - asked <= 5, status["counts"]
+        # Shard 0 (read, then released by the holds) is unmapped; 2 and 3 read without a round trip.
+        assert not store.is_shard_open(0)
+        assert store[int(starts[2])] == recs[int(starts[2])]
+        assert store[int(starts[3])] == recs[int(starts[3])]
+    finally:
+        store.close()
+        rank.close()
