@@ -78,6 +78,16 @@ class Daemon:
             time.sleep(0.02)
 
 
+def wait_status(
+    d: Daemon, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20
+) -> dict[str, Any]:
+    """The daemon's status once `predicate` holds for it, or the last one after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not predicate(status := d.status()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return status
+
+
 def check_all(store: smstore.Store, recs: list[bytes]) -> None:
     assert len(store) == len(recs)
     for i, r in enumerate(recs):

@@ -35,6 +35,7 @@ from daemon_testlib import (
     raw,
     read_reply,
     read_reply_fds,
+    wait_status,
 )
 
 import smstore
@@ -243,19 +244,27 @@ def test_silent_connections_are_dropped_so_the_owner_gets_through(
     assert_alive_and_clean(d)
 
 
-@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
-def test_other_uid_limited_while_the_owner_gets_through(
-    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
-) -> None:
-    path, _ = blob
+def group_daemon(
+    blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+    request: pytest.FixtureRequest,
+    *args: str,
+) -> tuple[Daemon, grp.struct_group]:
+    """A daemon serving `blob` to the group 'users' too (skips without one), with `args`."""
     try:
         group = grp.getgrnam("users")
     except KeyError:
         pytest.skip("no 'users' group")
     sock = public_rundir(request, group.gr_gid) / "smstore.sock"
-    d = start_daemon(
-        path, args=("--group", "users", "--max-per-uid", "8", "--io-timeout", "30"), at=sock, loaded=1
-    )
+    return start_daemon(blob[0], args=("--group", "users", *args), at=sock, loaded=1), group
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_other_uid_limited_while_the_owner_gets_through(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    d, group = group_daemon(blob, start_daemon, request, "--max-per-uid", "8", "--io-timeout", "30")
+    sock = d.sock
 
     held: list[socket.socket] = []  # the child's connections, kept open until it exits
 
@@ -661,14 +670,8 @@ def test_other_uid_cannot_take_the_owners_parked_requests(
     blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
 ) -> None:
     """A group member parks at most --max-parked less the owner's reserve; the owner still parks."""
-    path, _ = blob
-    try:
-        group = grp.getgrnam("users")
-    except KeyError:
-        pytest.skip("no 'users' group")
-    sock = public_rundir(request, group.gr_gid) / "smstore.sock"
-    # An eighth of 16 for the owner: 2.
-    d = start_daemon(path, args=("--group", "users", "--max-parked", "16"), at=sock, loaded=1)
+    d, group = group_daemon(blob, start_daemon, request, "--max-parked", "16")  # an eighth, 2, the owner's
+    sock = d.sock
     version = daemon_request({"op": "held"}, sock)["version"]
     r, w = os.pipe()
     go_r, go_w = os.pipe()
@@ -712,12 +715,3 @@ def test_other_uid_cannot_take_the_owners_parked_requests(
         os.close(go_w)
         os.waitpid(pid, 0)
     assert_alive_and_clean(d)
-
-
-def wait_status(
-    d: Daemon, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20
-) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not predicate(status := d.status()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return status

@@ -529,11 +529,7 @@ def test_daemon_killed_mid_window(tmp_path: Path, start_daemon: Callable[..., Da
     assert d.status()["segments"] == []
 
 
-def wait_for(d: Daemon, predicate: Callable[[dict[str, Any]], bool], timeout: float = 20) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while not predicate(status := d.status()) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return status
+wait_for = tl.wait_status
 
 
 def checksums(status: dict[str, Any], key: str = "segments") -> set[str]:
