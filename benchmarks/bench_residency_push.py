@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_core import MiB, Report, log, machine_info, temp_dir, write_results
+from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results
 from bench_windowed import crc_collate, make_dataset, switch_and_steady
 
 import smstore
@@ -498,9 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 log(f"{name}: epoch")
                 bench_epoch(report, tmp, dataset, name, path or None, args)
         compare_variants(report, [n for n, _ in variants])
-    cmd = " ".join(
-        ["python benchmarks/bench_residency_push.py", *(argv if argv is not None else sys.argv[1:])]
-    )
+    cmd = command_line("python benchmarks/bench_residency_push.py", argv)
     report.notes.append(
         f"dataset {3 * args.budget_mib} MiB in {args.shards} shards, budget {args.budget_mib} MiB, daemon reads at "
         f"most {args.read_rate_mib} MiB/s; batch {args.batch_size}, {args.train_ms} ms of 'training' a batch, "
