@@ -22,14 +22,14 @@ CIBW = PYPROJECT["tool"]["cibuildwheel"]
 def test_the_wheel_holds_the_package_only() -> None:
     # scikit-build-core packs these folders and what CMake installs: no tests, benchmarks or sources.
     assert SKBUILD["wheel"]["packages"] == ["smstore"]
-    assert "exclude" not in SKBUILD.get("wheel", {})
+    assert "exclude" not in SKBUILD["wheel"]  # (the typing files must not be excluded either)
     assert re.search(
         r"^install\(TARGETS _core DESTINATION smstore\)$", (ROOT / "CMakeLists.txt").read_text(), re.MULTILINE
     )
 
 
 @pytest.mark.parametrize("name", ["py.typed", "_core.pyi", "__init__.py"])
-def test_typing_files_are_packed(name: str) -> None:
+def test_typing_files_are_not_ignored_so_they_are_packed(name: str) -> None:
     """scikit-build-core leaves out of the wheel what .gitignore matches (it ignores `*.so` there)."""
     path = ROOT / "smstore" / name
     assert path.is_file()
