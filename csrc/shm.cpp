@@ -33,6 +33,8 @@ namespace {
 constexpr size_t kChunk = size_t{128} << 10;
 // Chunks read but not hashed yet, at most: the ring of buffers between reading and hashing.
 constexpr size_t kSlots = 8;
+// Chunks the helper thread may fall behind before the copying thread hashes the oldest itself.
+constexpr size_t kBehind = 2;
 
 std::string human(uint64_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -130,17 +132,17 @@ void pace(std::chrono::steady_clock::time_point started, uint64_t pos, uint64_t 
 }
 
 // The chunks of a load between read() and the checksum, hashed in order by whichever thread has
-// time: a helper thread when a core is free, else the copying thread itself, when the ring is full.
-// So the checksum never waits for a spare core (the copying thread alone is read, hash, write: cp
-// plus the hash), and takes no time of the copy where a core is free. Each chunk is hashed from the
-// buffer it was written from, within a few chunks of its read(): in cache, and exactly the bytes
-// the segment got.
+// time: a helper thread when a core is free, else the copying thread itself, as soon as the helper
+// falls kBehind chunks behind. So the checksum never waits for a spare core (the copying thread
+// alone is read, hash, write: cp plus the hash), and costs the copy no time where a core is free.
+// Each chunk is hashed from the buffer it was written from, a chunk or two after its read(): in
+// cache, and exactly the bytes the segment got.
 class HashRing {
 public:
     // helper: false hashes every chunk on the copying thread, as soon as it is read.
-    HashRing(LoadDigest& digest, bool helper) : digest_(digest) {
-        for (auto& slot : slots_)
-            slot.reset(new unsigned char[kChunk]);
+    HashRing(LoadDigest& digest, bool helper) : digest_(digest), ring_(helper ? kSlots : 1) {
+        for (size_t i = 0; i < ring_; ++i)
+            slots_[i].reset(new unsigned char[kChunk]);
         if (!helper) return;
         try {
             helper_ = std::thread([this] { run(); });
@@ -153,19 +155,20 @@ public:
     // After a failure: stops the helper; chunks not hashed yet are dropped with the load.
     ~HashRing() { stop(); }
 
-    // The buffer for chunk k, once chunk k - kSlots is hashed (hashing it here if no one is).
+    // The buffer for chunk k, once the chunk that used it before is hashed (here, if no one is at it).
     unsigned char* slot(uint64_t k) {
         std::unique_lock<std::mutex> lock(mu_);
-        while (k - hashed_ >= kSlots) {
+        if (filled_ - hashed_ >= kBehind) hash_next(lock);  // the helper has no core: while it is in cache
+        while (k - hashed_ >= ring_) {
             if (!hash_next(lock)) cv_.wait(lock);
         }
-        return slots_[k % kSlots].get();
+        return slots_[k % ring_].get();
     }
 
-    // Chunk k (the one after the last) holds `size` bytes; it must not change until its slot is handed out again.
+    // Chunk k (the one after the last) holds `size` bytes; they must not change until its slot is handed out again.
     void filled(uint64_t k, size_t size) {
         std::unique_lock<std::mutex> lock(mu_);
-        sizes_[k % kSlots] = size;
+        sizes_[k % ring_] = size;
         filled_ = k + 1;
         if (!helper_.joinable()) {
             hash_next(lock);
@@ -194,7 +197,7 @@ private:
         hashing_ = true;
         uint64_t k = hashed_;
         lock.unlock();
-        digest_.update(slots_[k % kSlots].get(), sizes_[k % kSlots]);
+        digest_.update(slots_[k % ring_].get(), sizes_[k % ring_]);
         lock.lock();
         hashing_ = false;
         hashed_ = k + 1;
@@ -222,6 +225,7 @@ private:
     }
 
     LoadDigest& digest_;
+    const size_t ring_;  // slots in use: kSlots with a helper, else the one in cache
     std::unique_ptr<unsigned char[]> slots_[kSlots];
     size_t sizes_[kSlots] = {};
     std::mutex mu_;
