@@ -31,10 +31,13 @@ namespace {
 // servers and VMs) cannot give the core to a training process inside the call, and the VM allocates
 // tmpfs pages slowly (1 MiB a call held a core up to 4 ms on a 2-core VM; a rank woken there waited).
 constexpr size_t kChunk = size_t{128} << 10;
+// Chunks waiting that wake the helper thread: it hashes them in one go (a wake-up costs more than
+// hashing a chunk, and one per chunk took 15 % more CPU time than a load on one thread).
+constexpr size_t kBatch = 4;
+// Chunks waiting from which the copying thread hashes the oldest itself: the helper has no core.
+constexpr size_t kBehind = kBatch + 2;
 // Chunks read but not hashed yet, at most: the ring of buffers between reading and hashing.
-constexpr size_t kSlots = 8;
-// Chunks the helper thread may fall behind before the copying thread hashes the oldest itself.
-constexpr size_t kBehind = 2;
+constexpr size_t kSlots = kBehind + 4;
 
 std::string human(uint64_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -132,10 +135,10 @@ void pace(std::chrono::steady_clock::time_point started, uint64_t pos, uint64_t 
 }
 
 // The chunks of a load between read() and the checksum, hashed in order by whichever thread has
-// time: a helper thread when a core is free, else the copying thread itself, as soon as the helper
-// falls kBehind chunks behind. So the checksum never waits for a spare core (the copying thread
+// time: a helper thread when a core is free (woken for kBatch chunks at a time), else the copying
+// thread itself, as soon as kBehind chunks wait. So the checksum never waits for a spare core (the copying thread
 // alone is read, hash, write: cp plus the hash), and costs the copy no time where a core is free.
-// Each chunk is hashed from the buffer it was written from, a chunk or two after its read(): in
+// Each chunk is hashed from the buffer it was written from, a few chunks after its read(): in
 // cache, and exactly the bytes the segment got.
 class HashRing {
 public:
@@ -158,7 +161,7 @@ public:
     // The buffer for chunk k, once the chunk that used it before is hashed (here, if no one is at it).
     unsigned char* slot(uint64_t k) {
         std::unique_lock<std::mutex> lock(mu_);
-        if (filled_ - hashed_ >= kBehind) hash_next(lock);  // the helper has no core: while it is in cache
+        if (filled_ - hashed_ >= kBehind) hash_next(lock);  // the helper has no core: hashed while in cache
         while (k - hashed_ >= ring_) {
             if (!hash_next(lock)) cv_.wait(lock);
         }
@@ -174,6 +177,7 @@ public:
             hash_next(lock);
             return;
         }
+        if (filled_ - hashed_ != kBatch) return;  // the helper is at it, or has too little to wake for
         lock.unlock();
         cv_.notify_all();
     }
@@ -208,9 +212,10 @@ private:
     void run() {
         std::unique_lock<std::mutex> lock(mu_);
         for (;;) {
-            cv_.wait(lock, [this] { return stopping_ || (!hashing_ && hashed_ < filled_); });
+            cv_.wait(lock, [this] { return stopping_ || (!hashing_ && filled_ - hashed_ >= kBatch); });
             if (stopping_) return;
-            hash_next(lock);
+            while (hash_next(lock)) {
+            }
         }
     }
 
