@@ -397,6 +397,37 @@ def test_core_load_copies_every_byte_at_most_at_max_rate(tmp_path: Path, hash_th
         _core.shm_unlink(name)
 
 
+def test_core_load_can_copy_and_hash_on_its_own_thread_alone(tmp_path: Path) -> None:
+    # A load must not need a spare core: with hash_thread=False no thread but the caller's works
+    # on it (the old load always started a hashing thread). Sampled all through a paced load.
+    path = tmp_path / "big.smst"
+    recs = _big_blob(path, 2)
+    name = f"/smstore-test-{os.getpid()}-alone"
+    result: list[tuple[int, int, str, int]] = []
+    loader = threading.Thread(
+        target=lambda: result.append(
+            _core.shm_load(os.fspath(path), name, max_rate=8 << 20, hash_thread=False)
+        )
+    )
+    before = len(os.listdir("/proc/self/task"))
+    loader.start()
+    most = 0
+    while loader.is_alive():
+        most = max(most, len(os.listdir("/proc/self/task")))
+        time.sleep(0.01)
+    loader.join()
+    try:
+        assert most <= before + 1  # the loader thread itself, nothing more
+        fd, _, checksum, count = result[0]
+        assert count == len(recs)
+        store = _core.Store._from_fd(fd, "seg", False)
+        assert store.checksum == checksum == _core.Store(os.fspath(path)).checksum
+        store.verify()
+        os.close(fd)
+    finally:
+        _core.shm_unlink(name)
+
+
 @pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "one-thread"])
 def test_core_load_of_a_file_cut_short_meanwhile_fails_cleanly(tmp_path: Path, hash_thread: bool) -> None:
     path = tmp_path / "big.smst"
