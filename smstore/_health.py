@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import ensure_private_dir, process_alive, socket_path
+from smstore._ipc import check_socket_path, ensure_private_dir, process_alive, socket_path
 from smstore._manifest import is_manifest, read_manifest
 from smstore._pack import human_bytes
 from smstore._store import read_checksum
@@ -150,6 +150,7 @@ def wait_served(
             says which blobs are missing, or why no daemon answered.
     """
     blobs = [b for d in datasets for b in dataset_blobs(d)]
+    check_socket_path(sock)  # a path no socket can have never gets served: fail at once
     deadline = clock() + timeout
     delay = 0.02
     while True:
@@ -366,6 +367,10 @@ def _check_nofile(probes: Probes, blobs: int, max_connections: int) -> Check:
 
 
 def _check_socket_dir(sock: Path) -> Check:
+    try:
+        check_socket_path(sock)
+    except DaemonError as e:
+        return Check("socket dir", "fail", str(e), "give a shorter --socket or $SMSTORE_SOCKET")
     d = sock.parent
     try:
         st = os.lstat(d)

@@ -59,6 +59,41 @@ def listener(tmp_path: Path) -> Iterator[tuple[Path, socket_module.socket]]:
     path.unlink()
 
 
+@pytest.fixture
+def full_listener(tmp_path: Path) -> Iterator[Path]:
+    """A socket that listens with backlog 0, never accepts, and whose queue is full: a connect gets EAGAIN."""
+    path = tmp_path / "full.sock"
+    sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    sock.bind(os.fspath(path))
+    sock.listen(0)
+    fillers: list[socket_module.socket] = []
+    try:
+        for _ in range(64):
+            filler = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            try:
+                filler.connect(os.fspath(path))
+            except BlockingIOError:
+                break
+        else:
+            pytest.fail("the listen queue never filled")
+        yield path
+    finally:
+        for filler in fillers:
+            filler.close()
+        sock.close()
+        path.unlink()
+
+
+@pytest.fixture
+def too_long(tmp_path: Path) -> Path:
+    """A socket path under tmp_path longer than the 107 bytes a Unix socket takes."""
+    path = tmp_path / ("d" * 120) / "smstore.sock"
+    assert len(os.fsencode(path)) > 107
+    return path
+
+
 def run_child(target: Callable[..., None], *args: Any, method: str = "spawn") -> Any:
     ctx = multiprocessing.get_context(method)
     q = ctx.Queue()
@@ -105,6 +140,50 @@ def test_daemon_mode_without_a_daemon_raises_naming_the_socket(
     message = str(ei.value)
     assert f"cannot reach an smstore daemon on {sock}" in message
     assert "start one with 'smstore serve" in message
+
+
+@pytest.mark.parametrize("user", tl.MODE_USERS)
+def test_a_full_listen_queue_is_a_daemon_error_and_auto_falls_back(
+    data: tuple[Path, Path, list[bytes]], full_listener: Path, user: str
+) -> None:
+    blob, manifest, recs = data
+    with pytest.raises(smstore.DaemonError) as ei:
+        tl.use_in_mode(user, "daemon", os.fspath(blob), os.fspath(manifest), os.fspath(full_listener))
+    assert f"the smstore daemon on {full_listener} is busy (" in str(ei.value)
+    assert "listen queue is full" in str(ei.value)
+    got = tl.use_in_mode(user, "auto", os.fspath(blob), os.fspath(manifest), os.fspath(full_listener))
+    assert got == expected(user, recs)
+
+
+@pytest.mark.parametrize("user", tl.MODE_USERS)
+def test_a_socket_path_too_long_is_a_daemon_error_and_auto_falls_back(
+    data: tuple[Path, Path, list[bytes]], too_long: Path, user: str
+) -> None:
+    blob, manifest, recs = data
+    with pytest.raises(smstore.DaemonError) as ei:
+        tl.use_in_mode(user, "daemon", os.fspath(blob), os.fspath(manifest), os.fspath(too_long))
+    assert f"socket path {too_long} is {len(os.fsencode(too_long))} bytes, longer than the 107" in str(
+        ei.value
+    )
+    got = tl.use_in_mode(user, "auto", os.fspath(blob), os.fspath(manifest), os.fspath(too_long))
+    assert got == expected(user, recs)
+
+
+def test_connect_maps_every_os_error_to_a_daemon_error_naming_the_socket(
+    full_listener: Path, tmp_path: Path
+) -> None:
+    from smstore._ipc import connect
+
+    with pytest.raises(smstore.DaemonError, match="busy"):
+        connect(full_listener)
+    not_a_socket = tmp_path / "plain-file"  # connect() to a regular file: ECONNREFUSED
+    not_a_socket.write_bytes(b"")
+    with pytest.raises(smstore.DaemonError, match=re.escape(os.fspath(not_a_socket))):
+        connect(not_a_socket)
+    a_dir = tmp_path / "a-dir" / "x.sock"  # ENOTDIR: a path component is a file
+    (tmp_path / "a-dir").write_bytes(b"")
+    with pytest.raises(smstore.DaemonError, match=re.escape(os.fspath(a_dir)) + r" \(Not a directory\)"):
+        connect(a_dir)
 
 
 @pytest.mark.parametrize("user", tl.MODE_USERS)

@@ -19,7 +19,7 @@ from daemon_testlib import Daemon, make_records
 
 import smstore
 from smstore import _core
-from smstore._health import Check, Probes, doctor
+from smstore._health import Check, Probes, doctor, wait_served
 from smstore._ipc import process_start_time
 from smstore._manifest import read_manifest
 from smstore._store import read_checksum
@@ -368,6 +368,65 @@ def test_wait_times_out_naming_what_is_missing(
     assert m is not None, res.stderr
     assert m.group(1) == read_manifest(sharded).shard_path(1)
     assert "'smstore load'" in res.stderr
+
+
+def test_wait_and_doctor_refuse_a_socket_path_too_long_cleanly(tmp_path: Path) -> None:
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 100], blob, durable=False)
+    long = tmp_path / ("d" * 120) / "smstore.sock"
+    said = f"socket path {long} is {len(os.fsencode(long))} bytes, longer than the 107 a Unix socket allows"
+    res = cli("wait", blob, "--timeout", "30", "--socket", long)
+    assert res.returncode == 1, res.stderr
+    # At once, not after the timeout: a path no socket can have is never served.
+    assert res.stderr.startswith(f"smstore wait: error: {said}"), res.stderr
+    assert "Traceback" not in res.stderr
+    res = cli("doctor", blob, "--socket", long)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    (fail,) = lines(res.stdout, "FAIL", "socket dir")
+    assert said in fail
+    (warn,) = lines(res.stdout, "WARN", "daemon")
+    assert said in warn
+
+
+def test_wait_retries_a_busy_daemon_until_its_timeout(tmp_path: Path) -> None:
+    """A daemon whose listen queue is full is busy, not absent: wait tries again until its timeout."""
+    import socket
+
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 100], blob, durable=False)
+    path = tmp_path / "full.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(path))
+    listener.listen(0)
+    fillers: list[socket.socket] = []
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    try:
+        while True:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            try:
+                filler.connect(os.fspath(path))
+            except BlockingIOError:
+                break
+            assert len(fillers) < 64, "the listen queue never filled"
+        with pytest.raises(smstore.StoreError) as ei:
+            wait_served([os.fspath(blob)], path, 2.0, clock=lambda: now[0], sleep=sleep)
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+        path.unlink()
+    assert f"not served after 2 s: no daemon answered (the smstore daemon on {path} is busy" in str(ei.value)
+    assert len(slept) > 3
+    assert sum(slept) == pytest.approx(2.0)
 
 
 def test_wait_blocks_until_a_later_load(
