@@ -75,8 +75,35 @@ def test_bad_urls_are_refused_naming_the_url(url: str, fault: str) -> None:
         parse_url(url)
     msg = str(info.value)
     assert isinstance(info.value, StoreError)
-    assert msg.startswith(repr(url.split("?", 1)[0][:30])[:-1])  # names the URL, control characters escaped
+    shown = re.split(r"[?#]", url, maxsplit=1)[0]
+    if "@" in shown:  # userinfo is redacted
+        shown = shown.split("://", 1)[0] + "://***@" + shown.rsplit("@", 1)[1]
+    assert msg.startswith(repr(shown[:30])[:-1])  # names the URL, control characters escaped
     assert "X-Amz-Signature" not in msg  # a query (where a token would be) is never echoed
+    assert "user:pass@bucket" not in msg
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "s3://AKIAXXXX:SeCrEt@bucket/key",
+        "s3://AKIAXXXX:SeCrEt@bucket/key?x=1",
+        "https://AKIAXXXX:SeCrEt@host.example/a",
+        "gs://SeCrEt@bucket/a/../b",
+        "s3://AKIAXXXX:SeC/rEt@bucket/key",  # a secret holding '/' ends the host early
+        "s3://AKIAXXXX:SeCrEt@Bad_Bucket/key",
+        "s3://AKIAXXXX:SeCrEt@bucket/a\nb",
+        "s3://" + "A" * 190 + ":SeCrEt@bucket/key",  # the secret straddles the 200-character cut
+        "s3://AKIAXXXX:SeCrEt@bucket/" + "k" * 3000,
+    ],
+)
+def test_a_secret_in_a_url_never_appears_in_the_error(url: str) -> None:
+    with pytest.raises(RemoteURLError) as info:
+        parse_url(url)
+    for text in (str(info.value), repr(info.value), str(info.value.args)):
+        assert "SeC" not in text, text
+        assert "rEt" not in text, text
+    assert "***@" in str(info.value)
 
 
 def test_good_urls_parse() -> None:
