@@ -44,7 +44,7 @@ FEW_CONNECTIONS = 64
 NO_LIMIT = 1 << 62
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040).
-_OCTAL = re.compile(r"\\([0-7]{3})")
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
@@ -185,12 +185,15 @@ def _mount_of(path: Path, mountinfo: Path) -> tuple[str, str, str] | None:
     """(mount point, file system type, super options) of the mount holding `path`, from mountinfo."""
     target = os.path.realpath(path)
     best: tuple[str, str, str] | None = None
-    for line in mountinfo.read_text().splitlines():
+    # Bytes: a mount point is any bytes but '/' and NUL (escaped octal), decoded as os.fsdecode
+    # decodes paths, so that it compares with realpath's and a non-UTF-8 name is no error.
+    for raw in mountinfo.read_bytes().splitlines():
+        line = os.fsdecode(raw)
         left, sep, right = line.partition(" - ")
         fields, rest = left.split(), right.split()
         if not sep or len(fields) < 5 or len(rest) < 3:
             continue
-        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), os.fsencode(fields[4])))
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         # The last matching line of the longest point wins: later mounts hide earlier ones.
         if inside and (best is None or len(point) >= len(best[0])):

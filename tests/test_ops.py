@@ -19,7 +19,7 @@ from daemon_testlib import Daemon, make_records
 
 import smstore
 from smstore import _core
-from smstore._health import Check, Probes, doctor, wait_served
+from smstore._health import Check, Probes, _mount_of, doctor, wait_served
 from smstore._ipc import process_start_time
 from smstore._manifest import read_manifest
 from smstore._store import read_checksum
@@ -156,6 +156,33 @@ def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) 
     info.write_text(info.read_text() + f"40 30 0:40 / {tmp_path}/s\\040hm rw - tmpfs tmpfs rw,size=65536k\n")
     checks = doctor([], sock, probes=probes(tmp_path, shm_dir=shm, mountinfo=info))
     assert [s for s, _ in by_name(checks, "shm")] == ["ok"]
+
+
+def test_doctor_reads_a_mountinfo_with_a_non_utf8_mount_point(tmp_path: Path, sock: Path) -> None:
+    shm = tmp_path / "s hm"
+    shm.mkdir()
+    info = tmp_path / "mountinfo"
+    info.write_bytes(
+        b"22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        b"25 22 0:26 / /mnt/caf\xe9 rw,relatime - ext4 /dev/sdc1 rw\n"  # not UTF-8
+        + b"40 22 0:40 / "
+        + os.fsencode(shm).replace(b" ", b"\\040")
+        + b" rw - tmpfs tmpfs rw,size=65536k\n"
+    )
+    checks = doctor([], sock, probes=probes(tmp_path, shm_dir=shm, mountinfo=info))
+    assert [s for s, _ in by_name(checks, "shm")] == ["ok"]
+    # The non-UTF-8 point matches the path that names it, its escapes decoded as bytes.
+    odd = tmp_path / os.fsdecode(b"caf\xe9 x")
+    odd.mkdir()
+    info.write_bytes(
+        info.read_bytes() + b"41 22 0:41 / " + os.fsencode(tmp_path) + b"/caf\xe9\\040x rw - tmpfs tmpfs rw\n"
+    )
+    assert _mount_of(odd / "seg", info) == (os.fspath(odd), "tmpfs", "rw")
+    assert _mount_of(Path(os.fsdecode(b"/mnt/caf\xe9/a")), info) == (
+        os.fsdecode(b"/mnt/caf\xe9"),
+        "ext4",
+        "rw",
+    )
 
 
 def test_doctor_checks_the_socket_directory(tmp_path: Path) -> None:
