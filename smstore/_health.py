@@ -225,7 +225,9 @@ def _cgroup_memory(probes: Probes) -> tuple[int, int | None, str] | None:
             continue
         # Inside a cgroup namespace, or a container that mounts only its own cgroup at the root,
         # the path /proc names is not under the mount: the mount's root is then our cgroup.
-        parts = [p for p in rel.split("/") if p]
+        # A cgroup outside the namespace's root reads as /../outside: '.' and '..' are dropped, so
+        # no path read here leaves the mount.
+        parts = [p for p in rel.split("/") if p not in ("", ".", "..")]
         dirs = [base.joinpath(*parts[:k]) for k in range(len(parts), -1, -1)]
         for d in dirs:
             try:

@@ -140,6 +140,34 @@ def test_doctor_reads_a_cgroup_v1_limit_also_inside_a_cgroup_namespace(tmp_path:
     assert by_name(checks, "cgroup memory")[0][0] == "ok"
 
 
+def test_doctor_never_reads_a_cgroup_outside_the_root(tmp_path: Path, sock: Path) -> None:
+    """A cgroup namespace names a cgroup outside it as /../outside: no file above the root is read."""
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 10_000], blob, durable=False)
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+    (cg / "cgroup.controllers").write_text("memory\n")
+    outside = tmp_path / "outside"  # beside the root: base/../outside
+    outside.mkdir()
+    (outside / "memory.max").write_text("8192\n")
+    (outside / "memory.current").write_text("0\n")
+    proc = tmp_path / "proc-cgroup"
+    for rel in ("/../outside", "/../../outside", "/./../outside"):
+        proc.write_text(f"0::{rel}\n")
+        checks = doctor([os.fspath(blob)], sock, probes=probes(tmp_path, proc_cgroup=proc, cgroup_root=cg))
+        ((status, message),) = by_name(checks, "cgroup memory")
+        assert status == "ok", (rel, message)
+        assert os.fspath(outside) not in message
+    # Inside the root, the same limit is found (dropping '..' keeps what follows it).
+    (cg / "outside").mkdir()
+    (cg / "outside" / "memory.max").write_text("8192\n")
+    proc.write_text("0::/../outside\n")
+    checks = doctor([os.fspath(blob)], sock, probes=probes(tmp_path, proc_cgroup=proc, cgroup_root=cg))
+    ((status, message),) = by_name(checks, "cgroup memory")
+    assert status == "fail"
+    assert os.fspath(cg / "outside" / "memory.max") in message
+
+
 def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) -> None:
     shm = tmp_path / "s hm"  # mountinfo escapes the space: \040
     shm.mkdir()
