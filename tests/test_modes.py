@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import smstore_testlib as tl
 from daemon_testlib import Daemon, make_records
@@ -127,6 +128,25 @@ def test_a_bad_mode_is_the_same_value_error_from_every_user(data: tuple[Path, Pa
     for make in makers:
         with pytest.raises(ValueError, match=r"^mode must be one of 'auto', 'daemon', 'mmap', not 'bogus'$"):
             make()
+
+
+def test_a_bad_mode_is_refused_also_when_the_collator_reads_a_dataset(
+    data: tuple[Path, Path, list[bytes]],
+) -> None:
+    blob, _manifest, recs = data
+    ds = smstore.SharedStoreDataset(blob, mode="mmap")
+    with pytest.raises(ValueError, match=r"^mode must be one of 'auto', 'daemon', 'mmap', not 'bogus'$"):
+        smstore.TokenCollator(ds, mode="bogus")  # type: ignore[arg-type]
+    collate = smstore.TokenCollator(ds, layout="pack", mode="daemon")  # a good one: the dataset reads
+    assert collate([3])["tokens"].numpy().tobytes() == recs[3]
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array(["auto", "mmap"]), np.array("auto"), ["auto"], b"auto", None, 0, ("mmap",)]
+)
+def test_check_mode_refuses_a_non_str_with_our_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"^mode must be one of 'auto', 'daemon', 'mmap', not "):
+        _modes.check_mode(bad)
 
 
 @pytest.mark.parametrize("user", tl.MODE_USERS)
