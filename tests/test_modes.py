@@ -337,6 +337,27 @@ def test_dataset_and_collator_handed_to_a_child_attach_to_the_daemons_segment(
     assert where == [("DaemonStore", segment), ("DaemonStore", segment)]
 
 
+def test_a_relative_path_reads_the_same_file_in_a_child_with_another_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handle pickles its absolute path: a spawned child started in another directory, which
+    holds another file of the same name, reads the file its parent named."""
+    recs = make_records(40)
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    smstore.pack(recs, here / "d.smst", durable=False)
+    smstore.pack([b"other"] * 40, elsewhere / "d.smst", durable=False)
+    monkeypatch.chdir(here)
+    ds = smstore.SharedStoreDataset("d.smst", decode="bytes", mode="mmap")
+    collate = smstore.TokenCollator("d.smst", layout="pack", mode="mmap")
+    monkeypatch.chdir(elsewhere)  # a spawned child starts in its parent's working directory
+    records, gathered, _where = run_child(tl.read_through_handles, ds, collate)
+    assert records == recs
+    assert gathered == recs
+    assert ds.store.path == os.fspath(here / "d.smst")
+
+
 @pytest.mark.parametrize("mode", ["mmap", "auto"])
 def test_a_file_repacked_after_pickling_is_the_same_error_from_dataset_and_collator(
     tmp_path: Path, mode: str
