@@ -637,6 +637,40 @@ def test_parked_held_requests_are_bounded_and_released(
     d.proc.wait(timeout=30)
 
 
+def test_pipelined_requests_after_a_parked_held_are_answered_in_order(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    """One request at a time holds for parked ones too: a `held` that parks and a request sent in
+    the same write get their replies in order, at once, and a second `held` parks in its turn
+    (before the fix the status came first, and of two parked `held` only one was ever answered)."""
+    path, _ = blob
+    d = start_daemon(path)
+    s = raw(d.sock)  # 10 s socket timeout: a reply that does not come fails the test
+    try:
+        ask_held(s)
+        now = read_reply(s)
+        assert now is not None
+        version = now["version"]
+        held = frame(json.dumps({"op": "held", "since": version, "wait": 60}).encode())
+        s.sendall(held + STATUS)
+        assert read_reply(s) == now  # the parked held first, answered because more came
+        reply = read_reply(s)
+        assert reply is not None
+        assert reply["counts"]["held_requests"] == 2
+        assert reply["counts"]["parked"] == 0
+        s.sendall(held + held)  # the first answered when the second is read; the second parks
+        assert read_reply(s) == now
+        assert wait_status(d, lambda st: st["counts"]["held_requests"] == 4)["counts"]["parked"] == 1
+        s.sendall(STATUS)
+        assert read_reply(s) == now  # the second, answered before the status
+        reply = read_reply(s)
+        assert reply is not None
+        assert reply["counts"]["parked"] == 0
+    finally:
+        s.close()
+    assert_alive_and_clean(d)
+
+
 def test_held_arguments_are_checked(
     blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
 ) -> None:

@@ -168,6 +168,8 @@ class Server:
         """
         conn = self.conns[cid]
         lim = self.limits
+        if conn.parked or cid in self.parked:  # one parked request per connection, never replaced
+            return False
         if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.owner_reserve):
             return False
         conn.parked = True
@@ -277,12 +279,17 @@ class Server:
     def parse(self, cid: int) -> None:
         """Serve the complete requests in the input buffer, one at a time: never while a reply is pending."""
         conn = self.conns.get(cid)
-        if conn is not None and conn.parked and conn.inbuf and self.unpark(cid):
-            self.wake(cid)  # one request at a time: the parked one is answered before the next is read
-            conn = self.conns.get(cid)
-        while (
-            conn is not None and not (conn.busy or conn.out or conn.close_after_send) and len(conn.inbuf) >= 4
-        ):
+        while conn is not None and not (conn.busy or conn.out or conn.close_after_send):
+            if conn.parked:
+                # One request at a time: a parked request ends the loop until it is answered, and
+                # more input from its client answers it now, before the next request is read.
+                if not conn.inbuf or not self.unpark(cid):
+                    break
+                self.wake(cid)
+                conn = self.conns.get(cid)
+                continue
+            if len(conn.inbuf) < 4:
+                break
             n = frame_length(conn.inbuf)
             if n > self.limits.max_request:
                 msg = f"message of {n} bytes exceeds the {self.limits.max_request}-byte limit"
