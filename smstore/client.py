@@ -173,8 +173,12 @@ class DaemonSession:
 
 
 def _after_fork_in_child() -> None:
-    for store in list(_attachments):
-        store._drop_connection()
+    for holder in list(_attachments):
+        if isinstance(holder, DaemonSession):
+            # Another thread (the pre-attacher) may have held the lock at the fork: that thread does
+            # not exist here to release it, so the child's first attach would block forever.
+            holder.lock = threading.Lock()
+        holder._drop_connection()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)

@@ -11,6 +11,7 @@ import select
 import shutil
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -602,3 +603,45 @@ def test_one_checksum_format_checked_one_way(tmp_path: Path, start_daemon: Calla
         if p.name != "_protocol.py" and ("{16}" in p.read_text() or "== 16" in p.read_text())
     ]
     assert spelled == [], f"the checksum format spelled outside _protocol.CHECKSUM ({CHECKSUM}): {spelled}"
+
+
+def test_a_fork_while_another_thread_holds_a_session_lock_leaves_the_child_able_to_attach(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The pre-attaching thread holds `DaemonSession.lock` during its attaches: a process forked
+    meanwhile (a DataLoader worker) got a lock no thread of its would ever release, and its first
+    attach blocked forever (here: killed by its own alarm)."""
+    from smstore.client import DaemonSession
+
+    path = tmp_path / "b.smst"
+    smstore.pack([b"a", b"bc"], path)
+    checksum = smstore.open(path).checksum
+    d = start_daemon(path)
+    session = DaemonSession(d.sock)
+    held, done = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with session.lock:
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=hold_the_lock)
+    thread.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 3
+            try:
+                signal.alarm(20)
+                reply, fd = session.attach(checksum)
+                code = 0 if reply["ok"] and fd is not None else 4
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        thread.join()
+        session.close()
+    assert not os.WIFSIGNALED(status), "the child's attach blocked on its parent's lock"
+    assert os.WEXITSTATUS(status) == 0
