@@ -397,11 +397,14 @@ class _Preattacher:
     def __init__(
         self,
         sock: Path,
+        manifest: str,
         checksums: dict[str, int],
         is_open: Callable[[int], bool],
         release: Callable[[int], None],
     ) -> None:
         self.session = DaemonSession(sock)
+        self.manifest = os.path.abspath(manifest)  # the daemon answers with this dataset's shards only
+        self._refused: str | None = None  # the daemon's last refusal, logged once
         self.checksums = checksums  # checksum -> shard index, for this dataset
         self.is_open = is_open
         self.release = release
@@ -446,7 +449,7 @@ class _Preattacher:
         if self._conn is None:
             self._conn = connect(self.session.path)
             self._conn.settimeout(MAX_WAIT + 10.0)
-        question: dict[str, Any] = {"op": "held", "wait": self.WAIT}
+        question: dict[str, Any] = {"op": "held", "wait": self.WAIT, "manifest": self.manifest}
         if since is not None:
             question["since"] = since
         reply, fd = exchange(self._conn, question, self.session.path)
@@ -457,6 +460,17 @@ class _Preattacher:
             version = None  # a daemon that does not park questions (older): asked again after POLL
         elif version == since:
             return since
+        if not reply.get("ok"):
+            # No list this time (too many held shards for one reply, a manifest gone bad): the
+            # reads attach their shards themselves; what is ready stays ready.
+            why = str(reply.get("message", reply.get("error")))
+            if why != self._refused:
+                log.warning(
+                    "smstore: %s: cannot attach held shards ahead of the reads: %s", self.manifest, why
+                )
+                self._refused = why
+            return version
+        self._refused = None
         not_resident = set(reply.get("not_resident", ()))
         held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
         wanted = {c for _p, c in held}
@@ -525,7 +539,7 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
             store.release_shard(k)
 
     ahead = _Preattacher(
-        session.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open, release
+        session.path, manifest.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open, release
     )
 
     def opener(path: str, info: ShardInfo) -> Store:

@@ -645,3 +645,61 @@ def test_a_fork_while_another_thread_holds_a_session_lock_leaves_the_child_able_
         session.close()
     assert not os.WIFSIGNALED(status), "the child's attach blocked on its parent's lock"
     assert os.WEXITSTATUS(status) == 0
+
+
+def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_holds(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The `held` reply listed every held shard of every dataset: past 1 MiB (here 1100 shards
+    with 1 KB paths) it became a refusal, and every reader silently attached nothing ahead. A
+    reader names the dataset it follows and hears only its shards; a list that still does not fit
+    is refused with a warning on both sides, never dropped silently."""
+    from smstore.client import _Preattacher
+
+    deep = tmp_path
+    for level in range(4):
+        deep /= f"{level}" + "x" * 240  # long paths: few shards fill a reply
+    deep.mkdir(parents=True)
+    src = tmp_path / "lines.txt"
+    src.write_bytes(b"".join(b"%05d\n" % i for i in range(1100)))
+    big = deep / "big"
+    smstore.pack_files([src], big, shard_size=6, progress=False, durable=False)
+    assert len(read_manifest(big).shards) == 1100
+    small = dataset(tmp_path, "small", shards=4)
+    # Room for a few tiny shards: the rest of the big dataset's wait, not resident.
+    d = start_daemon(args=("--shm-limit", "256K"), loaded=0)
+    holders = [tl.raw(d.sock), tl.raw(d.sock)]
+    try:
+        for s, ds, n in ((holders[0], big, 1100), (holders[1], small, 4)):
+            hold = {"op": "hold", "manifest": os.path.abspath(ds), "shards": ",".join(map(str, range(n)))}
+            s.sendall(tl.frame(json.dumps(hold).encode()))
+            assert (reply := tl.read_reply(s)) is not None
+            assert reply["ok"] is True, reply
+        ours = ask(d.sock, {"op": "held", "manifest": os.path.abspath(small)})
+        assert ours is not None
+        assert ours["ok"] is True, ours
+        assert ours["shards"] == [list(shard(small, k)) for k in range(4)]
+        assert set(ours["not_resident"]) <= {shard(small, k)[1] for k in range(4)}
+        for question in ({"op": "held"}, {"op": "held", "manifest": os.path.abspath(big)}):
+            refused = ask(d.sock, question)
+            assert refused is not None
+            assert refused["ok"] is False
+            assert refused["error"] == "reply_failed"
+            assert refused["version"] == ours["version"]
+        assert "held shard(s) of " + os.path.abspath(big) in d.log.read_text()
+        # The big dataset's reader logs why it attaches nothing ahead, and keeps what it has.
+        m = read_manifest(big)
+        ahead = _Preattacher(
+            d.sock, m.path, {s.checksum: k for k, s in enumerate(m.shards)}, lambda k: False, lambda k: None
+        )
+        try:
+            with caplog.at_level("WARNING", logger="smstore"):
+                assert ahead._once(None) == ours["version"]
+            assert any("cannot attach held shards ahead" in r.getMessage() for r in caplog.records)
+            assert ahead.ready == {}
+        finally:
+            ahead.close()
+            ahead._drop_connection()  # the question's connection, the thread's to close (none here)
+    finally:
+        for s in holders:
+            s.close()

@@ -290,7 +290,7 @@ class Daemon(Server):
         self.serving.closed(cid, conn)
 
     def wake(self, cid: int) -> None:
-        self.reply(cid, self.serving.held_frame())  # the only requests parked: 'held' ones
+        self.serving.wake(cid)  # the only requests parked: 'held' ones
 
     # ---- the loop ---------------------------------------------------------------------------
 
