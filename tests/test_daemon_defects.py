@@ -703,3 +703,63 @@ def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_
     finally:
         for s in holders:
             s.close()
+
+
+def test_a_share_or_a_dropped_shared_blob_wakes_every_parked_reader(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A blob shared with the contents of a held shard makes it resident, and its drop makes it not
+    resident again: both change what readers follow, and every parked reader hears at once (before
+    the fix, only the next reader to ask saw the change)."""
+    from smstore.client import share_with_daemon
+
+    out = dataset(tmp_path, "ds", shards=2)
+    path0, ck0 = shard(out, 0)
+    d = start_daemon(loaded=0)
+    rank = tl.raw(d.sock)
+    readers = [tl.raw(d.sock) for _ in range(2)]  # 10 s socket timeouts: a missed wake fails the test
+    sharer: socket.socket | None = None
+    try:
+        hold = {"op": "hold", "manifest": os.path.abspath(out), "shards": "0"}
+        rank.sendall(tl.frame(json.dumps(hold).encode()))
+        assert (reply := tl.read_reply(rank)) is not None
+        assert reply["ok"] is True, reply
+        wait_for(d, lambda st: len(st["segments"]) == 1 and not st["loading"])
+        tl.cli("unload", path0, sock=d.sock)  # held, not loaded again: not resident
+
+        def park_all() -> int:
+            before = ask(d.sock, {"op": "held"})
+            assert before is not None
+            assert before["not_resident"] == ([] if sharer is not None else [ck0])
+            parked = d.status()["counts"]["parked"]
+            for s in readers:
+                s.sendall(
+                    tl.frame(json.dumps({"op": "held", "since": before["version"], "wait": 60}).encode())
+                )
+            wait_for(d, lambda st: st["counts"]["parked"] == parked + len(readers))
+            return int(before["version"])
+
+        version = park_all()
+        mfd = os.memfd_create("held", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.write(mfd, Path(path0).read_bytes())
+            fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+            sharer = share_with_daemon(mfd, "test:" + "cd" * 16, d.sock)[1]
+        finally:
+            os.close(mfd)
+        for s in readers:
+            assert (woken := tl.read_reply(s)) is not None
+            assert woken["version"] > version
+            assert woken["not_resident"] == []
+        version = park_all()
+        sharer.close()  # the shared blob is dropped: the held shard is not resident again
+        sharer = None
+        for s in readers:
+            assert (woken := tl.read_reply(s)) is not None
+            assert woken["version"] > version
+            assert woken["not_resident"] == [ck0]
+    finally:
+        for s in (rank, *readers):
+            s.close()
+        if sharer is not None:
+            sharer.close()

@@ -84,7 +84,8 @@ class Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     in_since: float = 0.0  # when the request now in inbuf began
     # Replies not yet sent: the bytes left and the fds (duplicates owned by this queue) to send with them.
-    out: deque[tuple[bytes, list[int]]] = field(default_factory=deque)
+    # A partly sent reply is a view of its frame: one frame shared by many connections is never copied.
+    out: deque[tuple[bytes | memoryview, list[int]]] = field(default_factory=deque)
     out_since: float = 0.0  # when the oldest unsent reply was queued
     served: bool = False  # completed at least one request
     close_after_send: bool = False
@@ -371,7 +372,7 @@ class Server:
             for fd in fds:  # on their way: the kernel holds them now
                 os.close(fd)
             if sent < len(data):
-                conn.out[0] = (data[sent:], [])  # a reply must be read whole within the timeout
+                conn.out[0] = (memoryview(data)[sent:], [])  # a reply must be read whole within the timeout
                 break
             conn.out.popleft()
             conn.out_since = time.monotonic()
