@@ -489,6 +489,7 @@ def test_gc_from_another_pid_namespace_spares_a_live_daemon(
         ((), {"SMSTORE_IO_TIMEOUT": "5s"}, "$SMSTORE_IO_TIMEOUT: '5s' is not a number of seconds"),
         ((), {"SMSTORE_SHM_LIMIT": "-1"}, "$SMSTORE_SHM_LIMIT: '-1' is not a size"),
         (("--max-connections", "1"), {}, "invalid connection limits"),
+        (("--max-parked", "-1"), {}, "invalid limits on parked requests"),
     ],
 )
 def test_bad_settings_are_clear_errors(
@@ -668,6 +669,59 @@ def test_pipelined_requests_after_a_parked_held_are_answered_in_order(
         assert reply["counts"]["parked"] == 0
     finally:
         s.close()
+    assert_alive_and_clean(d)
+
+
+def test_max_parked_zero_parks_nothing(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    """`--max-parked 0` means no parking (readers poll), not the default of 1024."""
+    path, _ = blob
+    d = start_daemon(path, args=("--max-parked", "0"))
+    s = raw(d.sock)  # 10 s socket timeout: a parked request fails the test
+    try:
+        ask_held(s)
+        now = read_reply(s)
+        assert now is not None
+        ask_held(s, since=now["version"], wait=60)
+        assert read_reply(s) == now
+        assert d.status()["counts"]["parked"] == 0
+    finally:
+        s.close()
+    assert_alive_and_clean(d)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_max_parked_leaves_the_owners_connection_reserve_alone(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """The owner's reserve of connections is an eighth of --max-connections whatever --max-parked
+    says (--max-parked 16 cut it to 2: other users got 62 of 64 connections instead of 56)."""
+    d, group = group_daemon(
+        blob, start_daemon, request, "--max-connections", "64", "--max-parked", "16", "--max-per-uid", "100"
+    )
+    sock = d.sock
+
+    def member() -> str:
+        conns = []
+        try:
+            for _ in range(64):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                s.connect(os.fspath(sock))
+                conns.append(s)
+                with contextlib.suppress(BrokenPipeError):  # refused at once: the refusal is still readable
+                    s.sendall(STATUS)
+                reply = read_reply(s)
+                if not (reply and reply["ok"]):
+                    return f"{len(conns) - 1} served, then: {(reply or {}).get('message', 'closed')}"
+            return "all served"
+        finally:
+            for s in conns:
+                s.close()
+
+    outcome = as_user(member, [group.gr_gid])
+    assert outcome == "56 served, then: too many connections (56 for other users)", outcome
     assert_alive_and_clean(d)
 
 

@@ -7,7 +7,7 @@ first byte, a reply must be read within ``io_timeout``, a new connection must co
 within ``io_timeout``, each uid other than the owner's has at most ``max_per_uid`` connections,
 and ``owner_reserve`` of ``max_connections`` are kept for the owner. A request may be parked (answered
 later, on a change: a reader's ``held`` waiting for what the ranks hold to change): at most
-``max_parked`` at a time, ``owner_reserve`` of them for the owner, each until a deadline of at most
+``max_parked`` at a time (0: none, readers poll), ``parked_reserve`` of them for the owner, each until a deadline of at most
 ``MAX_WAIT`` seconds, and answered at once if its client sends more or closes. A file descriptor sent in a
 reply is a duplicate made when the reply was queued, so it is the one requested however long the
 reply waits, and whatever happens to the original meanwhile.
@@ -58,10 +58,19 @@ class Limits:
     max_request: int = 64 << 10
     io_timeout: float = 5.0
     max_parked: int = 1024
+    parked_reserve: int = 64  # of max_parked, for the owner (apart from owner_reserve)
 
     def __post_init__(self) -> None:
-        if not 0 < self.owner_reserve < min(self.max_connections, self.max_parked) or self.max_per_uid < 1:
-            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections, max_parked and max_per_uid >= 1"
+        if not 0 < self.owner_reserve < self.max_connections or self.max_per_uid < 1:
+            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections and max_per_uid >= 1"
+            raise ValueError(msg)
+        if self.max_parked < 0 or not (
+            0 <= self.parked_reserve < self.max_parked or self.parked_reserve == self.max_parked == 0
+        ):
+            msg = (
+                f"invalid limits on parked requests {self}: need max_parked >= 0 (0: none parked) and "
+                "0 <= parked_reserve < max_parked"
+            )
             raise ValueError(msg)
         if not 16 <= self.max_request <= 1 << 20:
             msg = f"max_request must be between 16 bytes and 1 MiB, not {self.max_request}"
@@ -171,7 +180,7 @@ class Server:
         lim = self.limits
         if conn.parked or cid in self.parked:  # one parked request per connection, never replaced
             return False
-        if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.owner_reserve):
+        if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.parked_reserve):
             return False
         conn.parked = True
         self.parked[cid] = time.monotonic() + seconds
