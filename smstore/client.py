@@ -112,7 +112,10 @@ class DaemonSession:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.conn: socket.socket | None = None
-        self.lock = threading.Lock()  # one exchange (or detach) at a time on the connection
+        # One exchange (or detach) at a time on the connection. Reentrant: a finalizer that closes
+        # the session may run in the thread in the middle of an exchange.
+        self.lock = threading.RLock()
+        self.finished = False  # closed for good (`finish`): never connects again
         keep_attached(self)
 
     def attach(self, checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
@@ -128,6 +131,8 @@ class DaemonSession:
         if path is not None:
             message["path"] = os.path.abspath(path)
         with self.lock:
+            if self.finished:
+                raise DaemonError(f"smstore: the daemon session on {self.path} is closed")
             return self._attach(message)
 
     def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -153,6 +158,8 @@ class DaemonSession:
     def detach(self, checksum: str) -> None:
         """Tell the daemon this process unmapped the segment holding `checksum` (best effort)."""
         with self.lock:
+            if self.finished:
+                return  # its connection closed: the daemon forgot what it attached
             try:  # no reply to wait for: releasing a shard costs one send
                 if self.conn is None:  # the daemon takes any connection of this process
                     self.conn = connect(self.path)
@@ -161,12 +168,25 @@ class DaemonSession:
                 self._drop_connection()  # no daemon: it holds nothing for us any more
 
     def close(self) -> None:
+        """Close the connection (the next attach opens another)."""
         self._drop_connection()
 
+    def finish(self) -> None:
+        """Close the connection for good: later attaches fail and detaches do nothing."""
+        with self.lock:
+            self.finished = True
+            self._drop_connection()
+
     def _drop_connection(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+    def _after_fork_in_child(self) -> None:
+        # Another thread (the pre-attacher) may have held the lock at the fork: that thread does
+        # not exist here to release it, so the child's first attach would block forever.
+        self.lock = threading.RLock()
+        self._drop_connection()
 
     def __del__(self) -> None:
         self._drop_connection()
@@ -174,11 +194,11 @@ class DaemonSession:
 
 def _after_fork_in_child() -> None:
     for holder in list(_attachments):
-        if isinstance(holder, DaemonSession):
-            # Another thread (the pre-attacher) may have held the lock at the fork: that thread does
-            # not exist here to release it, so the child's first attach would block forever.
-            holder.lock = threading.Lock()
-        holder._drop_connection()
+        after_fork = getattr(holder, "_after_fork_in_child", None)
+        if after_fork is not None:
+            after_fork()
+        else:
+            holder._drop_connection()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -411,6 +431,10 @@ class _Preattacher:
         self.ready: dict[str, DaemonStore] = {}
         self._pid = -1
         self._stop = threading.Event()
+        # Orders the thread's attaches and additions to `ready` with close(): once close() set
+        # `_stop` and took the lock, the thread neither attaches nor keeps a store. Reentrant: the
+        # dataset's finalizer (close) may run in the thread itself.
+        self._lock = threading.RLock()
         self._conn: socket.socket | None = None  # the thread's, for its questions
         keep_attached(self)
 
@@ -443,6 +467,8 @@ class _Preattacher:
             if version is None or version == seen:
                 self._stop.wait(self.POLL)
             seen = version
+        if pid == os.getpid():
+            self._drop_connection()  # the thread's own: closed when it ends
 
     def _once(self, since: int | None) -> int | None:
         """Handle the held shards, once they changed since version `since`; the version handled."""
@@ -491,7 +517,11 @@ class _Preattacher:
                 or self._stop.is_set()
             ):
                 continue
-            reply, fd = self.session.attach(checksum)  # resident ones only: this connection never waits
+            with self._lock:
+                if self._stop.is_set():  # closed meanwhile: the session must not connect again
+                    break
+                # Resident ones only: this connection never waits.
+                reply, fd = self.session.attach(checksum)
             if fd is None:
                 continue  # unloaded meanwhile: the next change says so
             try:
@@ -501,7 +531,13 @@ class _Preattacher:
             if store.checksum != checksum:
                 store.close()
                 continue
-            self.ready[checksum] = store
+            with self._lock:
+                stopped = self._stop.is_set()
+                if not stopped:
+                    self.ready[checksum] = store
+            if stopped:  # close() emptied `ready` already: this one would stay mapped
+                store.close()
+                break
         return version
 
     def _drop_connection(self) -> None:
@@ -509,12 +545,17 @@ class _Preattacher:
         if conn is not None:
             conn.close()
 
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.RLock()  # the parent's thread may have held it at the fork
+        self._drop_connection()
+
     def close(self) -> None:
         self._stop.set()
-        for store in list(self.ready.values()):
+        with self._lock:
+            ready, self.ready = list(self.ready.values()), {}
+        for store in ready:
             store.close()
-        self.ready.clear()
-        self.session.close()
+        self.session.finish()
         # Wakes the thread if it waits for an answer (shutdown: close() alone does not end a recv).
         with contextlib.suppress(OSError, AttributeError):
             self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]

@@ -763,3 +763,50 @@ def test_a_share_or_a_dropped_shared_blob_wakes_every_parked_reader(
             s.close()
         if sharer is not None:
             sharer.close()
+
+
+def test_a_preattacher_closed_mid_pass_keeps_no_store(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """close() while the pre-attaching thread is between its attach and keeping the store (here:
+    the attach itself ends by closing it, as the dataset's finalizer may at that moment): before
+    the fix the thread kept the store in `ready` after close() had emptied it (mapped until the
+    process ended); now it closes it, and the session, closed for good, never connects again."""
+    from smstore.client import DaemonSession, _Preattacher
+
+    out = dataset(tmp_path, "ds", shards=2)
+    d = start_daemon(loaded=0)
+    rank = tl.raw(d.sock)
+    m = read_manifest(out)
+    ahead = _Preattacher(
+        d.sock, m.path, {s.checksum: k for k, s in enumerate(m.shards)}, lambda k: False, lambda k: None
+    )
+    attaches: list[str] = []
+
+    def attach_then_close(checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
+        reply = DaemonSession.attach(ahead.session, checksum, path)
+        attaches.append(checksum)
+        ahead.close()
+        return reply
+
+    ahead.session.attach = attach_then_close  # type: ignore[method-assign]
+    try:
+        hold = {"op": "hold", "manifest": os.path.abspath(out), "shards": "0,1"}
+        rank.sendall(tl.frame(json.dumps(hold).encode()))
+        assert (reply := tl.read_reply(rank)) is not None
+        assert reply["ok"] is True, reply
+        wait_for(d, lambda st: len(st["segments"]) == 2 and not st["loading"])
+        ahead._once(None)
+        assert len(attaches) == 1  # the pass ended with the close
+        assert ahead.ready == {}
+        assert ahead.session.conn is None
+        with pytest.raises(DaemonError, match="closed"):
+            DaemonSession.attach(ahead.session, m.shards[1].checksum)
+        st = wait_for(d, lambda st: all(seg["clients"] == [] for seg in st["segments"]))
+        assert all(seg["clients"] == [] for seg in st["segments"])
+    finally:
+        for store in ahead.ready.values():
+            store.close()
+        ahead._drop_connection()
+        ahead.session.close()
+        rank.close()
