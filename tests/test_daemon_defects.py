@@ -675,6 +675,8 @@ def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_
             s.sendall(tl.frame(json.dumps(hold).encode()))
             assert (reply := tl.read_reply(s)) is not None
             assert reply["ok"] is True, reply
+        # Loads finished: what is held, and resident, stays as it is (one version) from here on.
+        wait_for(d, lambda st: len(st["segments"]) > 0 and not st["loading"])
         ours = ask(d.sock, {"op": "held", "manifest": os.path.abspath(small)})
         assert ours is not None
         assert ours["ok"] is True, ours
