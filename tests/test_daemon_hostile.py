@@ -40,6 +40,7 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
+from smstore._manifest import read_manifest
 from smstore.client import daemon_request, open_store
 from smstore.daemon.segments import list_segments
 from smstore.daemon.state import state_path
@@ -802,4 +803,59 @@ def test_other_uid_cannot_take_the_owners_parked_requests(
     finally:
         os.close(go_w)
         os.waitpid(pid, 0)
+    assert_alive_and_clean(d)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_another_users_reader_names_only_held_manifests(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """A reader names the dataset it follows in `held`; the daemon reads that manifest for the owner
+    only: another user naming a file no hold named (a secret the daemon may read, a FIFO) hears an
+    empty list, and the manifest the ranks hold is answered as for the owner."""
+    src = tmp_path / "lines.txt"
+    src.write_bytes(b"".join(b"%03d\n" % i for i in range(40)))
+    out = tmp_path / "ds"
+    smstore.pack_files([src], out, shard_size=40, progress=False, durable=False)
+    os.chmod(tmp_path, 0o755)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "a manifest"}')
+    secret.chmod(0o600)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x"], blob)
+    d, group = group_daemon((blob, []), start_daemon, request)
+    manifest = read_manifest(out)
+    rank = raw(d.sock)
+    try:
+        hold = {"op": "hold", "manifest": os.path.abspath(manifest.path), "shards": "1,0"}
+        rank.sendall(frame(json.dumps(hold).encode()))
+        assert (reply := read_reply(rank)) is not None
+        assert reply["ok"] is True, reply
+        sock = d.sock
+
+        def member() -> str:
+            answers = []
+            for m in (os.fspath(secret), os.fspath(fifo), os.path.abspath(manifest.path)):
+                s = raw(sock)
+                try:
+                    ask_held(s, manifest=m)
+                    answers.append(read_reply(s))
+                finally:
+                    s.close()
+            return json.dumps(answers)
+
+        secret_reply, fifo_reply, held_reply = json.loads(as_user(member, [group.gr_gid]))
+        for empty in (secret_reply, fifo_reply):
+            assert empty["ok"] is True, empty
+            assert empty["shards"] == []
+            assert empty["not_resident"] == []
+        assert held_reply["ok"] is True, held_reply
+        assert [c for _p, c in held_reply["shards"]] == [
+            manifest.shards[1].checksum,
+            manifest.shards[0].checksum,
+        ]
+    finally:
+        rank.close()
     assert_alive_and_clean(d)

@@ -306,6 +306,10 @@ class Planner:
         del self.hold_failed[path]  # the file changed (or another checksum is held): try again
         return None
 
+    def knows(self, manifest_path: str) -> bool:
+        """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
+        return manifest_path in self.manifests
+
     def checksums(self, manifest_path: str) -> frozenset[str]:
         """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
 

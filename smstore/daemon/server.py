@@ -262,7 +262,7 @@ class Daemon(Server):
             # What the ranks hold, so that readers attach it before they read it: with "since" and
             # "wait", parked until it changes.
             self.served_held += 1
-            self.serving.held(cid, *held_arg(req))
+            self.serving.held(cid, conn, *held_arg(req))
         elif op == "detach":
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":

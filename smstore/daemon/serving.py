@@ -36,6 +36,9 @@ log = logging.getLogger("smstore.daemon")
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
 
+# What `held` follows for another user's reader naming a manifest no hold named (never a path).
+_NOTHING = ""
+
 
 class Serving:
     """What the daemon does with its segments for its clients; the replies go out through `server`.
@@ -261,14 +264,19 @@ class Serving:
 
     # ---- what readers follow: the held shards, sent at once or at their next change -------------
 
-    def held(self, cid: int, since: int | None, wait: float, manifest: str | None = None) -> None:
+    def held(self, cid: int, conn: Conn, since: int | None, wait: float, manifest: str | None = None) -> None:
         """Reply with the held shards (of the dataset of `manifest` only, if given): at once if they
         changed since version `since`, else at their next change, or after `wait` seconds (parked,
         within the server's limits; at once if none).
 
+        Another user's reader may name only a manifest a hold named (the daemon reads no other file
+        for it): any other has no shard held through it, and it hears an empty list.
+
         Raises:
             StoreError: `manifest` is missing or bad (the reader hears so at once).
         """
+        if manifest is not None and not conn.owner and not self.planner.knows(manifest):
+            manifest = _NOTHING
         frame = self.held_frame(manifest)
         if since == self.held_version and wait and self.server.park(cid, wait):
             self.following[cid] = manifest
@@ -317,7 +325,7 @@ class Serving:
         assert self._held_seen is not None  # computed by _held_update, which runs first
         shards, not_resident = self._held_seen
         if manifest is not None:
-            ours = self.planner.checksums(manifest)
+            ours = frozenset() if manifest == _NOTHING else self.planner.checksums(manifest)
             shards = [s for s in shards if s[1] in ours]
             not_resident = [c for c in not_resident if c in ours]
         reply = {"ok": True, "shards": shards, "not_resident": not_resident, "version": self.held_version}
