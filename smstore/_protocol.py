@@ -254,11 +254,13 @@ def hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
     return manifest, shards
 
 
-def held_arg(req: dict[str, Any]) -> tuple[int | None, float]:
-    """A 'held' request: the version its client saw last (None: none yet), and how long it may wait for a change."""
+def held_arg(req: dict[str, Any]) -> tuple[int | None, float, str | None]:
+    """A 'held' request: the version its client saw last (None: none yet), how long it may wait for a
+    change, and the manifest of the one dataset it follows (None: every held shard)."""
     since, wait = req.get("since"), req.get("wait", 0)
+    manifest = req.get("manifest")
     if since is not None and (type(since) is not int or since < 0):
         raise ProtocolError(BAD_REQUEST, "'since' must be an integer >= 0 (a 'version' the daemon sent)")
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_WAIT:  # NaN fails the range check too
         raise ProtocolError(BAD_REQUEST, f"'wait' must be a number of seconds from 0 to {MAX_WAIT:g}")
-    return since, float(wait)
+    return since, float(wait), None if manifest is None else path_value(manifest)

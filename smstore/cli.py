@@ -439,16 +439,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
     shm_limit_from = "--shm-limit" if args.shm_limit is not None else "$SMSTORE_SHM_LIMIT"
     timeout = args.io_timeout if args.io_timeout is not None else _from_env("SMSTORE_IO_TIMEOUT", _seconds)
     defaults = Limits()
+    max_connections = args.max_connections or defaults.max_connections
+    # --max-parked 0 parks nothing: readers ask again every 100 ms.
+    max_parked = args.max_parked if args.max_parked is not None else defaults.max_parked
     try:
         limits = Limits(
-            max_connections=args.max_connections or defaults.max_connections,
+            max_connections=max_connections,
             max_per_uid=args.max_per_uid or defaults.max_per_uid,
-            owner_reserve=min(
-                defaults.owner_reserve,
-                max(1, min(args.max_connections or 4096, args.max_parked or defaults.max_parked) // 8),
-            ),
+            # Each reserve an eighth of its own limit (at most 64): a small --max-parked leaves the
+            # owner's connections alone.
+            owner_reserve=min(defaults.owner_reserve, max(1, max_connections // 8)),
             io_timeout=timeout or defaults.io_timeout,
-            max_parked=args.max_parked or defaults.max_parked,
+            max_parked=max_parked,
+            parked_reserve=min(defaults.parked_reserve, max(0, max_parked) // 8),
         )
     except ValueError as e:
         print(f"smstore serve: {e}", file=sys.stderr)
@@ -709,7 +712,7 @@ def _add_daemon_commands(sub: Any) -> None:
         type=int,
         metavar="N",
         help="readers' 'held' requests waiting for a change at a time (default 1024, an eighth of them "
-        "up to 64 kept for the owner; beyond it a reader asks again every 100 ms)",
+        "up to 64 kept for the owner; beyond it a reader asks again every 100 ms; 0: none parked)",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)

@@ -112,7 +112,10 @@ class DaemonSession:
     def __init__(self, path: Path) -> None:
         self.path = path
         self.conn: socket.socket | None = None
-        self.lock = threading.Lock()  # one exchange (or detach) at a time on the connection
+        # One exchange (or detach) at a time on the connection. Reentrant: a finalizer that closes
+        # the session may run in the thread in the middle of an exchange.
+        self.lock = threading.RLock()
+        self.finished = False  # closed for good (`finish`): never connects again
         keep_attached(self)
 
     def attach(self, checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
@@ -128,6 +131,8 @@ class DaemonSession:
         if path is not None:
             message["path"] = os.path.abspath(path)
         with self.lock:
+            if self.finished:
+                raise DaemonError(f"smstore: the daemon session on {self.path} is closed")
             return self._attach(message)
 
     def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
@@ -153,6 +158,8 @@ class DaemonSession:
     def detach(self, checksum: str) -> None:
         """Tell the daemon this process unmapped the segment holding `checksum` (best effort)."""
         with self.lock:
+            if self.finished:
+                return  # its connection closed: the daemon forgot what it attached
             try:  # no reply to wait for: releasing a shard costs one send
                 if self.conn is None:  # the daemon takes any connection of this process
                     self.conn = connect(self.path)
@@ -161,20 +168,37 @@ class DaemonSession:
                 self._drop_connection()  # no daemon: it holds nothing for us any more
 
     def close(self) -> None:
+        """Close the connection (the next attach opens another)."""
         self._drop_connection()
 
+    def finish(self) -> None:
+        """Close the connection for good: later attaches fail and detaches do nothing."""
+        with self.lock:
+            self.finished = True
+            self._drop_connection()
+
     def _drop_connection(self) -> None:
-        if self.conn is not None:
-            self.conn.close()
-            self.conn = None
+        conn, self.conn = self.conn, None
+        if conn is not None:
+            conn.close()
+
+    def _after_fork_in_child(self) -> None:
+        # Another thread (the pre-attacher) may have held the lock at the fork: that thread does
+        # not exist here to release it, so the child's first attach would block forever.
+        self.lock = threading.RLock()
+        self._drop_connection()
 
     def __del__(self) -> None:
         self._drop_connection()
 
 
 def _after_fork_in_child() -> None:
-    for store in list(_attachments):
-        store._drop_connection()
+    for holder in list(_attachments):
+        after_fork = getattr(holder, "_after_fork_in_child", None)
+        if after_fork is not None:
+            after_fork()
+        else:
+            holder._drop_connection()
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
@@ -396,17 +420,24 @@ class _Preattacher:
     def __init__(
         self,
         sock: Path,
+        manifest: str,
         checksums: dict[str, int],
         is_open: Callable[[int], bool],
         release: Callable[[int], None],
     ) -> None:
         self.session = DaemonSession(sock)
+        self.manifest = os.path.abspath(manifest)  # the daemon answers with this dataset's shards only
+        self._refused: str | None = None  # the daemon's last refusal, logged once
         self.checksums = checksums  # checksum -> shard index, for this dataset
         self.is_open = is_open
         self.release = release
         self.ready: dict[str, DaemonStore] = {}
         self._pid = -1
         self._stop = threading.Event()
+        # Orders the thread's attaches and additions to `ready` with close(): once close() set
+        # `_stop` and took the lock, the thread neither attaches nor keeps a store. Reentrant: the
+        # dataset's finalizer (close) may run in the thread itself.
+        self._lock = threading.RLock()
         self._conn: socket.socket | None = None  # the thread's, for its questions
         keep_attached(self)
 
@@ -439,13 +470,15 @@ class _Preattacher:
             if version is None or version == seen:
                 self._stop.wait(self.POLL)
             seen = version
+        if pid == os.getpid():
+            self._drop_connection()  # the thread's own: closed when it ends
 
     def _once(self, since: int | None) -> int | None:
         """Handle the held shards, once they changed since version `since`; the version handled."""
         if self._conn is None:
             self._conn = connect(self.session.path)
             self._conn.settimeout(MAX_WAIT + 10.0)
-        question: dict[str, Any] = {"op": "held", "wait": self.WAIT}
+        question: dict[str, Any] = {"op": "held", "wait": self.WAIT, "manifest": self.manifest}
         if since is not None:
             question["since"] = since
         reply, fd = exchange(self._conn, question, self.session.path)
@@ -456,6 +489,17 @@ class _Preattacher:
             version = None  # a daemon that does not park questions (older): asked again after POLL
         elif version == since:
             return since
+        if not reply.get("ok"):
+            # No list this time (too many held shards for one reply, a manifest gone bad): the
+            # reads attach their shards themselves; what is ready stays ready.
+            why = str(reply.get("message", reply.get("error")))
+            if why != self._refused:
+                log.warning(
+                    "smstore: %s: cannot attach held shards ahead of the reads: %s", self.manifest, why
+                )
+                self._refused = why
+            return version
+        self._refused = None
         not_resident = set(reply.get("not_resident", ()))
         held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
         wanted = {c for _p, c in held}
@@ -476,7 +520,11 @@ class _Preattacher:
                 or self._stop.is_set()
             ):
                 continue
-            reply, fd = self.session.attach(checksum)  # resident ones only: this connection never waits
+            with self._lock:
+                if self._stop.is_set():  # closed meanwhile: the session must not connect again
+                    break
+                # Resident ones only: this connection never waits.
+                reply, fd = self.session.attach(checksum)
             if fd is None:
                 continue  # unloaded meanwhile: the next change says so
             try:
@@ -486,7 +534,13 @@ class _Preattacher:
             if store.checksum != checksum:
                 store.close()
                 continue
-            self.ready[checksum] = store
+            with self._lock:
+                stopped = self._stop.is_set()
+                if not stopped:
+                    self.ready[checksum] = store
+            if stopped:  # close() emptied `ready` already: this one would stay mapped
+                store.close()
+                break
         return version
 
     def _drop_connection(self) -> None:
@@ -494,12 +548,17 @@ class _Preattacher:
         if conn is not None:
             conn.close()
 
+    def _after_fork_in_child(self) -> None:
+        self._lock = threading.RLock()  # the parent's thread may have held it at the fork
+        self._drop_connection()
+
     def close(self) -> None:
         self._stop.set()
-        for store in list(self.ready.values()):
+        with self._lock:
+            ready, self.ready = list(self.ready.values()), {}
+        for store in ready:
             store.close()
-        self.ready.clear()
-        self.session.close()
+        self.session.finish()
         # Wakes the thread if it waits for an answer (shutdown: close() alone does not end a recv).
         with contextlib.suppress(OSError, AttributeError):
             self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
@@ -524,7 +583,7 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
             store.release_shard(k)
 
     ahead = _Preattacher(
-        session.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open, release
+        session.path, manifest.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open, release
     )
 
     def opener(path: str, info: ShardInfo) -> Store:

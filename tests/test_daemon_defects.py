@@ -11,6 +11,7 @@ import select
 import shutil
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -602,3 +603,212 @@ def test_one_checksum_format_checked_one_way(tmp_path: Path, start_daemon: Calla
         if p.name != "_protocol.py" and ("{16}" in p.read_text() or "== 16" in p.read_text())
     ]
     assert spelled == [], f"the checksum format spelled outside _protocol.CHECKSUM ({CHECKSUM}): {spelled}"
+
+
+def test_a_fork_while_another_thread_holds_a_session_lock_leaves_the_child_able_to_attach(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The pre-attaching thread holds `DaemonSession.lock` during its attaches: a process forked
+    meanwhile (a DataLoader worker) got a lock no thread of its would ever release, and its first
+    attach blocked forever (here: killed by its own alarm)."""
+    from smstore.client import DaemonSession
+
+    path = tmp_path / "b.smst"
+    smstore.pack([b"a", b"bc"], path)
+    checksum = smstore.open(path).checksum
+    d = start_daemon(path)
+    session = DaemonSession(d.sock)
+    held, done = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with session.lock:
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=hold_the_lock)
+    thread.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 3
+            try:
+                signal.alarm(20)
+                reply, fd = session.attach(checksum)
+                code = 0 if reply["ok"] and fd is not None else 4
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        thread.join()
+        session.close()
+    assert not os.WIFSIGNALED(status), "the child's attach blocked on its parent's lock"
+    assert os.WEXITSTATUS(status) == 0
+
+
+def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_holds(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The `held` reply listed every held shard of every dataset: past 1 MiB (here 1100 shards
+    with 1 KB paths) it became a refusal, and every reader silently attached nothing ahead. A
+    reader names the dataset it follows and hears only its shards; a list that still does not fit
+    is refused with a warning on both sides, never dropped silently."""
+    from smstore.client import _Preattacher
+
+    deep = tmp_path
+    for level in range(4):
+        deep /= f"{level}" + "x" * 240  # long paths: few shards fill a reply
+    deep.mkdir(parents=True)
+    src = tmp_path / "lines.txt"
+    src.write_bytes(b"".join(b"%05d\n" % i for i in range(1100)))
+    big = deep / "big"
+    smstore.pack_files([src], big, shard_size=6, progress=False, durable=False)
+    assert len(read_manifest(big).shards) == 1100
+    small = dataset(tmp_path, "small", shards=4)
+    # Room for a few tiny shards: the rest of the big dataset's wait, not resident.
+    d = start_daemon(args=("--shm-limit", "256K"), loaded=0)
+    holders = [tl.raw(d.sock), tl.raw(d.sock)]
+    try:
+        for s, ds, n in ((holders[0], big, 1100), (holders[1], small, 4)):
+            hold = {"op": "hold", "manifest": os.path.abspath(ds), "shards": ",".join(map(str, range(n)))}
+            s.sendall(tl.frame(json.dumps(hold).encode()))
+            assert (reply := tl.read_reply(s)) is not None
+            assert reply["ok"] is True, reply
+        # Loads finished: what is held, and resident, stays as it is (one version) from here on.
+        wait_for(d, lambda st: len(st["segments"]) > 0 and not st["loading"])
+        ours = ask(d.sock, {"op": "held", "manifest": os.path.abspath(small)})
+        assert ours is not None
+        assert ours["ok"] is True, ours
+        assert ours["shards"] == [list(shard(small, k)) for k in range(4)]
+        assert set(ours["not_resident"]) <= {shard(small, k)[1] for k in range(4)}
+        for question in ({"op": "held"}, {"op": "held", "manifest": os.path.abspath(big)}):
+            refused = ask(d.sock, question)
+            assert refused is not None
+            assert refused["ok"] is False
+            assert refused["error"] == "reply_failed"
+            assert refused["version"] == ours["version"]
+        assert "held shard(s) of " + os.path.abspath(big) in d.log.read_text()
+        # The big dataset's reader logs why it attaches nothing ahead, and keeps what it has.
+        m = read_manifest(big)
+        ahead = _Preattacher(
+            d.sock, m.path, {s.checksum: k for k, s in enumerate(m.shards)}, lambda k: False, lambda k: None
+        )
+        try:
+            with caplog.at_level("WARNING", logger="smstore"):
+                assert ahead._once(None) == ours["version"]
+            assert any("cannot attach held shards ahead" in r.getMessage() for r in caplog.records)
+            assert ahead.ready == {}
+        finally:
+            ahead.close()
+            ahead._drop_connection()  # the question's connection, the thread's to close (none here)
+    finally:
+        for s in holders:
+            s.close()
+
+
+def test_a_share_or_a_dropped_shared_blob_wakes_every_parked_reader(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A blob shared with the contents of a held shard makes it resident, and its drop makes it not
+    resident again: both change what readers follow, and every parked reader hears at once (before
+    the fix, only the next reader to ask saw the change)."""
+    from smstore.client import share_with_daemon
+
+    out = dataset(tmp_path, "ds", shards=2)
+    path0, ck0 = shard(out, 0)
+    d = start_daemon(loaded=0)
+    rank = tl.raw(d.sock)
+    readers = [tl.raw(d.sock) for _ in range(2)]  # 10 s socket timeouts: a missed wake fails the test
+    sharer: socket.socket | None = None
+    try:
+        hold = {"op": "hold", "manifest": os.path.abspath(out), "shards": "0"}
+        rank.sendall(tl.frame(json.dumps(hold).encode()))
+        assert (reply := tl.read_reply(rank)) is not None
+        assert reply["ok"] is True, reply
+        wait_for(d, lambda st: len(st["segments"]) == 1 and not st["loading"])
+        tl.cli("unload", path0, sock=d.sock)  # held, not loaded again: not resident
+
+        def park_all() -> int:
+            before = ask(d.sock, {"op": "held"})
+            assert before is not None
+            assert before["not_resident"] == ([] if sharer is not None else [ck0])
+            parked = d.status()["counts"]["parked"]
+            for s in readers:
+                s.sendall(
+                    tl.frame(json.dumps({"op": "held", "since": before["version"], "wait": 60}).encode())
+                )
+            wait_for(d, lambda st: st["counts"]["parked"] == parked + len(readers))
+            return int(before["version"])
+
+        version = park_all()
+        mfd = os.memfd_create("held", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            os.write(mfd, Path(path0).read_bytes())
+            fcntl.fcntl(mfd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+            sharer = share_with_daemon(mfd, "test:" + "cd" * 16, d.sock)[1]
+        finally:
+            os.close(mfd)
+        for s in readers:
+            assert (woken := tl.read_reply(s)) is not None
+            assert woken["version"] > version
+            assert woken["not_resident"] == []
+        version = park_all()
+        sharer.close()  # the shared blob is dropped: the held shard is not resident again
+        sharer = None
+        for s in readers:
+            assert (woken := tl.read_reply(s)) is not None
+            assert woken["version"] > version
+            assert woken["not_resident"] == [ck0]
+    finally:
+        for s in (rank, *readers):
+            s.close()
+        if sharer is not None:
+            sharer.close()
+
+
+def test_a_preattacher_closed_mid_pass_keeps_no_store(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """close() while the pre-attaching thread is between its attach and keeping the store (here:
+    the attach itself ends by closing it, as the dataset's finalizer may at that moment): before
+    the fix the thread kept the store in `ready` after close() had emptied it (mapped until the
+    process ended); now it closes it, and the session, closed for good, never connects again."""
+    from smstore.client import DaemonSession, _Preattacher
+
+    out = dataset(tmp_path, "ds", shards=2)
+    d = start_daemon(loaded=0)
+    rank = tl.raw(d.sock)
+    m = read_manifest(out)
+    ahead = _Preattacher(
+        d.sock, m.path, {s.checksum: k for k, s in enumerate(m.shards)}, lambda k: False, lambda k: None
+    )
+    attaches: list[str] = []
+
+    def attach_then_close(checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
+        reply = DaemonSession.attach(ahead.session, checksum, path)
+        attaches.append(checksum)
+        ahead.close()
+        return reply
+
+    ahead.session.attach = attach_then_close  # type: ignore[method-assign]
+    try:
+        hold = {"op": "hold", "manifest": os.path.abspath(out), "shards": "0,1"}
+        rank.sendall(tl.frame(json.dumps(hold).encode()))
+        assert (reply := tl.read_reply(rank)) is not None
+        assert reply["ok"] is True, reply
+        wait_for(d, lambda st: len(st["segments"]) == 2 and not st["loading"])
+        ahead._once(None)
+        assert len(attaches) == 1  # the pass ended with the close
+        assert ahead.ready == {}
+        assert ahead.session.conn is None
+        with pytest.raises(DaemonError, match="closed"):
+            DaemonSession.attach(ahead.session, m.shards[1].checksum)
+        st = wait_for(d, lambda st: all(seg["clients"] == [] for seg in st["segments"]))
+        assert all(seg["clients"] == [] for seg in st["segments"])
+    finally:
+        for store in ahead.ready.values():
+            store.close()
+        ahead._drop_connection()
+        ahead.session.close()
+        rank.close()

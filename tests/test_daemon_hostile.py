@@ -40,6 +40,7 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
+from smstore._manifest import read_manifest
 from smstore.client import daemon_request, open_store
 from smstore.daemon.segments import list_segments
 from smstore.daemon.state import state_path
@@ -489,6 +490,7 @@ def test_gc_from_another_pid_namespace_spares_a_live_daemon(
         ((), {"SMSTORE_IO_TIMEOUT": "5s"}, "$SMSTORE_IO_TIMEOUT: '5s' is not a number of seconds"),
         ((), {"SMSTORE_SHM_LIMIT": "-1"}, "$SMSTORE_SHM_LIMIT: '-1' is not a size"),
         (("--max-connections", "1"), {}, "invalid connection limits"),
+        (("--max-parked", "-1"), {}, "invalid limits on parked requests"),
     ],
 )
 def test_bad_settings_are_clear_errors(
@@ -637,6 +639,93 @@ def test_parked_held_requests_are_bounded_and_released(
     d.proc.wait(timeout=30)
 
 
+def test_pipelined_requests_after_a_parked_held_are_answered_in_order(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    """One request at a time holds for parked ones too: a `held` that parks and a request sent in
+    the same write get their replies in order, at once, and a second `held` parks in its turn
+    (before the fix the status came first, and of two parked `held` only one was ever answered)."""
+    path, _ = blob
+    d = start_daemon(path)
+    s = raw(d.sock)  # 10 s socket timeout: a reply that does not come fails the test
+    try:
+        ask_held(s)
+        now = read_reply(s)
+        assert now is not None
+        version = now["version"]
+        held = frame(json.dumps({"op": "held", "since": version, "wait": 60}).encode())
+        s.sendall(held + STATUS)
+        assert read_reply(s) == now  # the parked held first, answered because more came
+        reply = read_reply(s)
+        assert reply is not None
+        assert reply["counts"]["held_requests"] == 2
+        assert reply["counts"]["parked"] == 0
+        s.sendall(held + held)  # the first answered when the second is read; the second parks
+        assert read_reply(s) == now
+        assert wait_status(d, lambda st: st["counts"]["held_requests"] == 4)["counts"]["parked"] == 1
+        s.sendall(STATUS)
+        assert read_reply(s) == now  # the second, answered before the status
+        reply = read_reply(s)
+        assert reply is not None
+        assert reply["counts"]["parked"] == 0
+    finally:
+        s.close()
+    assert_alive_and_clean(d)
+
+
+def test_max_parked_zero_parks_nothing(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
+) -> None:
+    """`--max-parked 0` means no parking (readers poll), not the default of 1024."""
+    path, _ = blob
+    d = start_daemon(path, args=("--max-parked", "0"))
+    s = raw(d.sock)  # 10 s socket timeout: a parked request fails the test
+    try:
+        ask_held(s)
+        now = read_reply(s)
+        assert now is not None
+        ask_held(s, since=now["version"], wait=60)
+        assert read_reply(s) == now
+        assert d.status()["counts"]["parked"] == 0
+    finally:
+        s.close()
+    assert_alive_and_clean(d)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_max_parked_leaves_the_owners_connection_reserve_alone(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """The owner's reserve of connections is an eighth of --max-connections whatever --max-parked
+    says (--max-parked 16 cut it to 2: other users got 62 of 64 connections instead of 56)."""
+    d, group = group_daemon(
+        blob, start_daemon, request, "--max-connections", "64", "--max-parked", "16", "--max-per-uid", "100"
+    )
+    sock = d.sock
+
+    def member() -> str:
+        conns = []
+        try:
+            for _ in range(64):
+                s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                s.settimeout(10)
+                s.connect(os.fspath(sock))
+                conns.append(s)
+                with contextlib.suppress(BrokenPipeError):  # refused at once: the refusal is still readable
+                    s.sendall(STATUS)
+                reply = read_reply(s)
+                if not (reply and reply["ok"]):
+                    return f"{len(conns) - 1} served, then: {(reply or {}).get('message', 'closed')}"
+            return "all served"
+        finally:
+            for s in conns:
+                s.close()
+
+    outcome = as_user(member, [group.gr_gid])
+    assert outcome == "56 served, then: too many connections (56 for other users)", outcome
+    assert_alive_and_clean(d)
+
+
 def test_held_arguments_are_checked(
     blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
 ) -> None:
@@ -714,4 +803,59 @@ def test_other_uid_cannot_take_the_owners_parked_requests(
     finally:
         os.close(go_w)
         os.waitpid(pid, 0)
+    assert_alive_and_clean(d)
+
+
+@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
+def test_another_users_reader_names_only_held_manifests(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
+) -> None:
+    """A reader names the dataset it follows in `held`; the daemon reads that manifest for the owner
+    only: another user naming a file no hold named (a secret the daemon may read, a FIFO) hears an
+    empty list, and the manifest the ranks hold is answered as for the owner."""
+    src = tmp_path / "lines.txt"
+    src.write_bytes(b"".join(b"%03d\n" % i for i in range(40)))
+    out = tmp_path / "ds"
+    smstore.pack_files([src], out, shard_size=40, progress=False, durable=False)
+    os.chmod(tmp_path, 0o755)
+    secret = tmp_path / "secret.json"
+    secret.write_text('{"not": "a manifest"}')
+    secret.chmod(0o600)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x"], blob)
+    d, group = group_daemon((blob, []), start_daemon, request)
+    manifest = read_manifest(out)
+    rank = raw(d.sock)
+    try:
+        hold = {"op": "hold", "manifest": os.path.abspath(manifest.path), "shards": "1,0"}
+        rank.sendall(frame(json.dumps(hold).encode()))
+        assert (reply := read_reply(rank)) is not None
+        assert reply["ok"] is True, reply
+        sock = d.sock
+
+        def member() -> str:
+            answers = []
+            for m in (os.fspath(secret), os.fspath(fifo), os.path.abspath(manifest.path)):
+                s = raw(sock)
+                try:
+                    ask_held(s, manifest=m)
+                    answers.append(read_reply(s))
+                finally:
+                    s.close()
+            return json.dumps(answers)
+
+        secret_reply, fifo_reply, held_reply = json.loads(as_user(member, [group.gr_gid]))
+        for empty in (secret_reply, fifo_reply):
+            assert empty["ok"] is True, empty
+            assert empty["shards"] == []
+            assert empty["not_resident"] == []
+        assert held_reply["ok"] is True, held_reply
+        assert [c for _p, c in held_reply["shards"]] == [
+            manifest.shards[1].checksum,
+            manifest.shards[0].checksum,
+        ]
+    finally:
+        rank.close()
     assert_alive_and_clean(d)

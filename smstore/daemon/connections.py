@@ -7,7 +7,7 @@ first byte, a reply must be read within ``io_timeout``, a new connection must co
 within ``io_timeout``, each uid other than the owner's has at most ``max_per_uid`` connections,
 and ``owner_reserve`` of ``max_connections`` are kept for the owner. A request may be parked (answered
 later, on a change: a reader's ``held`` waiting for what the ranks hold to change): at most
-``max_parked`` at a time, ``owner_reserve`` of them for the owner, each until a deadline of at most
+``max_parked`` at a time (0: none, readers poll), ``parked_reserve`` of them for the owner, each until a deadline of at most
 ``MAX_WAIT`` seconds, and answered at once if its client sends more or closes. A file descriptor sent in a
 reply is a duplicate made when the reply was queued, so it is the one requested however long the
 reply waits, and whatever happens to the original meanwhile.
@@ -58,10 +58,19 @@ class Limits:
     max_request: int = 64 << 10
     io_timeout: float = 5.0
     max_parked: int = 1024
+    parked_reserve: int = 64  # of max_parked, for the owner (apart from owner_reserve)
 
     def __post_init__(self) -> None:
-        if not 0 < self.owner_reserve < min(self.max_connections, self.max_parked) or self.max_per_uid < 1:
-            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections, max_parked and max_per_uid >= 1"
+        if not 0 < self.owner_reserve < self.max_connections or self.max_per_uid < 1:
+            msg = f"invalid connection limits {self}: need 0 < owner_reserve < max_connections and max_per_uid >= 1"
+            raise ValueError(msg)
+        if self.max_parked < 0 or not (
+            0 <= self.parked_reserve < self.max_parked or self.parked_reserve == self.max_parked == 0
+        ):
+            msg = (
+                f"invalid limits on parked requests {self}: need max_parked >= 0 (0: none parked) and "
+                "0 <= parked_reserve < max_parked"
+            )
             raise ValueError(msg)
         if not 16 <= self.max_request <= 1 << 20:
             msg = f"max_request must be between 16 bytes and 1 MiB, not {self.max_request}"
@@ -84,7 +93,8 @@ class Conn:
     inbuf: bytearray = field(default_factory=bytearray)
     in_since: float = 0.0  # when the request now in inbuf began
     # Replies not yet sent: the bytes left and the fds (duplicates owned by this queue) to send with them.
-    out: deque[tuple[bytes, list[int]]] = field(default_factory=deque)
+    # A partly sent reply is a view of its frame: one frame shared by many connections is never copied.
+    out: deque[tuple[bytes | memoryview, list[int]]] = field(default_factory=deque)
     out_since: float = 0.0  # when the oldest unsent reply was queued
     served: bool = False  # completed at least one request
     close_after_send: bool = False
@@ -168,7 +178,9 @@ class Server:
         """
         conn = self.conns[cid]
         lim = self.limits
-        if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.owner_reserve):
+        if conn.parked or cid in self.parked:  # one parked request per connection, never replaced
+            return False
+        if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.parked_reserve):
             return False
         conn.parked = True
         self.parked[cid] = time.monotonic() + seconds
@@ -277,12 +289,17 @@ class Server:
     def parse(self, cid: int) -> None:
         """Serve the complete requests in the input buffer, one at a time: never while a reply is pending."""
         conn = self.conns.get(cid)
-        if conn is not None and conn.parked and conn.inbuf and self.unpark(cid):
-            self.wake(cid)  # one request at a time: the parked one is answered before the next is read
-            conn = self.conns.get(cid)
-        while (
-            conn is not None and not (conn.busy or conn.out or conn.close_after_send) and len(conn.inbuf) >= 4
-        ):
+        while conn is not None and not (conn.busy or conn.out or conn.close_after_send):
+            if conn.parked:
+                # One request at a time: a parked request ends the loop until it is answered, and
+                # more input from its client answers it now, before the next request is read.
+                if not conn.inbuf or not self.unpark(cid):
+                    break
+                self.wake(cid)
+                conn = self.conns.get(cid)
+                continue
+            if len(conn.inbuf) < 4:
+                break
             n = frame_length(conn.inbuf)
             if n > self.limits.max_request:
                 msg = f"message of {n} bytes exceeds the {self.limits.max_request}-byte limit"
@@ -364,7 +381,7 @@ class Server:
             for fd in fds:  # on their way: the kernel holds them now
                 os.close(fd)
             if sent < len(data):
-                conn.out[0] = (data[sent:], [])  # a reply must be read whole within the timeout
+                conn.out[0] = (memoryview(data)[sent:], [])  # a reply must be read whole within the timeout
                 break
             conn.out.popleft()
             conn.out_since = time.monotonic()

@@ -306,6 +306,19 @@ class Planner:
         del self.hold_failed[path]  # the file changed (or another checksum is held): try again
         return None
 
+    def knows(self, manifest_path: str) -> bool:
+        """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
+        return manifest_path in self.manifests
+
+    def checksums(self, manifest_path: str) -> frozenset[str]:
+        """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
+
+        Raises:
+            StoreError: The manifest is missing or bad.
+        """
+        manifest, _paths = self._manifest(manifest_path)
+        return frozenset(s.checksum for s in manifest.shards)
+
     def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
         """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
 

@@ -262,7 +262,7 @@ class Daemon(Server):
             # What the ranks hold, so that readers attach it before they read it: with "since" and
             # "wait", parked until it changes.
             self.served_held += 1
-            self.serving.held(cid, *held_arg(req))
+            self.serving.held(cid, conn, *held_arg(req))
         elif op == "detach":
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
@@ -290,7 +290,7 @@ class Daemon(Server):
         self.serving.closed(cid, conn)
 
     def wake(self, cid: int) -> None:
-        self.reply(cid, self.serving.held_frame())  # the only requests parked: 'held' ones
+        self.serving.wake(cid)  # the only requests parked: 'held' ones
 
     # ---- the loop ---------------------------------------------------------------------------
 

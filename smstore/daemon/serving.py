@@ -25,16 +25,19 @@ from smstore._protocol import (
 )
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
-from smstore.daemon.planner import Planner
+from smstore.daemon.planner import MAX_MANIFESTS, Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
 from smstore.daemon.state import StateFile
-from smstore.errors import DaemonError
+from smstore.errors import DaemonError, StoreError
 
 __all__ = ["Serving", "describe"]
 
 log = logging.getLogger("smstore.daemon")
 
 _SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
+
+# What `held` follows for another user's reader naming a manifest no hold named (never a path).
+_NOTHING = ""
 
 
 class Serving:
@@ -83,21 +86,27 @@ class Serving:
         self.loads = 0  # loads finished (or failed) since the start
         self.failures: dict[str, str] = {}  # path -> why its last load failed (until it loads)
         # What readers follow (`held`): the held shards and those not resident yet, its version
-        # (one more at each change), and its reply, encoded once for every reader.
+        # (one more at each change), and its replies, encoded once per dataset followed (None:
+        # every held shard) for every reader of that version. Recomputed only once marked stale
+        # (`held_stale`): by a change of the holds or of the segments.
         self.held_version = 0
         self._held_seen: tuple[list[list[str]], list[str]] | None = None
-        self._held_frame = b""
+        self._held_stale = True
+        self._held_frames: dict[str | None, bytes] = {}
+        self.following: dict[int, str | None] = {}  # parked readers -> the manifest each follows
 
     def drop(self, seg: Segment) -> None:
         """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
         seg.close()
         self.segments.pop(seg.checksum, None)
         self.planner.dropped(seg.checksum)
+        self._held_stale = True
 
     def _release(self, seg: Segment) -> None:
         """The planner released a held segment: out of the table, freed by the loader thread, off this loop."""
         self.segments.pop(seg.checksum, None)
         self.loader.free(seg)
+        self._held_stale = True
 
     # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
 
@@ -180,6 +189,7 @@ class Serving:
             if not previous.paths:
                 log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
                 self.drop(previous)
+        self._held_stale = True
         self.state.changed()
         return seg
 
@@ -230,6 +240,7 @@ class Serving:
     def reconcile(self) -> None:
         """Carry out the planner's plan: queue its loads, and answer readers waiting for what will not come."""
         plan = self.planner.plan(self.loading)
+        self._held_stale = True  # the holds, or what of them is loaded, may have changed
         for path, checksum in plan.loads:
             self.queue_load(path, None, quiet=True, expected=checksum)
         for path in list(self.attach_waiting):
@@ -249,42 +260,96 @@ class Serving:
             self.state.changed()
         if plan.loads:
             log.info("loading %d held shard(s): %s", len(plan.loads), ", ".join(p for p, _ in plan.loads))
-        if self.server.parked:
-            self.held_changed()
+        self.held_changed()
 
     # ---- what readers follow: the held shards, sent at once or at their next change -------------
 
-    def held(self, cid: int, since: int | None, wait: float) -> None:
-        """Reply with the held shards: at once if they changed since version `since`, else at their
-        next change, or after `wait` seconds (parked, within the server's limits; at once if none)."""
-        frame = self.held_frame()
+    def held(self, cid: int, conn: Conn, since: int | None, wait: float, manifest: str | None = None) -> None:
+        """Reply with the held shards (of the dataset of `manifest` only, if given): at once if they
+        changed since version `since`, else at their next change, or after `wait` seconds (parked,
+        within the server's limits; at once if none).
+
+        Another user's reader may name only a manifest a hold named (the daemon reads no other file
+        for it): any other has no shard held through it, and it hears an empty list.
+
+        Raises:
+            StoreError: `manifest` is missing or bad (the reader hears so at once).
+        """
+        if manifest is not None and not conn.owner and not self.planner.knows(manifest):
+            manifest = _NOTHING
+        frame = self.held_frame(manifest)
         if since == self.held_version and wait and self.server.park(cid, wait):
+            self.following[cid] = manifest
             return
         self.server.reply(cid, frame)
 
+    def wake(self, cid: int) -> None:
+        """Answer the parked `held` of connection `cid` (already unparked) now."""
+        self.server.reply(cid, self._held_reply(self.following.pop(cid, None)))
+
     def held_changed(self) -> None:
-        """The holds or the segments may have changed: readers parked on `held` hear if they did."""
+        """The holds or the segments may have changed: every reader parked on `held` hears if they did."""
+        if not self.server.parked:
+            return
         version = self.held_version
-        frame = self.held_frame()
+        self._held_update()
         if self.held_version != version:
             for cid in list(self.server.parked):
                 if self.server.unpark(cid):
-                    self.server.reply(cid, frame)
+                    self.wake(cid)
 
-    def held_frame(self) -> bytes:
-        """The reply to `held`: every held shard as ``[path, checksum]`` in the holders' order, the
-        checksums among them not resident yet, and the version (changed at every change of either)."""
+    def _held_update(self) -> None:
+        """Recompute what readers follow if it may have changed; one more version if it did."""
+        if not self._held_stale:
+            return
+        self._held_stale = False
         wanted = self.planner.wanted()
         seen = ([[p, c] for c, p in wanted.items()], [c for c in wanted if c not in self.segments])
         if seen != self._held_seen:
             self._held_seen = seen
             self.held_version += 1
-            reply = {"ok": True, "shards": seen[0], "not_resident": seen[1], "version": self.held_version}
-            try:
-                self._held_frame = encode(reply)
-            except DaemonError as e:  # held shards by the ten thousand with long paths
-                self._held_frame = encode(refusal("reply_failed", str(e), version=self.held_version))
-        return self._held_frame
+            self._held_frames.clear()
+
+    def held_frame(self, manifest: str | None = None) -> bytes:
+        """The reply to `held`: the held shards (those of `manifest`'s dataset, if given) as
+        ``[path, checksum]`` in the holders' order, the checksums among them not resident yet, and
+        the version (changed at every change of either, of any dataset).
+
+        Raises:
+            StoreError: `manifest` is missing or bad.
+        """
+        self._held_update()
+        frame = self._held_frames.get(manifest)
+        if frame is not None:
+            return frame
+        assert self._held_seen is not None  # computed by _held_update, which runs first
+        shards, not_resident = self._held_seen
+        if manifest is not None:
+            ours = frozenset() if manifest == _NOTHING else self.planner.checksums(manifest)
+            shards = [s for s in shards if s[1] in ours]
+            not_resident = [c for c in not_resident if c in ours]
+        reply = {"ok": True, "shards": shards, "not_resident": not_resident, "version": self.held_version}
+        try:
+            frame = encode(reply)
+        except DaemonError as e:  # a dataset of tens of thousands of held shards with long paths
+            log.warning(
+                "the %d held shard(s)%s do not fit one reply: readers attach them as they read them (%s)",
+                len(shards),
+                f" of {manifest}" if manifest is not None else "",
+                e,
+            )
+            frame = encode(refusal("reply_failed", str(e), version=self.held_version))
+        if len(self._held_frames) >= MAX_MANIFESTS:
+            self._held_frames.clear()
+        self._held_frames[manifest] = frame
+        return frame
+
+    def _held_reply(self, manifest: str | None) -> bytes:
+        """`held_frame`, or (the manifest went bad since the reader parked) the refusal saying so."""
+        try:
+            return self.held_frame(manifest)
+        except (StoreError, OSError) as e:
+            return encode(refusal(type(e).__name__, str(e)[:1000], version=self.held_version))
 
     def detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
         """A reader unmapped a segment (it stays attached through its connection otherwise).
@@ -348,6 +413,7 @@ class Serving:
                 "", store.checksum, fd, store, store.file_size, len(store), [], time.time(), 0.0, key=key
             )
             self.segments[seg.checksum] = seg
+            self._held_stale = True  # a held shard's checksum may now be resident
             log.info(
                 "serving shared blob %s (%s, %d bytes) from pid %d", key, seg.checksum, seg.size, conn.pid
             )
@@ -355,6 +421,7 @@ class Serving:
             store.close()
             os.close(fd)
         self._attach(cid, conn, seg)
+        self.held_changed()
 
     def unload(self, cid: int, checksum: str | None, path: str | None) -> None:
         seg = self.segments.get(checksum) if checksum is not None else None
@@ -378,6 +445,7 @@ class Serving:
 
     def closed(self, cid: int, conn: Conn) -> None:
         """Connection `cid` closed: its holds, attachments and waits go."""
+        self.following.pop(cid, None)
         if self.planner.disconnect(cid):
             self.reconcile()
         for checksum in conn.attached:
@@ -390,6 +458,7 @@ class Serving:
         for waiters in self.loading.values():
             if cid in waiters:
                 waiters.remove(cid)
+        self.held_changed()  # a shared blob dropped may have been a held shard's resident copy
 
 
 def describe(seg: Segment) -> dict[str, Any]:
