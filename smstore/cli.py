@@ -498,12 +498,18 @@ def _metrics_lines(reply: dict[str, Any]) -> list[str]:
     limit = m.get("shm_limit_bytes", 0)
     budget = f"{_human(m.get('shm_used_bytes', 0))} of {_human(limit)}" if limit else "no limit"
     return [
-        f"resident: {m.get('segments', 0)} segment(s), {_human(m.get('resident_bytes', 0))}; "
-        f"budget {budget}; /dev/shm free {_human(m.get('shm_available_bytes', 0))}",
-        f"loads: {sum(loads.values())} ({by('loads')}), {_human(m.get('load_bytes', 0))} in "
-        f"{m.get('load_seconds', 0.0):.2f} s; {m.get('loading', 0)} loading; failures: {by('load_failures')}",
-        f"held shards: {m.get('held_resident', 0)} loaded of {m.get('held_wanted', 0)} wanted; "
-        f"readers waited for a load {waits} time(s), {m.get('attach_wait_seconds', 0.0):.3f} s",
+        (
+            f"resident: {m.get('segments', 0)} segment(s), {_human(m.get('resident_bytes', 0))}; "
+            f"budget {budget}; /dev/shm free {_human(m.get('shm_available_bytes', 0))}"
+        ),
+        (
+            f"loads: {sum(loads.values())} ({by('loads')}), {_human(m.get('load_bytes', 0))} in "
+            f"{m.get('load_seconds', 0.0):.2f} s; {m.get('loading', 0)} loading; failures: {by('load_failures')}"
+        ),
+        (
+            f"held shards: {m.get('held_resident', 0)} loaded of {m.get('held_wanted', 0)} wanted; "
+            f"readers waited for a load {waits} time(s), {m.get('attach_wait_seconds', 0.0):.3f} s"
+        ),
         f"connections by uid: {by('connections')}; refusals: {by('refusals')}",
     ]
 

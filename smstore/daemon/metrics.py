@@ -179,7 +179,7 @@ class Exporter:
         exporter = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 (the name http.server calls)
+            def do_GET(self) -> None:
                 if self.path.split("?")[0] not in ("/", "/metrics"):
                     self.send_error(404, "the metrics are at /metrics")
                     return
@@ -190,7 +190,7 @@ class Exporter:
                 self.end_headers()
                 self.wfile.write(body)
 
-            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (the base's name)
+            def log_message(self, format: str, *args: Any) -> None:
                 pass  # a scrape every few seconds is not worth a log line
 
         return Handler
