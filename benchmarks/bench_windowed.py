@@ -390,9 +390,16 @@ def daemon_segments(daemon_pid: int) -> int:
 
 
 def run_epoch(
-    tmp: Path, dataset: Path, budget: int, window: int, lag: int, args: argparse.Namespace
+    tmp: Path,
+    dataset: Path,
+    budget: int,
+    window: int,
+    lag: int,
+    args: argparse.Namespace,
+    daemon_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One epoch of R ranks through a fresh daemon: each rank's waits, records and memory samples."""
+    """One epoch of R ranks through a fresh daemon (given `daemon_args` too): each rank's waits,
+    records and memory samples."""
     run = Path(tempfile.mkdtemp(prefix="epoch-", dir=tmp))
     sock = run / "run" / "smstore.sock"
     sock.parent.mkdir(mode=0o700)
@@ -402,7 +409,7 @@ def run_epoch(
     with open(daemon_log, "wb") as err:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "smstore", "serve", "--shm-limit", str(budget),
-             "--max-read-rate", str(args.read_rate_mib * MiB)],
+             "--max-read-rate", str(args.read_rate_mib * MiB), *daemon_args],
             stderr=err, env=env,
         )  # fmt: skip
     ranks: list[subprocess.Popen[bytes]] = []
