@@ -121,8 +121,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.out,
         "What the daemon's metrics cost",
         [
-            f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s; "
-            "off and on interleaved, the order alternating from round to round."
+            (
+                f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, {time.perf_counter() - started:.0f} s; "
+                "off and on interleaved, the order alternating from round to round."
+            )
         ],
         header,
         report,
