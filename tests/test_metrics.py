@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -262,6 +263,38 @@ def test_a_bad_metrics_address_is_refused_before_serving(tmp_path: Path) -> None
     assert res.returncode == 2
     assert "--metrics 'localhost:http': expected HOST:PORT" in res.stderr
     assert not (tmp_path / "s.sock").exists()
+
+
+def test_an_address_in_use_or_a_missing_textfile_directory_stops_serve_with_the_reason(
+    tmp_path: Path,
+) -> None:
+    busy = socket.socket()
+    try:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        res = tl.cli("serve", "--metrics", f"127.0.0.1:{port}", sock=tmp_path / "s.sock", check=False)
+    finally:
+        busy.close()
+    assert res.returncode == 1
+    assert f"--metrics 127.0.0.1:{port}: cannot listen there" in res.stderr
+    missing = tmp_path / "no" / "smstore.prom"
+    res = tl.cli("serve", "--metrics-file", str(missing), sock=tmp_path / "s.sock", check=False)
+    assert res.returncode == 1
+    assert f"--metrics-file {missing}: its directory does not exist" in res.stderr
+    assert not (tmp_path / "s.sock").exists()
+
+
+def test_a_second_daemon_with_metrics_refused_on_a_live_socket_exits(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """Its exporter was made but never started: stopping it must not wait for a serving thread."""
+    d = start_daemon(loaded=0)
+    res = tl.cli("serve", "--metrics", "127.0.0.1:0", sock=d.sock, check=False, timeout=60)
+    assert res.returncode == 1
+    assert "another smstore daemon is already listening" in res.stderr
+    assert d.proc.poll() is None
+    assert d.status()["ok"] is True
 
 
 def test_label_values_are_escaped() -> None:

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from smstore.errors import DaemonError
+
 __all__ = ["METRICS", "Counters", "Exporter", "parse_address", "render"]
 
 log = logging.getLogger("smstore.daemon")
@@ -125,17 +127,28 @@ class Exporter:
     Args:
         address: (host, port) to serve ``GET /metrics`` on, or None.
         textfile: A file for node_exporter's textfile collector (written by rename), or None.
+
+    Raises:
+        DaemonError: The address cannot be listened on, or the textfile's directory does not exist.
     """
 
     def __init__(self, address: tuple[str, int] | None, textfile: Path | None) -> None:
+        if textfile is not None and not textfile.parent.is_dir():
+            msg = f"--metrics-file {textfile}: its directory does not exist; create it or name another"
+            raise DaemonError(msg)
         self.textfile = textfile
         self._text = b""
         self._changed = threading.Event()
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        self._started = False
         self._httpd: http.server.ThreadingHTTPServer | None = None
         if address is not None:
-            self._httpd = http.server.ThreadingHTTPServer(address, self._handler())
+            try:
+                self._httpd = http.server.ThreadingHTTPServer(address, self._handler())
+            except OSError as e:
+                msg = f"--metrics {address[0]}:{address[1]}: cannot listen there ({e.strerror or e})"
+                raise DaemonError(msg) from None
             self._httpd.daemon_threads = True
             self._threads.append(
                 threading.Thread(target=self._httpd.serve_forever, name="smstore-metrics-http", daemon=True)
@@ -154,6 +167,7 @@ class Exporter:
         return f"http://{host!s}:{port}/metrics"
 
     def start(self) -> None:
+        self._started = True
         for t in self._threads:
             t.start()
         if self.url:
@@ -168,8 +182,11 @@ class Exporter:
         self._stop.set()
         self._changed.set()
         if self._httpd is not None:
-            self._httpd.shutdown()
+            if self._started:  # shutdown() waits for serve_forever, which only start() runs
+                self._httpd.shutdown()
             self._httpd.server_close()
+        if not self._started:
+            return
         for t in self._threads:
             t.join(timeout=5)
         if self.textfile is not None and self._text:
