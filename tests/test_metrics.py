@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pty
+import select
 import signal
 import socket
 import stat
@@ -217,6 +220,42 @@ def test_busy_refusals_are_counted_and_connections_seen_by_the_endpoint(
     assert d.status()["metrics"]["refusals"] == {"busy": 1}
 
 
+def test_no_room_and_permission_denied_refusals_are_counted(
+    request: pytest.FixtureRequest, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A shared blob larger than --shm-limit, and (as root) a connection from another uid."""
+    blob = tmp_path / "b.smst"
+    smstore.pack(tl.make_records(500), blob, durable=False)
+    sock = tl.public_rundir(request) / "smstore.sock"
+    d = start_daemon(args=("--shm-limit", "64K"), loaded=0, at=sock)
+    fd = os.memfd_create("blob", os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, blob.read_bytes())
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK)
+        s = tl.raw(d.sock)
+        try:
+            body = json.dumps({"op": "share", "key": "xxh64:" + "ab" * 8}).encode()
+            socket.send_fds(s, [tl.frame(body)], [fd])
+            assert tl.read_reply(s)["error"] == "no_room"  # type: ignore[index]
+        finally:
+            s.close()
+    finally:
+        os.close(fd)
+    want = {"no_room": 1}
+    if tl.IS_ROOT:
+        d.sock.parent.chmod(0o711)
+        d.sock.chmod(0o666)
+
+        def outsider() -> str:
+            with tl.raw(d.sock) as s:
+                return str(tl.read_reply(s))
+
+        assert "'permission_denied'" in tl.as_user(outsider, [])
+        want["permission_denied"] = 1
+    status = tl.wait_status(d, lambda st: st["metrics"]["refusals"] == want)
+    assert status["metrics"]["refusals"] == want
+
+
 def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
     tmp_path: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
@@ -254,6 +293,44 @@ def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    assert proc.returncode == 0
+    assert "Traceback" not in err
+
+
+def test_watch_on_a_terminal_redraws_in_place(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    d = start_daemon(loaded=0)
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "smstore",
+            "status",
+            "--watch",
+            "--interval",
+            "0.1",
+            "--socket",
+            os.fspath(d.sock),
+        ],
+        stdout=slave,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    os.close(slave)
+    try:
+        out = b""
+        while out.count(b"\x1b[H\x1b[2J") < 2:  # two screens drawn (bounded by the read's select)
+            assert select.select([master], [], [], 20)[0], out
+            out += os.read(master, 4096)
+        proc.send_signal(signal.SIGINT)
+        _out, err = proc.communicate(timeout=20)
+    finally:
+        os.close(master)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert b"Ctrl-C to quit" in out
+    assert b"loads: 0" in out
     assert proc.returncode == 0
     assert "Traceback" not in err
 
