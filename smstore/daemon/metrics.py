@@ -197,6 +197,7 @@ class Exporter:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             timeout = 10  # a scraper that stalls holds one thread of ours for at most this long
+
             def do_GET(self) -> None:
                 if self.path.split("?")[0] not in ("/", "/metrics"):
                     self.send_error(404, "the metrics are at /metrics")
