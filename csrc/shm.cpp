@@ -4,7 +4,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/sendfile.h>
 #include <sys/stat.h>
 #include <sys/statvfs.h>
 #include <unistd.h>
@@ -16,28 +15,29 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
-#include <exception>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "error.hpp"
 #include "format.hpp"
-#include "unmapper.hpp"
 
 namespace smstore {
 namespace {
 
-// Small enough that a chunk is still in cache when it is hashed and written after read().
-constexpr size_t kChunk = size_t{256} << 10;
-// Chunks in flight between the reading thread and the hashing and writing one.
-constexpr size_t kSlots = 4;
-// What one sendfile moves. The kernel copies it in one go, and a kernel built without preemption
-// (PREEMPT_NONE, common on servers and VMs) cannot give the core to a training process meanwhile:
-// 1 MiB took up to 4 ms on a 2-core VM, and a rank woken on that core waited that long.
-constexpr size_t kSendChunk = size_t{128} << 10;
-// What is copied before the hashing thread is told: small enough to be in cache still.
-constexpr size_t kHashChunk = size_t{1} << 20;
+// What one read() and one write() move. Small enough that a chunk is still in cache when it is
+// hashed, and that one write() is short: a kernel built without preemption (PREEMPT_NONE, common on
+// servers and VMs) cannot give the core to a training process inside the call, and the VM allocates
+// tmpfs pages slowly (1 MiB a call held a core up to 4 ms on a 2-core VM; a rank woken there waited).
+constexpr size_t kChunk = size_t{128} << 10;
+// Chunks waiting that wake the helper thread: it hashes them in one go (a wake-up costs more than
+// hashing a chunk, and one per chunk took 15 % more CPU time than a load on one thread).
+constexpr size_t kBatch = 4;
+// Chunks waiting from which the copying thread hashes the oldest itself: the helper has no core.
+constexpr size_t kBehind = kBatch + 2;
+// Chunks read but not hashed yet, at most: the ring of buffers between reading and hashing.
+constexpr size_t kSlots = kBehind + 4;
 
 std::string human(uint64_t n) {
     const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};
@@ -134,164 +134,135 @@ void pace(std::chrono::steady_clock::time_point started, uint64_t pos, uint64_t 
     }
 }
 
-// Copies `n` bytes from `src` to `dst` (both at their offsets) with sendfile: the kernel moves
-// them from the page cache into the segment with one copy, while a helper thread digests each
-// copied chunk through a read-only mapping of the segment (so what is checked is what readers will
-// see). Returns false, having copied nothing, when the kernel cannot sendfile between these files;
-// the caller then copies with read() and write().
-bool sendfile_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const std::string& name,
-                       const std::string& path, uint64_t needed, uint64_t max_rate) {
-    auto started = std::chrono::steady_clock::now();
-    size_t total = static_cast<size_t>(kHeaderSize + n);
-    void* map = ::mmap(nullptr, total, PROT_READ, MAP_SHARED, dst, 0);
-    if (map == MAP_FAILED) return false;
-    const auto* data = static_cast<const unsigned char*>(map) + kHeaderSize;
-    std::mutex mu;
-    std::condition_variable cv;
-    uint64_t copied = 0;  // bytes in the segment so far (written by this thread)
-    bool done = false;    // no more bytes will be copied
-    std::thread hasher([&] {
-        uint64_t hashed = 0;
-        for (;;) {
-            uint64_t upto;
-            {
-                std::unique_lock<std::mutex> lock(mu);
-                cv.wait(lock, [&] { return done || copied > hashed; });
-                upto = copied;
-                if (upto == hashed) return;  // done, and everything copied is hashed
-            }
-            digest.update(data + hashed, static_cast<size_t>(upto - hashed));
-            hashed = upto;
-        }
-    });
-    auto finish = [&] {
-        {
-            std::lock_guard<std::mutex> lock(mu);
-            done = true;
-        }
-        cv.notify_all();
-        hasher.join();
-        unmap_later(map, total);  // tearing down its page table costs ~35 ms a GiB: not the load's
-    };
-    try {
-        uint64_t pos = 0;
-        uint64_t told = 0;  // bytes the hashing thread has been told of
-        while (pos < n) {
-            size_t want = static_cast<size_t>(std::min<uint64_t>(kSendChunk, n - pos));
-            ssize_t got = ::sendfile(dst, src, nullptr, want);
-            if (got < 0) {
-                if (errno == EINTR) continue;
-                if (pos == 0 && (errno == EINVAL || errno == ENOSYS || errno == EOPNOTSUPP)) {
-                    finish();
-                    return false;
-                }
-                if (errno == ENOSPC) throw_write_error(dst, errno, name, path, needed);
-                throw_errno(path + ": sendfile to " + name, errno);
-            }
-            if (got == 0) throw_shrank(path, pos, n);
-            pos += static_cast<uint64_t>(got);
-            if (pos - told >= kHashChunk || pos == n) {
-                {
-                    std::lock_guard<std::mutex> lock(mu);
-                    copied = pos;
-                }
-                cv.notify_all();
-                told = pos;
-            }
-            pace(started, pos, max_rate);
-        }
-    } catch (...) {
-        finish();
-        throw;
-    }
-    finish();
-    return true;
-}
-
-// Copies `n` bytes from `src` (at its offset) to `dst`, hashing them in order, where sendfile
-// cannot be used. Two threads: this one read()s chunk k+1 while a helper hashes chunk k and
-// write()s it, so the checksum costs no time next to a plain read-then-write copy. Chunks are small
-// enough to stay in cache between the read and the hash. An error on either side stops both and is
-// rethrown here.
-void copy_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const std::string& name, const std::string& path,
-                   uint64_t needed, uint64_t max_rate) {
-    auto started = std::chrono::steady_clock::now();
-    struct Slot {
-        std::unique_ptr<unsigned char[]> buf{new unsigned char[kChunk]};
-        size_t size = 0;
-    };
-    Slot slots[kSlots];
-    std::mutex mu;
-    std::condition_variable cv;
-    uint64_t filled = 0;   // chunks read so far (written by this thread)
-    uint64_t drained = 0;  // chunks hashed and written (by the helper)
-    bool done = false;     // no more chunks will be read
-    bool failed = false;   // one side failed: the other stops
-    std::exception_ptr error;
-
-    std::thread writer([&] {
+// The chunks of a load between read() and the checksum, hashed in order by whichever thread has
+// time: a helper thread when a core is free (woken for kBatch chunks at a time), else the copying
+// thread itself, as soon as kBehind chunks wait. So the checksum never waits for a spare core (the copying thread
+// alone is read, hash, write: cp plus the hash), and costs the copy no time where a core is free.
+// Each chunk is hashed from the buffer it was written from, a few chunks after its read(): in
+// cache, and exactly the bytes the segment got.
+class HashRing {
+public:
+    // helper: false hashes every chunk on the copying thread, as soon as it is read.
+    HashRing(LoadDigest& digest, bool helper) : digest_(digest), ring_(helper ? kSlots : 1) {
+        for (size_t i = 0; i < ring_; ++i)
+            slots_[i].reset(new unsigned char[kChunk]);
+        if (!helper) return;
         try {
-            for (uint64_t k = 0;; ++k) {
-                {
-                    std::unique_lock<std::mutex> lock(mu);
-                    cv.wait(lock, [&] { return failed || filled > k || done; });
-                    if (failed || filled <= k) return;
-                }
-                Slot& slot = slots[k % kSlots];
-                digest.update(slot.buf.get(), slot.size);
-                write_full(dst, slot.buf.get(), slot.size, name, path, needed);
-                {
-                    std::lock_guard<std::mutex> lock(mu);
-                    drained = k + 1;
-                }
-                cv.notify_all();
-            }
-        } catch (...) {
-            std::lock_guard<std::mutex> lock(mu);
-            error = std::current_exception();
-            failed = true;
-            cv.notify_all();
+            helper_ = std::thread([this] { run(); });
+        } catch (const std::system_error&) {
+            // No thread to be had: the copying thread hashes everything.
         }
-    });
-    auto finish = [&] {
-        {
-            std::lock_guard<std::mutex> lock(mu);
-            done = true;
-        }
-        cv.notify_all();
-        writer.join();
-    };
-    try {
-        uint64_t pos = 0;
-        for (uint64_t k = 0; pos < n; ++k) {
-            {
-                std::unique_lock<std::mutex> lock(mu);
-                cv.wait(lock, [&] { return failed || k - drained < kSlots; });
-                if (failed) break;
-            }
-            Slot& slot = slots[k % kSlots];
-            size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, n - pos));
-            size_t got = read_full(src, slot.buf.get(), want, path);
-            if (got != want) throw_shrank(path, pos + got, n);
-            slot.size = got;
-            pos += got;
-            pace(started, pos, max_rate);
-            {
-                std::lock_guard<std::mutex> lock(mu);
-                filled = k + 1;
-            }
-            cv.notify_all();
-        }
-    } catch (...) {
-        {
-            std::lock_guard<std::mutex> lock(mu);
-            failed = true;
-        }
-        finish();
-        throw;
     }
-    finish();
-    if (error) std::rethrow_exception(error);
+    HashRing(const HashRing&) = delete;
+    HashRing& operator=(const HashRing&) = delete;
+    // After a failure: stops the helper; chunks not hashed yet are dropped with the load.
+    ~HashRing() { stop(); }
+
+    // The buffer for chunk k, once the chunk that used it before is hashed (here, if no one is at it).
+    unsigned char* slot(uint64_t k) {
+        std::unique_lock<std::mutex> lock(mu_);
+        if (filled_ - hashed_ >= kBehind) hash_next(lock);  // the helper has no core: hashed while in cache
+        while (k - hashed_ >= ring_) {
+            if (!hash_next(lock)) cv_.wait(lock);
+        }
+        return slots_[k % ring_].get();
+    }
+
+    // Chunk k (the one after the last) holds `size` bytes; they must not change until its slot is handed out again.
+    void filled(uint64_t k, size_t size) {
+        std::unique_lock<std::mutex> lock(mu_);
+        sizes_[k % ring_] = size;
+        filled_ = k + 1;
+        if (!helper_.joinable()) {
+            hash_next(lock);
+            return;
+        }
+        if (filled_ - hashed_ != kBatch) return;  // the helper is at it, or has too little to wake for
+        lock.unlock();
+        cv_.notify_all();
+    }
+
+    // Hashes what is left (with the helper, if it is at it), then stops the helper.
+    void finish() {
+        {
+            std::unique_lock<std::mutex> lock(mu_);
+            while (hashed_ < filled_) {
+                if (!hash_next(lock)) cv_.wait(lock);
+            }
+        }
+        stop();
+    }
+
+private:
+    // Hashes the oldest chunk not hashed unless someone is hashing one (the checksum is sequential)
+    // or none is waiting; false if it did not. Called with the lock held, which it drops meanwhile.
+    bool hash_next(std::unique_lock<std::mutex>& lock) {
+        if (hashing_ || hashed_ == filled_) return false;
+        hashing_ = true;
+        uint64_t k = hashed_;
+        lock.unlock();
+        digest_.update(slots_[k % ring_].get(), sizes_[k % ring_]);
+        lock.lock();
+        hashing_ = false;
+        hashed_ = k + 1;
+        cv_.notify_all();
+        return true;
+    }
+
+    void run() {
+        std::unique_lock<std::mutex> lock(mu_);
+        for (;;) {
+            cv_.wait(lock, [this] { return stopping_ || (!hashing_ && filled_ - hashed_ >= kBatch); });
+            if (stopping_) return;
+            while (hash_next(lock)) {
+            }
+        }
+    }
+
+    void stop() {
+        if (!helper_.joinable()) return;
+        {
+            std::lock_guard<std::mutex> lock(mu_);
+            stopping_ = true;
+        }
+        cv_.notify_all();
+        helper_.join();
+    }
+
+    LoadDigest& digest_;
+    const size_t ring_;  // slots in use: kSlots with a helper, else the one in cache
+    std::unique_ptr<unsigned char[]> slots_[kSlots];
+    size_t sizes_[kSlots] = {};
+    std::mutex mu_;
+    std::condition_variable cv_;
+    uint64_t filled_ = 0;    // chunks read (and handed over) so far
+    uint64_t hashed_ = 0;    // chunks hashed so far
+    bool hashing_ = false;   // a thread is hashing chunk hashed_
+    bool stopping_ = false;  // the helper leaves
+    std::thread helper_;     // started last: it reads the members above
+};
+
+// Copies `n` bytes from `src` (at its offset) to `dst` with read() and write() through the hash
+// ring: one copy into a buffer that stays in cache, the checksum from it, one copy into the
+// segment. (sendfile copies once, but then the checksum has to read the segment back, through a
+// mapping whose page faults and teardown cost more than the copy saved: 0.71x cp against 0.91x
+// for one thread doing read, hash, write, on a 2-core VM with one core busy.)
+void copy_and_hash(int src, int dst, uint64_t n, LoadDigest& digest, const std::string& name, const std::string& path,
+                   uint64_t needed, uint64_t max_rate, bool hash_thread) {
+    auto started = std::chrono::steady_clock::now();
+    HashRing ring(digest, hash_thread);
+    uint64_t pos = 0;
+    for (uint64_t k = 0; pos < n; ++k) {
+        unsigned char* buf = ring.slot(k);
+        size_t want = static_cast<size_t>(std::min<uint64_t>(kChunk, n - pos));
+        size_t got = read_full(src, buf, want, path);
+        if (got != want) throw_shrank(path, pos + got, n);
+        ring.filled(k, got);  // the helper hashes it while this thread writes it
+        write_full(dst, buf, got, name, path, needed);
+        pos += got;
+        pace(started, pos, max_rate);
+    }
+    ring.finish();
 }
 
 }  // namespace
@@ -358,10 +329,8 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     // (posix_fallocate would also reserve the pages, but zeroes each one before we overwrite it.)
     write_full(seg.fd, header, kHeaderSize, name, path, needed);
     LoadDigest digest{BlobHasher{}, IndexChecker{h}};
-    if (!options.sendfile ||
-        !sendfile_and_hash(src.fd, seg.fd, size - kHeaderSize, digest, name, path, needed, options.max_rate)) {
-        copy_and_hash(src.fd, seg.fd, size - kHeaderSize, digest, name, path, needed, options.max_rate);
-    }
+    copy_and_hash(src.fd, seg.fd, size - kHeaderSize, digest, name, path, needed, options.max_rate,
+                  options.hash_thread);
     unsigned char extra;
     if (read_full(src.fd, &extra, 1, path) != 0) {
         throw Error(Error::Kind::Format, path + ": file grew while it was being loaded; was it rewritten in place?");

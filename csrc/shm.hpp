@@ -27,7 +27,7 @@ struct LoadOptions {
     int64_t gid = -1;         // >= 0: chown the segment to this group (with mode 0440)
     uint64_t room_limit = 0;  // > 0: pretend at most this many bytes are free (tests, quotas)
     uint64_t max_rate = 0;    // > 0: read the file at most this many bytes a second (a shared file system)
-    bool sendfile = true;     // copy in the kernel (sendfile) where it can; false: read() and write()
+    bool hash_thread = true;  // a helper thread may hash while this one copies; false: this one hashes all
     std::string shm_dir = kShmDir;
 };
 

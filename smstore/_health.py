@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import ensure_private_dir, process_alive, socket_path
+from smstore._ipc import check_socket_path, ensure_private_dir, process_alive, socket_path
 from smstore._manifest import is_manifest, read_manifest
 from smstore._pack import human_bytes
 from smstore._store import read_checksum
@@ -44,7 +44,7 @@ FEW_CONNECTIONS = 64
 NO_LIMIT = 1 << 62
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040).
-_OCTAL = re.compile(r"\\([0-7]{3})")
+_OCTAL = re.compile(rb"\\([0-7]{3})")
 
 
 @dataclass(frozen=True)
@@ -150,6 +150,7 @@ def wait_served(
             says which blobs are missing, or why no daemon answered.
     """
     blobs = [b for d in datasets for b in dataset_blobs(d)]
+    check_socket_path(sock)  # a path no socket can have never gets served: fail at once
     deadline = clock() + timeout
     delay = 0.02
     while True:
@@ -184,12 +185,15 @@ def _mount_of(path: Path, mountinfo: Path) -> tuple[str, str, str] | None:
     """(mount point, file system type, super options) of the mount holding `path`, from mountinfo."""
     target = os.path.realpath(path)
     best: tuple[str, str, str] | None = None
-    for line in mountinfo.read_text().splitlines():
+    # Bytes: a mount point is any bytes but '/' and NUL (escaped octal), decoded as os.fsdecode
+    # decodes paths, so that it compares with realpath's and a non-UTF-8 name is no error.
+    for raw in mountinfo.read_bytes().splitlines():
+        line = os.fsdecode(raw)
         left, sep, right = line.partition(" - ")
         fields, rest = left.split(), right.split()
         if not sep or len(fields) < 5 or len(rest) < 3:
             continue
-        point = _OCTAL.sub(lambda m: chr(int(m.group(1), 8)), fields[4])
+        point = os.fsdecode(_OCTAL.sub(lambda m: bytes([int(m.group(1), 8) & 0xFF]), os.fsencode(fields[4])))
         inside = target == point or target.startswith(point.rstrip("/") + "/")
         # The last matching line of the longest point wins: later mounts hide earlier ones.
         if inside and (best is None or len(point) >= len(best[0])):
@@ -221,7 +225,9 @@ def _cgroup_memory(probes: Probes) -> tuple[int, int | None, str] | None:
             continue
         # Inside a cgroup namespace, or a container that mounts only its own cgroup at the root,
         # the path /proc names is not under the mount: the mount's root is then our cgroup.
-        parts = [p for p in rel.split("/") if p]
+        # A cgroup outside the namespace's root reads as /../outside: '.' and '..' are dropped, so
+        # no path read here leaves the mount.
+        parts = [p for p in rel.split("/") if p not in ("", ".", "..")]
         dirs = [base.joinpath(*parts[:k]) for k in range(len(parts), -1, -1)]
         for d in dirs:
             try:
@@ -366,6 +372,10 @@ def _check_nofile(probes: Probes, blobs: int, max_connections: int) -> Check:
 
 
 def _check_socket_dir(sock: Path) -> Check:
+    try:
+        check_socket_path(sock)
+    except DaemonError as e:
+        return Check("socket dir", "fail", str(e), "give a shorter --socket or $SMSTORE_SOCKET")
     d = sock.parent
     try:
         st = os.lstat(d)

@@ -16,6 +16,7 @@ from smstore.errors import DaemonError
 
 __all__ = [
     "check_default_dir",
+    "check_socket_path",
     "connect",
     "default_socket_path",
     "ensure_private_dir",
@@ -25,6 +26,9 @@ __all__ = [
     "request",
     "socket_path",
 ]
+
+# The longest path a Unix socket takes (sun_path is 108 bytes with its terminating NUL).
+MAX_SOCKET_PATH = 107
 
 # The longest an owner's client refused as busy keeps trying (the daemon says how long is worth it).
 MAX_BUSY_WAIT = 60.0
@@ -107,13 +111,30 @@ def _close_all(fds: list[int]) -> None:
         os.close(fd)
 
 
+def check_socket_path(path: Path) -> None:
+    """Raise DaemonError if `path` is too long for a Unix socket (no daemon can listen there).
+
+    Raises:
+        DaemonError: `path` is longer than :data:`MAX_SOCKET_PATH` bytes.
+    """
+    size = len(os.fsencode(path))
+    if size > MAX_SOCKET_PATH:
+        msg = (
+            f"socket path {path} is {size} bytes, longer than the {MAX_SOCKET_PATH} a Unix socket "
+            "allows: choose a shorter one with --socket or $SMSTORE_SOCKET"
+        )
+        raise DaemonError(msg)
+
+
 def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
     """A new connection to the daemon at `path`.
 
     Raises:
-        DaemonError: No daemon listens there, or `path` is the per-user default and its directory
-            is not this user's own (see :func:`check_default_dir`).
+        DaemonError: No daemon listens there, its listen queue is full (busy), `path` is too long
+            for a Unix socket, any other fault connecting (each naming `path`), or `path` is the
+            per-user default and its directory is not this user's own (see :func:`check_default_dir`).
     """
+    check_socket_path(path)
     if path == default_socket_path():
         check_default_dir(path)
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -134,6 +155,18 @@ def connect(path: Path, timeout: float | None = 10.0) -> socket.socket:
     except (FileNotFoundError, PermissionError) as e:
         sock.close()
         msg = f"cannot reach an smstore daemon on {path} ({e.strerror}); start one with 'smstore serve FILE'"
+        raise DaemonError(msg) from None
+    except BlockingIOError as e:
+        sock.close()
+        # Its listen queue is full: the daemon is alive but accepts no more for now.
+        msg = (
+            f"the smstore daemon on {path} is busy ({e.strerror}: its listen queue is full); "
+            "try again shortly, or raise its --max-connections"
+        )
+        raise DaemonError(msg) from None
+    except OSError as e:
+        sock.close()
+        msg = f"cannot connect to an smstore daemon on {path} ({e.strerror or e}); see 'smstore doctor'"
         raise DaemonError(msg) from None
     except BaseException:
         sock.close()

@@ -41,9 +41,11 @@ def check_mode(mode: object) -> Mode:
     Raises:
         ValueError: Any other value, naming the allowed ones.
     """
-    for allowed in MODES:
-        if mode == allowed:
-            return allowed
+    # A str first: == on an array (or any object with its own ==) is no yes/no answer.
+    if isinstance(mode, str):
+        for allowed in MODES:
+            if mode == allowed:
+                return allowed
     msg = f"mode must be one of {', '.join(map(repr, MODES))}, not {mode!r}"
     raise ValueError(msg)
 

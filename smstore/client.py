@@ -298,10 +298,11 @@ class StoreHandle:
     re-attach logic of ``SharedStoreDataset`` and ``TokenCollator``.
 
     Args:
-        path: The ``.smst`` file, or a sharded dataset.
+        path: The ``.smst`` file, or a sharded dataset; kept (and pickled) as an absolute path,
+            so a process started in another directory reads the same file.
         mode: ``"auto"``, ``"daemon"`` or ``"mmap"``, as in :func:`open_store`.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default), the
-            same in every process the handle is pickled to.
+            same in every process the handle is pickled to (kept absolute too).
 
     Raises:
         ValueError: ``mode`` is none of those.
@@ -314,9 +315,11 @@ class StoreHandle:
     def __init__(
         self, path: str | os.PathLike[str], mode: Mode = "auto", socket: str | os.PathLike[str] | None = None
     ) -> None:
-        self.path = os.fspath(path)
+        # Absolute: a process it is pickled to may run in another directory (a relative path
+        # would name another file there, or none).
+        self.path = os.path.abspath(os.fspath(path))
         self.mode: Mode = check_mode(mode)
-        self.socket = os.fspath(socket) if socket is not None else None
+        self.socket = os.path.abspath(os.fspath(socket)) if socket is not None else None
         self._store: Store | ShardedStore | None = open_store(self.path, self.mode, self.socket)
         self.checksum: str = self._store.checksum  # every process must read these very bytes
 

@@ -10,6 +10,7 @@ import numpy as np
 
 from smstore import _core
 from smstore._decode import partial_items_error, torch_dtype
+from smstore._modes import check_mode
 from smstore._pack import numpy_dtype
 from smstore._store import ShardedStore, Store
 from smstore.client import Mode, StoreHandle
@@ -129,6 +130,7 @@ class TokenCollator:
         if pad_to_multiple_of is not None and pad_to_multiple_of < 1:
             msg = f"pad_to_multiple_of must be >= 1, not {pad_to_multiple_of}"
             raise ValueError(msg)
+        check_mode(mode)  # also when the source is a dataset, which ignores it: a typo is an error
         # A path is opened through a handle (what pickles: path, options, checksum); any other
         # source is read through as given.
         self._handle = StoreHandle(source, mode, socket) if isinstance(source, (str, os.PathLike)) else None

@@ -297,9 +297,9 @@ def _corrupt_indexes(path: Path) -> dict[str, bytearray]:
     }
 
 
-@pytest.mark.parametrize("sendfile", [True, False])
+@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "one-thread"])
 def test_load_checks_the_index_as_it_copies(
-    blob: tuple[Path, list[bytes]], tmp_path: Path, sendfile: bool
+    blob: tuple[Path, list[bytes]], tmp_path: Path, hash_thread: bool
 ) -> None:
     path, _recs = blob
     name = f"/smstore-test-{os.getpid()}-index"
@@ -309,7 +309,7 @@ def test_load_checks_the_index_as_it_copies(
         with pytest.raises(StoreFormatError) as opened:
             smstore.open(bad)
         with pytest.raises(StoreFormatError) as loaded:
-            _core.shm_load(os.fspath(bad), name, sendfile=sendfile)
+            _core.shm_load(os.fspath(bad), name, hash_thread=hash_thread)
         assert str(loaded.value) == str(opened.value), fault  # the same fault, in the same words
         assert "corrupt index" in str(loaded.value)
         assert not (SHM / name[1:]).exists()
@@ -332,9 +332,9 @@ def test_index_check_holds_across_any_chunking(
         assert str(streamed.value) == str(whole.value), (fault, chunk)
 
 
-@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])
+@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "one-thread"])
 def test_core_load_leaves_nothing_behind(
-    blob: tuple[Path, list[bytes]], tmp_path: Path, sendfile: bool
+    blob: tuple[Path, list[bytes]], tmp_path: Path, hash_thread: bool
 ) -> None:
     path, recs = blob
     name = f"/smstore-test-{os.getpid()}-core"
@@ -344,10 +344,10 @@ def test_core_load_leaves_nothing_behind(
         data[at] ^= 1
         bad.write_bytes(bytes(data))
         with pytest.raises(ChecksumMismatchError):
-            _core.shm_load(os.fspath(bad), name, sendfile=sendfile)
+            _core.shm_load(os.fspath(bad), name, hash_thread=hash_thread)
         data[at] ^= 1
         assert not (SHM / name[1:]).exists()
-    fd, size, checksum, count = _core.shm_load(os.fspath(path), name, sendfile=sendfile)
+    fd, size, checksum, count = _core.shm_load(os.fspath(path), name, hash_thread=hash_thread)
     try:
         assert (size, count) == (path.stat().st_size, len(recs))
         assert os.fstat(fd).st_mode & 0o777 == 0o400
@@ -370,15 +370,15 @@ def _big_blob(path: Path, mib: int) -> list[bytes]:
     return recs
 
 
-@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])
-def test_core_load_copies_every_byte_at_most_at_max_rate(tmp_path: Path, sendfile: bool) -> None:
+@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "one-thread"])
+def test_core_load_copies_every_byte_at_most_at_max_rate(tmp_path: Path, hash_thread: bool) -> None:
     path = tmp_path / "big.smst"
     recs = _big_blob(path, 3)  # several copy chunks of either path
     name = f"/smstore-test-{os.getpid()}-rate"
     size = path.stat().st_size
     rate = 8 << 20
     start = time.monotonic()
-    fd, _, checksum, count = _core.shm_load(os.fspath(path), name, max_rate=rate, sendfile=sendfile)
+    fd, _, checksum, count = _core.shm_load(os.fspath(path), name, max_rate=rate, hash_thread=hash_thread)
     elapsed = time.monotonic() - start
     try:
         assert count == len(recs)
@@ -397,8 +397,39 @@ def test_core_load_copies_every_byte_at_most_at_max_rate(tmp_path: Path, sendfil
         _core.shm_unlink(name)
 
 
-@pytest.mark.parametrize("sendfile", [True, False], ids=["sendfile", "read-write"])
-def test_core_load_of_a_file_cut_short_meanwhile_fails_cleanly(tmp_path: Path, sendfile: bool) -> None:
+def test_core_load_can_copy_and_hash_on_its_own_thread_alone(tmp_path: Path) -> None:
+    # A load must not need a spare core: with hash_thread=False no thread but the caller's works
+    # on it (the old load always started a hashing thread). Sampled all through a paced load.
+    path = tmp_path / "big.smst"
+    recs = _big_blob(path, 2)
+    name = f"/smstore-test-{os.getpid()}-alone"
+    result: list[tuple[int, int, str, int]] = []
+    loader = threading.Thread(
+        target=lambda: result.append(
+            _core.shm_load(os.fspath(path), name, max_rate=8 << 20, hash_thread=False)
+        )
+    )
+    before = len(os.listdir("/proc/self/task"))
+    loader.start()
+    most = 0
+    while loader.is_alive():
+        most = max(most, len(os.listdir("/proc/self/task")))
+        time.sleep(0.01)
+    loader.join()
+    try:
+        assert most <= before + 1  # the loader thread itself, nothing more
+        fd, _, checksum, count = result[0]
+        assert count == len(recs)
+        store = _core.Store._from_fd(fd, "seg", False)
+        assert store.checksum == checksum == _core.Store(os.fspath(path)).checksum
+        store.verify()
+        os.close(fd)
+    finally:
+        _core.shm_unlink(name)
+
+
+@pytest.mark.parametrize("hash_thread", [True, False], ids=["hash-thread", "one-thread"])
+def test_core_load_of_a_file_cut_short_meanwhile_fails_cleanly(tmp_path: Path, hash_thread: bool) -> None:
     path = tmp_path / "big.smst"
     _big_blob(path, 2)
     name = f"/smstore-test-{os.getpid()}-cut"
@@ -407,7 +438,7 @@ def test_core_load_of_a_file_cut_short_meanwhile_fails_cleanly(tmp_path: Path, s
     cutter.start()
     try:
         with pytest.raises(smstore.StoreError, match="shrank while it was being loaded"):
-            _core.shm_load(os.fspath(path), name, max_rate=4 << 20, sendfile=sendfile)
+            _core.shm_load(os.fspath(path), name, max_rate=4 << 20, hash_thread=hash_thread)
     finally:
         cutter.join()
     assert not (SHM / name[1:]).exists()

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import smstore_testlib as tl
 from daemon_testlib import Daemon, make_records
@@ -59,6 +60,41 @@ def listener(tmp_path: Path) -> Iterator[tuple[Path, socket_module.socket]]:
     path.unlink()
 
 
+@pytest.fixture
+def full_listener(tmp_path: Path) -> Iterator[Path]:
+    """A socket that listens with backlog 0, never accepts, and whose queue is full: a connect gets EAGAIN."""
+    path = tmp_path / "full.sock"
+    sock = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+    sock.bind(os.fspath(path))
+    sock.listen(0)
+    fillers: list[socket_module.socket] = []
+    try:
+        for _ in range(64):
+            filler = socket_module.socket(socket_module.AF_UNIX, socket_module.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            try:
+                filler.connect(os.fspath(path))
+            except BlockingIOError:
+                break
+        else:
+            pytest.fail("the listen queue never filled")
+        yield path
+    finally:
+        for filler in fillers:
+            filler.close()
+        sock.close()
+        path.unlink()
+
+
+@pytest.fixture
+def too_long(tmp_path: Path) -> Path:
+    """A socket path under tmp_path longer than the 107 bytes a Unix socket takes."""
+    path = tmp_path / ("d" * 120) / "smstore.sock"
+    assert len(os.fsencode(path)) > 107
+    return path
+
+
 def run_child(target: Callable[..., None], *args: Any, method: str = "spawn") -> Any:
     ctx = multiprocessing.get_context(method)
     q = ctx.Queue()
@@ -94,6 +130,25 @@ def test_a_bad_mode_is_the_same_value_error_from_every_user(data: tuple[Path, Pa
             make()
 
 
+def test_a_bad_mode_is_refused_also_when_the_collator_reads_a_dataset(
+    data: tuple[Path, Path, list[bytes]],
+) -> None:
+    blob, _manifest, recs = data
+    ds = smstore.SharedStoreDataset(blob, mode="mmap")
+    with pytest.raises(ValueError, match=r"^mode must be one of 'auto', 'daemon', 'mmap', not 'bogus'$"):
+        smstore.TokenCollator(ds, mode="bogus")  # type: ignore[arg-type]
+    collate = smstore.TokenCollator(ds, layout="pack", mode="daemon")  # a good one: the dataset reads
+    assert collate([3])["tokens"].numpy().tobytes() == recs[3]
+
+
+@pytest.mark.parametrize(
+    "bad", [np.array(["auto", "mmap"]), np.array("auto"), ["auto"], b"auto", None, 0, ("mmap",)]
+)
+def test_check_mode_refuses_a_non_str_with_our_value_error(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"^mode must be one of 'auto', 'daemon', 'mmap', not "):
+        _modes.check_mode(bad)
+
+
 @pytest.mark.parametrize("user", tl.MODE_USERS)
 def test_daemon_mode_without_a_daemon_raises_naming_the_socket(
     data: tuple[Path, Path, list[bytes]], tmp_path: Path, user: str
@@ -105,6 +160,50 @@ def test_daemon_mode_without_a_daemon_raises_naming_the_socket(
     message = str(ei.value)
     assert f"cannot reach an smstore daemon on {sock}" in message
     assert "start one with 'smstore serve" in message
+
+
+@pytest.mark.parametrize("user", tl.MODE_USERS)
+def test_a_full_listen_queue_is_a_daemon_error_and_auto_falls_back(
+    data: tuple[Path, Path, list[bytes]], full_listener: Path, user: str
+) -> None:
+    blob, manifest, recs = data
+    with pytest.raises(smstore.DaemonError) as ei:
+        tl.use_in_mode(user, "daemon", os.fspath(blob), os.fspath(manifest), os.fspath(full_listener))
+    assert f"the smstore daemon on {full_listener} is busy (" in str(ei.value)
+    assert "listen queue is full" in str(ei.value)
+    got = tl.use_in_mode(user, "auto", os.fspath(blob), os.fspath(manifest), os.fspath(full_listener))
+    assert got == expected(user, recs)
+
+
+@pytest.mark.parametrize("user", tl.MODE_USERS)
+def test_a_socket_path_too_long_is_a_daemon_error_and_auto_falls_back(
+    data: tuple[Path, Path, list[bytes]], too_long: Path, user: str
+) -> None:
+    blob, manifest, recs = data
+    with pytest.raises(smstore.DaemonError) as ei:
+        tl.use_in_mode(user, "daemon", os.fspath(blob), os.fspath(manifest), os.fspath(too_long))
+    assert f"socket path {too_long} is {len(os.fsencode(too_long))} bytes, longer than the 107" in str(
+        ei.value
+    )
+    got = tl.use_in_mode(user, "auto", os.fspath(blob), os.fspath(manifest), os.fspath(too_long))
+    assert got == expected(user, recs)
+
+
+def test_connect_maps_every_os_error_to_a_daemon_error_naming_the_socket(
+    full_listener: Path, tmp_path: Path
+) -> None:
+    from smstore._ipc import connect
+
+    with pytest.raises(smstore.DaemonError, match="busy"):
+        connect(full_listener)
+    not_a_socket = tmp_path / "plain-file"  # connect() to a regular file: ECONNREFUSED
+    not_a_socket.write_bytes(b"")
+    with pytest.raises(smstore.DaemonError, match=re.escape(os.fspath(not_a_socket))):
+        connect(not_a_socket)
+    a_dir = tmp_path / "a-dir" / "x.sock"  # ENOTDIR: a path component is a file
+    (tmp_path / "a-dir").write_bytes(b"")
+    with pytest.raises(smstore.DaemonError, match=re.escape(os.fspath(a_dir)) + r" \(Not a directory\)"):
+        connect(a_dir)
 
 
 @pytest.mark.parametrize("user", tl.MODE_USERS)
@@ -236,6 +335,27 @@ def test_dataset_and_collator_handed_to_a_child_attach_to_the_daemons_segment(
     assert records == recs
     assert gathered == recs
     assert where == [("DaemonStore", segment), ("DaemonStore", segment)]
+
+
+def test_a_relative_path_reads_the_same_file_in_a_child_with_another_cwd(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The handle pickles its absolute path: a spawned child started in another directory, which
+    holds another file of the same name, reads the file its parent named."""
+    recs = make_records(40)
+    here, elsewhere = tmp_path / "here", tmp_path / "elsewhere"
+    here.mkdir()
+    elsewhere.mkdir()
+    smstore.pack(recs, here / "d.smst", durable=False)
+    smstore.pack([b"other"] * 40, elsewhere / "d.smst", durable=False)
+    monkeypatch.chdir(here)
+    ds = smstore.SharedStoreDataset("d.smst", decode="bytes", mode="mmap")
+    collate = smstore.TokenCollator("d.smst", layout="pack", mode="mmap")
+    monkeypatch.chdir(elsewhere)  # a spawned child starts in its parent's working directory
+    records, gathered, _where = run_child(tl.read_through_handles, ds, collate)
+    assert records == recs
+    assert gathered == recs
+    assert ds.store.path == os.fspath(here / "d.smst")
 
 
 @pytest.mark.parametrize("mode", ["mmap", "auto"])

@@ -19,7 +19,7 @@ from daemon_testlib import Daemon, make_records
 
 import smstore
 from smstore import _core
-from smstore._health import Check, Probes, doctor
+from smstore._health import Check, Probes, _mount_of, doctor, wait_served
 from smstore._ipc import process_start_time
 from smstore._manifest import read_manifest
 from smstore._store import read_checksum
@@ -140,6 +140,34 @@ def test_doctor_reads_a_cgroup_v1_limit_also_inside_a_cgroup_namespace(tmp_path:
     assert by_name(checks, "cgroup memory")[0][0] == "ok"
 
 
+def test_doctor_never_reads_a_cgroup_outside_the_root(tmp_path: Path, sock: Path) -> None:
+    """A cgroup namespace names a cgroup outside it as /../outside: no file above the root is read."""
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 10_000], blob, durable=False)
+    cg = tmp_path / "cgroup"
+    cg.mkdir()
+    (cg / "cgroup.controllers").write_text("memory\n")
+    outside = tmp_path / "outside"  # beside the root: base/../outside
+    outside.mkdir()
+    (outside / "memory.max").write_text("8192\n")
+    (outside / "memory.current").write_text("0\n")
+    proc = tmp_path / "proc-cgroup"
+    for rel in ("/../outside", "/../../outside", "/./../outside"):
+        proc.write_text(f"0::{rel}\n")
+        checks = doctor([os.fspath(blob)], sock, probes=probes(tmp_path, proc_cgroup=proc, cgroup_root=cg))
+        ((status, message),) = by_name(checks, "cgroup memory")
+        assert status == "ok", (rel, message)
+        assert os.fspath(outside) not in message
+    # Inside the root, the same limit is found (dropping '..' keeps what follows it).
+    (cg / "outside").mkdir()
+    (cg / "outside" / "memory.max").write_text("8192\n")
+    proc.write_text("0::/../outside\n")
+    checks = doctor([os.fspath(blob)], sock, probes=probes(tmp_path, proc_cgroup=proc, cgroup_root=cg))
+    ((status, message),) = by_name(checks, "cgroup memory")
+    assert status == "fail"
+    assert os.fspath(cg / "outside" / "memory.max") in message
+
+
 def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) -> None:
     shm = tmp_path / "s hm"  # mountinfo escapes the space: \040
     shm.mkdir()
@@ -156,6 +184,33 @@ def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) 
     info.write_text(info.read_text() + f"40 30 0:40 / {tmp_path}/s\\040hm rw - tmpfs tmpfs rw,size=65536k\n")
     checks = doctor([], sock, probes=probes(tmp_path, shm_dir=shm, mountinfo=info))
     assert [s for s, _ in by_name(checks, "shm")] == ["ok"]
+
+
+def test_doctor_reads_a_mountinfo_with_a_non_utf8_mount_point(tmp_path: Path, sock: Path) -> None:
+    shm = tmp_path / "s hm"
+    shm.mkdir()
+    info = tmp_path / "mountinfo"
+    info.write_bytes(
+        b"22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        b"25 22 0:26 / /mnt/caf\xe9 rw,relatime - ext4 /dev/sdc1 rw\n"  # not UTF-8
+        + b"40 22 0:40 / "
+        + os.fsencode(shm).replace(b" ", b"\\040")
+        + b" rw - tmpfs tmpfs rw,size=65536k\n"
+    )
+    checks = doctor([], sock, probes=probes(tmp_path, shm_dir=shm, mountinfo=info))
+    assert [s for s, _ in by_name(checks, "shm")] == ["ok"]
+    # The non-UTF-8 point matches the path that names it, its escapes decoded as bytes.
+    odd = tmp_path / os.fsdecode(b"caf\xe9 x")
+    odd.mkdir()
+    info.write_bytes(
+        info.read_bytes() + b"41 22 0:41 / " + os.fsencode(tmp_path) + b"/caf\xe9\\040x rw - tmpfs tmpfs rw\n"
+    )
+    assert _mount_of(odd / "seg", info) == (os.fspath(odd), "tmpfs", "rw")
+    assert _mount_of(Path(os.fsdecode(b"/mnt/caf\xe9/a")), info) == (
+        os.fsdecode(b"/mnt/caf\xe9"),
+        "ext4",
+        "rw",
+    )
 
 
 def test_doctor_checks_the_socket_directory(tmp_path: Path) -> None:
@@ -368,6 +423,65 @@ def test_wait_times_out_naming_what_is_missing(
     assert m is not None, res.stderr
     assert m.group(1) == read_manifest(sharded).shard_path(1)
     assert "'smstore load'" in res.stderr
+
+
+def test_wait_and_doctor_refuse_a_socket_path_too_long_cleanly(tmp_path: Path) -> None:
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 100], blob, durable=False)
+    long = tmp_path / ("d" * 120) / "smstore.sock"
+    said = f"socket path {long} is {len(os.fsencode(long))} bytes, longer than the 107 a Unix socket allows"
+    res = cli("wait", blob, "--timeout", "30", "--socket", long)
+    assert res.returncode == 1, res.stderr
+    # At once, not after the timeout: a path no socket can have is never served.
+    assert res.stderr.startswith(f"smstore wait: error: {said}"), res.stderr
+    assert "Traceback" not in res.stderr
+    res = cli("doctor", blob, "--socket", long)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "Traceback" not in res.stderr
+    (fail,) = lines(res.stdout, "FAIL", "socket dir")
+    assert said in fail
+    (warn,) = lines(res.stdout, "WARN", "daemon")
+    assert said in warn
+
+
+def test_wait_retries_a_busy_daemon_until_its_timeout(tmp_path: Path) -> None:
+    """A daemon whose listen queue is full is busy, not absent: wait tries again until its timeout."""
+    import socket
+
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 100], blob, durable=False)
+    path = tmp_path / "full.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(os.fspath(path))
+    listener.listen(0)
+    fillers: list[socket.socket] = []
+    now = [0.0]
+    slept: list[float] = []
+
+    def sleep(s: float) -> None:
+        slept.append(s)
+        now[0] += s
+
+    try:
+        while True:
+            filler = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            filler.setblocking(False)
+            fillers.append(filler)
+            try:
+                filler.connect(os.fspath(path))
+            except BlockingIOError:
+                break
+            assert len(fillers) < 64, "the listen queue never filled"
+        with pytest.raises(smstore.StoreError) as ei:
+            wait_served([os.fspath(blob)], path, 2.0, clock=lambda: now[0], sleep=sleep)
+    finally:
+        for filler in fillers:
+            filler.close()
+        listener.close()
+        path.unlink()
+    assert f"not served after 2 s: no daemon answered (the smstore daemon on {path} is busy" in str(ei.value)
+    assert len(slept) > 3
+    assert sum(slept) == pytest.approx(2.0)
 
 
 def test_wait_blocks_until_a_later_load(

@@ -33,7 +33,7 @@ def tool(name: str) -> str:
 
 
 def test_ruff_lint_and_format() -> None:
-    paths = ["smstore", "tests", "benchmarks", "examples", "fuzz"]
+    paths = ["smstore", "tests", "benchmarks", "examples", "fuzz", ".ci"]
     lint = run(tool("ruff"), "check", *paths)
     assert lint.returncode == 0, lint.stdout + lint.stderr
     fmt = run(tool("ruff"), "format", "--check", *paths)

@@ -48,7 +48,11 @@ std::string finish(PyBlobHasher& h, const py::buffer& header) {
     return checksum_hex(h.hasher.finish(static_cast<const unsigned char*>(info.ptr)));
 }
 
-uint64_t fed(const PyBlobHasher& h) {
+uint64_t fed(PyBlobHasher& h) {
+    // update() writes fed under the mutex with the GIL released: read it under the mutex too, and
+    // wait for a chunk being hashed without holding the GIL.
+    py::gil_scoped_release release;
+    std::lock_guard<std::mutex> lock(h.mu);
     return h.fed;
 }
 

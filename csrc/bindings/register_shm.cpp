@@ -23,10 +23,10 @@ void register_shm(py::module_& m) {
     m.def(
         "shm_load",
         [](const std::string& path, const std::string& name, unsigned mode, int64_t gid, uint64_t room_limit,
-           uint64_t max_rate, bool sendfile) {
+           uint64_t max_rate, bool hash_thread) {
             LoadOptions opt;
             opt.max_rate = max_rate;
-            opt.sendfile = sendfile;
+            opt.hash_thread = hash_thread;
             opt.mode = static_cast<mode_t>(mode);
             opt.gid = gid;
             opt.room_limit = room_limit;
@@ -38,7 +38,7 @@ void register_shm(py::module_& m) {
             return py::make_tuple(seg.fd, seg.size, checksum_hex(seg.checksum), seg.record_count);
         },
         py::arg("path"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1, py::arg("room_limit") = 0,
-        py::arg("max_rate") = 0, py::arg("sendfile") = true,
+        py::arg("max_rate") = 0, py::arg("hash_thread") = true,
         "Load a blob into a new segment; returns (read-only fd, size, checksum as hex, record_count).");
     m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");
     m.def(

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import hashlib
+import logging
 import os
 import threading
 import time
@@ -22,6 +23,11 @@ __all__ = ["CacheEntry", "CacheStats", "NodeCache"]
 
 _SUFFIX = ".smst"
 _PART = ".part"
+# The cache is private to its user: entries may hold data others may not read.
+_DIR_MODE = 0o700
+_FILE_MODE = 0o600
+
+log = logging.getLogger("smstore")
 
 
 @dataclass
@@ -55,7 +61,10 @@ class NodeCache:
 
     The cache is just its directory, so it survives restarts. Processes sharing it take a lock
     file: one lock for the entries (listing, eviction, recency), one per entry while it is fetched,
-    so two processes asking for the same blob fetch it once.
+    so two processes asking for the same blob fetch it once (an evicted entry's lock file goes
+    with it). The directories are made mode 0700 and the entries 0600: the cache is its user's.
+    A cache this process may not write still serves its entries, without recording their use
+    (one warning); fetching into it raises StoreIOError naming the directory.
 
     Args:
         directory: Where the entries live (created if missing).
@@ -72,26 +81,58 @@ class NodeCache:
         self._locks = os.path.join(self.directory, "locks")
         self.stats = CacheStats()
         self._stats_lock = threading.Lock()
+        self._warned_read_only = False
         try:
-            os.makedirs(self._entries, exist_ok=True)
-            os.makedirs(self._locks, exist_ok=True)
+            for d in (self.directory, self._entries, self._locks):
+                os.makedirs(d, mode=_DIR_MODE, exist_ok=True)
         except OSError as e:
             raise StoreIOError(f"{self.directory}: cannot create the cache directory: {e.strerror}") from e
-        with self._lock():
-            self._remove_dead_parts()
+        if os.access(self._locks, os.W_OK) and os.access(self._entries, os.W_OK):
+            with self._lock():
+                self._remove_dead_parts()
 
     def __repr__(self) -> str:
         return f"NodeCache({self.directory!r}, limit_bytes={self.limit_bytes})"
 
     @contextlib.contextmanager
     def _lock(self, name: str = "cache") -> Iterator[None]:
-        path = os.path.join(self._locks, name + ".lock")
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        fd = self._take_lock(self._lock_path(name), wait=True)
+        assert fd is not None  # a waiting take returns a descriptor or raises
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
             yield
         finally:
             os.close(fd)  # releases the lock
+
+    def _lock_path(self, name: str) -> str:
+        return os.path.join(self._locks, name + ".lock")
+
+    def _take_lock(self, path: str, *, wait: bool) -> int | None:
+        """An fd holding the lock file `path` (None if `wait` is False and another holds it)."""
+        while True:
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, _FILE_MODE)
+            except OSError as e:
+                msg = (
+                    f"{self.directory}: cannot take the node cache's lock {path}: {e.strerror}; "
+                    "the cache directory must be writable by the user that fetches into it"
+                )
+                raise StoreIOError(msg) from e
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                return None
+            except BaseException:
+                os.close(fd)
+                raise
+            # An evicted entry's lock file is removed while held: if ours was, lock the new one.
+            try:
+                same = os.stat(path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return fd
+            os.close(fd)
 
     @staticmethod
     def _name(url: RemoteURL, checksum: str) -> str:
@@ -192,12 +233,32 @@ class NodeCache:
         finally:
             os.close(fd)
         if not good:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+            self._unlink(path)
             return False
-        with contextlib.suppress(FileNotFoundError):
+        try:
             os.utime(path, ns=(time.time_ns(), time.time_ns()))  # the recency LRU orders by
+        except FileNotFoundError:
+            pass
+        except OSError as e:  # a cache this process may not write: serve it, unordered
+            if not self._warned_read_only:
+                self._warned_read_only = True
+                log.warning(
+                    "%s: cannot record the use of %s (%s): the node cache is not writable by this "
+                    "process, so its least recently used order is not kept",
+                    self.directory,
+                    os.path.basename(path),
+                    e.strerror,
+                )
         return True
+
+    def _unlink(self, path: str) -> None:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            msg = f"{self.directory}: cannot remove the node cache's entry {path}: {e.strerror}"
+            raise StoreIOError(msg) from e
 
     def _fetch_into_entry(
         self,
@@ -211,12 +272,12 @@ class NodeCache:
     ) -> FetchResult:
         part: str | None = None
         try:
-            fd = os.open(self._entries, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            fd = os.open(self._entries, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, _FILE_MODE)
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
                 raise StoreIOError(f"{self._entries}: cannot create a file: {e.strerror}") from e
             part = f"{path}.{os.getpid()}.{os.urandom(4).hex()}{_PART}"
-            fd = os.open(part, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, 0o644)
+            fd = os.open(part, os.O_CREAT | os.O_EXCL | os.O_RDWR | os.O_CLOEXEC, _FILE_MODE)
         try:
             os.ftruncate(fd, size)
             result = fetch(
@@ -256,9 +317,23 @@ class NodeCache:
                 break
             if e.path == keep:
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(e.path)  # a process reading it keeps its open file
+            self._unlink(e.path)  # a process reading it keeps its open file
             total -= e.size
+            self._remove_entry_lock(os.path.basename(e.path).removesuffix(_SUFFIX))
+
+    def _remove_entry_lock(self, name: str) -> None:
+        """Remove an evicted entry's lock file, unless a process holds it (it is fetching again)."""
+        path = self._lock_path("entry-" + name)
+        if not os.path.exists(path):
+            return
+        fd = self._take_lock(path, wait=False)
+        if fd is None:
+            return
+        try:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)  # while held: a waiter then sees its file gone and locks a new one
+        finally:
+            os.close(fd)
 
     def _remove_dead_parts(self) -> None:
         """Remove the ``.part`` files of processes that no longer run (killed mid-fetch)."""
@@ -272,8 +347,7 @@ class NodeCache:
                     pid = -1
                 if pid > 0 and _alive(pid):
                     continue
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(e.path)
+                self._unlink(e.path)
 
 
 def _link_unnamed(fd: int, path: str) -> None:

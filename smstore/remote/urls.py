@@ -47,10 +47,24 @@ class RemoteURL:
         return parse_url(f"{self.scheme}://{self.bucket}/{self.key}{name}")
 
 
+def _redact(url: str) -> str:
+    """`url` safe to show: its query and fragment cut off, anything up to its last '@' as ``***@``.
+
+    Up to the last '@', not only the host's userinfo: a secret key may hold a '/' (AWS's do), which
+    would end the host early and leave the rest of the secret in the path.
+    """
+    head, sep, rest = url.partition("://")
+    rest = re.split(r"[?#]", rest, maxsplit=1)[0]
+    if "@" in rest:
+        rest = "***@" + rest.rsplit("@", 1)[1]
+    return head + sep + rest
+
+
 def _refuse(url: str, fault: str) -> RemoteURLError:
-    shown = url if len(url) <= 200 else url[:200] + "..."
-    # repr() shows control characters escaped; the query (which may carry a token) is cut off.
-    shown = shown.split("?", 1)[0]
+    # Redacted before it is cut: a cut could drop the '@' and leave the secret before it.
+    shown = _redact(url)
+    shown = shown if len(shown) <= 200 else shown[:200] + "..."
+    # repr() shows control characters escaped.
     return RemoteURLError(f"{shown!r}: {fault}")
 
 
@@ -103,11 +117,13 @@ def parse_url(url: str, *, prefix: bool = False) -> RemoteURL:
         raise _refuse(
             url, "userinfo (user:password@) is not allowed: credentials come from the cloud's environment"
         )
+    # A host cut short by a '/' in a secret (user:se/cret@bucket) would show the secret's start.
+    named = "" if "@" in url else f" {netloc!r}"
     if scheme == "https":
         if not _HOST.fullmatch(netloc):
-            raise _refuse(url, f"bad host {netloc!r}")
+            raise _refuse(url, f"bad host{named}")
     elif not _BUCKET.fullmatch(netloc) or ".." in netloc:
-        raise _refuse(url, f"bad bucket name {netloc!r}: 3-222 lowercase letters, digits, dots and hyphens")
+        raise _refuse(url, f"bad bucket name{named}: 3-222 lowercase letters, digits, dots and hyphens")
     key = parts.path.removeprefix("/")
     if prefix:
         if key and not key.endswith("/"):
