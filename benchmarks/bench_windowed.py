@@ -412,6 +412,13 @@ def shmem_bytes() -> int:
     raise RuntimeError("/proc/meminfo has no Shmem line")
 
 
+def process_cpu_seconds(pid: int) -> float:
+    """The CPU time (user and system, all threads) a live process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def daemon_segments(daemon_pid: int) -> int:
     """Bytes of the daemon's segments in /dev/shm (loads under way included)."""
     total = 0
@@ -424,9 +431,16 @@ def daemon_segments(daemon_pid: int) -> int:
 
 
 def run_epoch(
-    tmp: Path, dataset: Path, budget: int, window: int, lag: int, args: argparse.Namespace
+    tmp: Path,
+    dataset: Path,
+    budget: int,
+    window: int,
+    lag: int,
+    args: argparse.Namespace,
+    daemon_args: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """One epoch of R ranks through a fresh daemon: each rank's waits, records and memory samples."""
+    """One epoch of R ranks through a fresh daemon (given `daemon_args` too): each rank's waits,
+    records and memory samples."""
     run = Path(tempfile.mkdtemp(prefix="epoch-", dir=tmp))
     sock = run / "run" / "smstore.sock"
     sock.parent.mkdir(mode=0o700)
@@ -436,7 +450,7 @@ def run_epoch(
     with open(daemon_log, "wb") as err:
         daemon = subprocess.Popen(
             [sys.executable, "-m", "smstore", "serve", "--shm-limit", str(budget),
-             "--max-read-rate", str(args.read_rate_mib * MiB)],
+             "--max-read-rate", str(args.read_rate_mib * MiB), *daemon_args],
             stderr=err, env=env,
         )  # fmt: skip
     ranks: list[subprocess.Popen[bytes]] = []
@@ -476,6 +490,7 @@ def run_epoch(
             if r.wait(timeout=3600) != 0:
                 raise RuntimeError(f"rank exited with {r.returncode}")
         elapsed = time.perf_counter() - started
+        daemon_cpu = process_cpu_seconds(daemon.pid)
     finally:
         stop.set()
         for r in ranks:
@@ -484,7 +499,12 @@ def run_epoch(
                 r.wait()
         daemon.send_signal(signal.SIGTERM)
         daemon.wait(timeout=30)
-    return {"outs": [json.loads(p.read_text()) for p in results], "samples": samples, "elapsed": elapsed}
+    return {
+        "outs": [json.loads(p.read_text()) for p in results],
+        "samples": samples,
+        "elapsed": elapsed,
+        "daemon_cpu": daemon_cpu,
+    }
 
 
 def switch_and_steady(outs: list[dict[str, Any]], switch_batches: int) -> tuple[list[float], list[float]]:

@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.dataset import SharedStoreDataset
     from smstore.loader import Loader
+    from smstore.loader_stats import LoaderStats
     from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
     from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
@@ -73,6 +74,7 @@ __all__ = [
     "IndexFileError",
     "IndexStaleError",
     "Loader",
+    "LoaderStats",
     "Mixture",
     "MixtureDataset",
     "MixtureError",
@@ -132,6 +134,7 @@ _LAZY = {
     "SharedStoreDataset": "smstore.dataset",
     "TokenCollator": "smstore.collate",
     "Loader": "smstore.loader",
+    "LoaderStats": "smstore.loader_stats",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",

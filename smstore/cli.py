@@ -457,6 +457,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"smstore serve: {e}", file=sys.stderr)
         return 2
     files = [blob for f in args.files for blob in _blob_files(f)]
+    metrics = None
+    if args.metrics is not None:
+        from smstore.daemon import parse_address
+
+        try:
+            metrics = parse_address(args.metrics)
+        except ValueError as e:
+            print(f"smstore serve: {e}", file=sys.stderr)
+            return 2
     return serve(
         files,
         sock=args.socket,
@@ -467,6 +476,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         limits=limits,
         background=args.background,
         require=args.require,
+        metrics=metrics,
+        metrics_file=args.metrics_file,
     )
 
 
@@ -478,9 +489,63 @@ def _client_pids(pids: list[int]) -> str:
 STATUS_SHOWN = 20
 
 
+def _metrics_lines(reply: dict[str, Any]) -> list[str]:
+    """The ``metrics`` section of a status reply, a few lines (the figures `--metrics` exports)."""
+    m = reply.get("metrics") or {}
+    loads = m.get("loads", {})
+    waits = m.get("attach_waits", 0)
+
+    def by(key: str) -> str:
+        return ", ".join(f"{k} {v}" for k, v in sorted(m.get(key, {}).items())) or "none"
+
+    limit = m.get("shm_limit_bytes", 0)
+    budget = f"{_human(m.get('shm_used_bytes', 0))} of {_human(limit)}" if limit else "no limit"
+    return [
+        (
+            f"resident: {m.get('segments', 0)} segment(s), {_human(m.get('resident_bytes', 0))}; "
+            f"budget {budget}; /dev/shm free {_human(m.get('shm_available_bytes', 0))}"
+        ),
+        (
+            f"loads: {sum(loads.values())} ({by('loads')}), {_human(m.get('load_bytes', 0))} in "
+            f"{m.get('load_seconds', 0.0):.2f} s; {m.get('loading', 0)} loading; failures: {by('load_failures')}"
+        ),
+        (
+            f"held shards: {m.get('held_resident', 0)} loaded of {m.get('held_wanted', 0)} wanted; "
+            f"readers waited for a load {waits} time(s), {m.get('attach_wait_seconds', 0.0):.3f} s"
+        ),
+        f"connections by uid: {by('connections')}; refusals: {by('refusals')}",
+    ]
+
+
+def _watch(args: argparse.Namespace) -> int:
+    """`status --watch`: the metrics redrawn every `args.interval` seconds until Ctrl-C."""
+    from smstore.client import daemon_request
+
+    tty = sys.stdout.isatty()
+    try:
+        while True:
+            try:
+                reply = daemon_request({"op": "status", "limit": 0}, args.socket)
+                lines = [f"smstore daemon pid {reply['pid']} on {reply['socket']}", *_metrics_lines(reply)]
+            except StoreError as e:
+                lines = [f"no daemon answers: {e}"]
+            stamp = time.strftime("%H:%M:%S")
+            if tty:  # redraw in place, like top
+                sys.stdout.write("\x1b[H\x1b[2J" + f"{stamp}  every {args.interval:g} s, Ctrl-C to quit\n")
+                sys.stdout.write("\n".join(lines) + "\n")
+            else:  # plain lines for a log or a pipe
+                sys.stdout.write("".join(f"{stamp} {line}\n" for line in lines))
+            sys.stdout.flush()
+            time.sleep(args.interval)
+    except KeyboardInterrupt:
+        return 0
+
+
 def cmd_status(args: argparse.Namespace) -> int:
     from smstore.client import daemon_request
 
+    if args.watch:
+        return _watch(args)
     reply = daemon_request({"op": "status", "limit": STATUS_SHOWN}, args.socket)
     segments = reply["segments"]
     if args.detail:  # every segment, a page at a time: any number fits
@@ -525,6 +590,9 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(f"{path}\n  loading...")
     if not total and not reply["loading"]:
         print("no blobs loaded")
+    print("metrics" + (f" (served at {reply['metrics_url']})" if reply.get("metrics_url") else "") + ":")
+    for line in _metrics_lines(reply):
+        print(f"  {line}")
     return 0
 
 
@@ -714,6 +782,18 @@ def _add_daemon_commands(sub: Any) -> None:
         help="readers' 'held' requests waiting for a change at a time (default 1024, an eighth of them "
         "up to 64 kept for the owner; beyond it a reader asks again every 100 ms; 0: none parked)",
     )
+    p.add_argument(
+        "--metrics",
+        metavar="HOST:PORT",
+        help="serve the metrics in the Prometheus text format at http://HOST:PORT/metrics "
+        "(host default 127.0.0.1; port 0: any free port, shown by 'smstore status')",
+    )
+    p.add_argument(
+        "--metrics-file",
+        metavar="PATH",
+        help="write the metrics to PATH (a *.prom file for node_exporter's textfile collector), "
+        "replaced whole at most every 5 s",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)
 
@@ -723,6 +803,14 @@ def _add_daemon_commands(sub: Any) -> None:
         "--detail",
         action="store_true",
         help=f"describe every segment (default: a summary and the first {STATUS_SHOWN})",
+    )
+    p.add_argument("--watch", action="store_true", help="a live view of the metrics, redrawn until Ctrl-C")
+    p.add_argument(
+        "--interval",
+        type=_positive_seconds,
+        default=2.0,
+        metavar="SECONDS",
+        help="--watch's period (default 2)",
     )
     p.set_defaults(func=cmd_status)
 

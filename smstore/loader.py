@@ -13,6 +13,7 @@ import numpy as np
 from smstore import _core
 from smstore.collate import TokenCollator
 from smstore.errors import StoreChangedError, StoreClosedError
+from smstore.loader_stats import LoaderStats
 
 __all__ = ["Loader"]
 
@@ -144,6 +145,7 @@ class Loader:
         self._copy_to_pinned = bool(pin_memory) and _cuda_available() and not self._pinned
         self._batcher: _core.Batcher | None = None
         self._pass = 0  # passes started; a generator of an older pass stops
+        self._stats = LoaderStats()
         self._received = 0  # batches of the current pass handed to the loop
         self._exhausted = False
         self._pid = os.getpid()
@@ -166,8 +168,14 @@ class Loader:
         ours = sys.modules.get("smstore.sampler")  # not loaded: the sampler is not one of ours
         if ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
             # Our samplers hand their chunks over as int64 arrays: no Python int per index.
-            return self._run(self._pass, batcher, _array_feed(batcher, self.sampler._chunks()))
-        return self._run(self._pass, batcher, _iterator_feed(batcher, iter(self.sampler)))
+            run = self._run(self._pass, batcher, _array_feed(batcher, self.sampler._chunks()))
+        else:
+            run = self._run(self._pass, batcher, _iterator_feed(batcher, iter(self.sampler)))
+        return self._stats.wrap(run)
+
+    def stats(self) -> LoaderStats:
+        """How long the loop waited for each batch and the share of its steps that was (every pass)."""
+        return self._stats
 
     def _run(self, token: int, batcher: _core.Batcher, feed: _Feed) -> Iterator[dict[str, Any]]:
         import torch

@@ -24,6 +24,7 @@ import torch
 from torch.utils.data import Sampler, SequentialSampler
 
 from smstore.errors import CollateError, StoreClosedError, WorkerError
+from smstore.loader_stats import LoaderStats
 from smstore.sampler import GlobalShuffleSampler
 
 __all__ = ["TransformLoader"]
@@ -622,6 +623,7 @@ class TransformLoader:
         self._pool: _WorkerPool | None = None
         self._seq = 0  # batch numbers, over every pass (a slot is batch number % depth)
         self._pass = 0  # the pass under way; an older iterator stops
+        self._stats = LoaderStats()
         self._started = False  # a pass started since the last load_state_dict
         self._received = 0  # batches of the current pass handed to the loop (skipped ones included)
         self._exhausted = False
@@ -672,7 +674,11 @@ class TransformLoader:
         skip, self._skip = self._skip, 0
         self._started, self._received, self._exhausted = True, skip, False
         pool.base = self._seq
-        return self._run(pool, self._pass, self._batches(skip))
+        return self._stats.wrap(self._run(pool, self._pass, self._batches(skip)))
+
+    def stats(self) -> LoaderStats:
+        """How long the loop waited for each batch and the share of its steps that was (every pass)."""
+        return self._stats
 
     def _batches(self, skip: int) -> Iterator[list[int]]:
         it = iter(self.sampler)

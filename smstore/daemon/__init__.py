@@ -10,6 +10,7 @@ The package stays light: importing ``smstore.daemon.segments`` (for `list_segmen
 - `connections`: accepting, framing, backpressure and timeouts of client connections
 - `segments`: segment names, listing, lock, the segment table, adoption, `gc`
 - `state`: the state file a successor adopts segments from
+- `metrics`: the metrics' table, their Prometheus text and the exporter (HTTP, textfile)
 """
 
 from __future__ import annotations
@@ -18,13 +19,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from smstore.daemon.connections import Limits
+    from smstore.daemon.metrics import parse_address
     from smstore.daemon.server import Daemon, serve
 
-__all__ = ["Daemon", "Limits", "serve"]
+__all__ = ["Daemon", "Limits", "parse_address", "serve"]
 
 _LAZY = {
     "Daemon": "smstore.daemon.server",
     "Limits": "smstore.daemon.connections",
+    "parse_address": "smstore.daemon.metrics",
     "serve": "smstore.daemon.server",
 }
 

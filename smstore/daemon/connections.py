@@ -25,7 +25,7 @@ import selectors
 import socket
 import struct
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -143,6 +143,7 @@ class Server:
         self.conns: dict[int, Conn] = {}
         self.parked: dict[int, float] = {}  # connection id -> when its parked request is answered
         self.per_uid: dict[int, int] = {}
+        self.refusals: Counter[str] = Counter()  # refusing replies sent, by their error code
         self.ids = itertools.count(1)  # connection ids are never reused, unlike fd numbers
         self.sel = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
@@ -339,6 +340,8 @@ class Server:
         conn = self.conns.get(cid)
         if conn is None:
             return
+        if isinstance(msg, dict) and msg.get("ok") is False:
+            self.refusals[str(msg.get("error"))[:100]] += 1
         try:
             data = msg if isinstance(msg, bytes) else encode(msg)
         except (DaemonError, TypeError, ValueError) as e:

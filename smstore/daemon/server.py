@@ -12,6 +12,7 @@ import resource
 import selectors
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ from smstore._protocol import (
     path_arg,
 )
 from smstore.daemon.connections import Conn, Limits, Server
+from smstore.daemon.metrics import Exporter
 from smstore.daemon.segments import (
     SHM_DIR,
     DaemonLock,
@@ -114,6 +116,7 @@ class Daemon(Server):
         read_rate: Read files at most this many bytes a second (0: no limit), to spare a shared
             file system.
         limits: What clients are allowed (connections, request size, timeouts).
+        exporter: Where the metrics go (HTTP, textfile), published at most once a second; or None.
     """
 
     def __init__(
@@ -125,6 +128,7 @@ class Daemon(Server):
         shm_limit_from: str = "--shm-limit",
         read_rate: int = 0,
         limits: Limits | None = None,
+        exporter: Exporter | None = None,
     ) -> None:
         super().__init__(os.getuid(), limits or Limits())
         self.sock_path = sock_path
@@ -150,6 +154,8 @@ class Daemon(Server):
         self.stopping = False
         self.served_held = 0  # 'held' requests served: what readers following the holds cost
         self.lock: DaemonLock | None = None
+        self.exporter = exporter
+        self._next_publish = 0.0
         # shutdown() removes only what start() made: a second daemon refused on a live socket
         # must leave the socket and state file of the first alone.
         self._owns_socket = False
@@ -190,6 +196,8 @@ class Daemon(Server):
         self._owns_state = True
         self.state.save()
         self.serving.loader.start()
+        if self.exporter is not None:
+            self.exporter.start()
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
         for f in files:
             self.serving.queue_load(os.fspath(Path(f).absolute()), None)
@@ -233,6 +241,9 @@ class Daemon(Server):
             if self._owns_state:
                 self.state.path.unlink(missing_ok=True)
             self.serving.loader.stop()
+            if self.exporter is not None:
+                self.exporter.publish(metric_values(self))
+                self.exporter.stop()
         finally:
             # Whatever failed above (a descriptor short for listing /dev/shm), the segments and the
             # lock still go: a successor or `smstore gc` would otherwise find them.
@@ -308,6 +319,9 @@ class Daemon(Server):
                 self.dispatch(key, events)
         self.expire()
         self.state.flush()
+        if self.exporter is not None and (now := time.monotonic()) >= self._next_publish:
+            self._next_publish = now + 1.0
+            self.exporter.publish(metric_values(self))
 
     def require(self, files: list[str]) -> None:
         """Serve until every one of `files` (given at start) has loaded or failed; raise if any failed.
@@ -392,6 +406,28 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "failed": failed[:STATUS_LIST],
         "loads": daemon.serving.loads,
         "connections": len(daemon.conns),
+        "metrics": metric_values(daemon, (available, total)),
+        "metrics_url": daemon.exporter.url if daemon.exporter is not None else None,
+    }
+
+
+def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[str, Any]:
+    """Every metric's value now (keys of `smstore.daemon.metrics.METRICS`): status's ``metrics`` section."""
+    available, _total = shm if shm is not None else _core.shm_space(os.fspath(SHM_DIR))
+    planner = daemon.serving.planner
+    wanted = planner.wanted()
+    return {
+        "segments": len(daemon.segments),
+        "resident_bytes": sum(s.size for s in daemon.segments.values()),
+        "shm_limit_bytes": planner.shm_limit,
+        "shm_used_bytes": planner.used(),
+        "shm_available_bytes": available,
+        "loading": len(daemon.serving.loading),
+        **daemon.serving.counters.values(),
+        "held_wanted": len(wanted),
+        "held_resident": sum(ck in daemon.segments for ck in wanted),
+        "connections": {str(uid): n for uid, n in sorted(daemon.per_uid.items())},
+        "refusals": dict(daemon.refusals),
     }
 
 
@@ -406,6 +442,8 @@ def serve(
     limits: Limits | None = None,
     background: bool = True,
     require: bool = False,
+    metrics: tuple[str, int] | None = None,
+    metrics_file: str | os.PathLike[str] | None = None,
 ) -> int:
     """Run the daemon in the foreground until stopped. Returns the exit status.
 
@@ -415,6 +453,9 @@ def serve(
     With `background` (the default), the daemon's threads run under ``SCHED_BATCH``: a request
     that wakes the daemon (a rank's fire-and-forget ``hold`` at a window switch) never preempts
     the process that sent it, whose training loop goes on while the daemon waits for a free core.
+
+    With `metrics` (host, port) and/or `metrics_file`, the metrics are served over HTTP and/or
+    written to a textfile for node_exporter (see docs/operations.md, "Metrics").
     """
     if background:
         # Before any thread starts: each thread of the daemon inherits it.
@@ -426,6 +467,11 @@ def serve(
         shm_limit_from=shm_limit_from,
         read_rate=read_rate,
         limits=limits,
+        exporter=(
+            Exporter(metrics, Path(metrics_file) if metrics_file is not None else None)
+            if metrics is not None or metrics_file is not None
+            else None
+        ),
     )
 
     def on_signal(signum: int, _frame: object) -> None:

@@ -25,6 +25,7 @@ from smstore._protocol import (
 )
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
+from smstore.daemon.metrics import Counters
 from smstore.daemon.planner import MAX_MANIFESTS, Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
 from smstore.daemon.state import StateFile
@@ -81,9 +82,10 @@ class Serving:
         )
         self.loader = Loader(segments, self.planner, segment_name, gid=gid, read_rate=read_rate)
         self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
-        # Readers waiting for a held shard still on its way (connection id, checksum), by path.
-        self.attach_waiting: dict[str, list[tuple[int, str]]] = {}
+        # Readers waiting for a held shard still on its way (connection id, checksum, since when), by path.
+        self.attach_waiting: dict[str, list[tuple[int, str, float]]] = {}
         self.loads = 0  # loads finished (or failed) since the start
+        self.counters = Counters()  # what the metrics count: loads, their bytes and time, readers' waits
         self.failures: dict[str, str] = {}  # path -> why its last load failed (until it loads)
         # What readers follow (`held`): the held shards and those not resident yet, its version
         # (one more at each change), and its replies, encoded once per dataset followed (None:
@@ -132,6 +134,8 @@ class Serving:
             if isinstance(result, Failed):
                 log.error("failed to load %s: %s", path, result.error)
                 failure = str(result.error)[:1000]
+                self.counters.loads["failed"] += 1
+                self.counters.load_failures[type(result.error).__name__] += 1
                 self.planner.load_failed(path, failure)
                 self.failures[path] = failure
                 reply = refusal(type(result.error).__name__, failure)
@@ -141,14 +145,21 @@ class Serving:
                 self.planner.load_done(path, result.checksum, asked=bool(waiters))
                 seg = self.register(path, result)
                 reply = {"ok": True, **describe(seg)}
+                if isinstance(result, Loaded):
+                    self.counters.loads["loaded"] += 1
+                    self.counters.load_bytes += seg.size
+                    self.counters.load_seconds += result.seconds
+                else:
+                    self.counters.loads["already_loaded"] += 1
             for cid in waiters:
                 self.server.set_busy(cid, False)
                 self.server.reply(cid, reply)
                 self.server.parse(cid)
-            for cid, checksum in self.attach_waiting.pop(path, []):
+            for cid, checksum, since in self.attach_waiting.pop(path, []):
                 conn = self.server.conns.get(cid)
                 if conn is None:
                     continue
+                self._waited(since)
                 self.server.set_busy(cid, False)
                 seg_now = self.segments.get(checksum)
                 if seg_now is None:
@@ -208,7 +219,7 @@ class Serving:
         ):
             # A held shard on its way (loading, or waiting for room): answer when its load ends.
             # No file is read for this that a rank did not ask for.
-            self.attach_waiting.setdefault(path, []).append((cid, checksum))
+            self.attach_waiting.setdefault(path, []).append((cid, checksum, time.monotonic()))
             self.server.set_busy(cid, True)
             return
         if seg is None:
@@ -246,8 +257,9 @@ class Serving:
         for path in list(self.attach_waiting):
             if path not in self.loading and path not in self.planner.waiting_room:
                 # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
-                for cid, checksum in self.attach_waiting.pop(path):
+                for cid, checksum, since in self.attach_waiting.pop(path):
                     if cid in self.server.conns:
+                        self._waited(since)
                         self.server.set_busy(cid, False)
                         self.server.reply(
                             cid, not_served(checksum, self.planner.why_not_held(path, checksum))
@@ -350,6 +362,11 @@ class Serving:
             return self.held_frame(manifest)
         except (StoreError, OSError) as e:
             return encode(refusal(type(e).__name__, str(e)[:1000], version=self.held_version))
+
+    def _waited(self, since: float) -> None:
+        """A reader's attach that waited for a load since `since` is answered now."""
+        self.counters.attach_waits += 1
+        self.counters.attach_wait_seconds += time.monotonic() - since
 
     def detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
         """A reader unmapped a segment (it stays attached through its connection otherwise).

@@ -1,0 +1,241 @@
+"""The daemon's metrics: the counters the loop keeps, their Prometheus text, and the exporter that serves it.
+
+The event loop keeps the counts (`Counters`) and, at most once a second, publishes a snapshot of
+every value (the ``metrics`` section of ``status``, built by the server) to the `Exporter`, which
+renders it once. The exporter's thread only reads the last rendered text: a scrape or a textfile
+write never touches the daemon's state and never waits for its loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import http.server
+import logging
+import os
+import tempfile
+import threading
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from smstore.errors import DaemonError
+
+__all__ = ["METRICS", "Counters", "Exporter", "parse_address", "render"]
+
+log = logging.getLogger("smstore.daemon")
+
+# Seconds between two writes of the textfile at most (node_exporter reads it at its own pace).
+TEXTFILE_PERIOD = 5.0
+
+# The one table of metrics: key in status's ``metrics`` section -> (Prometheus name, type, label, help).
+# A value is a number, or (with a label) a mapping from the label's value to a number.
+METRICS: dict[str, tuple[str, str, str | None, str]] = {
+    "segments": ("smstore_segments", "gauge", None, "Segments the daemon serves"),
+    "resident_bytes": ("smstore_resident_bytes", "gauge", None, "Bytes of the segments the daemon serves"),
+    "shm_limit_bytes": ("smstore_shm_limit_bytes", "gauge", None, "The --shm-limit budget (0: no limit)"),
+    "shm_used_bytes": ("smstore_shm_used_bytes", "gauge", None, "Bytes counted against the budget"),
+    "shm_available_bytes": ("smstore_shm_available_bytes", "gauge", None, "Bytes free in /dev/shm"),
+    "loading": ("smstore_loading", "gauge", None, "Loads queued or running"),
+    "loads": (
+        "smstore_loads",
+        "counter",
+        "result",
+        "Loads ended, by result (loaded, already_loaded, failed)",
+    ),
+    "load_bytes": ("smstore_load_bytes", "counter", None, "Bytes copied into shared memory by loads"),
+    "load_seconds": ("smstore_load_seconds", "counter", None, "Seconds the loads took"),
+    "load_failures": ("smstore_load_failures", "counter", "kind", "Loads failed, by the error's kind"),
+    "held_wanted": ("smstore_held_shards_wanted", "gauge", None, "Shards the ranks hold (window and next)"),
+    "held_resident": ("smstore_held_shards_resident", "gauge", None, "Held shards loaded"),
+    "attach_waits": ("smstore_attach_waits", "counter", None, "Attaches that waited for a held shard's load"),
+    "attach_wait_seconds": (
+        "smstore_attach_wait_seconds",
+        "counter",
+        None,
+        "Seconds readers waited for a load",
+    ),
+    "connections": ("smstore_connections", "gauge", "uid", "Open connections, by the peer's uid"),
+    "refusals": ("smstore_refusals", "counter", "reason", "Requests refused, by the reply's error code"),
+}
+
+
+@dataclass
+class Counters:
+    """What the event loop counts as it serves (the gauges are read from its state when published)."""
+
+    loads: Counter[str] = field(default_factory=Counter)
+    load_bytes: int = 0
+    load_seconds: float = 0.0
+    load_failures: Counter[str] = field(default_factory=Counter)
+    attach_waits: int = 0
+    attach_wait_seconds: float = 0.0
+
+    def values(self) -> dict[str, Any]:
+        return {
+            "loads": dict(self.loads),
+            "load_bytes": self.load_bytes,
+            "load_seconds": self.load_seconds,
+            "load_failures": dict(self.load_failures),
+            "attach_waits": self.attach_waits,
+            "attach_wait_seconds": self.attach_wait_seconds,
+        }
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
+
+
+def render(values: dict[str, Any]) -> str:
+    """The Prometheus text exposition (version 0.0.4) of a ``metrics`` section of ``status``."""
+    lines: list[str] = []
+    for key, (name, kind, label, text) in METRICS.items():
+        value = values.get(key)
+        if value is None:
+            continue
+        sample = f"{name}_total" if kind == "counter" else name
+        lines.append(f"# HELP {name} {text}")
+        lines.append(f"# TYPE {name} {kind}")
+        if label is None:
+            lines.append(f"{sample} {float(value)!r}")
+        else:
+            for lv, v in sorted(value.items()):
+                lines.append(f'{sample}{{{label}="{_escape(str(lv))}"}} {float(v)!r}')
+    return "\n".join(lines) + "\n"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1) as (host, port).
+
+    Raises:
+        ValueError: Naming what is wrong with `text`.
+    """
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]") if sep else ""
+    try:
+        number = int(port)
+    except ValueError:
+        raise ValueError(f"--metrics {text!r}: expected HOST:PORT (a port number after the colon)") from None
+    if not 0 <= number <= 65535:
+        raise ValueError(f"--metrics {text!r}: port {number} is out of range")
+    return host or "127.0.0.1", number
+
+
+class Exporter:
+    """Serves the last published metrics over HTTP and/or writes them to a textfile, from its own threads.
+
+    Args:
+        address: (host, port) to serve ``GET /metrics`` on, or None.
+        textfile: A file for node_exporter's textfile collector (written by rename), or None.
+
+    Raises:
+        DaemonError: The address cannot be listened on, or the textfile's directory does not exist.
+    """
+
+    def __init__(self, address: tuple[str, int] | None, textfile: Path | None) -> None:
+        if textfile is not None and not textfile.parent.is_dir():
+            msg = f"--metrics-file {textfile}: its directory does not exist; create it or name another"
+            raise DaemonError(msg)
+        self.textfile = textfile
+        self._text = b""
+        self._changed = threading.Event()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._started = False
+        self._httpd: http.server.ThreadingHTTPServer | None = None
+        if address is not None:
+            try:
+                self._httpd = http.server.ThreadingHTTPServer(address, self._handler())
+            except OSError as e:
+                msg = f"--metrics {address[0]}:{address[1]}: cannot listen there ({e.strerror or e})"
+                raise DaemonError(msg) from None
+            self._httpd.daemon_threads = True
+            self._threads.append(
+                threading.Thread(target=self._httpd.serve_forever, name="smstore-metrics-http", daemon=True)
+            )
+        if textfile is not None:
+            self._threads.append(
+                threading.Thread(target=self._write_loop, name="smstore-metrics-file", daemon=True)
+            )
+
+    @property
+    def url(self) -> str | None:
+        """Where the metrics are served (the port the system chose for port 0), or None."""
+        if self._httpd is None:
+            return None
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host!s}:{port}/metrics"
+
+    def start(self) -> None:
+        self._started = True
+        for t in self._threads:
+            t.start()
+        if self.url:
+            log.info("metrics at %s", self.url)
+
+    def publish(self, values: dict[str, Any]) -> None:
+        """Render `values` (on the caller's thread): the threads serve this text from now on."""
+        self._text = render(values).encode()  # one reference swapped: readers see old or new, whole
+        self._changed.set()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._changed.set()
+        if self._httpd is not None:
+            if self._started:  # shutdown() waits for serve_forever, which only start() runs
+                self._httpd.shutdown()
+            self._httpd.server_close()
+        if not self._started:
+            return
+        for t in self._threads:
+            t.join(timeout=5)
+        if self.textfile is not None and self._text:
+            self._write()  # the last figures, for a collector that reads it after we stopped
+
+    def _handler(self) -> type[http.server.BaseHTTPRequestHandler]:
+        exporter = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            timeout = 10  # a scraper that stalls holds one thread of ours for at most this long
+
+            def do_GET(self) -> None:
+                if self.path.split("?")[0] not in ("/", "/metrics"):
+                    self.send_error(404, "the metrics are at /metrics")
+                    return
+                body = exporter._text
+                self.send_response(200)
+                self.send_header("Content-Type", "text/plain; version=0.0.4; charset=utf-8")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass  # a scrape every few seconds is not worth a log line
+
+        return Handler
+
+    def _write_loop(self) -> None:
+        while not self._stop.is_set():
+            self._changed.wait()
+            if self._stop.is_set():
+                return
+            self._changed.clear()
+            self._write()
+            self._stop.wait(TEXTFILE_PERIOD)
+
+    def _write(self) -> None:
+        """Write the textfile whole: a temporary file in its directory, then a rename over it."""
+        assert self.textfile is not None
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.textfile.name}.", dir=self.textfile.parent)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(self._text)
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, self.textfile)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        except OSError as e:
+            log.error("cannot write the metrics file %s: %s", self.textfile, e)
