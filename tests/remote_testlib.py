@@ -21,7 +21,7 @@ logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs ever
 #   cut    - forward, send the headers and half the body, then RST
 #   500    - answer 500 InternalError;  503 - SlowDown;  429 - TooManyRequests
 #   403    - answer 403 AccessDenied (not retryable)
-#   stall  - read the request, answer nothing until the proxy stops (the client's timeout ends it)
+#   stall  - read the request, answer nothing until released or the proxy stops (or the client's timeout ends it)
 FAULTS = ("reset", "cut", "500", "503", "429", "403", "stall")
 
 _HOP = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "proxy-connection"}
@@ -59,6 +59,7 @@ class FaultProxy:
     seen: list[Seen] = field(default_factory=list)
     stalled: threading.Event = field(default_factory=threading.Event)  # set when a request stalls
     _stop: threading.Event = field(default_factory=threading.Event)
+    _release: threading.Event = field(default_factory=threading.Event)  # ends the stalls
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def __post_init__(self) -> None:
@@ -89,8 +90,13 @@ class FaultProxy:
             if matches is not None:
                 self.matches = matches
 
+    def release(self) -> None:
+        """End the requests stalled now and later (each is reset, as a timeout would end it)."""
+        self._release.set()
+
     def stop(self) -> None:
         self._stop.set()
+        self._release.set()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join()
@@ -111,7 +117,7 @@ class FaultProxy:
             return
         if fault == "stall":
             self.stalled.set()
-            self._stop.wait(60)
+            self._release.wait(300)
             _reset(h.connection)
             return
         if fault in ("500", "503", "429", "403"):
