@@ -35,6 +35,7 @@ log = logging.getLogger("smstore.remote")
 DEFAULT_CHUNK = 16 << 20  # one ranged GET: large enough to amortise a request, small enough to retry
 DEFAULT_CONCURRENCY = 8  # ranged GETs in flight for one object
 PIECE = 1 << 20  # a range's bytes are written and hashed in pieces of this size as they arrive
+_STEP = 0.2  # seconds between two looks at the ranges (and at a pending Ctrl-C)
 HEADER = _core.BLOB_HEADER_SIZE
 _CHECKSUM_FIELD = 96  # docs/format.md: the header's u64 checksum
 
@@ -365,7 +366,11 @@ def fetch(
     failures: list[BaseException] = []
     pool = ThreadPoolExecutor(max_workers=min(concurrency, chunks), thread_name_prefix="smstore-fetch")
     try:
-        wait([pool.submit(get, i, failures) for i in range(chunks)], return_when=FIRST_EXCEPTION)
+        pending = {pool.submit(get, i, failures) for i in range(chunks)}
+        # In steps, not one wait: a Ctrl-C that the kernel gives to another thread (the client
+        # library's) only sets a flag, which this thread acts on when it next runs Python code.
+        while pending and not failures:
+            _, pending = wait(pending, timeout=_STEP, return_when=FIRST_EXCEPTION)
     except BaseException:
         stop.set()  # interrupted: the ranges still queued are dropped, those in flight end after their GET
         raise
