@@ -43,6 +43,17 @@ def _run_outside_the_source_tree() -> Iterator[None]:
 
 
 @pytest.fixture
+def ctrl_c() -> Iterator[None]:
+    """Ctrl-C as an interactive shell gives it, whatever this run inherited: a suite started in the
+    background (`cmd &` in a script) has SIGINT ignored, and children inherit the ignoring."""
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+
+
+@pytest.fixture
 def awkward_records() -> list[bytes]:
     return list(AWKWARD)
 

@@ -257,7 +257,7 @@ def test_no_room_and_permission_denied_refusals_are_counted(
 
 
 def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
-    tmp_path: Path, start_daemon: Callable[..., Daemon]
+    tmp_path: Path, start_daemon: Callable[..., Daemon], ctrl_c: None
 ) -> None:
     path = tmp_path / "b.smst"
     smstore.pack(tl.make_records(100), path, durable=False)
@@ -297,7 +297,9 @@ def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
     assert "Traceback" not in err
 
 
-def test_watch_on_a_terminal_redraws_in_place(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+def test_watch_on_a_terminal_redraws_in_place(
+    tmp_path: Path, start_daemon: Callable[..., Daemon], ctrl_c: None
+) -> None:
     d = start_daemon(loaded=0)
     master, slave = pty.openpty()
     proc = subprocess.Popen(

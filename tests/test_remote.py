@@ -658,7 +658,7 @@ def test_two_processes_sharing_a_cache_fetch_a_blob_once(
 
 
 def test_an_interrupted_fetch_caches_nothing(
-    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
+    s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path, ctrl_c: None
 ) -> None:
     url, data, checksum = blob
     cache = NodeCache(tmp_path / "cache", 1 << 30)
