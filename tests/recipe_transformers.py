@@ -71,6 +71,10 @@ def main() -> None:
     rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
     with open(f"{args.out}.rank{rank}", "w") as f:
         json.dump(model.seen, f)
+    if torch.distributed.is_initialized():
+        # As recipe_torchrun does: a gloo group left to the interpreter's exit aborted a rank now
+        # and then ("terminate called without an active exception", exit -6) after training ended.
+        torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
