@@ -256,6 +256,21 @@ def test_no_room_and_permission_denied_refusals_are_counted(
     assert status["metrics"]["refusals"] == want
 
 
+def watch_command(sock: Path) -> list[str]:
+    """`smstore status --watch` on `sock`, redrawn every 0.1 s."""
+    return [
+        sys.executable,
+        "-m",
+        "smstore",
+        "status",
+        "--watch",
+        "--interval",
+        "0.1",
+        "--socket",
+        os.fspath(sock),
+    ]
+
+
 def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
     tmp_path: Path, start_daemon: Callable[..., Daemon], ctrl_c: None
 ) -> None:
@@ -267,17 +282,7 @@ def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
     assert "loads: 1 (loaded 1)" in out
     assert f"connections by uid: {UID} 1" in out
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "smstore",
-            "status",
-            "--watch",
-            "--interval",
-            "0.1",
-            "--socket",
-            os.fspath(d.sock),
-        ],
+        watch_command(d.sock),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -303,17 +308,7 @@ def test_watch_on_a_terminal_redraws_in_place(
     d = start_daemon(loaded=0)
     master, slave = pty.openpty()
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "smstore",
-            "status",
-            "--watch",
-            "--interval",
-            "0.1",
-            "--socket",
-            os.fspath(d.sock),
-        ],
+        watch_command(d.sock),
         stdout=slave,
         stderr=subprocess.PIPE,
         text=True,
