@@ -364,6 +364,42 @@ def test_core_load_leaves_nothing_behind(
     assert not _core.shm_unlink(name)
 
 
+@pytest.mark.skipif(
+    len(os.sched_getaffinity(0)) < 2, reason="a load pins its thread only with two CPUs or more"
+)
+def test_a_load_gives_the_calling_thread_its_cpus_back(tmp_path: Path) -> None:
+    # The copying thread is kept on its CPU for the load, its helper off it (so a busy neighbour's
+    # CPU, not the copier's, is shared with the hashing); whether the load ends loaded or refused,
+    # the caller's thread may run where it could before. Allowed one CPU, it loads with no helper.
+    path = tmp_path / "big.smst"
+    recs = _big_blob(path, 3)  # several rings of chunks, so the helper takes part
+    name = f"/smstore-test-{os.getpid()}-cpus"
+    before = os.sched_getaffinity(0)
+    bad = tmp_path / "bad.smst"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 1
+    bad.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError):
+        _core.shm_load(os.fspath(bad), name)
+    assert os.sched_getaffinity(0) == before
+    assert not (SHM / name[1:]).exists()
+    for allowed in (before, {min(before)}):
+        os.sched_setaffinity(0, allowed)
+        try:
+            fd, _size, checksum, _count = _core.shm_load(os.fspath(path), name)
+            assert os.sched_getaffinity(0) == allowed
+        finally:
+            os.sched_setaffinity(0, before)
+        try:
+            store = _core.Store._from_fd(fd, "seg", False)
+            assert checksum == store.checksum
+            assert [bytes(store[i]) for i in range(len(store))] == recs
+            store.close()
+        finally:
+            os.close(fd)
+            assert _core.shm_unlink(name)
+
+
 def _big_blob(path: Path, mib: int) -> list[bytes]:
     recs = [bytes([65 + i % 26]) * (4000 + i % 97) + i.to_bytes(4, "little") for i in range(mib * 256)]
     smstore.pack(recs, path)
