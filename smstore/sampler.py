@@ -30,6 +30,7 @@ else:
 
 __all__ = [
     "BlockWindowOrder",
+    "BlockWindowSampler",
     "FeistelPermutation",
     "GlobalShuffleSampler",
     "ResumableLoader",
@@ -755,6 +756,25 @@ class BlockWindowOrder:
         )
         return out.reshape(shape)
 
+    def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]:
+        """The records at positions ``(first + i * step) % wrap`` for ``i < count``."""
+        return self.strided_array(first, step, count, wrap).tolist()  # type: ignore[no-any-return]
+
+    def strided_array(
+        self, first: int, step: int, count: int, wrap: int
+    ) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """:meth:`strided`'s records as an int64 array."""
+        positions = (first + np.arange(count, dtype=np.int64) * step) % max(1, wrap)
+        return self(positions)
+
+    def window_of(self, position: int) -> int:
+        """The window holding ``position``."""
+        return int(np.searchsorted(self.window_starts, position, side="right")) - 1
+
+    def window_start(self, w: int) -> int:
+        """The first position of window ``w`` (``n`` past the last)."""
+        return int(self.window_starts[min(w, len(self.window_starts) - 1)])
+
     def __len__(self) -> int:
         return self.n
 
@@ -949,6 +969,192 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
             f"WindowedShuffleSampler(num_records={self.num_records}, shards={len(self.shard_sizes)}, "
             f"window={self.window}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}, "
             f"world_size={self.world_size}, drop_last={self.drop_last})"
+        )
+
+
+class BlockWindowSampler(GlobalShuffleSampler):
+    """A shuffle over a sharded dataset larger than memory that holds **blocks** (record ranges), not shards.
+
+    **The order** is :class:`BlockWindowOrder` keyed by ``(seed, epoch)`` with groups of one
+    block: the dataset's records in manifest order are cut into blocks of ``block`` records, the
+    blocks put in a keyed order, each block's records spread evenly over the ``spread`` windows
+    from its own, and each window shuffled exactly (docs/training.md, "Block windows"). As with
+    :class:`GlobalShuffleSampler`, the order does not depend on the world size, rank ``r`` of
+    ``W`` yields positions ``r, r + W, ...``, and ``state_dict`` / ``load_state_dict`` resume in
+    O(1) at any world size.
+
+    **Residency.** While window ``w`` is read, the blocks of groups ``w - spread + 1 .. w`` are
+    needed and group ``w + 1``'s is loading; for the first ``lag`` samples of a window the block
+    whose records ended with the previous window stays held too. The sampler holds those blocks'
+    pieces (:class:`smstore._blocks.BlockResidency`), so a daemon loads each one once an epoch, in
+    one sequential read, within its ``--shm-limit``, and drops it when no rank holds it. Readers
+    read records through :class:`smstore._blocks.BlockReader` (``keep=sampler.keep``).
+
+    Args:
+        dataset: A SharedStoreDataset of a sharded dataset (or anything with ``shard_sizes`` and
+            the manifest's ``path``), or the shard sizes (no residency then).
+        block: Records per block (see :meth:`plan` for one of at least 4 MiB within a budget).
+        spread: Windows each block's records are spread over (at least 1).
+        seed: Any integer; the same on every rank.
+        rank: This rank (default: from torch.distributed or ``RANK``).
+        world_size: The number of ranks (default: found like ``rank``).
+        drop_last: Drop the tail that does not divide evenly instead of padding.
+        residency: ``None`` (default): a :class:`~smstore._blocks.BlockResidency` when
+            ``dataset`` names a manifest; ``False``: none; or one to use.
+        lag: Samples of this rank during which the block the previous window ended stays held
+            (at least ``prefetch_factor * num_workers * batch_size``).
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        block: int,
+        spread: int,
+        seed: int,
+        rank: int | None = None,
+        world_size: int | None = None,
+        drop_last: bool = False,
+        residency: Any = None,
+        lag: int = 1024,
+    ) -> None:
+        sizes = list(dataset) if isinstance(dataset, (list, tuple)) else list(dataset.shard_sizes)
+        if any(int(x) < 0 for x in sizes):
+            msg = "shard sizes must be >= 0"
+            raise ValueError(msg)
+        for name, value in (("block", block), ("spread", spread)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                msg = f"{name} must be a positive integer, not {value!r}"
+                raise ValueError(msg)
+        if lag < 0:
+            msg = f"lag must be >= 0, not {lag}"
+            raise ValueError(msg)
+        super().__init__(sum(sizes), seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
+        self.shard_sizes = [int(x) for x in sizes]
+        self.block, self.spread, self.lag = block, spread, int(lag)
+        self.starts = [0, *np.cumsum(self.shard_sizes, dtype=np.int64).tolist()]
+        self._digest = hashlib.blake2b(str(self.shard_sizes).encode(), digest_size=8).hexdigest()
+        self._order_cache: tuple[tuple[int, int], BlockWindowOrder] | None = None
+        if residency is None:
+            path = manifest_of(dataset)
+            if path is not None:
+                from smstore._blocks import BlockResidency
+
+                residency = BlockResidency(path)
+        self.residency = residency or None
+        self._last_hold: tuple[Any, ...] | None = None
+        # Pieces a reader keeps mapped: the blocks held (spread + 2), a block being up to two pieces
+        # (more where shards are shorter than a block), twice over for the windows in flight.
+        shortest = min((x for x in self.shard_sizes if x), default=block)
+        self.keep = 2 * (spread + 2) * (1 + -(-block // shortest))
+
+    @staticmethod
+    def plan(dataset: Any, budget: int, *, block_bytes: int = 4 << 20) -> tuple[int, int]:
+        """``(block, spread)`` for blocks of at least `block_bytes` (on average) within `budget` bytes.
+
+        The blocks held at once (``spread + 2``: the window's, the next, and one in the lag) fill
+        the budget. For the best mix keep ``block`` at most ``memory / (2 x batch)`` records
+        (docs/training.md, "Block windows").
+
+        Raises:
+            ValueError: The budget holds fewer than three such blocks.
+        """
+        from smstore._manifest import read_manifest
+
+        manifest = read_manifest(getattr(dataset, "path", dataset))
+        records = sum(x.records for x in manifest.shards)
+        data = sum(x.data_bytes for x in manifest.shards)
+        per_record = max(1.0, data / max(1, records))
+        block = max(1, -(-block_bytes // int(per_record)))
+        held = int(budget // (block * per_record + 4096 + 8 * block))
+        if held < 3:
+            msg = (
+                f"a budget of {budget} bytes holds {held} blocks of {block} records ({block_bytes} bytes); "
+                "at least 3 are needed (the window's, the next and the previous): raise the budget"
+            )
+            raise ValueError(msg)
+        return block, held - 2
+
+    _max_chunk = 4096  # a window switch also holds the next block: keep each draw short
+
+    def permutation(self, epoch: int | None = None) -> BlockWindowOrder:
+        """The order of ``epoch`` (default: the current one)."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        cache_key = (self.seed, epoch)
+        if self._order_cache is None or self._order_cache[0] != cache_key:
+            key = f"smstore-block-shuffle-v1:{self.seed}:{epoch}:{self.block}:{self.spread}:{self._digest}"
+            order = BlockWindowOrder(self.shard_sizes, block=self.block, group=1, spread=self.spread, key=key)
+            self._order_cache = (cache_key, order)
+        return self._order_cache[1]
+
+    def held_blocks(self, position: int) -> list[int]:
+        """The blocks held while ``position`` of the epoch's order is read (lag not counted), in load order."""
+        order = self.permutation()
+        w = order.window_of(position)
+        groups = list(order.window_groups(w))
+        if w + 1 < len(order.group_starts) - 1:
+            groups.append(w + 1)
+        return [int(b) for j in groups for b in order.group_blocks(j)]
+
+    def _reached(self, start: int, done: int) -> int:
+        """Hold what the pass needs at local step `done`; the next step where that changes."""
+        if self.num_records == 0:
+            return sys.maxsize
+        order = self.permutation()
+        g = start + self.rank + done * self.world_size
+        at = g % self.num_records  # the padding wraps to the start of the order
+        w = order.window_of(at)
+        begin = order.window_start(w)
+        draining = w >= self.spread and at - begin < self.lag * self.world_size
+        if self.residency is not None:
+            from smstore._blocks import block_pieces
+
+            blocks = self.held_blocks(at)
+            if draining:
+                blocks += [int(b) for b in order.group_blocks(w - self.spread)]
+            held = tuple(p for b in blocks for p in block_pieces(self.starts, self.block, b))
+            if held != self._last_hold:
+                self.residency.hold(held, wait=self._last_hold is None)
+                self._last_hold = held
+        nxt = order.window_start(w + 1)
+        if draining:
+            nxt = min(nxt, begin + self.lag * self.world_size)
+        nxt += g - at
+        return done + max(1, -(-(nxt - g) // self.world_size))
+
+    def _new_pass(self) -> None:
+        self._last_hold = None
+
+    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
+        state = super().state_dict(local_consumed)
+        state["blocks"] = [self.block, self.spread, self._digest]
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume (see GlobalShuffleSampler.load_state_dict); the blocks and shards must match.
+
+        Raises:
+            ValueError: The state is of another block size, spread or set of shards.
+        """
+        mine = [self.block, self.spread, self._digest]
+        if list(state.get("blocks", mine)) != mine:
+            msg = (
+                f"the state was saved with (block, spread, shards) {state.get('blocks')}; this sampler has "
+                f"{mine}: another order cannot be resumed"
+            )
+            raise ValueError(msg)
+        super().load_state_dict(state)
+
+    def close(self) -> None:
+        """Give up the blocks this rank holds (also done when the process exits)."""
+        if self.residency is not None:
+            self.residency.close()
+
+    def __repr__(self) -> str:
+        return (
+            f"BlockWindowSampler(num_records={self.num_records}, shards={len(self.shard_sizes)}, "
+            f"block={self.block}, spread={self.spread}, seed={self.seed}, epoch={self.epoch}, "
+            f"rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})"
         )
 
 

@@ -28,6 +28,7 @@ from smstore._protocol import (
     hold_arg,
     page_arg,
     path_arg,
+    path_value,
 )
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.metrics import Exporter
@@ -40,6 +41,7 @@ from smstore.daemon.segments import (
     new_segment_name,
     unlink_quietly,
 )
+from smstore.daemon.blocks import Blocks, parse_pieces
 from smstore.daemon.serving import Serving, describe
 from smstore.daemon.state import StateFile, state_path
 from smstore.errors import DaemonError
@@ -151,6 +153,7 @@ class Daemon(Server):
             gid=self.gid,
             read_rate=read_rate,
         )
+        self.blocks = Blocks(self.serving)  # pieces of shards held by block samplers
         self.stopping = False
         self.served_held = 0  # 'held' requests served: what readers following the holds cost
         self.lock: DaemonLock | None = None
@@ -241,6 +244,7 @@ class Daemon(Server):
             if self._owns_state:
                 self.state.path.unlink(missing_ok=True)
             self.serving.loader.stop()
+            self.blocks.stop()
             if self.exporter is not None:
                 self.exporter.publish(metric_values(self))
                 self.exporter.stop()
@@ -278,7 +282,7 @@ class Daemon(Server):
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
-        elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
+        elif op in ("load", "unload", "stop", "share", "hold", "hold_blocks") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
@@ -291,6 +295,10 @@ class Daemon(Server):
             self.serving.share(cid, conn, req)
         elif op == "hold":
             self.serving.hold(cid, *hold_arg(req), reply=req.get("noreply") is not True)
+        elif op == "hold_blocks":
+            resident = self.blocks.hold(cid, path_value(req.get("manifest")), parse_pieces(req.get("pieces")))
+            if req.get("noreply") is not True:
+                self.reply(cid, {"ok": True, "resident": resident})
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
@@ -299,6 +307,7 @@ class Daemon(Server):
 
     def on_close(self, cid: int, conn: Conn) -> None:
         self.serving.closed(cid, conn)
+        self.blocks.closed(cid)
 
     def wake(self, cid: int) -> None:
         self.serving.wake(cid)  # the only requests parked: 'held' ones
@@ -315,6 +324,7 @@ class Daemon(Server):
                     log.error("accept failed: %s", e)
             elif key.data == "wake":
                 self.serving.finish_loads()
+                self.blocks.reconcile()
             else:
                 self.dispatch(key, events)
         self.expire()

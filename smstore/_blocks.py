@@ -1,0 +1,280 @@
+"""Blocks of a sharded dataset: record ranges the daemon holds instead of whole shards, and the reader of them.
+
+A **block** is ``block`` consecutive records of the dataset in manifest order (the last shorter);
+one that runs past a shard's end is a **piece** of each shard, each read sequentially in one go.
+The daemon serves a piece as its own segment: a blob holding exactly the piece's records, named
+(in the daemon's table) by :func:`piece_id` of the shard's checksum and the range, so a reader
+finds it without asking which bytes it holds. Client and daemon import this module; it never
+imports the daemon or torch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import socket as socket_module
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+from smstore import _core
+from smstore._ipc import connect, exchange, socket_path
+from smstore._manifest import read_manifest
+from smstore._modes import Mode, check_mode, fall_back
+from smstore._protocol import NOT_SERVED, encode
+from smstore.errors import DaemonError, StoreChangedError
+
+__all__ = ["BlockReader", "BlockResidency", "Piece", "block_pieces", "piece_id", "piece_path"]
+
+
+class Piece(NamedTuple):
+    """Records ``[first, end)`` of shard ``shard`` (indices within the shard)."""
+
+    shard: int
+    first: int
+    end: int
+
+
+def piece_id(shard_checksum: str, first: int, end: int) -> str:
+    """The daemon's name for a piece: 16 hex digits, as a checksum is written (never a blob's own)."""
+    return hashlib.blake2b(f"block:{shard_checksum}:{first}:{end}".encode(), digest_size=8).hexdigest()
+
+
+def piece_path(shard_path: str, first: int, end: int) -> str:
+    """What the daemon's loads and logs call a piece: the shard's path and the record range."""
+    return f"{os.path.abspath(shard_path)}#records={first}-{end}"
+
+
+def block_pieces(starts: Sequence[int], block: int, i: int) -> list[Piece]:
+    """The pieces of block ``i``: one per shard it touches (``starts``: each shard's first record, then the total)."""
+    n = starts[-1]
+    lo, hi = i * block, min((i + 1) * block, n)
+    pieces = []
+    k = bisect.bisect_right(starts, lo) - 1
+    while lo < hi:
+        while starts[k + 1] <= lo:  # empty shards
+            k += 1
+        end = min(hi, starts[k + 1])
+        pieces.append(Piece(k, lo - starts[k], end - starts[k]))
+        lo = end
+    return pieces
+
+
+class BlockReader:
+    """Records of a sharded dataset read from the daemon's block segments, else from the shard files.
+
+    A reader (a DataLoader worker) asks the daemon for the piece holding a record; one the ranks'
+    samplers hold arrives as soon as its load ends, and one that is not held (or whose load
+    failed) is read from the shard's file instead, so every record reads the same bytes either
+    way (``block_reads`` and ``file_reads`` count which). At most ``keep`` pieces stay mapped:
+    the least recently read one is detached first, so the daemon can free the pieces the ranks
+    moved past (a piece still mapped counts against ``--shm-limit`` until it is detached).
+
+    Args:
+        path: The manifest, or a directory holding ``manifest.json``.
+        block: Records per block (the sampler's).
+        keep: Pieces kept mapped (about the pieces the sampler holds).
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+
+    Raises:
+        StoreChangedError: A shard read from its file holds other contents than the manifest
+            records.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike[str], *, block: int, keep: int = 64, socket: str | None = None
+    ) -> None:
+        manifest = read_manifest(path)
+        self.path = manifest.path
+        self.block = int(block)
+        self.keep = max(1, int(keep))
+        self.shards = [(os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)]
+        starts = [0]
+        for s in manifest.shards:
+            starts.append(starts[-1] + s.records)
+        self.starts = starts
+        self.socket = socket_path(socket)
+        self.block_reads = 0
+        self.file_reads = 0
+        self._pieces: OrderedDict[str, tuple[Piece, _core.Store | None]] = OrderedDict()
+        self._files: dict[int, _core.Store] = {}
+        self._conn: socket_module.socket | None = None
+        self._pid = os.getpid()
+
+    def __len__(self) -> int:
+        return self.starts[-1]
+
+    def __getitem__(self, index: int) -> bytes:
+        """The bytes of record ``index`` of the dataset."""
+        i = int(index)
+        if not 0 <= i < self.starts[-1]:
+            msg = f"{self.path}: record {i} out of range for a dataset of {self.starts[-1]}"
+            raise IndexError(msg)
+        k = bisect.bisect_right(self.starts, i) - 1
+        lo = max((i // self.block) * self.block, self.starts[k]) - self.starts[k]
+        hi = min((i // self.block + 1) * self.block, self.starts[k + 1]) - self.starts[k]
+        piece = Piece(k, lo, hi)
+        store = self._piece(piece)
+        if store is not None:
+            self.block_reads += 1
+            return bytes(store[i - self.starts[k] - lo])
+        self.file_reads += 1
+        return bytes(self._file(k)[i - self.starts[k]])
+
+    def _piece(self, piece: Piece) -> _core.Store | None:
+        key = piece_id(self.shards[piece.shard][1], piece.first, piece.end)
+        entry = self._pieces.get(key)
+        if entry is not None:
+            self._pieces.move_to_end(key)
+            return entry[1]
+        store = self._attach(key, piece)
+        if store is None:
+            return None  # not held now: read from the file, asked again next time
+        self._pieces[key] = (piece, store)
+        while len(self._pieces) > self.keep:
+            old, (_p, old_store) = self._pieces.popitem(last=False)
+            if old_store is not None:
+                old_store.close()
+                self._send({"op": "detach", "checksum": old, "noreply": True}, reply=False)
+        return store
+
+    def _attach(self, key: str, piece: Piece) -> _core.Store | None:
+        path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
+        reply, fd = self._send({"op": "attach", "checksum": key, "path": path}, reply=True)
+        if fd is None:
+            if reply.get("code") not in (None, NOT_SERVED):
+                raise DaemonError(f"{path}: the smstore daemon refused: {reply.get('message', reply)}")
+            return None
+        try:
+            store = _core.Store._from_fd(fd, path, False)
+        finally:
+            os.close(fd)
+        if len(store) != piece.end - piece.first:
+            store.close()
+            msg = f"{path}: the daemon's segment holds {len(store)} records, not {piece.end - piece.first}"
+            raise StoreChangedError(msg)
+        return store
+
+    def _send(self, message: dict[str, Any], *, reply: bool) -> tuple[dict[str, Any], int | None]:
+        if self._pid != os.getpid():  # a forked child: its own connection and mappings
+            self._conn, self._pieces, self._files, self._pid = None, OrderedDict(), {}, os.getpid()
+        if self._conn is None:
+            try:
+                self._conn = connect(self.socket)
+            except DaemonError:
+                return {"ok": False, "code": NOT_SERVED}, None
+        if not reply:
+            self._conn.sendall(encode(message))
+            return {}, None
+        try:
+            return exchange(self._conn, message, self.socket)
+        except DaemonError:
+            self._conn.close()
+            self._conn = None
+            return {"ok": False, "code": NOT_SERVED}, None
+
+    def _file(self, k: int) -> _core.Store:
+        store = self._files.get(k)
+        if store is None:
+            path, checksum = self.shards[k]
+            store = _core.Store(path)
+            if store.checksum != checksum:
+                store.close()
+                msg = (
+                    f"{path}: holds checksum {store.checksum}, but {self.path} records {checksum}: the shard "
+                    "was re-packed or overwritten since its manifest was written; pack the dataset again"
+                )
+                raise StoreChangedError(msg)
+            self._files[k] = store
+        return store
+
+    def close(self) -> None:
+        """Unmap every piece and file, and close the connection (the daemon forgets this reader)."""
+        for _p, store in self._pieces.values():
+            if store is not None:
+                store.close()
+        for store in self._files.values():
+            store.close()
+        self._pieces.clear()
+        self._files.clear()
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state.update(_conn=None, _pieces=OrderedDict(), _files={}, _pid=-1)
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._pid = os.getpid()
+
+
+class BlockResidency:
+    """Which pieces of a sharded dataset this rank needs now, told to the daemon (``hold_blocks``).
+
+    Without a daemon (``mode="auto"``) nothing is held: readers read the shard files (a warning
+    once per process says so); ``mode="daemon"`` requires one.
+
+    Args:
+        path: The manifest, or a directory holding ``manifest.json``.
+        mode: ``"auto"``, ``"daemon"`` or ``"mmap"`` (never a daemon), as for every reader.
+        socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], *, mode: Mode = "auto", socket: str | None = None) -> None:
+        self.mode: Mode = check_mode(mode)
+        self.path = os.path.abspath(read_manifest(path).path)
+        self.socket = socket_path(socket)
+        self.kind: str | None = None
+        self.held: tuple[Piece, ...] = ()
+        self._conn: socket_module.socket | None = None
+        self._pid = os.getpid()
+
+    def hold(self, pieces: Sequence[Piece], *, wait: bool = False) -> None:  # noqa: ARG002 - as ShardResidency.hold
+        """Need `pieces` (in the order to load them) and no others from now on.
+
+        Raises:
+            DaemonError: The daemon refused (a piece larger than its ``--shm-limit``, a shard
+                changed since its manifest was written), or none answers with ``mode="daemon"``.
+        """
+        wanted = tuple(pieces)
+        if self.mode == "mmap":
+            self.kind, self.held = "file", wanted
+            return
+        if self._pid != os.getpid():
+            self._conn, self._pid = None, os.getpid()
+        message = {
+            "op": "hold_blocks",
+            "manifest": self.path,
+            "pieces": ",".join(f"{p.shard}:{p.first}:{p.end}" for p in wanted),
+        }
+        try:
+            if self._conn is None:
+                self._conn = connect(self.socket)
+            reply, fd = exchange(self._conn, message, self.socket)
+        except DaemonError as e:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+            fall_back(self.mode, self.path, str(e), self.socket, "file")
+            self.kind, self.held = "file", wanted
+            return
+        if fd is not None:
+            os.close(fd)
+        if not reply.get("ok"):
+            msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
+            raise DaemonError(msg)
+        self.kind, self.held = "daemon", wanted
+
+    def close(self) -> None:
+        """Give up every hold (the daemon drops the pieces no other rank holds)."""
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        msg = "a BlockResidency belongs to the process that made it; it does not pickle"
+        raise TypeError(msg)

@@ -1,0 +1,290 @@
+"""Block residency: the daemon holds, loads and drops pieces of shards (record ranges) for the ranks' block samplers.
+
+A rank's :class:`smstore.sampler.BlockWindowSampler` holds the pieces (:mod:`smstore._blocks`)
+its order reads now and next (``hold_blocks``). Each piece is loaded as its own segment: a blob of
+exactly its records, its bytes read from the shard in one sequential read, registered in the
+daemon's one segment table under :func:`~smstore._blocks.piece_id`, so readers attach it like
+any segment and it counts in the planner's one budget (``Planner.used``/``fits``). A piece no rank
+holds any more is released through the planner (its pages count until the owner's readers unmap
+it). Loads run on this module's own thread and finish through the loader's queue, so the event
+loop registers them and answers the readers waiting for them exactly as for a shard.
+
+Integrity: the whole file's XXH64 cannot be checked from a piece. A piece is loaded only from a
+shard whose header records the manifest's checksum and whose size is the manifest's (a shard
+re-packed or replaced is refused, at the hold and at the load); the shard's index is validated
+(every record within the data section) before the piece's bytes are located by it; and the
+piece's segment is a blob with its own checksum, written as its bytes are copied. Bytes changed
+in place without a new header are not detected (``smstore verify`` checks whole files).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from smstore import _core
+from smstore._blocks import Piece, piece_id, piece_path
+from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, ProtocolError
+from smstore.daemon.loader import LOADER_NICENESS, Failed, Loaded
+from smstore.daemon.segments import SHM_DIR, pages, unlink_quietly
+from smstore.errors import StoreChangedError, StoreError
+
+if TYPE_CHECKING:
+    from smstore.daemon.serving import Serving
+
+__all__ = ["Blocks", "parse_pieces"]
+
+log = logging.getLogger("smstore.daemon")
+
+# The blob header and index around a piece's records (the header is one page).
+_HEADER = 4096
+
+
+def parse_pieces(value: object) -> list[Piece]:
+    """A 'hold_blocks' request's pieces: ``"shard:first:end,..."``.
+
+    Raises:
+        ProtocolError: Not that form.
+    """
+    if not isinstance(value, str) or len(value) > 1 << 22:
+        raise ProtocolError(BAD_REQUEST, "'pieces' must be a string of comma-separated shard:first:end")
+    try:
+        pieces = [Piece(*(int(x) for x in p.split(":"))) for p in value.split(",")] if value else []
+    except (TypeError, ValueError):
+        raise ProtocolError(BAD_REQUEST, "'pieces' must be a string of comma-separated shard:first:end") from None
+    if any(p.shard < 0 or p.first < 0 or p.end <= p.first for p in pieces):
+        raise ProtocolError(BAD_REQUEST, "each piece needs shard >= 0 and 0 <= first < end")
+    return pieces
+
+
+class _Job:
+    """One piece to load: the shard, the range, its id and the checksum the manifest records."""
+
+    __slots__ = ("checksum", "end", "first", "key", "path", "pseudo", "size")
+
+    def __init__(self, path: str, checksum: str, piece: Piece, key: str, size: int) -> None:
+        self.path, self.checksum, self.first, self.end = path, checksum, piece.first, piece.end
+        self.key, self.size = key, size
+        self.pseudo = piece_path(path, piece.first, piece.end)
+
+
+class Blocks:
+    """The pieces each connection holds, their loads and releases (see the module docstring).
+
+    Args:
+        serving: The daemon's serving side: its segment table, planner (the budget), loader
+            (whose queue and wake-up finish a load) and in-flight loads (readers wait on them).
+    """
+
+    def __init__(self, serving: Serving) -> None:
+        self.serving = serving
+        self.segments = serving.segments
+        self.planner = serving.planner
+        self.holds: dict[int, list[_Job]] = {}
+        self.mine: set[str] = set()  # ids of the segments loaded for holds
+        self.loading: dict[str, _Job] = {}  # id -> job queued or under way
+        self.failed: dict[str, str] = {}  # shard path -> why its pieces cannot be loaded
+        # Per shard path: (identity, index offsets) of a shard checked against its manifest.
+        self._shards: dict[str, tuple[tuple[int, int, int], object]] = {}
+        self.bytes_read = 0
+        self.reads: list[int] = []  # bytes of each piece read (the last 4096)
+        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="smstore-blocks", daemon=True)
+        self.thread.start()
+
+    # ---- holds (event loop) ---------------------------------------------------------------------
+
+    def hold(self, cid: int, manifest_path: str, pieces: list[Piece]) -> int:
+        """Replace what connection `cid` holds with `pieces` of a manifest, in the order to load them; how many.
+
+        Raises:
+            ProtocolError: A bad manifest or shard index, a piece past its shard's end or larger
+                than the whole budget, or a shard that changed since its manifest was written.
+        """
+        try:
+            manifest, paths = self.planner._manifest(manifest_path)  # noqa: SLF001 - its parsed-manifest cache
+        except StoreError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+        jobs = []
+        for p in pieces:
+            if p.shard >= len(manifest.shards) or p.end > manifest.shards[p.shard].records:
+                raise ProtocolError(BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}")
+            path, info = paths[p.shard], manifest.shards[p.shard]
+            offsets = self._checked(path, info.checksum, info.file_size)
+            if path in self.failed:
+                raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {self.failed[path]}"[:1000])
+            size = _HEADER + int(offsets[p.end] - offsets[p.first]) + 8 * (p.end - p.first + 1)  # type: ignore[index]
+            if not self.planner.fits(size, used=0):
+                msg = (
+                    f"{piece_path(path, p.first, p.end)}: a block piece of {size} bytes does not fit the "
+                    f"daemon's --shm-limit of {self.planner.shm_limit} bytes; use smaller blocks"
+                )
+                raise ProtocolError(NO_ROOM, msg)
+            jobs.append(_Job(path, info.checksum, p, piece_id(info.checksum, p.first, p.end), size))
+        if jobs:
+            self.holds[cid] = jobs
+        else:
+            self.holds.pop(cid, None)
+        self.reconcile()
+        return sum(j.key in self.segments for j in jobs)
+
+    def _checked(self, path: str, checksum: str, file_size: int) -> object:
+        """The index offsets of the shard at `path`, once its header says it is the manifest's shard.
+
+        Raises:
+            ProtocolError: It is not (LOAD_FAILED, naming the file and what differs).
+        """
+        try:
+            st = os.stat(path)
+            identity = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError as e:
+            raise ProtocolError(LOAD_FAILED, f"{path}: {e.strerror}") from None
+        cached = self._shards.get(path)
+        if cached is not None and cached[0] == identity:
+            return cached[1]
+        try:
+            store = _core.Store(path)  # validates the header and every index entry
+        except StoreError as e:
+            raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {e}"[:1000]) from None
+        try:
+            if store.checksum != checksum or store.file_size != file_size:
+                why = (
+                    f"{path}: holds checksum {store.checksum} ({store.file_size} bytes), but its manifest records "
+                    f"{checksum} ({file_size} bytes): the shard was re-packed or overwritten since its manifest "
+                    "was written. Pack the dataset again (or restore the shard), then start the job again"
+                )
+                self.failed[path] = why
+                raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {why}")
+            offsets = store.offsets
+        finally:
+            store.close()
+        self.failed.pop(path, None)
+        self._shards[path] = (identity, offsets)
+        if len(self._shards) > 4096:
+            self._shards.clear()
+        return offsets
+
+    def closed(self, cid: int) -> None:
+        if self.holds.pop(cid, None) is not None:
+            self.reconcile()
+
+    def reconcile(self) -> None:
+        """Release the pieces no connection holds; queue the loads of held pieces that fit the budget."""
+        wanted: dict[str, _Job] = {}
+        lists = list(self.holds.values())
+        for depth in range(max((len(h) for h in lists), default=0)):
+            for held in lists:
+                if depth < len(held):
+                    wanted.setdefault(held[depth].key, held[depth])
+        for key, job in list(self.loading.items()):
+            if job.pseudo not in self.serving.loading:  # landed (registered) or failed
+                del self.loading[key]
+                why = self.serving.failures.get(job.pseudo)
+                if key not in self.segments and why is not None:
+                    self.failed[job.path] = why  # not tried again until the file changes
+        released = []
+        for key in list(self.mine):
+            if key not in wanted and key in self.segments:
+                released.append(self.planner.release(self.segments[key]))
+            if key not in self.loading and (key not in wanted or key not in self.segments):
+                self.mine.discard(key)  # released, or its load failed (tried again at the next hold)
+        used = self.planner.used() + sum(pages(j.size) for j in self.loading.values())
+        queued = []
+        for key, job in wanted.items():
+            if key in self.segments or key in self.loading or job.path in self.failed:
+                continue
+            if not self.planner.fits(job.size, used):
+                break  # later pieces wait until earlier ones are released
+            used += pages(job.size)
+            self.loading[key] = job
+            self.mine.add(key)
+            self.serving.loading.setdefault(job.pseudo, [])  # readers asking for it wait for it
+            self.jobs.put(job)
+            queued.append(job.pseudo)
+        if released:
+            log.info("releasing %d block piece(s) no rank holds", len(released))
+            self.serving.state.changed()
+        if queued:
+            log.debug("loading %d held block piece(s)", len(queued))
+
+    def stop(self) -> None:
+        self.jobs.put(None)
+        self.thread.join(timeout=5.0)
+
+    # ---- loads (this module's thread) -----------------------------------------------------------
+
+    def _run(self) -> None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), LOADER_NICENESS)
+        while True:
+            job = self.jobs.get()
+            if job is None:
+                return
+            result: Loaded | Failed
+            try:
+                result = self._load(job)
+            except Exception as e:  # noqa: BLE001 - every load gets an answer
+                result = Failed(e)
+            loader = self.serving.loader
+            loader.done.put((job.pseudo, result))
+            with contextlib.suppress(OSError):
+                loader.wake_w.send(b"x")
+
+    def _load(self, job: _Job) -> Loaded:
+        t0 = time.monotonic()
+        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            store = _core.Store(job.path)
+            try:
+                if store.checksum != job.checksum:
+                    msg = (
+                        f"{job.pseudo}: the shard holds checksum {store.checksum}, but its manifest records "
+                        f"{job.checksum}: it was re-packed or overwritten; pack the dataset again"
+                    )
+                    raise StoreChangedError(msg)
+                offsets = store.offsets[job.first : job.end + 1].astype("int64")
+                meta = store.metadata_bytes.decode()
+                header = _core.read_header(job.path)
+            finally:
+                store.close()
+            start = header.data_offset + int(offsets[0])
+            length = int(offsets[-1] - offsets[0])
+            data = bytearray(length)
+            view = memoryview(data)
+            got = 0
+            while got < length:  # one sequential read of the piece's bytes
+                n = os.preadv(fd, [view[got:]], start + got)
+                if n <= 0:
+                    msg = f"{job.pseudo}: the shard ended early (file truncated?)"
+                    raise StoreChangedError(msg)
+                got += n
+        finally:
+            os.close(fd)
+        self.bytes_read += length
+        self.reads.append(length)
+        del self.reads[:-4096]
+        name = self.serving.loader.segment_name(job.key)
+        shm = os.fspath(SHM_DIR / name)
+        gid = self.serving.loader.gid
+        wfd = os.open(shm, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            writer = _core.Writer.to_fd(wfd, job.pseudo)
+            import numpy as np
+
+            writer.extend_offsets(np.frombuffer(data, dtype=np.uint8), offsets - offsets[0])
+            wfd = writer.finish_fd(meta)
+            if gid is not None:
+                os.fchown(wfd, -1, gid)
+            os.fchmod(wfd, 0o400 if gid is None else 0o440)
+            rfd = os.open(shm, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            os.close(wfd)
+            unlink_quietly(name)
+            raise
+        os.close(wfd)
+        return Loaded(name, rfd, job.key, time.monotonic() - t0)

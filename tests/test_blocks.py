@@ -1,0 +1,261 @@
+"""BlockWindowSampler and block residency: pieces of shards held, loaded and dropped by the daemon, read byte-exact."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import smstore
+from smstore._blocks import BlockReader, BlockResidency, Piece, block_pieces, piece_id
+from smstore._manifest import read_manifest
+from smstore.errors import DaemonError, StoreChangedError
+from smstore.sampler import BlockWindowSampler
+
+from .daemon_testlib import Daemon
+
+SIZES = [50, 0, 70, 30, 100, 10, 80, 40, 40, 90]
+
+
+def order_of(sizes: list[int], block: int, spread: int, seed: int = 3, epoch: int = 0) -> list[int]:
+    s = BlockWindowSampler(sizes, block=block, spread=spread, seed=seed, rank=0, world_size=1, residency=False)
+    s.set_epoch(epoch)
+    return list(s)
+
+
+@pytest.mark.parametrize(("block", "spread"), [(1, 1), (7, 1), (7, 5), (16, 3), (600, 2)])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_every_record_once_and_the_same_order_at_any_world_size(block: int, spread: int, world: int) -> None:
+    n = sum(SIZES)
+    ref = order_of(SIZES, block, spread)
+    assert sorted(ref) == list(range(n))
+    outs = [
+        list(BlockWindowSampler(SIZES, block=block, spread=spread, seed=3, rank=r, world_size=world, residency=False))
+        for r in range(world)
+    ]
+    per_rank = -(-n // world)
+    merged = [outs[i % world][i // world] for i in range(per_rank * world)]
+    assert merged == [ref[p % n] for p in range(per_rank * world)]
+    assert order_of(SIZES, block, spread, epoch=1) != ref  # a new order each epoch
+
+
+@pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 1), (1, 4)])
+def test_resume_at_another_world_size_yields_the_rest_of_the_order(before: int, after: int) -> None:
+    n = sum(SIZES)
+    ref = order_of(SIZES, 9, 4, seed=5)
+    samplers = [
+        BlockWindowSampler(SIZES, block=9, spread=4, seed=5, rank=r, world_size=before, residency=False)
+        for r in range(before)
+    ]
+    its = [iter(s) for s in samplers]
+    taken = 37  # samples per rank before the checkpoint
+    for it in its:
+        for _ in range(taken):
+            next(it)
+    state = samplers[0].state_dict()
+    resumed = []
+    for r in range(after):
+        s = BlockWindowSampler(SIZES, block=9, spread=4, seed=5, rank=r, world_size=after, residency=False)
+        s.load_state_dict(state)
+        resumed.append(list(s))
+    k = taken * before
+    merged = [resumed[i % after][i // after] for i in range(-(-(n - k) // after) * after)]
+    assert merged[: n - k] == ref[k:]
+    other = BlockWindowSampler(SIZES, block=10, spread=4, seed=5, residency=False)
+    with pytest.raises(ValueError, match="another order cannot be resumed"):
+        other.load_state_dict(state)
+
+
+class HoldRecorder:
+    def __init__(self) -> None:
+        self.holds: list[tuple[int, frozenset[Piece]]] = []
+        self.yielded = 0
+
+    def hold(self, pieces: tuple[Piece, ...], *, wait: bool = False) -> None:  # noqa: ARG002
+        self.holds.append((self.yielded, frozenset(pieces)))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (2, 1), (3, 2)])
+def test_holds_cover_every_record_read(world: int, rank: int) -> None:
+    rec = HoldRecorder()
+    s = BlockWindowSampler(SIZES, block=8, spread=3, seed=2, rank=rank, world_size=world, residency=rec, lag=4)
+    starts = [0, *np.cumsum(SIZES).tolist()]
+    held: frozenset[Piece] = frozenset()
+    for i in s:
+        while rec.holds and rec.holds[0][0] <= rec.yielded:
+            held = rec.holds.pop(0)[1]
+        k = int(np.searchsorted(starts, i, side="right")) - 1
+        assert any(p.shard == k and p.first <= i - starts[k] < p.end for p in held), i
+        rec.yielded += 1
+    # What is held at once: the window's blocks, the next and the lag's, each at most two pieces here.
+    assert max(len(h) for _y, h in rec.holds or [(0, held)]) <= 2 * (3 + 2)
+
+
+def test_block_pieces_split_at_shard_ends() -> None:
+    starts = [0, 5, 5, 12, 30]
+    assert block_pieces(starts, 8, 0) == [Piece(0, 0, 5), Piece(2, 0, 3)]
+    assert block_pieces(starts, 8, 1) == [Piece(2, 3, 7), Piece(3, 0, 4)]
+    assert block_pieces(starts, 8, 3) == [Piece(3, 12, 18)]
+
+
+def sharded(tmp_path: Path, shards: int = 8, per_shard: int = 300, size: int = 400) -> tuple[Path, list[bytes]]:
+    rng = np.random.default_rng(11)
+    recs = [
+        bytes(rng.integers(32, 127, size=int(rng.integers(size // 2, size)), dtype=np.uint8))
+        for _ in range(shards * per_shard)
+    ]
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"".join(r + b"\n" for r in recs))
+    out = tmp_path / "ds"
+    smstore.pack_files([src], out, shard_size=per_shard * (size * 3 // 4 + 1), progress=False, durable=False)
+    return out, recs
+
+
+class BlockDataset:
+    """Records through a BlockReader, each with where it was read from (for the test)."""
+
+    def __init__(self, path: Path, block: int, keep: int) -> None:
+        self.reader = BlockReader(path, block=block, keep=keep)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> tuple[int, bytes, int]:
+        before = self.reader.block_reads
+        data = self.reader[i]
+        return i, data, self.reader.block_reads - before
+
+
+def run_rank(out: str, rank: int, world: int, block: int, spread: int, q: Any) -> None:
+    import torch
+
+    sizes = [s.records for s in read_manifest(out).shards]
+
+    class Sized:
+        shard_sizes = sizes
+        path = out
+
+    sampler = BlockWindowSampler(
+        Sized(), block=block, spread=spread, seed=9, rank=rank, world_size=world, lag=32,
+        residency=BlockResidency(out, mode="daemon"),
+    )
+    ds = BlockDataset(Path(out), block, sampler.keep)
+    loader = torch.utils.data.DataLoader(
+        ds, sampler=sampler, batch_size=16, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
+    got = [item for batch in loader for item in batch]
+    sampler.close()
+    q.put((rank, got))
+
+
+def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_within_the_budget(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    pytest.importorskip("torch")
+    out, recs = sharded(tmp_path)
+    m = read_manifest(out)
+    block, spread = 40, 4  # pieces of about 12 KiB: the 6 held at once (and the next) fit the budget
+    page = os.sysconf("SC_PAGESIZE")
+    largest_block = max(len(b"".join(recs[i : i + block])) for i in range(0, len(recs), block))
+    piece_pages = -(-(largest_block + 4096 + 8 * (block + 1)) // page) * page
+    budget = (spread + 3) * 2 * piece_pages
+    assert budget < sum(s.file_size for s in m.shards) // 2  # far less than the dataset
+    d = start_daemon(args=("--shm-limit", str(budget)), loaded=0)
+    peak = [0]
+    seen_segments: set[str] = set()
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            st = d.status()
+            used = sum(-(-s["size"] // page) * page for s in st["segments"])
+            # Released pieces a worker still maps are memory too (and count in the budget).
+            used += len(st["released"]) * piece_pages
+            seen_segments.update(s["checksum"] for s in st["segments"])
+            peak[0] = max(peak[0], used)
+            time.sleep(0.01)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run_rank, args=(os.fspath(out), r, 2, block, spread, q)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        results = dict(q.get(timeout=300) for _ in procs)
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        stop.set()
+        watcher.join()
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    n = len(recs)
+    ref = order_of([s.records for s in m.shards], block, spread, seed=9)
+    merged = [results[i % 2][i // 2] for i in range(n)]
+    assert [i for i, _d, _b in merged] == ref  # the sampler's order, across ranks and workers
+    assert sorted(i for i, _d, _b in merged) == list(range(n))  # every record once
+    assert all(data == recs[i] for i, data, _b in merged)  # byte-exact
+    from_blocks = sum(b for _i, _d, b in merged)
+    assert from_blocks > n // 2, from_blocks  # read from the daemon's block segments
+    assert 0 < peak[0] <= budget
+    pieces = {
+        piece_id(m.shards[p.shard].checksum, p.first, p.end)
+        for b in range(-(-n // block))
+        for p in block_pieces([0, *np.cumsum([s.records for s in m.shards]).tolist()], block, b)
+    }
+    assert seen_segments <= pieces  # only block pieces were loaded, never a whole shard
+    deadline = time.monotonic() + 10
+    while d.status()["segments"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert d.status()["segments"] == []  # the ranks closed: every piece dropped
+
+
+def test_a_block_of_a_changed_shard_is_refused(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    out, recs = sharded(tmp_path, shards=3)
+    m = read_manifest(out)
+    start_daemon(loaded=0)
+    residency = BlockResidency(out, mode="daemon")
+    try:
+        residency.hold([Piece(1, 0, 10)], wait=True)
+        victim = Path(m.shard_path(1))
+        w = smstore.Writer(str(victim) + ".new", durable=False)
+        for r in recs[:5]:
+            w.append(r)
+        w.close()
+        os.replace(str(victim) + ".new", victim)
+        with pytest.raises(DaemonError, match=r"shard-?\S*: holds checksum .* re-packed or overwritten"):
+            residency.hold([Piece(1, 0, 10)])
+        reader = BlockReader(out, block=10)
+        try:
+            with pytest.raises(StoreChangedError, match="re-packed or overwritten"):
+                reader[m.shards[0].records + 3]
+        finally:
+            reader.close()
+    finally:
+        residency.close()
+
+
+def test_a_piece_larger_than_the_budget_is_refused(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    out, _recs = sharded(tmp_path, shards=2)
+    start_daemon(args=("--shm-limit", "64K"), loaded=0)
+    residency = BlockResidency(out, mode="daemon")
+    try:
+        with pytest.raises(DaemonError, match="does not fit the daemon's --shm-limit"):
+            residency.hold([Piece(0, 0, 299)], wait=True)
+    finally:
+        residency.close()
