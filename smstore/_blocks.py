@@ -89,7 +89,9 @@ class BlockReader:
         self.path = manifest.path
         self.block = int(block)
         self.keep = max(1, int(keep))
-        self.shards = [(os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)]
+        self.shards = [
+            (os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)
+        ]
         starts = [0]
         for s in manifest.shards:
             starts.append(starts[-1] + s.records)
@@ -131,13 +133,22 @@ class BlockReader:
         store = self._attach(key, piece)
         if store is None:
             return None  # not held now: read from the file, asked again next time
+        # A new piece: the ranks moved on, so unmap the pieces no rank holds any more (a released
+        # piece still mapped keeps its pages in the daemon's budget, and the next loads wait).
+        if self._pieces:
+            reply, _fd = self._send({"op": "stale_blocks", "checksums": ",".join(self._pieces)}, reply=True)
+            for old in reply.get("stale", []):
+                self._detach(old)
         self._pieces[key] = (piece, store)
         while len(self._pieces) > self.keep:
-            old, (_p, old_store) = self._pieces.popitem(last=False)
-            if old_store is not None:
-                old_store.close()
-                self._send({"op": "detach", "checksum": old, "noreply": True}, reply=False)
+            self._detach(next(iter(self._pieces)))
         return store
+
+    def _detach(self, key: str) -> None:
+        entry = self._pieces.pop(key, None)
+        if entry is not None and entry[1] is not None:
+            entry[1].close()
+            self._send({"op": "detach", "checksum": key, "noreply": True}, reply=False)
 
     def _attach(self, key: str, piece: Piece) -> _core.Store | None:
         path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
@@ -180,9 +191,10 @@ class BlockReader:
             path, checksum = self.shards[k]
             store = _core.Store(path)
             if store.checksum != checksum:
+                found = store.checksum
                 store.close()
                 msg = (
-                    f"{path}: holds checksum {store.checksum}, but {self.path} records {checksum}: the shard "
+                    f"{path}: holds checksum {found}, but {self.path} records {checksum}: the shard "
                     "was re-packed or overwritten since its manifest was written; pack the dataset again"
                 )
                 raise StoreChangedError(msg)
@@ -224,7 +236,9 @@ class BlockResidency:
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
     """
 
-    def __init__(self, path: str | os.PathLike[str], *, mode: Mode = "auto", socket: str | None = None) -> None:
+    def __init__(
+        self, path: str | os.PathLike[str], *, mode: Mode = "auto", socket: str | None = None
+    ) -> None:
         self.mode: Mode = check_mode(mode)
         self.path = os.path.abspath(read_manifest(path).path)
         self.socket = socket_path(socket)

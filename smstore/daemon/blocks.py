@@ -56,7 +56,9 @@ def parse_pieces(value: object) -> list[Piece]:
     try:
         pieces = [Piece(*(int(x) for x in p.split(":"))) for p in value.split(",")] if value else []
     except (TypeError, ValueError):
-        raise ProtocolError(BAD_REQUEST, "'pieces' must be a string of comma-separated shard:first:end") from None
+        raise ProtocolError(
+            BAD_REQUEST, "'pieces' must be a string of comma-separated shard:first:end"
+        ) from None
     if any(p.shard < 0 or p.first < 0 or p.end <= p.first for p in pieces):
         raise ProtocolError(BAD_REQUEST, "each piece needs shard >= 0 and 0 <= first < end")
     return pieces
@@ -107,13 +109,15 @@ class Blocks:
                 than the whole budget, or a shard that changed since its manifest was written.
         """
         try:
-            manifest, paths = self.planner._manifest(manifest_path)  # noqa: SLF001 - its parsed-manifest cache
+            manifest, paths = self.planner._manifest(manifest_path)
         except StoreError as e:
             raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
         jobs = []
         for p in pieces:
             if p.shard >= len(manifest.shards) or p.end > manifest.shards[p.shard].records:
-                raise ProtocolError(BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}")
+                raise ProtocolError(
+                    BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
+                )
             path, info = paths[p.shard], manifest.shards[p.shard]
             offsets = self._checked(path, info.checksum, info.file_size)
             if path in self.failed:
@@ -168,6 +172,17 @@ class Blocks:
         if len(self._shards) > 4096:
             self._shards.clear()
         return offsets
+
+    def stale(self, value: object) -> list[str]:
+        """Of the pieces a reader maps (``"id,id,..."``), those no rank holds any more (it should unmap them).
+
+        Raises:
+            ProtocolError: Not that form.
+        """
+        if not isinstance(value, str) or len(value) > 17 * 65536:
+            raise ProtocolError(BAD_REQUEST, "'checksums' must be a string of comma-separated checksums")
+        held = {job.key for jobs in self.holds.values() for job in jobs}
+        return [key for key in value.split(",") if key and key not in held]
 
     def closed(self, cid: int) -> None:
         if self.holds.pop(cid, None) is not None:

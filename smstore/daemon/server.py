@@ -30,6 +30,7 @@ from smstore._protocol import (
     path_arg,
     path_value,
 )
+from smstore.daemon.blocks import Blocks, parse_pieces
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.metrics import Exporter
 from smstore.daemon.segments import (
@@ -41,7 +42,6 @@ from smstore.daemon.segments import (
     new_segment_name,
     unlink_quietly,
 )
-from smstore.daemon.blocks import Blocks, parse_pieces
 from smstore.daemon.serving import Serving, describe
 from smstore.daemon.state import StateFile, state_path
 from smstore.errors import DaemonError
@@ -280,6 +280,9 @@ class Daemon(Server):
             self.serving.held(cid, conn, *held_arg(req))
         elif op == "detach":
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
+            self.blocks.reconcile()  # pages a reader unmapped may be the room a held piece waits for
+        elif op == "stale_blocks":
+            self.reply(cid, {"ok": True, "stale": self.blocks.stale(req.get("checksums"))})
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
         elif op in ("load", "unload", "stop", "share", "hold", "hold_blocks") and not conn.owner:
