@@ -216,11 +216,16 @@ class Daemon(Server):
         return new_segment_name(self.uid, self.pid, self.start_time, checksum)
 
     def _state(self) -> tuple[dict[str, Any], int]:
-        """What the state file records: our segments (a memfd cannot be adopted), for a successor."""
+        """What the state file records: our segments (a memfd cannot be adopted), for a successor.
+
+        Block pieces are left out: a successor removes them as leftovers, and the ranks' next
+        holds load them again (a piece is a few MiB read once; adopting it would mean trusting a
+        segment whose blob checksum no manifest records).
+        """
         entries = [
             s.state_entry(held=self.serving.planner.is_held(s.checksum))
             for s in self.segments.values()
-            if not s.shared
+            if not s.shared and s.checksum not in self.blocks.mine
         ]
         state = {
             "pid": self.pid,
