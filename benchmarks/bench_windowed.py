@@ -68,7 +68,8 @@ from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, w
 import smstore
 from smstore import _core
 from smstore._manifest import read_manifest
-from smstore.sampler import BlockWindowOrder, GlobalShuffleSampler, WindowedShuffleSampler
+from smstore._blocks import BlockReader, BlockResidency, block_pieces
+from smstore.sampler import BlockWindowOrder, BlockWindowSampler, GlobalShuffleSampler, WindowedShuffleSampler
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -175,17 +176,20 @@ def bench_quality(
         f"{g_spread:.1f} shards/batch, neighbours together {g_near:.2e}",
     )
 
-    def row(name: str, order: np.ndarray | str, bound: str = "") -> None:
+    def row(name: str, order: np.ndarray | str, bound: str = "") -> tuple[float, float] | None:
+        """Report an order's spread and neighbour ratio (both / the global shuffle's); return them."""
         if isinstance(order, str):
             report.add(name, order)
-            return
+            return None
         assert sorted(order.tolist()) == list(range(n)), name
         spread, near = quality_stats(order, shard_of, batch)
+        ratios = (spread / g_spread, g_near / max(near, 1e-12))
         report.add(
             name,
             f"{spread:.1f} shards/batch, neighbours together {near:.2e}{bound}",
-            ratio=f"spread {spread / g_spread:.2f}, neighbours {g_near / max(near, 1e-12):.3f}",
+            ratio=f"spread {ratios[0]:.2f}, neighbours {ratios[1]:.3f}",
         )
+        return ratios
 
     for w in windows:
         # Two windows are resident (the one read, the next): every row gets that memory.
@@ -203,14 +207,43 @@ def bench_quality(
                 m_spread, m_ratio = block_model(n, shards, batch, b, group, spread)
                 model = f" (model: >= {m_spread:.1f} shards/batch, neighbour ratio {m_ratio:.3f})"
             row(f"memory {memory}: {name}", order, model)
-        row(
+        # The block sampler itself (what a job runs): blocks of memory / (2 x batch) records, and
+        # as many as the memory holds with the next block loading and one in the lag (spread + 2).
+        b = max(1, memory // (2 * batch))
+        spread = max(1, memory // b - 2)
+        sampler = BlockWindowSampler(sizes, block=b, spread=spread, seed=1, rank=0, world_size=1, residency=False)
+        ours = row(
+            f"memory {memory}: smstore BlockWindowSampler, blocks of {b}, spread {spread} "
+            f"({(spread + 2) * b} records held)",
+            np.asarray(list(sampler)),
+        )
+        wds = row(
             f"memory {memory}: WebDataset shard shuffle + _shuffle({memory})",
             webdataset_order(sizes, memory, 1),
         )
-        for algo in ("py1br", "py1e"):
-            row(
+        mosaic = {
+            algo: row(
                 f"memory {memory}: Mosaic streaming {algo}, block {memory}",
                 mosaic_order(sizes, algo, memory, 1),
+            )
+            for algo in ("py1br", "py1e")
+        }
+        py1e = mosaic["py1e"]
+        if ours is not None and wds is not None and py1e is not None:
+            met = all(ours[k] >= max(wds[k], py1e[k]) for k in (0, 1))
+            report.add(
+                f"memory {memory}: block sampler against WebDataset and py1e (spread; neighbour ratio)",
+                f"{ours[0]:.2f}; {ours[1]:.3f}",
+                baseline=f"WebDataset {wds[0]:.2f}; {wds[1]:.3f}, py1e {py1e[0]:.2f}; {py1e[1]:.3f}",
+                goal=">= both, each",
+                met=yes_no(met),
+            )
+        else:
+            report.add(
+                f"memory {memory}: block sampler against WebDataset and py1e",
+                "skipped: an anchor was not measured",
+                goal=">= both, each",
+                met="no",
             )
     report.notes.append(
         "ratios: spread = ours / global (1.0 = as many shards per batch as a global shuffle); "
@@ -354,13 +387,27 @@ def rank_child(args: argparse.Namespace) -> None:
     """One rank: a DataLoader over the dataset through the daemon; times every batch wait."""
     import torch
 
-    ds = smstore.SharedStoreDataset(args.dataset, mode="daemon", decode=None)
-    sampler = WindowedShuffleSampler(
-        ds, window=args.window, seed=args.seed, rank=args.rank_child, world_size=args.ranks, lag=args.lag
-    )
-    plain = WindowedShuffleSampler(
-        ds.shard_sizes, window=args.window, seed=args.seed, rank=args.rank_child, world_size=args.ranks
-    )
+    ds: Any
+    if args.block:  # the block sampler: pieces of shards held, records read through BlockReader
+        sizes = [s.records for s in read_manifest(args.dataset).shards]
+        block, spread = args.block
+        sampler: Any = BlockWindowSampler(
+            sizes, block=block, spread=spread, seed=args.seed, rank=args.rank_child, world_size=args.ranks,
+            lag=args.lag, residency=BlockResidency(args.dataset, mode="daemon"),
+        )  # fmt: skip
+        plain: Any = BlockWindowSampler(
+            sizes, block=block, spread=spread, seed=args.seed, rank=args.rank_child, world_size=args.ranks,
+            residency=False,
+        )  # fmt: skip
+        ds = BlockReader(args.dataset, block=block, keep=sampler.keep)
+    else:
+        ds = smstore.SharedStoreDataset(args.dataset, mode="daemon", decode=None)
+        sampler = WindowedShuffleSampler(
+            ds, window=args.window, seed=args.seed, rank=args.rank_child, world_size=args.ranks, lag=args.lag
+        )
+        plain = WindowedShuffleSampler(
+            ds.shard_sizes, window=args.window, seed=args.seed, rank=args.rank_child, world_size=args.ranks
+        )
     indices = list(plain)
     order = plain.permutation()
     loader = torch.utils.data.DataLoader(
@@ -438,6 +485,7 @@ def run_epoch(
     lag: int,
     args: argparse.Namespace,
     daemon_args: Sequence[str] = (),
+    block: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """One epoch of R ranks through a fresh daemon (given `daemon_args` too): each rank's waits,
     records and memory samples."""
@@ -470,6 +518,7 @@ def run_epoch(
                 "--result", os.fspath(results[r]), "--window", str(window), "--ranks", str(args.ranks),
                 "--workers", str(args.workers), "--batch-size", str(args.batch_size),
                 "--train-ms", str(args.train_ms), "--seed", str(args.seed), "--lag", str(lag),
+                *(["--block", str(block[0]), str(block[1])] if block else []),
             ]  # fmt: skip
             ranks.append(subprocess.Popen(cmd, env=env))
 
@@ -610,10 +659,98 @@ def bench_epoch(report: Report, tmp: Path, args: argparse.Namespace) -> None:
     )
 
 
+def bench_epoch_blocks(report: Report, tmp: Path, args: argparse.Namespace) -> None:
+    """The epoch of bench_epoch with BlockWindowSampler: the daemon holds pieces of shards, not shards."""
+    budget = args.budget_mib * MiB
+    # Shards larger than blocks, as in practice (256 MiB - 1 GiB shards, 4-64 MiB blocks): a block
+    # split at a shard's end is read as two pieces, and the window sampler's small shards would
+    # split most blocks. The same bytes as the window epoch, in a sixth as many shards.
+    shards = max(1, args.shards // 6)
+    dataset, crcs = make_dataset(tmp, args.data_mib or 3 * args.budget_mib, shards, args.seed + 1)
+    manifest = read_manifest(dataset)
+    data_bytes = sum(s.file_size for s in manifest.shards)
+    block, spread = BlockWindowSampler.plan(dataset, budget, block_bytes=args.block_mib * MiB)
+    lag = 2 * 2 * args.workers * args.batch_size  # prefetch_factor (2) x workers x batch, twice over
+    log(f"blocks of {block} records, spread {spread}, lag {lag}")
+    epoch = run_epoch(tmp, dataset, budget, 0, lag, args, block=(block, spread))
+    outs, samples, elapsed = epoch["outs"], epoch["samples"], epoch["elapsed"]
+    seen = np.zeros(len(crcs), dtype=np.int64)
+    bad = 0
+    for o in outs:
+        for i, c in zip(o["indices"], o["crcs"], strict=True):
+            seen[i] += 1
+            bad += c != crcs[i]
+    exact = bad == 0 and bool((seen >= 1).all()) and int(seen.sum()) - len(crcs) < args.ranks
+    switch, steady = switch_and_steady(outs, args.switch_batches)
+    p99 = {k: float(np.percentile(v, 99)) * 1000 for k, v in (("switch", switch), ("steady", steady))}
+    ratio = p99["switch"] / p99["steady"]
+    report.compare(
+        f"blocks: batch wait p99 in the first {args.switch_batches} batches of a window ({len(switch)} batches)",
+        f"{p99['switch']:.2f} ms",
+        f"steady p99 {p99['steady']:.2f} ms ({len(steady)} batches)",
+        ratio,
+        "<= 1.5x",
+        ratio <= 1.5,
+    )
+    peak_shm = max(s for s, _ in samples)
+    peak_data = max(d for _, d in samples)
+    report.compare(
+        f"blocks: data memory, peak of {len(samples)} samples (as above)",
+        f"{peak_data / MiB:.1f} MiB (/dev/shm alone {peak_shm / MiB:.1f} MiB)",
+        f"budget {args.budget_mib} MiB",
+        peak_data / budget,
+        "<= 1.05x",
+        peak_data <= 1.05 * budget,
+    )
+    report.add(
+        "blocks: every record read exactly once, byte-exact (CRC32)",
+        f"{len(crcs)} records, {bad} mismatches, {int((seen == 0).sum())} missed",
+        goal="all",
+        met=yes_no(exact),
+    )
+    # The reads: one per piece (a block, or its part in one shard), each sequential, each once.
+    starts = [0, *np.cumsum([s.records for s in manifest.shards]).tolist()]
+    offsets = []
+    for k in range(len(manifest.shards)):
+        with smstore._core.Store(manifest.shard_path(k)) as st:
+            offsets.append(st.offsets)
+    blocks = -(-starts[-1] // block)
+    piece_bytes = [
+        int(offsets[p.shard][p.end] - offsets[p.shard][p.first])
+        for b in range(blocks)
+        for p in block_pieces(starts, block, b)
+    ]
+    block_bytes = [
+        sum(int(offsets[p.shard][p.end] - offsets[p.shard][p.first]) for p in block_pieces(starts, block, b))
+        for b in range(blocks)
+    ]
+    big = [x for x in piece_bytes if x >= args.block_mib * MiB]
+    report.add(
+        f"blocks: reads (one sequential read a piece: a block, or its part in one shard), >= {args.block_mib} MiB",
+        f"{len(piece_bytes)} pieces of {blocks} blocks: {len(big)} reads >= {args.block_mib} MiB carrying "
+        f"{sum(big) / sum(piece_bytes):.0%} of the bytes; median piece {np.median(piece_bytes) / MiB:.1f} MiB, "
+        f"smallest {min(piece_bytes) / 1024:.0f} KiB (at a shard's end); blocks "
+        f"{min(block_bytes) / MiB:.1f}-{max(block_bytes) / MiB:.1f} MiB",
+        goal=f"every read >= {args.block_mib} MiB",
+        met=yes_no(len(big) == len(piece_bytes)),
+    )
+    report.add(
+        "blocks: epoch",
+        f"{elapsed:.1f} s, {data_bytes / MiB / elapsed:.0f} MiB/s; first batch after {outs[0]['waits'][0] * 1000:.0f} ms",
+    )
+    report.notes.append(
+        f"blocks: the same epoch with BlockWindowSampler.plan(budget, {args.block_mib} MiB): blocks of {block} "
+        f"records, spread {spread} ({spread + 2} blocks held: the window's, the next, one in the lag), lag {lag} "
+        f"samples, over {data_bytes / MiB:.0f} MiB in {len(manifest.shards)} shards; the daemon loads each piece "
+        "as its own segment (smstore/daemon/blocks.py), readers read through smstore._blocks.BlockReader; a window "
+        f"is about one block of positions, so the 'first {args.switch_batches} batches of a window' are most batches"
+    )
+
+
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="a smaller run (about a minute)")
-    p.add_argument("--only", action="append", choices=["quality", "load", "epoch"])
+    p.add_argument("--only", action="append", choices=["quality", "load", "epoch", "blocks"])
     p.add_argument("--out", type=Path, default=RESULTS / "windowed.md")
     p.add_argument("--tmpdir", type=Path)
     p.add_argument("--seed", type=int, default=7)
@@ -651,6 +788,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--dataset", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--window", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--block", type=int, nargs=2, help=argparse.SUPPRESS)  # block records, spread
+    p.add_argument("--block-mib", type=int, default=4, help="the block sampler's blocks, at least (MiB)")
     args = p.parse_args(argv)
     if args.quick:
         args.budget_mib, args.shards, args.load_mib, args.load_repeats = 48, 24, 256, 9
@@ -663,7 +802,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.rank_child is not None:
         rank_child(args)
         return 0
-    sections = set(args.only or ["quality", "load", "epoch"])
+    sections = set(args.only or ["quality", "load", "epoch", "blocks"])
     report = Report()
     started = time.perf_counter()
     with temp_dir(args.tmpdir) as tmp:
@@ -684,6 +823,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if "epoch" in sections:
             log("epoch")
             bench_epoch(report, tmp, args)
+        if "blocks" in sections:
+            log("epoch through blocks")
+            bench_epoch_blocks(report, tmp, args)
     cmd = command_line("python benchmarks/bench_windowed.py", argv)
     write_results(
         args.out,

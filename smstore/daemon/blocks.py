@@ -280,6 +280,9 @@ class Blocks:
                 got += n
         finally:
             os.close(fd)
+        rate = self.serving.loader.read_rate
+        if rate:  # --max-read-rate holds for pieces too: a slow shared file system
+            time.sleep(max(0.0, length / rate - (time.monotonic() - t0)))
         self.bytes_read += length
         self.reads.append(length)
         del self.reads[:-4096]
