@@ -6,7 +6,7 @@
 Every figure is measured in this one run:
 
 1. **Shuffle quality** of `WindowedShuffleSampler` and of the block schedule
-   (`BlockWindowOrder`, docs/training.md "Block windows (design)", with its model's prediction)
+   (`BlockWindowOrder`, docs/training.md "Block windows", with its model's prediction)
    against an exact global shuffle, and of WebDataset's recipe (shuffled shard list, then its own
    `_shuffle` buffer) and Mosaic streaming's `py1br` / `py1e` (their own `get_shuffle`; a row says
    "skipped" when `mosaicml-streaming` is not installed) at the same memory: a buffer, block or
@@ -67,8 +67,8 @@ from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, w
 
 import smstore
 from smstore import _core
-from smstore._manifest import read_manifest
 from smstore._blocks import BlockReader, BlockResidency, block_pieces
+from smstore._manifest import read_manifest
 from smstore.sampler import BlockWindowOrder, BlockWindowSampler, GlobalShuffleSampler, WindowedShuffleSampler
 
 RESULTS = Path(__file__).parent / "results"
@@ -211,7 +211,9 @@ def bench_quality(
         # as many as the memory holds with the next block loading and one in the lag (spread + 2).
         b = max(1, memory // (2 * batch))
         spread = max(1, memory // b - 2)
-        sampler = BlockWindowSampler(sizes, block=b, spread=spread, seed=1, rank=0, world_size=1, residency=False)
+        sampler = BlockWindowSampler(
+            sizes, block=b, spread=spread, seed=1, rank=0, world_size=1, residency=False
+        )
         ours = row(
             f"memory {memory}: smstore BlockWindowSampler, blocks of {b}, spread {spread} "
             f"({(spread + 2) * b} records held)",
@@ -250,7 +252,7 @@ def bench_quality(
         "neighbours = global rate / ours (1.0 = source neighbours no more often together than in a global shuffle)"
     )
     report.notes.append(
-        "block schedule: smstore.sampler.BlockWindowOrder (docs/training.md, 'Block windows (design)'); "
+        "block schedule: smstore.sampler.BlockWindowOrder (docs/training.md, 'Block windows'); "
         f"blocks of {block} records, and of memory / (2 x batch) records (the design's rule); spread 1 is plain "
         "windows of blocks, the larger spreads are the most that fit; the model (shards of equal size, the "
         "epoch's first and last windows left out) is printed beside what was measured"

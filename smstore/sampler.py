@@ -602,8 +602,8 @@ class WindowedOrder:
 class BlockWindowOrder:
     """An epoch's order drawn from blocks: record ranges read in one go, from many shards at once.
 
-    The design of docs/training.md, "Block windows (design)", as a pure order (no sampler or
-    daemon uses it yet). The dataset's records, in manifest order, are cut into **blocks** of
+    The design of docs/training.md, "Block windows", as a pure order (BlockWindowSampler yields it
+    with groups of one block). The dataset's records, in manifest order, are cut into **blocks** of
     ``block`` consecutive records (the last shorter; a block that runs past a shard's end is read as
     a piece of each shard); a keyed permutation puts the blocks in one random order, the
     **sequence**; **groups** are runs of ``group`` consecutive blocks of it, ``G = group * block``

@@ -1,4 +1,4 @@
-"""BlockWindowOrder: the block schedule of docs/training.md ("Block windows (design)") as a pure order."""
+"""BlockWindowOrder: the block schedule of docs/training.md ("Block windows") as a pure order."""
 
 from __future__ import annotations
 
