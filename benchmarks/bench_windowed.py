@@ -555,6 +555,7 @@ def run_epoch(
         "samples": samples,
         "elapsed": elapsed,
         "daemon_cpu": daemon_cpu,
+        "daemon_log": daemon_log.read_text(errors="replace"),
     }
 
 
@@ -712,6 +713,17 @@ def bench_epoch_blocks(report: Report, tmp: Path, args: argparse.Namespace) -> N
         f"{min(block_bytes) / MiB:.1f}-{max(block_bytes) / MiB:.1f} MiB",
         goal=f"every read >= {args.block_mib} MiB",
         met=yes_no(len(big) == len(piece_bytes)),
+    )
+    # Each byte read once: the daemon's log has one "loaded PATH#records=A-B" line a piece it read.
+    loaded = [line for line in epoch["daemon_log"].splitlines() if " loaded " in line and "#records=" in line]
+    read_once = len(loaded) == len(piece_bytes) and len(
+        {line.split(" loaded ")[1].split(":")[0] for line in loaded}
+    ) == len(loaded)
+    report.add(
+        "blocks: pieces read by the daemon (each byte read once an epoch: read amplification 1.0)",
+        f"{len(loaded)} reads of {len(piece_bytes)} pieces, {sum(piece_bytes) / MiB:.0f} MiB",
+        goal="each piece once",
+        met=yes_no(read_once),
     )
     report.add(
         "blocks: epoch",
