@@ -93,8 +93,6 @@ class Blocks:
         self.failed: dict[str, str] = {}  # shard path -> why its pieces cannot be loaded
         # Per shard path: (identity, index offsets) of a shard checked against its manifest.
         self._shards: dict[str, tuple[tuple[int, int, int], object]] = {}
-        self.bytes_read = 0
-        self.reads: list[int] = []  # bytes of each piece read (the last 4096)
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="smstore-blocks", daemon=True)
         self.thread.start()
@@ -109,7 +107,7 @@ class Blocks:
                 than the whole budget, or a shard that changed since its manifest was written.
         """
         try:
-            manifest, paths = self.planner._manifest(manifest_path)
+            manifest, paths = self.planner.manifest(manifest_path)
         except StoreError as e:
             raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
         jobs = []
@@ -283,9 +281,6 @@ class Blocks:
         rate = self.serving.loader.read_rate
         if rate:  # --max-read-rate holds for pieces too: a slow shared file system
             time.sleep(max(0.0, length / rate - (time.monotonic() - t0)))
-        self.bytes_read += length
-        self.reads.append(length)
-        del self.reads[:-4096]
         name = self.serving.loader.segment_name(job.key)
         shm = os.fspath(SHM_DIR / name)
         gid = self.serving.loader.gid

@@ -319,6 +319,14 @@ class Planner:
         manifest, _paths = self._manifest(manifest_path)
         return frozenset(s.checksum for s in manifest.shards)
 
+    def manifest(self, path: str) -> tuple[Manifest, list[str]]:
+        """The manifest at `path` and its shards' absolute paths (kept parsed; block holds use it too).
+
+        Raises:
+            StoreError: The manifest is missing or bad.
+        """
+        return self._manifest(path)
+
     def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
         """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
 
