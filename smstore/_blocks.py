@@ -109,6 +109,8 @@ class BlockReader:
 
     def __getitem__(self, index: int) -> bytes:
         """The bytes of record ``index`` of the dataset."""
+        if self._pid != os.getpid():  # a forked child: its own connection and mappings
+            self._conn, self._pieces, self._files, self._pid = None, OrderedDict(), {}, os.getpid()
         i = int(index)
         if not 0 <= i < self.starts[-1]:
             msg = f"{self.path}: record {i} out of range for a dataset of {self.starts[-1]}"
@@ -132,6 +134,10 @@ class BlockReader:
             return entry[1]
         store = self._attach(key, piece)
         if store is None:
+            if self._conn is None:  # no daemon answers: this piece is read from its file from now on
+                self._pieces[key] = (piece, None)
+                while len(self._pieces) > self.keep:
+                    self._detach(next(iter(self._pieces)))
             return None  # not held now: read from the file, asked again next time
         # A new piece: the ranks moved on, so unmap the pieces no rank holds any more (a released
         # piece still mapped keeps its pages in the daemon's budget, and the next loads wait).
@@ -168,15 +174,17 @@ class BlockReader:
         return store
 
     def _send(self, message: dict[str, Any], *, reply: bool) -> tuple[dict[str, Any], int | None]:
-        if self._pid != os.getpid():  # a forked child: its own connection and mappings
-            self._conn, self._pieces, self._files, self._pid = None, OrderedDict(), {}, os.getpid()
         if self._conn is None:
             try:
                 self._conn = connect(self.socket)
             except DaemonError:
                 return {"ok": False, "code": NOT_SERVED}, None
         if not reply:
-            self._conn.sendall(encode(message))
+            try:
+                self._conn.sendall(encode(message))
+            except OSError:  # the daemon is gone: so are its holds of what we unmapped
+                self._conn.close()
+                self._conn = None
             return {}, None
         try:
             return exchange(self._conn, message, self.socket)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import os
 import threading
@@ -277,3 +278,25 @@ def test_a_piece_larger_than_the_budget_is_refused(
             residency.hold([Piece(0, 0, 299)], wait=True)
     finally:
         residency.close()
+
+
+def test_without_a_daemon_a_reader_reads_every_record_from_the_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="smstore")
+    out, recs = sharded(tmp_path, shards=3)
+    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "none" / "smstore.sock"))
+    sizes = [s.records for s in read_manifest(out).shards]
+    residency = BlockResidency(out)  # "auto": no daemon, nothing held (a warning says so)
+    sampler = BlockWindowSampler(sizes, block=50, spread=3, seed=1, rank=0, world_size=1, residency=residency)
+    reader = BlockReader(out, block=50, keep=sampler.keep)
+    try:
+        got = [(i, reader[i]) for i in sampler]
+    finally:
+        reader.close()
+        sampler.close()
+    assert residency.kind == "file"
+    assert "instead of using the smstore daemon" in caplog.text
+    assert sorted(i for i, _ in got) == list(range(len(recs)))
+    assert all(data == recs[i] for i, data in got)
+    assert (reader.block_reads, reader.file_reads) == (0, len(recs))
