@@ -300,3 +300,51 @@ def test_without_a_daemon_a_reader_reads_every_record_from_the_files(
     assert sorted(i for i, _ in got) == list(range(len(recs)))
     assert all(data == recs[i] for i, data in got)
     assert (reader.block_reads, reader.file_reads) == (0, len(recs))
+
+
+def test_resume_at_another_world_size_through_the_daemon_reads_the_rest_byte_exact(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    out, recs = sharded(tmp_path, shards=4)
+    sizes = [s.records for s in read_manifest(out).shards]
+    start_daemon(loaded=0)
+    block, spread = 30, 3
+
+    def ranks(world: int) -> list[tuple[BlockWindowSampler, BlockReader]]:
+        return [
+            (
+                BlockWindowSampler(
+                    sizes, block=block, spread=spread, seed=4, rank=r, world_size=world, lag=8,
+                    residency=BlockResidency(out, mode="daemon"),
+                ),
+                BlockReader(out, block=block, keep=32),
+            )
+            for r in range(world)
+        ]  # fmt: skip
+
+    got: list[tuple[int, bytes]] = []
+    first = ranks(2)
+    its = [iter(s) for s, _r in first]
+    for _ in range(250):  # samples per rank before the checkpoint, rank by rank as a step would
+        for (_s, reader), it in zip(first, its, strict=True):
+            i = next(it)
+            got.append((i, reader[i]))
+    state = first[0][0].state_dict()
+    reads = sum(reader.block_reads for _s, reader in first)
+    for s, reader in first:
+        s.close()
+        reader.close()
+    second = ranks(3)
+    for s, _r in second:
+        s.load_state_dict(state)
+    rest = [[(i, reader[i]) for i in s] for s, reader in second]
+    reads += sum(reader.block_reads for _s, reader in second)
+    for s, reader in second:
+        s.close()
+        reader.close()
+    n = len(recs)
+    k = n - 500
+    got += [rest[j % 3][j // 3] for j in range(k)]
+    assert [i for i, _d in got] == order_of(sizes, block, spread, seed=4)
+    assert all(data == recs[i] for i, data in got)
+    assert reads > n // 2  # through the daemon's pieces, before and after the resume
