@@ -255,8 +255,14 @@ class BlockResidency:
         self._conn: socket_module.socket | None = None
         self._pid = os.getpid()
 
-    def hold(self, pieces: Sequence[Piece], *, wait: bool = False) -> None:  # noqa: ARG002 - as ShardResidency.hold
+    def hold(self, pieces: Sequence[Piece], *, wait: bool = False) -> None:
         """Need `pieces` (in the order to load them) and no others from now on.
+
+        Args:
+            pieces: The pieces, the window's first.
+            wait: Wait for the daemon's answer (the first hold of a pass: a refusal is raised
+                before any batch). Otherwise the hold is sent without a reply, inside the training
+                loop's ``next()``: a refusal of it is read and raised by the next hold.
 
         Raises:
             DaemonError: The daemon refused (a piece larger than its ``--shm-limit``, a shard
@@ -273,6 +279,9 @@ class BlockResidency:
             "manifest": self.path,
             "pieces": ",".join(f"{p.shard}:{p.first}:{p.end}" for p in wanted),
         }
+        if not wait and self.kind == "daemon" and self._conn is not None and self._send_noreply(message):
+            self.held = wanted
+            return
         try:
             if self._conn is None:
                 self._conn = connect(self.socket)
@@ -287,9 +296,37 @@ class BlockResidency:
         if fd is not None:
             os.close(fd)
         if not reply.get("ok"):
+            # The connection may hold this hold's own refusal behind an earlier one's: start afresh.
+            self.close()
             msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
             raise DaemonError(msg)
         self.kind, self.held = "daemon", wanted
+
+    def _send_noreply(self, message: dict[str, Any]) -> bool:
+        """Send a hold without waiting for a reply; False if the connection has something to say first.
+
+        A refusal of an earlier hold (or the daemon's end) is waiting on the connection: the
+        caller then sends this one with a reply, which raises the refusal if it still holds.
+        """
+        assert self._conn is not None
+        timeout = self._conn.gettimeout()
+        try:
+            self._conn.setblocking(False)
+            try:
+                pending: bytes | None = self._conn.recv(65536)
+            except BlockingIOError:
+                pending = None
+            except OSError:
+                pending = b""
+            if pending is None:
+                self._conn.settimeout(timeout)
+                self._conn.sendall(encode({**message, "noreply": True}))
+                return True
+        except OSError:
+            pass
+        self._conn.close()
+        self._conn = None
+        return False
 
     def close(self) -> None:
         """Give up every hold (the daemon drops the pieces no other rank holds)."""
