@@ -651,6 +651,7 @@ class BlockWindowOrder:
                 msg = f"{name} must be a positive integer, not {value!r}"
                 raise ValueError(msg)
         self.block, self.group, self.spread, self._key = block, group, spread, key
+        self._permutations: dict[tuple[str, int], FeistelPermutation] = {}
         self.n = n = int(sizes.sum())
         # Blocks: records [i b, (i + 1) b) of the dataset, all of b records but the last, so groups
         # of whole blocks all hold G records and share one table of parts. A block that runs past
@@ -734,7 +735,7 @@ class BlockWindowOrder:
         q = np.empty_like(p)
         for win, at in _runs(w):
             begin, end = int(self.window_starts[win]), int(self.window_starts[win + 1])
-            q[at] = FeistelPermutation(end - begin, f"{self._key}:window:{win}".encode())(p[at] - begin)
+            q[at] = self._permutation("window", win, end - begin)(p[at] - begin)
         # The window holds part w - j of groups j = lo .. hi, in that order; every part but the
         # last group's has cut[w - j + 1] - cut[w - j] records, so part j starts at
         # cut[w - lo + 1] - cut[w - j + 1]: the last part starting at or before q is the one.
@@ -750,7 +751,7 @@ class BlockWindowOrder:
         seq = np.empty_like(p)
         for g, at in _runs(j):
             lo_g, hi_g = int(self.group_starts[g]), int(self.group_starts[g + 1])
-            seq[at] = lo_g + FeistelPermutation(hi_g - lo_g, f"{self._key}:group:{g}".encode())(in_group[at])
+            seq[at] = lo_g + self._permutation("group", g, hi_g - lo_g)(in_group[at])
         out: np.ndarray[Any, np.dtype[np.int64]] = self.block_first[self.block_order[seq // self.block]] + (
             seq % self.block
         )
@@ -774,6 +775,17 @@ class BlockWindowOrder:
     def window_start(self, w: int) -> int:
         """The first position of window ``w`` (``n`` past the last)."""
         return int(self.window_starts[min(w, len(self.window_starts) - 1)])
+
+    def _permutation(self, kind: str, index: int, size: int) -> FeistelPermutation:
+        """The keyed permutation of window or group ``index``, kept: a sampler draws a few hundred
+        positions at a time from the same few dozen groups, and making one costs its round keys."""
+        cached = self._permutations.get((kind, index))
+        if cached is None:
+            if len(self._permutations) >= 4096:
+                self._permutations.clear()
+            cached = FeistelPermutation(size, f"{self._key}:{kind}:{index}".encode())
+            self._permutations[(kind, index)] = cached
+        return cached
 
     def __len__(self) -> int:
         return self.n
@@ -1043,6 +1055,7 @@ class BlockWindowSampler(GlobalShuffleSampler):
                 residency = BlockResidency(path)
         self.residency = residency or None
         self._last_hold: tuple[Any, ...] | None = None
+        self._pieces: dict[int, list[Any]] = {}
         # Pieces a reader keeps mapped: the blocks held (spread + 2), a block being up to two pieces
         # (more where shards are shorter than a block), twice over for the windows in flight.
         shortest = min((x for x in self.shard_sizes if x), default=block)
@@ -1113,7 +1126,7 @@ class BlockWindowSampler(GlobalShuffleSampler):
             blocks = self.held_blocks(at)
             if draining:
                 blocks += [int(b) for b in order.group_blocks(w - self.spread)]
-            held = tuple(p for b in blocks for p in block_pieces(self.starts, self.block, b))
+            held = tuple(p for b in blocks for p in self._pieces_of(b, block_pieces))
             if held != self._last_hold:
                 self.residency.hold(held, wait=self._last_hold is None)
                 self._last_hold = held
@@ -1122,6 +1135,15 @@ class BlockWindowSampler(GlobalShuffleSampler):
             nxt = min(nxt, begin + self.lag * self.world_size)
         nxt += g - at
         return done + max(1, -(-(nxt - g) // self.world_size))
+
+    def _pieces_of(self, b: int, block_pieces: Callable[[Sequence[int], int, int], list[Any]]) -> list[Any]:
+        """Block `b`'s pieces, kept (a block is held over ``spread + 2`` windows)."""
+        pieces = self._pieces.get(b)
+        if pieces is None:
+            if len(self._pieces) >= 4096:
+                self._pieces.clear()
+            pieces = self._pieces[b] = block_pieces(self.starts, self.block, b)
+        return pieces
 
     def _new_pass(self) -> None:
         self._last_hold = None
