@@ -38,6 +38,13 @@ Every figure is measured in this one run:
    exactly once. The sampler's `lag` is its default (`--lag`); an info row runs the same epoch
    again at the least safe lag (`2 x prefetch_factor x workers x batch`), where the previous
    window's release lands in the switch batches (`--no-least-lag` skips it).
+4. **The same epoch through blocks**: `BlockWindowSampler` with `plan(budget, --block-mib)`, the
+   daemon holding pieces of shards (smstore/daemon/blocks.py) and the workers reading records
+   through `BlockReader`, over the same bytes in a sixth as many shards (blocks are meant to be
+   smaller than shards). The same criteria, and the reads: one sequential read a piece (a block,
+   or its part in one shard), how many are at least `--block-mib`, and each piece read once (the
+   daemon's log). Section 1's `BlockWindowSampler` rows and the acceptance row per memory size
+   (spread and neighbour ratio at least WebDataset's and `py1e`'s) are this sampler's order.
 """
 
 from __future__ import annotations
