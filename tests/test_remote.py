@@ -13,7 +13,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,9 +22,8 @@ pytest.importorskip("obstore", reason="the remote extra (obstore) is not install
 pytest.importorskip("boto3", reason="the remote extra (boto3) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-import boto3
 from daemon_testlib import as_user, public_rundir
-from remote_testlib import FaultProxy, MotoS3
+from remote_testlib import BUCKET, S3, SECRET, FaultProxy
 
 import smstore
 from smstore import _core
@@ -39,8 +37,6 @@ from smstore.errors import (
 )
 from smstore.remote import CacheStats, NodeCache, Retry, fetch, parse_url, publish_remote_dataset, upload
 
-BUCKET = "smstore-test"
-SECRET = "s3cr3t-never-shown-0f9e8d7c"
 CHUNK = 256 << 10  # small ranges, so a blob of a few MiB takes many
 FAST = Retry(attempts=4, base_delay=0.005, max_delay=0.02, timeout=30.0)
 
@@ -182,64 +178,6 @@ def test_blob_hasher_fed_is_read_consistently_while_threads_update() -> None:
 
 
 # --- a real S3 server -----------------------------------------------------------------------------
-
-
-class S3:
-    def __init__(self, moto: MotoS3, proxy: FaultProxy) -> None:
-        self.moto, self.proxy = moto, proxy
-        self.client = boto3.client("s3", endpoint_url=moto.endpoint)  # straight to moto: no faults
-
-    def url(self, key: str) -> str:
-        return f"s3://{BUCKET}/{key}"
-
-    def put(self, key: str, data: bytes) -> str:
-        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
-        return self.url(key)
-
-    def get(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()  # type: ignore[no-any-return]
-
-    def object_keys(self) -> list[str]:
-        return [o["Key"] for o in self.client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
-
-    def multipart_uploads(self) -> list[dict[str, object]]:
-        return self.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    moto = MotoS3()
-    proxy = FaultProxy(moto.port)
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": proxy.endpoint,  # every call of smstore.remote goes through the proxy
-        "AWS_ALLOW_HTTP": "true",
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-            mp.delenv(k, raising=False)
-        s = S3(moto, proxy)
-        s.client.create_bucket(Bucket=BUCKET)
-        try:
-            yield s
-        finally:
-            proxy.stop()
-            moto.stop()
-
-
-@pytest.fixture
-def proxy(s3: S3) -> Iterator[FaultProxy]:
-    every = lambda method, path, headers: True
-    s3.proxy.inject(matches=every)  # no faults or hooks left over from another test
-    s3.proxy.seen.clear()
-    s3.proxy.stalled.clear()
-    yield s3.proxy
-    s3.proxy.inject(matches=every)
 
 
 def make_blob(path: Path, mib: float, seed: int = 0) -> tuple[bytes, str]:
