@@ -262,7 +262,7 @@ def _join_then_upload(args: argparse.Namespace, user: dict[str, Any] | None) -> 
 
     The shards are linked (not copied) into a temp directory, so the manifest names them beside it.
     """
-    from smstore._shards import _shard_files
+    from smstore._shards import shard_files
     from smstore.remote import parse_url, publish_remote_dataset
 
     prefix = parse_url(args.output, prefix=True)  # a bad URL fails before anything is read
@@ -270,7 +270,7 @@ def _join_then_upload(args: argparse.Namespace, user: dict[str, Any] | None) -> 
     with _terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix="smstore-join-") as tmp:
         links: list[str] = []
         for item in args.inputs:
-            for path in _shard_files(item):
+            for path in shard_files(item):
                 link = os.path.join(tmp, f"{len(links):05d}-{os.path.basename(path)}")
                 os.symlink(os.path.abspath(path), link)
                 links.append(link)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.client
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,10 @@ import pytest
 pytest.importorskip("obstore", reason="the remote extra (obstore) is not installed")
 
 from smstore_testlib import AWKWARD
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # last: smstore comes from the installed package, benchmarks from here
 
 import smstore
 from benchmarks._s3limit import S3Limit, server_stats
