@@ -11,6 +11,8 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -812,3 +814,52 @@ def test_a_preattacher_closed_mid_pass_keeps_no_store(
         ahead._drop_connection()
         ahead.session.close()
         rank.close()
+
+
+SERVE_IN_PROCESS = r"""
+import json, os, signal, socket, sys, threading, time
+from smstore.daemon import serve
+
+def mine(signum, frame):
+    pass
+
+signal.signal(signal.SIGTERM, mine)
+signal.signal(signal.SIGINT, mine)
+r, w = socket.socketpair()
+w.setblocking(False)
+signal.set_wakeup_fd(w.fileno())
+sock = sys.argv[1]
+
+def stop_when_serving():
+    while not os.path.exists(sock):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=stop_when_serving, daemon=True).start()
+status = serve([], sock=sock, background=False)
+print(json.dumps({
+    "status": status,
+    "term_restored": signal.getsignal(signal.SIGTERM) is mine,
+    "int_restored": signal.getsignal(signal.SIGINT) is mine,
+    "wakeup_restored": signal.set_wakeup_fd(-1) == w.fileno(),
+}))
+"""
+
+
+def test_serve_in_process_gives_the_callers_signal_handlers_and_wakeup_fd_back(tmp_path: Path) -> None:
+    sock = tmp_path / "d.sock"
+    res = subprocess.run(
+        [sys.executable, "-c", SERVE_IN_PROCESS, os.fspath(sock)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {
+        "status": 0,
+        "term_restored": True,
+        "int_restored": True,
+        "wakeup_restored": True,
+    }
+    assert not sock.exists()

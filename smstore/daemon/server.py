@@ -478,15 +478,22 @@ def serve(
         log.info("%s received: stopping", signal.Signals(signum).name)
         daemon.stopping = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # A caller running the daemon in-process gets its own handlers and wakeup fd back on return
+    # (None: a handler not set from Python, which Python cannot set back).
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     # Wakes select() when a signal arrives, so stopping never waits for the timeout.
-    signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
+    old_wakeup = signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
     try:
         daemon.start(files)
         if require:
             daemon.require(files)
         daemon.run()
     finally:
-        daemon.shutdown()
+        try:
+            daemon.shutdown()
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for sig, handler in old_handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
     return 0
