@@ -823,6 +823,7 @@ from smstore.daemon import serve
 def mine(signum, frame):
     pass
 
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # whatever the test suite runs under
 signal.signal(signal.SIGTERM, mine)
 signal.signal(signal.SIGINT, mine)
 r, w = socket.socketpair()
@@ -836,8 +837,9 @@ def stop_when_serving():
     os.kill(os.getpid(), signal.SIGTERM)
 
 threading.Thread(target=stop_when_serving, daemon=True).start()
-status = serve([], sock=sock, background=False)
+status = serve([], sock=sock)  # background: SCHED_BATCH while it runs
 print(json.dumps({
+    "policy_restored": os.sched_getscheduler(0) == os.SCHED_OTHER,
     "status": status,
     "term_restored": signal.getsignal(signal.SIGTERM) is mine,
     "int_restored": signal.getsignal(signal.SIGINT) is mine,
@@ -857,6 +859,7 @@ def test_serve_in_process_gives_the_callers_signal_handlers_and_wakeup_fd_back(t
     )
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stdout.splitlines()[-1]) == {
+        "policy_restored": True,
         "status": 0,
         "term_restored": True,
         "int_restored": True,
