@@ -358,6 +358,57 @@ def test_cache_keeps_lru_entries_within_its_limit_across_restarts(
         NodeCache(tmp_path / "tiny", 4096).get(blobs["a"][0], checksum=blobs["a"][2], size=len(blobs["a"][1]))
 
 
+EVICTING_CHILD = textwrap.dedent(
+    """
+    import sys
+    from smstore.remote import NodeCache
+    NodeCache(sys.argv[1], int(sys.argv[2])).get(sys.argv[3], checksum=sys.argv[4], size=int(sys.argv[5]))
+    """
+)
+
+
+def test_get_fd_hands_over_the_entry_it_verified_whatever_another_process_evicts(
+    s3: S3, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """get()'s path could be evicted by another process before the caller opened it (the reader
+    then failed, or read a newer entry); get_fd() hands over the file it checked, open."""
+    blobs = {}
+    for name in "ab":
+        data, checksum = make_blob(tmp_path / f"{name}.smst", 1, seed=ord(name))
+        blobs[name] = (s3.put(f"fd/{name}.smst", data), data, checksum)
+    limit = max(len(d) for _, d, _ in blobs.values()) * 3 // 2  # room for one entry, not two
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(cache_dir, limit)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def evict_by_fetching(name: str) -> None:
+        url, data, checksum = blobs[name]
+        args = [str(cache_dir), str(limit), url, checksum, str(len(data))]
+        subprocess.run([sys.executable, "-c", EVICTING_CHILD, *args], env=env, check=True, timeout=120)
+
+    url, data, checksum = blobs["a"]
+
+    def read_after_eviction(fd: int) -> bytes:
+        try:
+            evict_by_fetching("b")  # another process needs the room: a's entry goes
+            assert not os.path.exists(cache.path_of(url, checksum))
+            with pytest.raises(OSError, match="Bad file descriptor"):
+                os.write(fd, b"x")  # read-only
+            return os.pread(fd, len(data) + 1, 0)
+        finally:
+            os.close(fd)
+
+    assert read_after_eviction(cache.get_fd(url, checksum=checksum, size=len(data), retry=FAST)) == data
+    assert cache.stats.fetches == 1  # the descriptor of a fresh fetch
+    assert Path(cache.get(url, checksum=checksum, size=len(data), retry=FAST)).read_bytes() == data
+    assert cache.stats.fetches == 2  # a, fetched again
+    assert read_after_eviction(cache.get_fd(url, checksum=checksum, size=len(data), retry=FAST)) == data
+    assert cache.stats.fetches == 2  # the descriptor of an entry found cached
+    # get() still gives the path (here: of the entry evict_by_fetching left).
+    url, data, checksum = blobs["b"]
+    assert Path(cache.get(url, checksum=checksum, size=len(data), retry=FAST)).read_bytes() == data
+
+
 def test_cache_checks_an_entry_before_use_and_caches_nothing_bad(
     s3: S3, proxy: FaultProxy, blob: tuple[str, bytes, str], tmp_path: Path
 ) -> None:
