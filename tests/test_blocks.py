@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 import smstore
+from smstore import _modes
 from smstore._blocks import BlockReader, BlockResidency, Piece, block_pieces, piece_id
 from smstore._manifest import read_manifest
 from smstore.errors import DaemonError, StoreChangedError
@@ -287,6 +288,7 @@ def test_without_a_daemon_a_reader_reads_every_record_from_the_files(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, logger="smstore")
+    monkeypatch.setattr(_modes, "_warned_fallback", False)  # as in a fresh process: the first fallback warns
     out, recs = sharded(tmp_path, shards=3)
     monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "none" / "smstore.sock"))
     sizes = [s.records for s in read_manifest(out).shards]
