@@ -16,11 +16,11 @@ from smstore._protocol import (
     BAD_REQUEST,
     NO_ROOM,
     ProtocolError,
+    attach_path_arg,
     checksum_arg,
     encode,
     key_arg,
     not_served,
-    path_arg,
     refusal,
 )
 from smstore.daemon.connections import Conn, Server
@@ -220,7 +220,7 @@ class Serving:
             seg = next((s for s in self.segments.values() if s.key == key), None)
         else:
             seg = self.segments.get(checksum) if checksum is not None else None
-        path = path_arg(req, required=False)
+        path = attach_path_arg(req)
         if (
             seg is None
             and path is not None
