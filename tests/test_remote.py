@@ -1060,3 +1060,12 @@ def test_a_windowed_epoch_at_2_ranks_x_2_workers_from_a_bucket_reads_every_recor
     m = d.status()["metrics"]
     assert m["cache_misses"] == 6  # each shard fetched once for the node, whatever rank held it
     assert m["fetched_bytes"] == sum(map(len, data))
+
+
+def test_a_dataset_of_url_shards_opened_without_the_daemon_says_to_use_it(s3: S3, tmp_path: Path) -> None:
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "nodaemon", shards=2)
+    url = json.loads(manifest.read_text())["shards"][0]["path"]
+    with pytest.raises(
+        smstore.StoreError, match=rf"{re.escape(url)}: a shard in object storage is read through"
+    ):
+        smstore.open(manifest)
