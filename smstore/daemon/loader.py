@@ -99,6 +99,8 @@ class Loader:
         self.read_rate = read_rate
         self.cache = NodeCache(cache_dir, cache_limit) if cache_dir is not None else None
         self.fetched_bytes = 0  # bytes fetched from object storage straight into segments
+        # The cache's size, measured in this thread after each use (status never lists the directory).
+        self.cache_bytes = self.cache.total_bytes() if self.cache is not None else 0
         self.stopping = False
         # Work, in order: a path to load (with the checksum a hold expects of it, if any), a
         # released segment to free, or None (stop).
@@ -187,7 +189,7 @@ class Loader:
             "fetched_bytes": self.fetched_bytes + (stats.bytes_fetched if stats is not None else 0),
             "cache_hits": stats.hits if stats is not None else 0,
             "cache_misses": stats.fetches if stats is not None else 0,
-            "cache_bytes": self.cache.total_bytes() if self.cache is not None else 0,
+            "cache_bytes": self.cache_bytes,
         }
 
     def _load_one(self, path: str, expected: str | None) -> Loaded | AlreadyLoaded:
@@ -209,7 +211,11 @@ class Loader:
             return AlreadyLoaded(expected)
         size = self.planner.size(url)
         if self.cache is not None:
-            return self._load_file(self.cache.get(u, checksum=expected, size=size), expected)
+            try:
+                local = self.cache.get(u, checksum=expected, size=size)
+            finally:
+                self.cache_bytes = self.cache.total_bytes()
+            return self._load_file(local, expected)
         room = self.planner.room()
         if room is not None and pages(size) > room:
             limit, limit_from = self.planner.shm_limit, self.planner.shm_limit_from
