@@ -1069,3 +1069,27 @@ def test_a_dataset_of_url_shards_opened_without_the_daemon_says_to_use_it(s3: S3
         smstore.StoreError, match=rf"{re.escape(url)}: a shard in object storage is read through"
     ):
         smstore.open(manifest)
+
+
+@pytest.mark.parametrize(
+    ("args", "fault"),
+    [
+        (("--cache-dir", "DIR"), "--cache-dir needs --cache-limit SIZE"),
+        (("--cache-limit", "1G"), "--cache-limit needs --cache-dir"),
+    ],
+)
+def test_serve_wants_a_cache_dir_and_its_limit_together(
+    tmp_path: Path, args: tuple[str, ...], fault: str
+) -> None:
+    argv = [a.replace("DIR", os.fspath(tmp_path / "cache")) for a in args]
+    res = subprocess.run(
+        [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(tmp_path / "s.sock"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 2, res.stderr
+    assert fault in res.stderr
+    assert not (tmp_path / "cache").exists()
+    assert not (tmp_path / "s.sock").exists()
