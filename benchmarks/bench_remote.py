@@ -1,12 +1,17 @@
 """smstore.remote.fetch against the client library's own plain download of the same object.
 
-A moto S3 server runs in its own process on a free port; one blob of ~256 MiB is put in it. Each
-round downloads it, interleaved: obstore's plain ``get`` (one GET, the bytes into memory: the
+The server is, by default, benchmarks/_s3limit.py: an S3 GET/HEAD server that reads only the range
+asked for and, like real S3, limits each connection's bandwidth (``--conn-rate``, default 150 MB/s;
+AWS quotes ~100-200 MB/s per connection) and waits ``--latency`` (default 20 ms) before a response's
+first byte. ``--server moto`` runs moto's server in its own process instead (it re-reads the whole
+object for every ranged GET, so it punishes exactly what real S3 rewards). One blob of ~256 MiB
+is put in it. Each round downloads it, interleaved: obstore's plain ``get`` (one GET, the bytes into memory: the
 baseline), ``smstore.remote.fetch`` (parallel ranged GETs into a buffer, XXH64 verified), the same
 into a NodeCache entry (a file, fsync-ed), and for reference boto3's ``get_object`` and s3fs's
 ``cat_file`` (when installed). The best round of each counts. Goal: fetch >= 0.9x the baseline.
 
     python benchmarks/bench_remote.py                 # ~256 MiB, 3 rounds: results/remote.md
+    python benchmarks/bench_remote.py --server moto --out /tmp/remote-moto.md     # moto's server
     python benchmarks/bench_remote.py --mib 64 --rounds 2 --out /tmp/remote.md    # a quick look
 """
 
@@ -22,6 +27,7 @@ import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from bench_core import Report, log, machine_info, temp_dir, write_results
 
@@ -79,14 +85,55 @@ def main() -> int:
     ap.add_argument("--mib", type=int, default=256, help="blob size in MiB (default 256)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", type=Path, default=HERE / "results" / "remote.md")
+    ap.add_argument("--server", choices=["s3limit", "moto"], default="s3limit")
+    ap.add_argument("--conn-rate", type=float, default=150.0, help="s3limit: MB/s per connection (0: none)")
+    ap.add_argument(
+        "--latency", type=float, default=0.020, help="s3limit: seconds to a response's first byte"
+    )
     args = ap.parse_args()
 
+    from botocore.config import Config
+
+    report = Report()
+    with temp_dir(None) as tmp:
+        if args.server == "moto":
+            port = free_port()
+            moto: subprocess.Popen[bytes] | None = start_moto(port)
+            limit = None
+            endpoint = f"http://127.0.0.1:{port}"
+        else:
+            (tmp / "root" / BUCKET).mkdir(parents=True)
+            moto = None
+            # In its own process, so its send loop does not share the GIL with the client being measured.
+            limit = subprocess.Popen(
+                [sys.executable, str(HERE / "_s3limit.py"), str(tmp / "root"), "--conn-rate", str(args.conn_rate),
+                 "--latency", str(args.latency)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            )  # fmt: skip
+            assert limit.stdout is not None
+            endpoint = limit.stdout.readline().decode().strip()
+            if not endpoint:
+                raise SystemExit("benchmarks/_s3limit.py did not start")
+        try:
+            best, size, machine = run_rounds(args, tmp, endpoint, moto is not None, report, Config)
+        finally:
+            if moto is not None:
+                moto.terminate()
+                moto.wait()
+            if limit is not None:
+                limit.terminate()
+                limit.wait()
+    write_report(args, best, size, machine, report)
+    return 0
+
+
+def run_rounds(
+    args: argparse.Namespace, tmp: Path, endpoint: str, on_moto: bool, report: Report, Config: Any
+) -> tuple[dict[str, float], int, Any]:
     import boto3
     import obstore
     from obstore.store import S3Store
 
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
     os.environ.update(
         AWS_ACCESS_KEY_ID="bench",
         AWS_SECRET_ACCESS_KEY="bench",
@@ -95,17 +142,18 @@ def main() -> int:
         AWS_ENDPOINT_URL=endpoint,
         AWS_ALLOW_HTTP="true",
     )
-    moto = start_moto(port)
-    report = Report()
-    try:
-        with temp_dir(None) as tmp:
+    if True:
+        if True:
             path = tmp / "shard.smst"
             make_blob(path, args.mib)
             size = path.stat().st_size
             checksum = _core.peek_checksum(str(path)) or ""
-            client = boto3.client("s3")
-            client.create_bucket(Bucket=BUCKET)
-            client.upload_file(str(path), BUCKET, "shard.smst")
+            client = boto3.client("s3", config=Config(s3={"addressing_style": "path"}))
+            if on_moto:
+                client.create_bucket(Bucket=BUCKET)
+                client.upload_file(str(path), BUCKET, "shard.smst")
+            else:
+                os.link(path, tmp / "root" / BUCKET / "shard.smst")
             url = f"s3://{BUCKET}/shard.smst"
             store = S3Store(BUCKET, client_options={"allow_http": True})
             buf = bytearray(size)
@@ -152,7 +200,9 @@ def main() -> int:
             try:
                 import s3fs
 
-                fs = s3fs.S3FileSystem(endpoint_url=endpoint)
+                fs = s3fs.S3FileSystem(
+                    endpoint_url=endpoint, config_kwargs={"s3": {"addressing_style": "path"}}
+                )
                 variants["s3fs"] = lambda: len(fs.cat_file(f"{BUCKET}/shard.smst"))
             except ImportError:
                 report.notes.append("s3fs is not installed: no s3fs row")
@@ -163,10 +213,12 @@ def main() -> int:
                     log(f"round {r + 1} {name}: {best[name] / 2**20:.0f} MiB/s best so far")
             assert bytes(buf) == path.read_bytes()
             machine = machine_info(tmp)
-    finally:
-        moto.terminate()
-        moto.wait()
+    return best, size, machine
 
+
+def write_report(
+    args: argparse.Namespace, best: dict[str, float], size: int, machine: Any, report: Report
+) -> None:
     base = best["obstore"]
     report.add("obstore get (one GET, the baseline)", mibs(base), baseline="itself", ratio="1.00x")
     chunks = f"{DEFAULT_CONCURRENCY} x {DEFAULT_CHUNK >> 20} MiB ranged GETs"
@@ -209,26 +261,40 @@ def main() -> int:
     for name, label in (("boto3", "boto3 get_object().read()"), ("s3fs", "s3fs cat_file")):
         if name in best:
             report.add(label, mibs(best[name]), baseline="obstore", ratio=f"{best[name] / base:.2f}x")
-    report.notes += [
-        "Each figure is the best of the rounds; the rounds interleave the variants, so load hits all alike.",
-        (
+    report.notes.append(
+        "Each figure is the best of the rounds; the rounds interleave the variants, so load hits all alike."
+    )
+    if args.server == "moto":
+        report.notes.append(
             "moto's server is pure Python and runs on the same cores as the client: it, not the network, "
-            "bounds "
-            "every figure here. It also reads the whole object for every ranged GET (a 1 MiB range of a 128 MiB "
-            "object takes as long as a 64 MiB one), so on moto many ranges cost many whole reads: the row of "
-            "the same ranged GETs without smstore shows that cost, the rows after it smstore's own. Against "
-            "real S3, 8-16 MiB ranged GETs in parallel are what AWS recommends to reach the NIC's rate."
+            "bounds every figure here. It also reads the whole object for every ranged GET (a 1 MiB range of "
+            "a 128 MiB object takes as long as a 64 MiB one), so on moto many ranges cost many whole reads: "
+            "the row of the same ranged GETs without smstore shows that cost, the rows after it smstore's own."
+        )
+        server = "a local moto S3 server (its own process)"
+    else:
+        rate_ = f"{args.conn_rate:.0f} MB/s per connection" if args.conn_rate else "no bandwidth limit"
+        report.notes.append(
+            f"The server is benchmarks/_s3limit.py in its own process: it reads only the range asked for, "
+            f"sends at most {rate_} (a token bucket per response; AWS quotes ~100-200 MB/s per "
+            f"connection to S3) and waits {args.latency * 1000:.0f} ms before each response's first byte. "
+            "It runs on the same 2 cores as the client, so its Python send loop bounds the parallel rows."
+        )
+        server = f"benchmarks/_s3limit.py ({rate_}, {args.latency * 1000:.0f} ms to first byte)"
+    report.notes += [
+        (
+            "Against real S3, 8-16 MiB ranged GETs in parallel are what AWS recommends to reach the NIC's "
+            "rate, so fetch's default is 8 x 16 MiB; one GET is bounded by one connection's rate."
         ),
     ]
     cmd = "python benchmarks/bench_remote.py" + "".join(f" {a}" for a in sys.argv[1:])
     write_results(
         args.out,
         "Fetching a shard from object storage",
-        [f"`{cmd}`: a {size / 2**20:.0f} MiB blob from a local moto S3 server, {args.rounds} rounds."],
+        [f"`{cmd}`: a {size / 2**20:.0f} MiB blob from {server}, {args.rounds} rounds."],
         machine,
         report,
     )
-    return 0
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 # Type stubs for smstore._core, the compiled module built from csrc/bindings.
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, SupportsIndex, TypeAlias, overload
 
@@ -11,6 +12,9 @@ from smstore.errors import StoreError as StoreError
 
 __version__: str
 
+# A path argument: str (surrogate escapes kept, as os.fsencode), bytes or a path-like object.
+_Path: TypeAlias = str | bytes | os.PathLike[str] | os.PathLike[bytes]
+
 _Indices: TypeAlias = Sequence[SupportsIndex] | npt.NDArray[np.integer[Any]]
 
 class _DataExport:
@@ -19,9 +23,9 @@ class _DataExport:
 SHM_DIR: str
 DEFAULT_MAX_LINE_BYTES: int
 
-def shm_space(dir: str = "/dev/shm") -> tuple[int, int]: ...
+def shm_space(dir: _Path = "/dev/shm") -> tuple[int, int]: ...
 def shm_load(
-    path: str,
+    path: _Path,
     name: str,
     mode: int = 0o400,
     gid: int = -1,
@@ -31,7 +35,7 @@ def shm_load(
 ) -> tuple[int, int, str, int]: ...
 def shm_unlink(name: str) -> bool: ...
 def _check_index_stream(blob: bytes, chunk: int, label: str) -> None: ...
-def peek_checksum(path: str) -> str | None: ...
+def peek_checksum(path: _Path) -> str | None: ...
 
 BLOB_MAGIC: bytes
 
@@ -58,7 +62,7 @@ class BlobHeader:
     @property
     def checksum(self) -> str: ...
 
-def read_header(path: str) -> BlobHeader: ...
+def read_header(path: _Path) -> BlobHeader: ...
 def read_header_fd(fd: int, label: str) -> BlobHeader: ...
 def wait_for_unmaps() -> None: ...
 def feistel_permute(
@@ -129,7 +133,7 @@ class MixtureOrder:
 
 class Store:
     @overload
-    def __init__(self, path: str | Any) -> None: ...
+    def __init__(self, path: _Path) -> None: ...
     @overload
     def __init__(self, fd: int, label: str, full_index: bool) -> None: ...
     @staticmethod
@@ -208,7 +212,7 @@ class ShardedStore:
     def starts(self) -> list[int]: ...
 
 class Writer:
-    def __init__(self, path: str, durable: bool = True, item_size: int = 1) -> None: ...
+    def __init__(self, path: _Path, durable: bool = True, item_size: int = 1) -> None: ...
     @staticmethod
     def to_fd(fd: int, label: str) -> Writer: ...
     def append(self, record: bytes | bytearray | memoryview | str | Any) -> None: ...
@@ -226,7 +230,7 @@ class Writer:
     @property
     def is_open(self) -> bool: ...
 
-_Input: TypeAlias = str | tuple[str, int, int]
+_Input: TypeAlias = _Path | tuple[_Path, int, int]
 
 def pack_lines(
     writer: Writer,

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from smstore import _core
-from smstore._pack import publish_file
+from smstore._pack import publish_file, source_names
 from smstore._protocol import CHECKSUM_WORDING, is_checksum
 from smstore.errors import StoreError, StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
 
@@ -269,7 +269,7 @@ def write_manifest(
         "data_bytes": sum(s.data_bytes for s in shards),
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "smstore_version": _core.__version__,
-        "source": list(source),
+        "source": source_names(source),
     }
     if user:
         doc["user"] = user

@@ -187,6 +187,12 @@ def publish_file(path: str, chunks: Sequence[bytes], *, what: str, durable: bool
         fsync_dir(directory)
 
 
+def source_names(source: Sequence[str]) -> list[str]:
+    """Input names as metadata records them: one not UTF-8 (surrogate escapes from the file
+    system, which JSON cannot carry as UTF-8) is kept readable, its odd bytes shown as ``\\xe9``."""
+    return [os.fsencode(s).decode("utf-8", "backslashreplace") for s in source]
+
+
 def build_metadata(
     encoding: str, *, source: Sequence[str] = (), user: dict[str, Any] | None = None, **extra: Any
 ) -> str:
@@ -194,7 +200,7 @@ def build_metadata(
     meta: dict[str, Any] = {
         "encoding": encoding,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "source": list(source),
+        "source": source_names(source),
         "smstore_version": _core.__version__,
         **extra,
     }

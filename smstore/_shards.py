@@ -484,7 +484,7 @@ def join(
     first: str = ""
     sources: list[str] = []
     for item in inputs:
-        for spath in _shard_files(item):
+        for spath in shard_files(item):
             info, enc = describe_shard(spath, stored_path=stored_path(spath, out_dir))
             if encoding is None:
                 encoding, first = enc, spath
@@ -502,7 +502,7 @@ def join(
     )
 
 
-def _shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
+def shard_files(item: str | os.PathLike[str]) -> Iterator[str]:
     p = os.fspath(item)
     if is_manifest(p):
         m = read_manifest(p)

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import smstore
-from smstore.errors import StoreError
+from smstore.errors import RemoteURLError, StoreError
 
 __all__ = ["main"]
 
@@ -69,7 +72,61 @@ def _convert(
     )
 
 
+def _remote_output(output: str) -> bool:
+    from smstore.remote.urls import is_remote_url
+
+    return is_remote_url(output)
+
+
+def _check_upload_url(url: Any) -> None:
+    if url.scheme != "s3":
+        raise RemoteURLError(
+            f"{url}: pack and join upload to s3:// only (gs://, az:// and https:// are read-only)"
+        )
+
+
+@contextlib.contextmanager
+def _terminate_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt while uploading, so a multipart upload is aborted, not left behind."""
+
+    def interrupt(_signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)
+
+
+def _pack_then_upload(args: argparse.Namespace) -> int:
+    """`pack -o s3://...`: pack into a private temp directory (under $TMPDIR), then upload, manifest last.
+
+    The temp directory needs room for the whole packed output; it is removed however the command ends.
+    """
+    from smstore.remote import parse_url, publish_remote_dataset, upload
+
+    url = args.output
+    sharded = url.endswith("/") or args.jobs > 1 or args.shard_size is not None
+    _check_upload_url(parse_url(url, prefix=sharded))  # a bad URL fails before anything is packed
+    with _terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix="smstore-pack-") as tmp:
+        args.output = os.path.join(tmp, "ds") + "/" if sharded else os.path.join(tmp, "blob.smst")
+        status = cmd_pack(args)
+        if status != 0:
+            return status
+        if sharded:
+            where = publish_remote_dataset(args.output, url)
+        else:
+            upload(args.output, url)
+            where = url
+    if not args.quiet:
+        print(f"uploaded to {where}", file=sys.stderr)
+    return 0
+
+
 def cmd_pack(args: argparse.Namespace) -> int:
+    if _remote_output(args.output):
+        return _pack_then_upload(args)
     user = _user_meta(args.meta, "pack")
     if args.jobs < 1:
         print(f"smstore pack: --jobs must be at least 1, not {args.jobs}", file=sys.stderr)
@@ -200,8 +257,37 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return status
 
 
+def _join_then_upload(args: argparse.Namespace, user: dict[str, Any] | None) -> int:
+    """`join -o s3://prefix/`: upload every shard under the prefix, then a manifest naming them there.
+
+    The shards are linked (not copied) into a temp directory, so the manifest names them beside it.
+    """
+    from smstore._shards import shard_files
+    from smstore.remote import parse_url, publish_remote_dataset
+
+    prefix = parse_url(args.output, prefix=True)  # a bad URL fails before anything is read
+    _check_upload_url(prefix)
+    with _terminate_as_interrupt(), tempfile.TemporaryDirectory(prefix="smstore-join-") as tmp:
+        links: list[str] = []
+        for item in args.inputs:
+            for path in shard_files(item):
+                link = os.path.join(tmp, f"{len(links):05d}-{os.path.basename(path)}")
+                os.symlink(os.path.abspath(path), link)
+                links.append(link)
+        manifest = smstore.join(links, tmp + "/", metadata=user, verify=args.verify)
+        where = publish_remote_dataset(tmp, prefix)
+    print(
+        f"joined {len(manifest.shards)} shards ({manifest.records} records, {_human(manifest.data_bytes)}) "
+        f"into {where}",
+        file=sys.stderr,
+    )
+    return 0
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     user = _user_meta(args.meta, "join")
+    if _remote_output(args.output):
+        return _join_then_upload(args, user)
     manifest = smstore.join(args.inputs, args.output, metadata=user, verify=args.verify)
     print(
         f"joined {len(manifest.shards)} shards ({manifest.records} records, {_human(manifest.data_bytes)}) "
@@ -295,7 +381,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         required=True,
         help="the .smst file to write (atomically); a dataset directory (manifest.json and shards) "
-        "with -j or --shard-size, or when it is an existing directory or ends with '/'",
+        "with -j or --shard-size, or when it is an existing directory or ends with '/'; an s3:// URL packs "
+        "into a temp directory under $TMPDIR (room for the whole output), then uploads, manifest last",
     )
     p.add_argument(
         "-j",
@@ -357,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--output",
         required=True,
         help="the manifest to write: a file, or a directory (existing, or ending with '/') for its "
-        "manifest.json; join never removes a file",
+        "manifest.json; join never removes a file; an s3:// prefix uploads the shards, then the manifest",
     )
     p.add_argument("--verify", action="store_true", help="check every shard's checksum over every byte first")
     p.add_argument("--meta", action="append", metavar="KEY=VALUE", help="user metadata (repeatable)")

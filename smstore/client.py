@@ -415,7 +415,8 @@ class _Preattacher:
     WAIT = 30.0  # seconds the daemon may keep a question before it answers "no change"
     POLL = 0.1  # seconds before asking again after an answer with no change (a daemon over its
     # limit of parked questions answers at once)
-    RETRY = 0.5  # ... and after a failure (no daemon now)
+    RETRY = 0.5  # ... and after a failure (no daemon now), doubled at each failure in a row
+    MAX_RETRY = 30.0  # ... up to this
 
     def __init__(
         self,
@@ -433,6 +434,7 @@ class _Preattacher:
         self.release = release
         self.ready: dict[str, DaemonStore] = {}
         self._pid = -1
+        self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         # Orders the thread's attaches and additions to `ready` with close(): once close() set
         # `_stop` and took the lock, the thread neither attaches nor keeps a store. Reentrant: the
@@ -451,11 +453,17 @@ class _Preattacher:
         if self._pid != os.getpid():  # first use in this process (a forked child inherits no thread)
             self._pid = os.getpid()
             self.ready = {}
-            threading.Thread(target=self._run, name="smstore-preattach", daemon=True).start()
+        elif self._stop.is_set() or (self._thread is not None and self._thread.is_alive()):
+            return
+        # First use, or the thread ended with its daemon gone: a daemon serving again (a read
+        # found one) gets a thread again.
+        self._thread = threading.Thread(target=self._run, name="smstore-preattach", daemon=True)
+        self._thread.start()
 
     def _run(self) -> None:
         pid = os.getpid()
         seen: int | None = None  # the version of the held shards handled last
+        retry = self.RETRY
         while not self._stop.is_set() and pid == os.getpid():
             try:
                 version = self._once(seen)
@@ -465,8 +473,12 @@ class _Preattacher:
                 self._drop_connection()  # no daemon now: the reads attach (or fail) on their own
                 self.session.close()
                 seen = None
-                self._stop.wait(self.RETRY)
+                if not self.session.path.exists():
+                    break  # the daemon is gone for good (it removes its socket): the next read restarts us
+                self._stop.wait(retry)  # a daemon restarting, or one that refuses us: less often each time
+                retry = min(2 * retry, self.MAX_RETRY)
                 continue
+            retry = self.RETRY
             if version is None or version == seen:
                 self._stop.wait(self.POLL)
             seen = version

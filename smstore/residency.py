@@ -16,6 +16,7 @@ import os
 import queue
 import socket as socket_module
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -78,6 +79,8 @@ class ShardResidency:
         self._error: BaseException | None = None
         self._pending: queue.Queue[tuple[int, ...] | None] = queue.Queue()
         self._thread: threading.Thread | None = None
+        # A residency never closed ends its thread when it is collected (the thread holds it weakly).
+        weakref.finalize(self, self._pending.put, None)
         self._lock = threading.Lock()  # one hold applied at a time (the thread's, or a waited one)
         # The noreply hold's frame around its shard list, encoded once: a hold is sent inside the
         # training loop's next(), where even json.dumps of a small dict costs tens of microseconds.
@@ -110,22 +113,30 @@ class ShardResidency:
             self._send_hold(wanted)
             return
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="smstore-residency", daemon=True)
+            self._thread = threading.Thread(
+                target=ShardResidency._run,
+                args=(weakref.ref(self), self._pending),
+                name="smstore-residency",
+                daemon=True,
+            )
             self._thread.start()
         self._pending.put(wanted)
 
-    def _run(self) -> None:
+    @staticmethod
+    def _run(ref: weakref.ref[ShardResidency], pending: queue.Queue[tuple[int, ...] | None]) -> None:
         while True:
-            wanted = self._pending.get()
+            wanted = pending.get()
             with contextlib.suppress(queue.Empty):
                 while True:  # only the latest set matters
-                    wanted = self._pending.get_nowait()
-            if wanted is None:
+                    wanted = pending.get_nowait()
+            residency = ref()
+            if wanted is None or residency is None:
                 return
             try:
-                self._apply(wanted)
+                residency._apply(wanted)
             except Exception as e:  # noqa: BLE001 - reported to the sampler by its next hold()
-                self._error = e
+                residency._error = e
+            del residency  # between holds the thread keeps no reference: the residency can be collected
 
     def _apply(self, wanted: tuple[int, ...]) -> None:
         with self._lock:

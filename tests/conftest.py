@@ -8,9 +8,13 @@ import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 from hypothesis import settings
+
+if TYPE_CHECKING:
+    from remote_testlib import S3, FaultProxy
 
 # Make the helper module importable by name, here and in spawn/forkserver children (they inherit sys.path).
 sys.path.insert(0, str(Path(__file__).parent))
@@ -140,3 +144,46 @@ def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
             _core.shm_unlink("/" + name)
     assert not leftovers, f"segments left in /dev/shm: {leftovers}"
     assert not any(d.sock.exists() for d in started), "socket left behind"
+
+
+# --- a real S3 server (moto) behind a fault proxy, for the remote tests ----------------------------
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3]:
+    """moto's S3 server behind a fault proxy, with the AWS environment pointing smstore at the proxy."""
+    from remote_testlib import BUCKET, S3, SECRET, FaultProxy, MotoS3
+
+    moto = MotoS3()
+    proxy = FaultProxy(moto.port)
+    env = {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": SECRET,
+        "AWS_REGION": "us-east-1",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL": proxy.endpoint,  # every call of smstore.remote goes through the proxy
+        "AWS_ALLOW_HTTP": "true",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in env.items():
+            mp.setenv(k, v)
+        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
+            mp.delenv(k, raising=False)
+        s = S3(moto, proxy)
+        s.client.create_bucket(Bucket=BUCKET)
+        try:
+            yield s
+        finally:
+            proxy.stop()
+            moto.stop()
+
+
+@pytest.fixture
+def proxy(s3: S3) -> Iterator[FaultProxy]:
+    """The fault proxy in front of moto, cleared of faults and history for each test."""
+    every = lambda method, path, headers: True
+    s3.proxy.inject(matches=every)  # no faults or hooks left over from another test
+    s3.proxy.seen.clear()
+    s3.proxy.stalled.clear()
+    yield s3.proxy
+    s3.proxy.inject(matches=every)

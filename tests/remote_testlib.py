@@ -12,7 +12,11 @@ from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+import boto3
 from moto.server import ThreadedMotoServer
+
+BUCKET = "smstore-test"
+SECRET = "s3cr3t-never-shown-0f9e8d7c"  # a test asserts it never appears in errors or logs
 
 logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's server logs every request otherwise
 
@@ -173,3 +177,25 @@ def _reset(sock: socket.socket) -> None:
     """Close `sock` so that the peer sees a connection reset (RST), not an orderly end."""
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
     sock.close()
+
+
+class S3:
+    def __init__(self, moto: MotoS3, proxy: FaultProxy) -> None:
+        self.moto, self.proxy = moto, proxy
+        self.client = boto3.client("s3", endpoint_url=moto.endpoint)  # straight to moto: no faults
+
+    def url(self, key: str) -> str:
+        return f"s3://{BUCKET}/{key}"
+
+    def put(self, key: str, data: bytes) -> str:
+        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
+        return self.url(key)
+
+    def get(self, key: str) -> bytes:
+        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()  # type: ignore[no-any-return]
+
+    def object_keys(self) -> list[str]:
+        return [o["Key"] for o in self.client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
+
+    def multipart_uploads(self) -> list[dict[str, object]]:
+        return self.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])  # type: ignore[no-any-return]

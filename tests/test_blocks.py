@@ -236,7 +236,7 @@ def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_
         for p in block_pieces([0, *np.cumsum([s.records for s in m.shards]).tolist()], block, b)
     }
     assert seen_segments <= pieces  # only block pieces were loaded, never a whole shard
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120  # the ranks have closed: the daemon drops them at once, unless starved
     while d.status()["segments"] and time.monotonic() < deadline:
         time.sleep(0.05)
     assert d.status()["segments"] == []  # the ranks closed: every piece dropped
@@ -351,3 +351,36 @@ def test_resume_at_another_world_size_through_the_daemon_reads_the_rest_byte_exa
     assert [i for i, _d in got] == order_of(sizes, block, spread, seed=4)
     assert all(data == recs[i] for i, data in got)
     assert reads > n // 2  # through the daemon's pieces, before and after the resume
+
+
+def test_a_piece_load_refuses_a_shard_replaced_by_a_fifo_without_blocking(tmp_path: Path) -> None:
+    # Between a hold (which checked the shard) and its load, the shard's file is replaced by a
+    # FIFO: the load must fail at once, not block the daemon's block thread on open() forever.
+    from smstore.daemon.blocks import Blocks, _Job
+
+    out, _recs = sharded(tmp_path, shards=2)
+    m = read_manifest(out)
+    shard = out / m.shards[1].path
+    shard.unlink()
+    os.mkfifo(shard)
+    job = _Job(os.fspath(shard), m.shards[1].checksum, Piece(1, 0, 10), "0" * 16, 1 << 20)
+    blocks = object.__new__(Blocks)  # only _load is exercised: no daemon around it
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            blocks._load(job)
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            outcome.append(e)
+
+    t = threading.Thread(target=load, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    if t.is_alive():  # blocked in open(): let it go before failing
+        fd = os.open(shard, os.O_WRONLY | os.O_NONBLOCK)
+        os.close(fd)
+        t.join()
+        pytest.fail("the piece load blocked on a FIFO")
+    assert len(outcome) == 1, outcome
+    assert isinstance(outcome[0], StoreChangedError), outcome
+    assert "not a regular file" in str(outcome[0])

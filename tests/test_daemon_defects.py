@@ -11,6 +11,8 @@ import select
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -812,3 +814,124 @@ def test_a_preattacher_closed_mid_pass_keeps_no_store(
         ahead._drop_connection()
         ahead.session.close()
         rank.close()
+
+
+SERVE_IN_PROCESS = r"""
+import json, os, signal, socket, sys, threading, time
+from smstore.daemon import serve
+
+def mine(signum, frame):
+    pass
+
+os.sched_setscheduler(0, os.SCHED_OTHER, os.sched_param(0))  # whatever the test suite runs under
+signal.signal(signal.SIGTERM, mine)
+signal.signal(signal.SIGINT, mine)
+r, w = socket.socketpair()
+w.setblocking(False)
+signal.set_wakeup_fd(w.fileno())
+sock = sys.argv[1]
+
+def stop_when_serving():
+    while not os.path.exists(sock):
+        time.sleep(0.01)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+threading.Thread(target=stop_when_serving, daemon=True).start()
+status = serve([], sock=sock)  # background: SCHED_BATCH while it runs
+print(json.dumps({
+    "policy_restored": os.sched_getscheduler(0) == os.SCHED_OTHER,
+    "status": status,
+    "term_restored": signal.getsignal(signal.SIGTERM) is mine,
+    "int_restored": signal.getsignal(signal.SIGINT) is mine,
+    "wakeup_restored": signal.set_wakeup_fd(-1) == w.fileno(),
+}))
+"""
+
+
+def test_serve_in_process_gives_the_callers_signal_handlers_and_wakeup_fd_back(tmp_path: Path) -> None:
+    sock = tmp_path / "d.sock"
+    res = subprocess.run(
+        [sys.executable, "-c", SERVE_IN_PROCESS, os.fspath(sock)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stdout.splitlines()[-1]) == {
+        "policy_restored": True,
+        "status": 0,
+        "term_restored": True,
+        "int_restored": True,
+        "wakeup_restored": True,
+    }
+    assert not sock.exists()
+
+
+def preattach_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "smstore-preattach"]
+
+
+def ended(threads: list[threading.Thread], timeout: float = 30) -> bool:
+    for t in threads:
+        t.join(timeout)
+    return not any(t.is_alive() for t in threads)
+
+
+def test_a_preattaching_thread_of_a_dataset_never_closed_ends_when_its_daemon_is_gone(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """Before the fix the thread asked a stopped daemon again every 0.5 s for as long as the
+    process lived; now it ends once the socket is gone."""
+    from smstore.client import open_store
+
+    out = dataset(tmp_path, "ds", shards=2)
+    before = preattach_threads()
+    d = start_daemon(loaded=0)
+    store = open_store(out, mode="auto", socket=d.sock)
+    assert bytes(store[0]) == smstore.open(out)[0].tobytes()
+    threads = [t for t in preattach_threads() if t not in before]
+    assert len(threads) == 1
+    d.proc.send_signal(signal.SIGTERM)
+    d.proc.wait(timeout=30)
+    assert not d.sock.exists()
+    assert ended(threads)  # the store is still open
+    del store
+
+
+def test_a_preattaching_thread_backs_off_from_a_daemon_that_does_not_answer(tmp_path: Path) -> None:
+    """A socket left by a killed daemon: asked less and less often, not every 0.5 s forever."""
+    from smstore.client import _Preattacher
+
+    sock = tmp_path / "dead.sock"
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.fspath(sock))
+    listener.close()  # the socket file stays; nobody listens: connection refused
+    out = dataset(tmp_path, "ds", shards=2)
+    ahead = _Preattacher(sock, os.fspath(out), {}, lambda k: False, lambda k: None)
+    waits: list[float] = []
+
+    def wait(timeout: float) -> bool:
+        waits.append(timeout)
+        if len(waits) == 10:
+            ahead._stop.set()
+        return ahead._stop.is_set()
+
+    ahead._stop.wait = wait  # type: ignore[method-assign]
+    ahead._run()
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0, 30.0]
+    ahead.close()
+
+
+def test_a_residency_never_closed_ends_its_thread_when_collected(tmp_path: Path) -> None:
+    """Before the fix the thread held the residency: neither was ever collected."""
+    import gc
+
+    out = dataset(tmp_path, "ds", shards=2)
+    residency = ShardResidency(out, mode="mmap")
+    residency.hold([0])
+    thread = residency._thread
+    assert thread is not None
+    del residency
+    gc.collect()
+    assert ended([thread])

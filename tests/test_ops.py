@@ -213,6 +213,23 @@ def test_doctor_reads_a_mountinfo_with_a_non_utf8_mount_point(tmp_path: Path, so
     )
 
 
+def test_doctor_inspects_a_non_utf8_shm_dir(tmp_path: Path, sock: Path) -> None:
+    shm = tmp_path / os.fsdecode(b"shm-caf\xe9")  # as os.listdir names it: surrogate escapes
+    shm.mkdir()
+    info = tmp_path / "mountinfo"
+    info.write_bytes(
+        b"22 1 8:1 / / rw,relatime - ext4 /dev/sda1 rw\n"
+        + b"40 22 0:40 / "
+        + os.fsencode(shm)
+        + b" rw - tmpfs tmpfs rw,size=65536k\n"
+    )
+    ((status, message),) = by_name(
+        doctor([], sock, probes=probes(tmp_path, shm_dir=shm, mountinfo=info)), "shm"
+    )
+    assert status == "ok", message
+    assert message.startswith(f"{shm} (tmpfs at {shm}): ")
+
+
 def test_doctor_checks_the_socket_directory(tmp_path: Path) -> None:
     run = tmp_path / "run"
     run.mkdir(mode=0o700)

@@ -15,6 +15,7 @@ import pytest
 from smstore_testlib import SAFE_CWD, random_records
 
 import smstore
+from smstore._manifest import read_manifest
 
 # ----------------------------------------------------------------------------- records
 
@@ -621,3 +622,71 @@ def test_data_export_cannot_be_made_from_python(awkward_blob: Path) -> None:
         export_type = type(s[0].obj)
     with pytest.raises(TypeError):
         export_type.__new__(export_type)
+
+
+# ---- paths that are not UTF-8 (names read from the file system keep them as surrogate escapes) ----
+
+ODD = os.fsdecode(b"caf\xe9-\xff")  # a str holding surrogate escapes, as os.listdir gives it
+
+
+def test_the_store_bindings_take_a_non_utf8_path_as_str_bytes_or_path(tmp_path: Path) -> None:
+    from smstore import _core
+    from smstore.errors import StoreNotFoundError
+
+    path = tmp_path / f"{ODD}.smst"
+    w = _core.Writer(path, durable=False)
+    w.extend([b"a", b"\xff\x00"])
+    w.finish("{}")
+    assert w.path == os.fspath(path)  # the same name back, escapes and all
+    for form in (os.fspath(path), os.fsencode(path), path):
+        store = _core.Store(form)
+        assert [bytes(store[i]) for i in range(len(store))] == [b"a", b"\xff\x00"]
+        assert store.path == os.fspath(path)
+        assert _core.read_header(form).record_count == 2
+        assert _core.peek_checksum(form) == store.checksum
+    missing = tmp_path / f"{ODD}-missing.smst"
+    with pytest.raises(StoreNotFoundError, match=r"caf\\xe9-\\xff-missing"):  # shown escaped
+        _core.Store(missing)
+    with pytest.raises(StoreNotFoundError, match=r"caf\\xe9-\\xff-missing"):
+        _core.read_header(missing)
+    with pytest.raises(ValueError, match="null"):
+        _core.Store(os.fspath(tmp_path) + "/a\0b")
+    with pytest.raises(TypeError):
+        _core.Store(3)  # type: ignore[arg-type]
+
+
+def test_the_packers_take_non_utf8_input_names(tmp_path: Path) -> None:
+    src = tmp_path / f"{ODD}.txt"
+    src.write_bytes(b"one\ntwo\n")
+    out = tmp_path / f"{ODD}-out.smst"
+    smstore.pack_files([src], out, progress=False, durable=False)
+    store = smstore.open(out)
+    assert [bytes(store[i]) for i in range(len(store))] == [b"one", b"two"]
+    assert store.metadata["source"] == [os.fspath(src).replace(ODD, "caf\\xe9-\\xff")]
+    # Sharded: the file is cut into (path, start, end) parts at line ends, one per shard.
+    smstore.pack_files([src], tmp_path / "sharded", shard_size=4, progress=False, durable=False)
+    sharded = smstore.open(tmp_path / "sharded")
+    assert [bytes(sharded[i]) for i in range(len(sharded))] == [b"one", b"two"]
+    assert len(read_manifest(tmp_path / "sharded").shards) == 2
+
+
+def test_the_shm_bindings_take_a_non_utf8_path(tmp_path: Path) -> None:
+    from smstore import _core
+
+    room = tmp_path / ODD
+    room.mkdir()
+    available, total = _core.shm_space(room)
+    assert 0 <= available <= total
+    assert total > 0
+    assert _core.shm_space(os.fsencode(room)) == pytest.approx((available, total), rel=0.1)
+    blob = room / "b.smst"
+    w = _core.Writer(os.fspath(blob), durable=False)
+    w.append(b"x")
+    w.finish("{}")
+    name = f"/smstore-test-{os.getpid()}-odd"
+    fd, size, _checksum, count = _core.shm_load(os.fspath(blob), name)
+    try:
+        assert (size, count) == (blob.stat().st_size, 1)
+    finally:
+        os.close(fd)
+        assert _core.shm_unlink(name)

@@ -17,7 +17,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,10 +28,9 @@ pytest.importorskip("obstore", reason="the remote extra (obstore) is not install
 pytest.importorskip("boto3", reason="the remote extra (boto3) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-import boto3
 import daemon_testlib as tl
 from daemon_testlib import Daemon, as_user, public_rundir
-from remote_testlib import FaultProxy, MotoS3
+from remote_testlib import BUCKET, S3, SECRET, FaultProxy
 
 import smstore
 from smstore import _core
@@ -45,8 +44,6 @@ from smstore.errors import (
 )
 from smstore.remote import CacheStats, NodeCache, Retry, fetch, parse_url, publish_remote_dataset, upload
 
-BUCKET = "smstore-test"
-SECRET = "s3cr3t-never-shown-0f9e8d7c"
 CHUNK = 256 << 10  # small ranges, so a blob of a few MiB takes many
 FAST = Retry(attempts=4, base_delay=0.005, max_delay=0.02, timeout=30.0)
 
@@ -188,64 +185,6 @@ def test_blob_hasher_fed_is_read_consistently_while_threads_update() -> None:
 
 
 # --- a real S3 server -----------------------------------------------------------------------------
-
-
-class S3:
-    def __init__(self, moto: MotoS3, proxy: FaultProxy) -> None:
-        self.moto, self.proxy = moto, proxy
-        self.client = boto3.client("s3", endpoint_url=moto.endpoint)  # straight to moto: no faults
-
-    def url(self, key: str) -> str:
-        return f"s3://{BUCKET}/{key}"
-
-    def put(self, key: str, data: bytes) -> str:
-        self.client.put_object(Bucket=BUCKET, Key=key, Body=data)
-        return self.url(key)
-
-    def get(self, key: str) -> bytes:
-        return self.client.get_object(Bucket=BUCKET, Key=key)["Body"].read()  # type: ignore[no-any-return]
-
-    def object_keys(self) -> list[str]:
-        return [o["Key"] for o in self.client.list_objects_v2(Bucket=BUCKET).get("Contents", [])]
-
-    def multipart_uploads(self) -> list[dict[str, object]]:
-        return self.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])  # type: ignore[no-any-return]
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3]:
-    moto = MotoS3()
-    proxy = FaultProxy(moto.port)
-    env = {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": SECRET,
-        "AWS_REGION": "us-east-1",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_ENDPOINT_URL": proxy.endpoint,  # every call of smstore.remote goes through the proxy
-        "AWS_ALLOW_HTTP": "true",
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in env.items():
-            mp.setenv(k, v)
-        for k in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE"):
-            mp.delenv(k, raising=False)
-        s = S3(moto, proxy)
-        s.client.create_bucket(Bucket=BUCKET)
-        try:
-            yield s
-        finally:
-            proxy.stop()
-            moto.stop()
-
-
-@pytest.fixture
-def proxy(s3: S3) -> Iterator[FaultProxy]:
-    every = lambda method, path, headers: True
-    s3.proxy.inject(matches=every)  # no faults or hooks left over from another test
-    s3.proxy.seen.clear()
-    s3.proxy.stalled.clear()
-    yield s3.proxy
-    s3.proxy.inject(matches=every)
 
 
 def make_blob(path: Path, mib: float, seed: int = 0) -> tuple[bytes, str]:
@@ -424,6 +363,57 @@ def test_cache_keeps_lru_entries_within_its_limit_across_restarts(
     assert seen > before
     with pytest.raises(StoreError, match="does not fit the node cache's limit"):
         NodeCache(tmp_path / "tiny", 4096).get(blobs["a"][0], checksum=blobs["a"][2], size=len(blobs["a"][1]))
+
+
+EVICTING_CHILD = textwrap.dedent(
+    """
+    import sys
+    from smstore.remote import NodeCache
+    NodeCache(sys.argv[1], int(sys.argv[2])).get(sys.argv[3], checksum=sys.argv[4], size=int(sys.argv[5]))
+    """
+)
+
+
+def test_get_fd_hands_over_the_entry_it_verified_whatever_another_process_evicts(
+    s3: S3, proxy: FaultProxy, tmp_path: Path
+) -> None:
+    """get()'s path could be evicted by another process before the caller opened it (the reader
+    then failed, or read a newer entry); get_fd() hands over the file it checked, open."""
+    blobs = {}
+    for name in "ab":
+        data, checksum = make_blob(tmp_path / f"{name}.smst", 1, seed=ord(name))
+        blobs[name] = (s3.put(f"fd/{name}.smst", data), data, checksum)
+    limit = max(len(d) for _, d, _ in blobs.values()) * 3 // 2  # room for one entry, not two
+    cache_dir = tmp_path / "cache"
+    cache = NodeCache(cache_dir, limit)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+
+    def evict_by_fetching(name: str) -> None:
+        url, data, checksum = blobs[name]
+        args = [str(cache_dir), str(limit), url, checksum, str(len(data))]
+        subprocess.run([sys.executable, "-c", EVICTING_CHILD, *args], env=env, check=True, timeout=120)
+
+    url, data, checksum = blobs["a"]
+
+    def read_after_eviction(fd: int) -> bytes:
+        try:
+            evict_by_fetching("b")  # another process needs the room: a's entry goes
+            assert not os.path.exists(cache.path_of(url, checksum))
+            with pytest.raises(OSError, match="Bad file descriptor"):
+                os.write(fd, b"x")  # read-only
+            return os.pread(fd, len(data) + 1, 0)
+        finally:
+            os.close(fd)
+
+    assert read_after_eviction(cache.get_fd(url, checksum=checksum, size=len(data), retry=FAST)) == data
+    assert cache.stats.fetches == 1  # the descriptor of a fresh fetch
+    assert Path(cache.get(url, checksum=checksum, size=len(data), retry=FAST)).read_bytes() == data
+    assert cache.stats.fetches == 2  # a, fetched again
+    assert read_after_eviction(cache.get_fd(url, checksum=checksum, size=len(data), retry=FAST)) == data
+    assert cache.stats.fetches == 2  # the descriptor of an entry found cached
+    # get() still gives the path (here: of the entry evict_by_fetching left).
+    url, data, checksum = blobs["b"]
+    assert Path(cache.get(url, checksum=checksum, size=len(data), retry=FAST)).read_bytes() == data
 
 
 def test_cache_checks_an_entry_before_use_and_caches_nothing_bad(

@@ -56,7 +56,7 @@ PyStore::PyStore(std::shared_ptr<Store> store) : store_(std::move(store)) {
 }
 
 PyStore PyStore::open_path(const py::object& path) {
-    auto name = py::str(py::module_::import("os").attr("fspath")(path)).cast<std::string>();
+    std::string name = fs_path(path);
     std::shared_ptr<Store> s;
     {
         py::gil_scoped_release release;  // validating the index of a large store takes a while

@@ -61,6 +61,18 @@ auto checked(R (*f)(T&, A...)) {
     };
 }
 
+// A file path from Python (str, bytes or os.PathLike) as the bytes os.fsencode() gives: a str
+// holding surrogate escapes (a non-UTF-8 name read from the file system) passes unchanged. Throws
+// (TypeError, ValueError for a NUL) on anything else.
+std::string fs_path(pybind11::handle path);
+// A path the core holds (a label, a file name) as os.fsdecode() gives it, so that it round-trips.
+pybind11::str fs_str(const std::string& path);
+
+// A binding's path argument: converted by fs_path(), so a non-UTF-8 name is a path, not a TypeError.
+struct FsPath {
+    std::string value;
+};
+
 // The DataLoader takes indices one at a time from a sampler: a list of ints is what it wants.
 pybind11::list to_list(const std::vector<int64_t>& values);
 
@@ -77,3 +89,20 @@ void register_loader(pybind11::module_& m);
 void register_hash(pybind11::module_& m);
 
 }  // namespace smstore::bindings
+
+namespace pybind11::detail {
+template <>
+struct type_caster<smstore::bindings::FsPath> {
+    PYBIND11_TYPE_CASTER(smstore::bindings::FsPath, const_name("str | bytes | os.PathLike[str]"));
+    bool load(handle src, bool) {
+        // Not a path at all: let pybind11 say which arguments it takes. A path that cannot be
+        // encoded (a NUL in it) raises its own error.
+        if (!PyUnicode_Check(src.ptr()) && !PyBytes_Check(src.ptr()) &&
+            !PyObject_HasAttrString(reinterpret_cast<PyObject*>(Py_TYPE(src.ptr())), "__fspath__")) {
+            return false;
+        }
+        value.value = smstore::bindings::fs_path(src);
+        return true;
+    }
+};
+}  // namespace pybind11::detail

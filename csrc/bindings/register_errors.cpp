@@ -1,6 +1,8 @@
 // The single table from core error kinds to the Python classes of smstore.errors.
 #include <Python.h>
 
+#include <cstring>
+
 #include "error.hpp"
 #include "register.hpp"
 
@@ -25,6 +27,12 @@ constexpr KindClass kErrorTable[] = {
 // Borrowed for the life of the interpreter: smstore.errors is never unloaded.
 PyObject* g_classes[std::size(kErrorTable)];
 
+// A core message names files by their bytes: one not UTF-8 is shown escaped, never lost to a
+// UnicodeDecodeError in place of the error.
+PyObject* message(const char* what) {
+    return PyUnicode_DecodeUTF8(what, static_cast<Py_ssize_t>(std::strlen(what)), "backslashreplace");
+}
+
 }  // namespace
 
 void set_python_error(const Error& e) {
@@ -35,12 +43,27 @@ void set_python_error(const Error& e) {
     if (e.sys_errno() &&
         PyType_IsSubtype(reinterpret_cast<PyTypeObject*>(cls), reinterpret_cast<PyTypeObject*>(PyExc_OSError))) {
         // OSError subclasses get (errno, message) so that .errno works as usual.
-        PyObject* args = Py_BuildValue("(is)", e.sys_errno(), e.what());
+        PyObject* args = Py_BuildValue("(iN)", e.sys_errno(), message(e.what()));
         PyErr_SetObject(cls, args);
         Py_XDECREF(args);
         return;
     }
-    PyErr_SetString(cls, e.what());
+    PyObject* text = message(e.what());
+    PyErr_SetObject(cls, text);
+    Py_XDECREF(text);
+}
+
+std::string fs_path(py::handle path) {
+    PyObject* bytes = nullptr;
+    if (!PyUnicode_FSConverter(path.ptr(), &bytes)) throw py::error_already_set();
+    auto owned = py::reinterpret_steal<py::bytes>(bytes);
+    return std::string(owned);
+}
+
+py::str fs_str(const std::string& path) {
+    PyObject* s = PyUnicode_DecodeFSDefaultAndSize(path.data(), static_cast<Py_ssize_t>(path.size()));
+    if (!s) throw py::error_already_set();
+    return py::reinterpret_steal<py::str>(s);
 }
 
 void register_errors(py::module_& m) {

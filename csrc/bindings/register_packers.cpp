@@ -33,9 +33,9 @@ std::vector<InputSpan> input_spans(const py::sequence& inputs) {
         if (py::isinstance<py::tuple>(item)) {
             auto t = item.cast<py::tuple>();
             if (t.size() != 3) throw py::value_error("an input part is (path, start, end)");
-            spans.emplace_back(t[0].cast<std::string>(), t[1].cast<uint64_t>(), t[2].cast<uint64_t>());
+            spans.emplace_back(fs_path(t[0]), t[1].cast<uint64_t>(), t[2].cast<uint64_t>());
         } else {
-            spans.emplace_back(item.cast<std::string>());
+            spans.emplace_back(fs_path(item));
         }
     }
     return spans;

@@ -15,14 +15,14 @@ void register_shm(py::module_& m) {
     m.attr("SHM_DIR") = kShmDir;
     m.def(
         "shm_space",
-        [](const std::string& dir) {
-            ShmSpace s = shm_space(dir);
+        [](const FsPath& dir) {
+            ShmSpace s = shm_space(dir.value);
             return py::make_tuple(s.available, s.total);
         },
         py::arg("dir") = kShmDir, "(available, total) bytes of the filesystem holding shared memory.");
     m.def(
         "shm_load",
-        [](const std::string& path, const std::string& name, unsigned mode, int64_t gid, uint64_t room_limit,
+        [](const FsPath& path, const std::string& name, unsigned mode, int64_t gid, uint64_t room_limit,
            uint64_t max_rate, bool hash_thread) {
             LoadOptions opt;
             opt.max_rate = max_rate;
@@ -33,7 +33,7 @@ void register_shm(py::module_& m) {
             LoadedSegment seg;
             {
                 py::gil_scoped_release release;
-                seg = load_segment(path, name, opt);
+                seg = load_segment(path.value, name, opt);
             }
             return py::make_tuple(seg.fd, seg.size, checksum_hex(seg.checksum), seg.record_count);
         },

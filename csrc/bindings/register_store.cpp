@@ -52,7 +52,7 @@ Args:
         .def("__exit__", checked(+[](PyStore& s, const py::args&) { s.close(); }))
         .def("__repr__", checked(&PyStore::repr))
         .def_property_readonly("closed", checked(&PyStore::closed))
-        .def_property_readonly("path", checked(+[](const PyStore& s) { return s.core().label(); }))
+        .def_property_readonly("path", checked(+[](const PyStore& s) { return fs_str(s.core().label()); }))
         .def_property_readonly("checksum",
                                checked(+[](const PyStore& s) { return checksum_hex(s.core().stored_checksum()); }))
         .def_property_readonly("nbytes", checked(+[](const PyStore& s) { return s.core().data_size(); }))
@@ -74,11 +74,11 @@ Args:
 
     m.def(
         "peek_checksum",
-        [](const std::string& path) -> py::object {
+        [](const FsPath& path) -> py::object {
             std::optional<uint64_t> checksum;
             {
                 py::gil_scoped_release release;
-                checksum = peek_checksum(path);
+                checksum = peek_checksum(path.value);
             }
             return checksum ? py::object(py::str(checksum_hex(*checksum))) : py::object(py::none());
         },
@@ -102,8 +102,10 @@ Args:
                    " records, " + std::to_string(h.file_size) + " bytes, checksum " + checksum_hex(h.checksum) + ">";
         });
     m.attr("BLOB_MAGIC") = py::bytes(reinterpret_cast<const char*>(kMagic), sizeof kMagic);
-    m.def("read_header", &read_header, py::arg("path"), py::call_guard<py::gil_scoped_release>(),
-          "The validated header of the blob at `path` (one small read; the index and records are not read).");
+    m.def(
+        "read_header", [](const FsPath& path) { return read_header(path.value); }, py::arg("path"),
+        py::call_guard<py::gil_scoped_release>(),
+        "The validated header of the blob at `path` (one small read; the index and records are not read).");
     m.def("read_header_fd", &read_header_fd, py::arg("fd"), py::arg("label"), py::call_guard<py::gil_scoped_release>(),
           "read_header() of an open descriptor (the caller keeps it); errors name `label`.");
     m.def(

@@ -80,8 +80,10 @@ uint64_t extend_offsets(PyWriter& w, const py::buffer& data, const py::array& of
 
 void register_writer(py::module_& m) {
     py::class_<PyWriter>(m, "Writer", "Streams records into a new blob; nothing is visible until finish().")
-        .def(py::init<std::string, bool, uint64_t>(), py::arg("path"), py::arg("durable") = true,
-             py::arg("item_size") = 1)
+        .def(py::init([](const FsPath& path, bool durable, uint64_t item_size) {
+                 return std::make_unique<PyWriter>(path.value, durable, item_size);
+             }),
+             py::arg("path"), py::arg("durable") = true, py::arg("item_size") = 1)
         .def_static(
             "to_fd", [](int fd, std::string label) { return std::make_unique<PyWriter>(fd, std::move(label)); },
             py::arg("fd"), py::arg("label"),
@@ -121,7 +123,7 @@ void register_writer(py::module_& m) {
              }))
         .def_property_readonly("record_count", checked(+[](const PyWriter& w) { return w.record_count(); }))
         .def_property_readonly("data_size", checked(+[](const PyWriter& w) { return w.data_size(); }))
-        .def_property_readonly("path", checked(+[](const PyWriter& w) { return w.path(); }))
+        .def_property_readonly("path", checked(+[](const PyWriter& w) { return fs_str(w.path()); }))
         .def_property_readonly("is_open", checked(+[](const PyWriter& w) { return w.is_open(); }));
 }
 

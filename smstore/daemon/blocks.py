@@ -23,6 +23,7 @@ import contextlib
 import logging
 import os
 import queue
+import stat
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -250,9 +251,15 @@ class Blocks:
 
     def _load(self, job: _Job) -> Loaded:
         t0 = time.monotonic()
-        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC)
+        # O_NONBLOCK: a FIFO put in the shard's place must not block this thread (it is refused
+        # below as not a regular file). The index, the header and the bytes all come from this one
+        # descriptor, so a file swapped in meanwhile cannot lend one its offsets and another its bytes.
+        fd = os.open(job.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         try:
-            store = _core.Store(job.path)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                msg = f"{job.pseudo}: the shard is not a regular file any more"
+                raise StoreChangedError(msg)
+            store = _core.Store._from_fd(fd, job.path)
             try:
                 if store.checksum != job.checksum:
                     msg = (
@@ -262,7 +269,7 @@ class Blocks:
                     raise StoreChangedError(msg)
                 offsets = store.offsets[job.first : job.end + 1].astype("int64")
                 meta = store.metadata_bytes.decode()
-                header = _core.read_header(job.path)
+                header = _core.read_header_fd(fd, job.path)
             finally:
                 store.close()
             start = header.data_offset + int(offsets[0])

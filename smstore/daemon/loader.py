@@ -212,10 +212,14 @@ class Loader:
         size = self.planner.size(url)
         if self.cache is not None:
             try:
-                local = self.cache.get(u, checksum=expected, size=size)
+                # The entry open, so that another process evicting it meanwhile cannot fail the load.
+                fd = self.cache.get_fd(u, checksum=expected, size=size)
             finally:
                 self.cache_bytes = self.cache.total_bytes()
-            return self._load_file(local, expected)
+            try:
+                return self._load_file(f"/proc/self/fd/{fd}", expected)
+            finally:
+                os.close(fd)
         room = self.planner.room()
         if room is not None and pages(size) > room:
             limit, limit_from = self.planner.shm_limit, self.planner.shm_limit_from

@@ -484,9 +484,49 @@ def serve(
     With `metrics` (host, port) and/or `metrics_file`, the metrics are served over HTTP and/or
     written to a textfile for node_exporter (see docs/operations.md, "Metrics").
     """
+    # The calling thread's policy, given back on return (a caller running the daemon in-process).
+    policy = (os.sched_getscheduler(0), os.sched_getparam(0)) if background else None
     if background:
         # Before any thread starts: each thread of the daemon inherits it.
         set_background_scheduling()
+    try:
+        return _serve(
+            files,
+            sock=sock,
+            group=group,
+            shm_limit=shm_limit,
+            shm_limit_from=shm_limit_from,
+            read_rate=read_rate,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+            limits=limits,
+            require=require,
+            metrics=metrics,
+            metrics_file=metrics_file,
+        )
+    finally:
+        if policy is not None:
+            try:
+                os.sched_setscheduler(0, *policy)
+            except OSError as e:  # a real-time policy set back needs a privilege SCHED_BATCH may not keep
+                log.warning("cannot restore the calling thread's scheduling policy: %s", e)
+
+
+def _serve(
+    files: list[str],
+    *,
+    sock: str | os.PathLike[str] | None,
+    group: str | None,
+    shm_limit: int,
+    shm_limit_from: str,
+    read_rate: int,
+    cache_dir: str | None,
+    cache_limit: int,
+    limits: Limits | None,
+    require: bool,
+    metrics: tuple[str, int] | None,
+    metrics_file: str | os.PathLike[str] | None,
+) -> int:
     daemon = Daemon(
         socket_path(sock),
         group=group,
@@ -507,15 +547,22 @@ def serve(
         log.info("%s received: stopping", signal.Signals(signum).name)
         daemon.stopping = True
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    # A caller running the daemon in-process gets its own handlers and wakeup fd back on return
+    # (None: a handler not set from Python, which Python cannot set back).
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     # Wakes select() when a signal arrives, so stopping never waits for the timeout.
-    signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
+    old_wakeup = signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
     try:
         daemon.start(files)
         if require:
             daemon.require(files)
         daemon.run()
     finally:
-        daemon.shutdown()
+        try:
+            daemon.shutdown()
+        finally:
+            signal.set_wakeup_fd(old_wakeup)
+            for sig, handler in old_handlers.items():
+                if handler is not None:
+                    signal.signal(sig, handler)
     return 0

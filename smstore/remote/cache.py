@@ -181,12 +181,44 @@ class NodeCache:
             chunk_size, concurrency, retry: As :func:`smstore.remote.fetch`.
 
         Returns:
-            The entry's path; it stays readable while open even if a later get evicts it.
+            The entry's path; it stays readable while open even if a later get evicts it. Another
+            process may evict it before it is opened: :meth:`get_fd` hands over the entry open.
 
         Raises:
             StoreError: The blob is larger than the cache's limit.
             RemoteError, ChecksumMismatchError, ...: As :func:`smstore.remote.fetch`; nothing is cached then.
         """
+        path, fd = self._get(url, checksum, size, chunk_size, concurrency, retry)
+        os.close(fd)
+        return path
+
+    def get_fd(
+        self,
+        url: str | RemoteURL,
+        *,
+        checksum: str,
+        size: int,
+        chunk_size: int = DEFAULT_CHUNK,
+        concurrency: int = DEFAULT_CONCURRENCY,
+        retry: Retry | None = None,
+    ) -> int:
+        """:meth:`get`, the entry handed over open: a read-only descriptor (the caller's to close)
+        of the very file that was verified, readable whatever another process evicts meanwhile.
+
+        Args and Raises: as :meth:`get`.
+        """
+        return self._get(url, checksum, size, chunk_size, concurrency, retry)[1]
+
+    def _get(
+        self,
+        url: str | RemoteURL,
+        checksum: str,
+        size: int,
+        chunk_size: int,
+        concurrency: int,
+        retry: Retry | None,
+    ) -> tuple[str, int]:
+        """The entry's path and a read-only descriptor of the file verified (or fetched) as it."""
         u = url if isinstance(url, RemoteURL) else parse_url(url)
         if not is_checksum(checksum):
             raise ValueError(f"{u}: checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
@@ -196,45 +228,53 @@ class NodeCache:
                 f"({self.directory}); raise the limit"
             )
         path = self.path_of(u, checksum)
-        if self._usable(path, size, checksum):
+        if (fd := self._open_usable(path, size, checksum)) is not None:
             self._count(hits=1)
-            return path
+            return path, fd
         with self._lock("entry-" + self._name(u, checksum)):
-            if self._usable(path, size, checksum):  # another process fetched it while we waited
+            # Another process fetched it while we waited?
+            if (fd := self._open_usable(path, size, checksum)) is not None:
                 self._count(hits=1)
-                return path
+                return path, fd
             with self._lock():
                 self._evict(self.limit_bytes - size, keep=path)
-            result = self._fetch_into_entry(u, path, size, checksum, chunk_size, concurrency, retry)
-            self._count(fetches=1, bytes_fetched=result.bytes, retries=result.retries)
-            with self._lock():
-                self._evict(self.limit_bytes, keep=path)
-            return path
+            result, fd = self._fetch_into_entry(u, path, size, checksum, chunk_size, concurrency, retry)
+            try:
+                self._count(fetches=1, bytes_fetched=result.bytes, retries=result.retries)
+                with self._lock():
+                    self._evict(self.limit_bytes, keep=path)
+            except BaseException:
+                os.close(fd)
+                raise
+            return path, fd
 
     def _count(self, **add: int) -> None:
         with self._stats_lock:
             for k, v in add.items():
                 setattr(self.stats, k, getattr(self.stats, k) + v)
 
-    def _usable(self, path: str, size: int, checksum: str) -> bool:
-        """Whether the entry at `path` is there and its size and header say it is the blob asked for.
+    def _open_usable(self, path: str, size: int, checksum: str) -> int | None:
+        """A read-only descriptor of the entry at `path`, if it is there and its size and header
+        say it is the blob asked for (None if not): the file checked is the file handed over.
 
         A present entry that does not match is removed (a disk fault, or a hand-edited cache).
         """
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
-            return False
+            return None
         try:
             header = _core.read_header_fd(fd, path)  # the format's own checks, file size included
             good = header.file_size == size and header.checksum == checksum
         except StoreFormatError:
             good = False
-        finally:
+        except BaseException:
             os.close(fd)
+            raise
         if not good:
+            os.close(fd)
             self._unlink(path)
-            return False
+            return None
         try:
             os.utime(path, ns=(time.time_ns(), time.time_ns()))  # the recency LRU orders by
         except FileNotFoundError:
@@ -249,7 +289,7 @@ class NodeCache:
                     os.path.basename(path),
                     e.strerror,
                 )
-        return True
+        return fd
 
     def _unlink(self, path: str) -> None:
         try:
@@ -269,7 +309,8 @@ class NodeCache:
         chunk_size: int,
         concurrency: int,
         retry: Retry | None,
-    ) -> FetchResult:
+    ) -> tuple[FetchResult, int]:
+        """Fetch into a new entry at `path`; the result and a read-only descriptor of the entry."""
         part: str | None = None
         try:
             fd = os.open(self._entries, os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, _FILE_MODE)
@@ -301,7 +342,8 @@ class NodeCache:
                 os.fsync(dfd)
             finally:
                 os.close(dfd)
-            return result
+            # The file just verified, reopened read-only (not by its name: it may be evicted already).
+            return result, os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
         finally:
             os.close(fd)
             if part is not None:
