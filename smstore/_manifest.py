@@ -36,6 +36,7 @@ __all__ = [
     "ShardNames",
     "describe_shard",
     "is_manifest",
+    "is_url",
     "manifest_file",
     "publish_manifest",
     "read_manifest",
@@ -91,8 +92,9 @@ class Manifest:
         return os.path.dirname(os.path.abspath(self.path))
 
     def shard_path(self, k: int) -> str:
-        """The absolute path of shard ``k``."""
-        return os.path.join(self.directory, self.shards[k].path)
+        """The absolute path of shard ``k``, or its URL where the manifest names it by URL (``s3://...``)."""
+        path = self.shards[k].path
+        return path if is_url(path) else os.path.join(self.directory, path)
 
     @property
     def records(self) -> int:
@@ -117,6 +119,11 @@ class Manifest:
         for s in self.shards:
             h.update(f"\n{s.records} {s.checksum}".encode())
         return h.hexdigest()
+
+
+def is_url(path: str) -> bool:
+    """Whether a manifest's shard path is a URL (``scheme://``): the daemon checks it with ``parse_url``."""
+    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
 
 
 def manifest_file(path: str | os.PathLike[str]) -> str:

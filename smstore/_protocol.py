@@ -216,6 +216,18 @@ def path_arg(req: dict[str, Any], *, required: bool) -> str | None:
     return path_value(value)
 
 
+def attach_path_arg(req: dict[str, Any]) -> str | None:
+    """An attach's 'path': a held shard's file, or its URL (only a name to wait on: nothing is read or fetched)."""
+    value = req.get("path")
+    if (
+        isinstance(value, str)
+        and len(value) <= 4096
+        and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^\0]+", value)
+    ):
+        return value
+    return path_arg(req, required=False)
+
+
 def path_value(value: object) -> str:
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 4096:
         raise ProtocolError(BAD_REQUEST, "'path' must be an absolute path (at most 4096 characters, no NUL)")

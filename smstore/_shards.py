@@ -21,6 +21,7 @@ from smstore._manifest import (
     ShardNames,
     describe_shard,
     is_manifest,
+    is_url,
     publish_manifest,
     read_manifest,
     stored_path,
@@ -51,7 +52,18 @@ ShardOpener = Callable[[str, ShardInfo], _core.Store]
 
 
 def _map_shard(path: str, _info: ShardInfo) -> _core.Store:
+    if is_url(path):
+        raise _remote_shard(path)
     return _core.Store(path)
+
+
+def _remote_shard(path: str) -> StoreNotFoundError:
+    """Why a shard named by URL cannot be mapped: only the daemon fetches it."""
+    return StoreNotFoundError(
+        2,
+        f"{path}: a shard in object storage is read through the node daemon: start 'smstore serve' "
+        '(with --cache-dir DIR --cache-limit SIZE to keep it on the node) and open the dataset with mode="daemon"',
+    )
 
 
 class ShardedStore(_core.ShardedStore):
@@ -100,6 +112,8 @@ class ShardedStore(_core.ShardedStore):
         m = self.manifest
         for k, shard in enumerate(m.shards):
             spath = m.shard_path(k)
+            if is_url(spath):
+                raise _remote_shard(spath)
             try:
                 size = os.stat(spath).st_size
             except FileNotFoundError:

@@ -543,6 +543,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"smstore serve: {e}", file=sys.stderr)
         return 2
+    if args.cache_limit is not None and args.cache_dir is None:
+        print("smstore serve: --cache-limit needs --cache-dir", file=sys.stderr)
+        return 2
+    if args.cache_dir is not None and not args.cache_limit:
+        print("smstore serve: --cache-dir needs --cache-limit SIZE (e.g. 100G)", file=sys.stderr)
+        return 2
     files = [blob for f in args.files for blob in _blob_files(f)]
     metrics = None
     if args.metrics is not None:
@@ -560,6 +566,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         shm_limit=shm_limit or 0,
         shm_limit_from=shm_limit_from,
         read_rate=args.max_read_rate or 0,
+        cache_dir=args.cache_dir,
+        cache_limit=args.cache_limit or 0,
         limits=limits,
         background=args.background,
         require=args.require,
@@ -841,6 +849,18 @@ def _add_daemon_commands(sub: Any) -> None:
         metavar="SIZE",
         type=_size,
         help="read blobs at most SIZE bytes a second (e.g. 200M): spare a shared file system",
+    )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="keep shards fetched from object storage in DIR (the node cache; survives restarts); "
+        "without it a shard named by URL is fetched straight into shared memory",
+    )
+    p.add_argument(
+        "--cache-limit",
+        metavar="SIZE",
+        type=_size,
+        help="the most the node cache may hold (e.g. 100G); least recently used shards go first",
     )
     p.add_argument(
         "--no-background",

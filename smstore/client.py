@@ -14,7 +14,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import connect, exchange, request, socket_path
-from smstore._manifest import ShardInfo, is_manifest, read_manifest
+from smstore._manifest import ShardInfo, is_manifest, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, log_once
 from smstore._protocol import MAX_WAIT, NOT_SERVED, encode
 from smstore._shards import ShardedStore, open_sharded
@@ -129,7 +129,7 @@ class DaemonSession:
         """
         message: dict[str, Any] = {"op": "attach", "checksum": checksum}
         if path is not None:
-            message["path"] = os.path.abspath(path)
+            message["path"] = path if is_url(path) else os.path.abspath(path)
         with self.lock:
             if self.finished:
                 raise DaemonError(f"smstore: the daemon session on {self.path} is closed")

@@ -4,16 +4,22 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import grp
+import json
 import logging
+import multiprocessing
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import xxhash
@@ -22,7 +28,8 @@ pytest.importorskip("obstore", reason="the remote extra (obstore) is not install
 pytest.importorskip("boto3", reason="the remote extra (boto3) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
-from daemon_testlib import as_user, public_rundir
+import daemon_testlib as tl
+from daemon_testlib import Daemon, as_user, public_rundir
 from remote_testlib import BUCKET, S3, SECRET, FaultProxy
 
 import smstore
@@ -740,3 +747,339 @@ def test_cache_without_o_tmpfile_uses_a_part_file_and_leaves_none(
     assert tried
     assert os.listdir(tmp_path / "cache" / "entries") == [os.path.basename(path)]
     assert Path(path).read_bytes() == data
+
+
+# --- the daemon fetches held shards named by URL ------------------------------------------------
+
+
+def remote_dataset(
+    s3: S3, tmp_path: Path, prefix: str, shards: int = 3
+) -> tuple[Path, list[bytes], list[str]]:
+    """A sharded dataset whose shards are in the bucket and whose manifest (local) names them by URL.
+
+    Returns the manifest's path, each shard's bytes and checksum.
+    """
+    local = tmp_path / f"{prefix}-local"
+    src = tmp_path / f"{prefix}.txt"
+    src.write_bytes(b"".join(b"%06d %s\n" % (i, b"x" * (i % 97)) for i in range(3000)))
+    smstore.pack_files(
+        [src], local, shard_size=(src.stat().st_size // shards) + 1, progress=False, durable=False
+    )
+    doc = json.loads((local / "manifest.json").read_text())
+    data, checksums = [], []
+    for entry in doc["shards"]:
+        blob = (local / entry["path"]).read_bytes()
+        entry["path"] = s3.put(f"{prefix}/{entry['path']}", blob)
+        data.append(blob)
+        checksums.append(entry["checksum"])
+    assert len(data) == shards
+    remote = tmp_path / f"{prefix}-remote"
+    remote.mkdir()
+    (remote / "manifest.json").write_text(json.dumps(doc))
+    return remote / "manifest.json", data, checksums
+
+
+def hold(sock: Path, manifest: Path, shards: list[int]) -> tuple[socket.socket, dict[str, Any]]:
+    """A rank's hold (its connection, open while it holds) and the daemon's reply."""
+    s = tl.raw(sock)
+    s.sendall(
+        tl.frame(
+            json.dumps(
+                {"op": "hold", "manifest": os.fspath(manifest), "shards": ",".join(map(str, shards))}
+            ).encode()
+        )
+    )
+    reply = tl.read_reply(s)
+    assert reply is not None
+    return s, reply
+
+
+def segment_bytes(d: Daemon) -> dict[str, bytes]:
+    """Checksum -> the bytes of each segment the daemon serves, read from /dev/shm."""
+    out = {}
+    for seg in d.status()["segments"]:
+        with open(Path(_core.SHM_DIR) / seg["segment"].lstrip("/"), "rb") as f:
+            out[seg["checksum"]] = f.read()
+    return out
+
+
+def served(d: Daemon, n: int) -> dict[str, Any]:
+    st = tl.wait_status(d, lambda st: len(st["segments"]) >= n and not st["loading"], timeout=60)
+    assert len(st["segments"]) == n, (st, d.log.read_text())
+    return st
+
+
+def test_daemon_fetches_held_shards_named_by_url_byte_exact(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    manifest, data, checksums = remote_dataset(s3, tmp_path, "direct")
+    d = start_daemon(loaded=0)
+    rank, reply = hold(d.sock, manifest, [0, 1, 2])
+    try:
+        assert reply["ok"] is True, reply
+        st = served(d, 3)
+        assert segment_bytes(d) == dict(zip(checksums, data, strict=True))
+        m = st["metrics"]
+        assert m["fetched_bytes"] == sum(map(len, data))
+        assert (m["cache_hits"], m["cache_misses"], m["cache_bytes"]) == (0, 0, 0)
+        assert len(ranged_gets(proxy)) >= 3
+        assert SECRET not in json.dumps(st)
+        assert SECRET not in d.log.read_text()
+    finally:
+        rank.close()
+
+
+def test_a_daemon_with_a_node_cache_fetches_once_then_restarts_on_the_cache(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    manifest, data, checksums = remote_dataset(s3, tmp_path, "cached")
+    cache_dir = tmp_path / "cache"
+    args = ("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(10 << 20))
+    d = start_daemon(args=args, loaded=0)
+    rank, reply = hold(d.sock, manifest, [0, 1, 2])
+    try:
+        assert reply["ok"] is True, reply
+        m = served(d, 3)["metrics"]
+        assert segment_bytes(d) == dict(zip(checksums, data, strict=True))
+        assert (m["fetched_bytes"], m["cache_misses"], m["cache_hits"]) == (sum(map(len, data)), 3, 0)
+        assert m["cache_bytes"] == sum(map(len, data))
+    finally:
+        rank.close()
+    tl.cli("stop", sock=d.sock)
+    d.proc.wait(timeout=30)
+    proxy.seen.clear()
+    # A second job on the node (a fresh daemon): every shard from the cache, not a byte fetched.
+    d2 = start_daemon(args=args, loaded=0)
+    rank, reply = hold(d2.sock, manifest, [0, 1, 2])
+    try:
+        assert reply["ok"] is True, reply
+        m = served(d2, 3)["metrics"]
+        assert segment_bytes(d2) == dict(zip(checksums, data, strict=True))
+        assert (m["fetched_bytes"], m["cache_misses"], m["cache_hits"]) == (0, 0, 3)
+        assert ranged_gets(proxy) == []
+    finally:
+        rank.close()
+
+
+def test_the_daemons_node_cache_keeps_within_its_limit(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    manifest, data, checksums = remote_dataset(s3, tmp_path, "limited")
+    limit = len(data[0]) + len(data[1]) + len(data[2]) // 2  # two shards fit, not three
+    cache_dir = tmp_path / "cache"
+    d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(limit)), loaded=0)
+    rank, reply = hold(d.sock, manifest, [0, 1, 2])
+    try:
+        assert reply["ok"] is True, reply
+        m = served(d, 3)["metrics"]
+        assert segment_bytes(d) == dict(zip(checksums, data, strict=True))
+        assert m["cache_misses"] == 3
+        assert 0 < m["cache_bytes"] <= limit
+        assert NodeCache(cache_dir, limit).total_bytes() <= limit
+    finally:
+        rank.close()
+
+
+@pytest.mark.parametrize("cached", [False, True])
+def test_a_checksum_mismatch_is_a_clear_error_nothing_served_nothing_cached(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon], cached: bool
+) -> None:
+    manifest, data, _checksums = remote_dataset(s3, tmp_path, f"mismatch{int(cached)}", shards=2)
+    doc = json.loads(manifest.read_text())
+    url = doc["shards"][1]["path"]
+    # The object is replaced by other bytes of the same size: the manifest's checksum no longer holds.
+    s3.put(url.removeprefix(f"s3://{BUCKET}/"), data[1][:-1] + bytes([data[1][-1] ^ 1]))
+    cache_dir = tmp_path / "cache"
+    args = ("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(10 << 20)) if cached else ()
+    d = start_daemon(args=args, loaded=0)
+    rank, reply = hold(d.sock, manifest, [1])
+    try:
+        assert reply["ok"] is True, reply
+        tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
+        assert d.status()["segments"] == []
+        # The rank hears why at its next hold, naming the object.
+        again, refused = hold(d.sock, manifest, [1])
+        again.close()
+        assert refused["ok"] is False
+        assert url in refused["message"], refused
+        assert "checksum" in refused["message"], refused
+        assert d.status()["segments"] == []
+        if cached:
+            assert NodeCache(cache_dir, 10 << 20).entries() == []
+    finally:
+        rank.close()
+
+
+def test_the_daemon_retries_injected_failures_then_serves(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    manifest, data, checksums = remote_dataset(s3, tmp_path, "faulty", shards=2)
+    proxy.inject("reset", "500", "503", matches=lambda method, path, headers: method == "GET")
+    d = start_daemon(loaded=0)
+    rank, reply = hold(d.sock, manifest, [0, 1])
+    try:
+        assert reply["ok"] is True, reply
+        served(d, 2)
+        assert segment_bytes(d) == dict(zip(checksums, data, strict=True))
+        assert [s.fault for s in proxy.seen if s.fault] == ["reset", "500", "503"]
+    finally:
+        rank.close()
+
+
+def test_the_daemon_names_the_object_it_cannot_fetch(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "forbidden", shards=2)
+    url = json.loads(manifest.read_text())["shards"][0]["path"]
+    proxy.inject(
+        "403", matches=lambda method, path, headers: method == "GET" and path.endswith(url.rsplit("/", 1)[1])
+    )
+    d = start_daemon(loaded=0)
+    rank, reply = hold(d.sock, manifest, [0])
+    try:
+        assert reply["ok"] is True, reply
+        tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
+        again, refused = hold(d.sock, manifest, [0])
+        again.close()
+        assert refused["ok"] is False
+        assert url in refused["message"], refused
+        assert SECRET not in refused["message"]
+        assert SECRET not in d.log.read_text()
+        assert d.status()["segments"] == []
+    finally:
+        rank.close()
+
+
+def test_a_manifest_naming_a_url_outside_the_allow_list_is_refused(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "badscheme", shards=2)
+    doc = json.loads(manifest.read_text())
+    doc["shards"][0]["path"] = "file:///etc/passwd"
+    manifest.write_text(json.dumps(doc))
+    d = start_daemon(loaded=0)
+    rank, reply = hold(d.sock, manifest, [0])
+    try:
+        assert reply["ok"] is True, reply
+        tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
+        again, refused = hold(d.sock, manifest, [0])
+        again.close()
+        assert refused["ok"] is False
+        assert "scheme 'file' is not allowed" in refused["message"], refused
+        assert d.status()["segments"] == []
+    finally:
+        rank.close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to act as a second user")
+def test_a_group_member_cannot_make_the_daemon_fetch_a_url(
+    s3: S3,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    start_daemon: Callable[..., Daemon],
+    request: pytest.FixtureRequest,
+) -> None:
+    try:
+        group = grp.getgrnam("users")
+    except KeyError:
+        pytest.skip("no 'users' group")
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "ssrf", shards=2)
+    public = tmp_path / "public"
+    public.mkdir()
+    (public / "manifest.json").write_text(manifest.read_text())
+    public.chmod(0o755)
+    tmp_path.chmod(0o755)
+    sock = public_rundir(request, group.gr_gid) / "smstore.sock"
+    d = start_daemon(args=("--group", "users"), at=sock, loaded=0)
+    proxy.seen.clear()
+
+    def ask() -> str:
+        s, reply = hold(sock, public / "manifest.json", [0])
+        s.close()
+        return json.dumps(reply)
+
+    answer = as_user(ask, [group.gr_gid])
+    assert '"permission_denied"' in answer, answer
+    assert "only uid" in answer, answer
+    assert proxy.seen == []
+    assert d.status()["segments"] == []
+
+
+def run_rank(manifest: str, rank: int, window: int, q: Any) -> None:
+    import torch
+
+    ds = smstore.SharedStoreDataset(manifest, mode="daemon", decode="bytes")
+    sampler = smstore.WindowedShuffleSampler(ds, window=window, seed=7, rank=rank, world_size=2, lag=32)
+    loader = torch.utils.data.DataLoader(
+        ds, sampler=sampler, batch_size=16, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+    )
+    got = [r for batch in loader for r in batch]
+    kind = sampler.residency.kind if sampler.residency is not None else None
+    sampler.close()
+    q.put((rank, kind, got))
+
+
+def test_a_windowed_epoch_at_2_ranks_x_2_workers_from_a_bucket_reads_every_record_once(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    pytest.importorskip("torch")
+    manifest, data, _checksums = remote_dataset(s3, tmp_path, "windowed", shards=6)
+    local = smstore.open(tmp_path / "windowed-local")
+    recs = [bytes(local[i]) for i in range(len(local))]
+    local.close()
+    cache_dir = tmp_path / "cache"
+    d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(64 << 20)), loaded=0)
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=run_rank, args=(os.fspath(manifest), r, 2, q)) for r in range(2)]
+    try:
+        for p in procs:
+            p.start()
+        results = {rank: (kind, got) for rank, kind, got in (q.get(timeout=300) for _ in procs)}
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+    assert [results[r][0] for r in range(2)] == ["daemon", "daemon"]
+    got = results[0][1] + results[1][1]
+    assert sorted(got) == sorted(recs)  # every record once, byte-exact
+    m = d.status()["metrics"]
+    assert m["cache_misses"] == 6  # each shard fetched once for the node, whatever rank held it
+    assert m["fetched_bytes"] == sum(map(len, data))
+
+
+def test_a_dataset_of_url_shards_opened_without_the_daemon_says_to_use_it(s3: S3, tmp_path: Path) -> None:
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "nodaemon", shards=2)
+    url = json.loads(manifest.read_text())["shards"][0]["path"]
+    with pytest.raises(
+        smstore.StoreError, match=rf"{re.escape(url)}: a shard in object storage is read through"
+    ):
+        smstore.open(manifest)
+
+
+@pytest.mark.parametrize(
+    ("args", "fault"),
+    [
+        (("--cache-dir", "DIR"), "--cache-dir needs --cache-limit SIZE"),
+        (("--cache-limit", "1G"), "--cache-limit needs --cache-dir"),
+    ],
+)
+def test_serve_wants_a_cache_dir_and_its_limit_together(
+    tmp_path: Path, args: tuple[str, ...], fault: str
+) -> None:
+    argv = [a.replace("DIR", os.fspath(tmp_path / "cache")) for a in args]
+    res = subprocess.run(
+        [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(tmp_path / "s.sock"), *argv],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 2, res.stderr
+    assert fault in res.stderr
+    assert not (tmp_path / "cache").exists()
+    assert not (tmp_path / "s.sock").exists()

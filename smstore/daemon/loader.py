@@ -17,6 +17,9 @@ from smstore._store import explain_not_a_blob, read_checksum
 from smstore.daemon.planner import Planner
 from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
 from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
+from smstore.remote.cache import NodeCache
+from smstore.remote.fetch import fetch
+from smstore.remote.urls import is_remote_url, parse_url
 
 __all__ = ["AlreadyLoaded", "Failed", "LoadResult", "Loaded", "Loader"]
 
@@ -73,6 +76,9 @@ class Loader:
         segment_name: A fresh segment name for a checksum.
         gid: The group that may read the segments, or None for the owner only.
         read_rate: Read files at most this many bytes a second (0: no limit).
+        cache_dir: Where shards named by URL are kept once fetched (a NodeCache), or None: fetched
+            straight into their segments.
+        cache_limit: The most bytes the cache's entries may hold together.
     """
 
     def __init__(
@@ -83,12 +89,18 @@ class Loader:
         *,
         gid: int | None,
         read_rate: int,
+        cache_dir: str | None = None,
+        cache_limit: int = 0,
     ) -> None:
         self.segments = segments
         self.planner = planner
         self.segment_name = segment_name
         self.gid = gid
         self.read_rate = read_rate
+        self.cache = NodeCache(cache_dir, cache_limit) if cache_dir is not None else None
+        self.fetched_bytes = 0  # bytes fetched from object storage straight into segments
+        # The cache's size, measured in this thread after each use (status never lists the directory).
+        self.cache_bytes = self.cache.total_bytes() if self.cache is not None else 0
         self.stopping = False
         # Work, in order: a path to load (with the checksum a hold expects of it, if any), a
         # released segment to free, or None (stop).
@@ -170,7 +182,71 @@ class Loader:
             with contextlib.suppress(OSError):
                 self.wake_w.send(b"x")
 
+    def remote_values(self) -> dict[str, int]:
+        """What object storage cost, for status's metrics: bytes fetched, cache hits and misses, cache bytes."""
+        stats = self.cache.stats if self.cache is not None else None
+        return {
+            "fetched_bytes": self.fetched_bytes + (stats.bytes_fetched if stats is not None else 0),
+            "cache_hits": stats.hits if stats is not None else 0,
+            "cache_misses": stats.fetches if stats is not None else 0,
+            "cache_bytes": self.cache_bytes,
+        }
+
     def _load_one(self, path: str, expected: str | None) -> Loaded | AlreadyLoaded:
+        if is_remote_url(path):
+            return self._fetch_one(path, expected)
+        return self._load_file(path, expected)
+
+    def _fetch_one(self, url: str, expected: str | None) -> Loaded | AlreadyLoaded:
+        """Load a shard named by URL: through the node cache, or fetched straight into its segment.
+
+        The bytes are verified against the manifest's checksum before the segment is served;
+        on a mismatch nothing is served and nothing cached (the error names the object).
+        """
+        u = parse_url(url)  # the scheme allow-list: the error names the URL, never a credential
+        if expected is None:
+            msg = f"{u}: an object is loaded only as a held shard of a manifest, which gives its checksum"
+            raise DaemonError(msg)
+        if expected in self.segments:
+            return AlreadyLoaded(expected)
+        size = self.planner.size(url)
+        if self.cache is not None:
+            try:
+                # The entry open, so that another process evicting it meanwhile cannot fail the load.
+                fd = self.cache.get_fd(u, checksum=expected, size=size)
+            finally:
+                self.cache_bytes = self.cache.total_bytes()
+            try:
+                return self._load_file(f"/proc/self/fd/{fd}", expected)
+            finally:
+                os.close(fd)
+        room = self.planner.room()
+        if room is not None and pages(size) > room:
+            limit, limit_from = self.planner.shm_limit, self.planner.shm_limit_from
+            msg = (
+                f"{u}: not enough shared memory under the daemon's limit: loading it needs {_sized(pages(size))}, "
+                f"but {limit_from} is {_sized(limit)} and the daemon's segments use {_sized(self.planner.used())} of it"
+            )
+            raise SharedMemoryError(msg)
+        name = self.segment_name(expected)
+        t0 = time.monotonic()
+        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            result = fetch(u, fd, size=size, checksum=expected)
+            os.fchmod(fd, 0o400 if self.gid is None else 0o440)
+            if self.gid is not None:
+                os.fchown(fd, -1, self.gid)
+            ro = os.open(SHM_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+        except BaseException:
+            unlink_quietly(name)
+            raise
+        finally:
+            os.close(fd)
+        self.fetched_bytes += result.bytes
+        return Loaded(name, ro, expected, time.monotonic() - t0)
+
+    def _load_file(self, path: str, expected: str | None) -> Loaded | AlreadyLoaded:
         checksum = read_checksum(path)
         if expected is not None and checksum != expected:
             # Loading it would serve no rank (they read the manifest's contents): refused before

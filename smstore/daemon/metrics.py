@@ -55,6 +55,15 @@ METRICS: dict[str, tuple[str, str, str | None, str]] = {
         None,
         "Seconds readers waited for a load",
     ),
+    "fetched_bytes": ("smstore_fetched_bytes", "counter", None, "Bytes fetched from object storage"),
+    "cache_hits": ("smstore_cache_hits", "counter", None, "Shards named by URL found in the node cache"),
+    "cache_misses": (
+        "smstore_cache_misses",
+        "counter",
+        None,
+        "Shards named by URL fetched into the node cache",
+    ),
+    "cache_bytes": ("smstore_cache_bytes", "gauge", None, "Bytes of the node cache's entries"),
     "connections": ("smstore_connections", "gauge", "uid", "Open connections, by the peer's uid"),
     "refusals": ("smstore_refusals", "counter", "reason", "Requests refused, by the reply's error code"),
 }

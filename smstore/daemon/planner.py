@@ -15,7 +15,7 @@ import os
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 
-from smstore._manifest import Manifest, manifest_file, read_manifest
+from smstore._manifest import Manifest, is_url, manifest_file, read_manifest
 from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.errors import StoreError
@@ -30,6 +30,8 @@ FileIdentity = tuple[int, int, int, int]
 
 
 def _identity(path: str) -> FileIdentity | None:
+    if is_url(path):
+        return (0, 0, 0, 0)  # an object's fetch that failed is not tried again until the daemon restarts
     try:
         st = os.stat(path)
     except OSError:
@@ -85,6 +87,8 @@ class Planner:
         self.released_pages = 0  # their total, read by the loader thread too
         # Parsed manifests by the path a hold names, with the file's identity when it was read.
         self.manifests: dict[str, tuple[FileIdentity, Manifest, list[str]]] = {}
+        # Shards named by URL: their sizes, as their manifests say (there is no file to stat).
+        self.remote_sizes: dict[str, int] = {}
         # Held paths whose load failed: path -> (the checksum held, the file's identity then, why).
         # Not loaded again (and a hold naming them is refused) until the file changes.
         self.hold_failed: dict[str, tuple[str, FileIdentity | None, str]] = {}
@@ -98,6 +102,11 @@ class Planner:
     def used(self) -> int:
         """Bytes of the budget in use: segments in whole pages, and released segments the owner still maps."""
         return self.segments.pages + self.released_pages
+
+    def size(self, path: str) -> int:
+        """A held shard's size: its manifest's word for a URL, else the file's (OSError if it has none)."""
+        remote = self.remote_sizes.get(path)
+        return remote if remote is not None else os.stat(path).st_size
 
     def room(self) -> int | None:
         """Bytes left under --shm-limit (None: no limit)."""
@@ -128,7 +137,7 @@ class Planner:
         if self.shm_limit:
             for path, _checksum in shards:
                 try:
-                    size = os.stat(path).st_size
+                    size = self.size(path)
                 except OSError as e:
                     raise ProtocolError(NOT_FOUND, f"{path}: {e.strerror}") from None
                 if not self.fits(size, used=0):
@@ -180,7 +189,7 @@ class Planner:
         # for): it counts until it lands.
         for path in loading:
             with contextlib.suppress(OSError):
-                used += pages(os.stat(path).st_size)
+                used += pages(self.size(path))
         self.waiting_room = set()
         full = False
         for checksum, path in wanted.items():
@@ -189,7 +198,7 @@ class Planner:
             if path in loading:
                 continue  # on its way, and counted above
             try:
-                size = os.stat(path).st_size
+                size = self.size(path)
             except OSError:
                 continue  # the load would fail: the reader falls back to (and reports) the file
             while not full and not self.fits(size, used) and self.unclaimed:
@@ -342,7 +351,11 @@ class Planner:
         if key is not None and cached is not None and cached[0] == key:
             return cached[1], cached[2]
         manifest = read_manifest(path)
-        paths = [os.path.abspath(manifest.shard_path(k)) for k in range(len(manifest.shards))]
+        paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
+        paths = [p if is_url(p) else os.path.abspath(p) for p in paths]
+        for p, shard in zip(paths, manifest.shards, strict=True):
+            if is_url(p):
+                self.remote_sizes[p] = shard.file_size
         if key is not None:
             if len(self.manifests) >= MAX_MANIFESTS:
                 self.manifests.clear()

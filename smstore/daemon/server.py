@@ -117,6 +117,8 @@ class Daemon(Server):
         shm_limit_from: Where ``shm_limit`` came from, for the messages that it refuses a load.
         read_rate: Read files at most this many bytes a second (0: no limit), to spare a shared
             file system.
+        cache_dir: The node cache of shards named by URL (``--cache-dir``), or None: fetched into segments.
+        cache_limit: The node cache's limit in bytes (``--cache-limit``).
         limits: What clients are allowed (connections, request size, timeouts).
         exporter: Where the metrics go (HTTP, textfile), published at most once a second; or None.
     """
@@ -129,6 +131,8 @@ class Daemon(Server):
         shm_limit: int = 0,
         shm_limit_from: str = "--shm-limit",
         read_rate: int = 0,
+        cache_dir: str | None = None,
+        cache_limit: int = 0,
         limits: Limits | None = None,
         exporter: Exporter | None = None,
     ) -> None:
@@ -152,6 +156,8 @@ class Daemon(Server):
             segment_name=self._segment_name,
             gid=self.gid,
             read_rate=read_rate,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
         )
         self.blocks = Blocks(self.serving)  # pieces of shards held by block samplers
         self.stopping = False
@@ -442,6 +448,7 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
         "shm_available_bytes": available,
         "loading": len(daemon.serving.loading),
         **daemon.serving.counters.values(),
+        **daemon.serving.loader.remote_values(),
         "held_wanted": len(wanted),
         "held_resident": sum(ck in daemon.segments for ck in wanted),
         "connections": {str(uid): n for uid, n in sorted(daemon.per_uid.items())},
@@ -457,6 +464,8 @@ def serve(
     shm_limit: int = 0,
     shm_limit_from: str = "--shm-limit",
     read_rate: int = 0,
+    cache_dir: str | None = None,
+    cache_limit: int = 0,
     limits: Limits | None = None,
     background: bool = True,
     require: bool = False,
@@ -488,6 +497,8 @@ def serve(
             shm_limit=shm_limit,
             shm_limit_from=shm_limit_from,
             read_rate=read_rate,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
             limits=limits,
             require=require,
             metrics=metrics,
@@ -509,6 +520,8 @@ def _serve(
     shm_limit: int,
     shm_limit_from: str,
     read_rate: int,
+    cache_dir: str | None,
+    cache_limit: int,
     limits: Limits | None,
     require: bool,
     metrics: tuple[str, int] | None,
@@ -520,6 +533,8 @@ def _serve(
         shm_limit=shm_limit,
         shm_limit_from=shm_limit_from,
         read_rate=read_rate,
+        cache_dir=cache_dir,
+        cache_limit=cache_limit,
         limits=limits,
         exporter=(
             Exporter(metrics, Path(metrics_file) if metrics_file is not None else None)

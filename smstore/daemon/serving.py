@@ -16,11 +16,11 @@ from smstore._protocol import (
     BAD_REQUEST,
     NO_ROOM,
     ProtocolError,
+    attach_path_arg,
     checksum_arg,
     encode,
     key_arg,
     not_served,
-    path_arg,
     refusal,
 )
 from smstore.daemon.connections import Conn, Server
@@ -69,6 +69,8 @@ class Serving:
         segment_name: Callable[[str], str],
         gid: int | None,
         read_rate: int,
+        cache_dir: str | None = None,
+        cache_limit: int = 0,
     ) -> None:
         self.server = server
         self.segments = segments
@@ -80,7 +82,15 @@ class Serving:
             is_owner=lambda cid: (conn := server.conns.get(cid)) is not None and conn.owner,
             release=self._release,
         )
-        self.loader = Loader(segments, self.planner, segment_name, gid=gid, read_rate=read_rate)
+        self.loader = Loader(
+            segments,
+            self.planner,
+            segment_name,
+            gid=gid,
+            read_rate=read_rate,
+            cache_dir=cache_dir,
+            cache_limit=cache_limit,
+        )
         self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
         # Readers waiting for a held shard still on its way (connection id, checksum, since when), by path.
         self.attach_waiting: dict[str, list[tuple[int, str, float]]] = {}
@@ -210,7 +220,7 @@ class Serving:
             seg = next((s for s in self.segments.values() if s.key == key), None)
         else:
             seg = self.segments.get(checksum) if checksum is not None else None
-        path = path_arg(req, required=False)
+        path = attach_path_arg(req)
         if (
             seg is None
             and path is not None
