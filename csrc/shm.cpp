@@ -159,7 +159,10 @@ public:
         try {
             helper_ = std::thread([this] { run(); });
         } catch (const std::system_error&) {
-            // No thread to be had: the copying thread hashes everything.
+            unpin();  // no thread to be had: the copying thread hashes everything, wherever it runs
+        } catch (...) {
+            unpin();  // the destructor does not run for a constructor that throws
+            throw;
         }
     }
     HashRing(const HashRing&) = delete;
@@ -246,11 +249,16 @@ private:
         }
     }
 
-    void stop() {
+    // Gives the copying thread back the CPUs it had before the load.
+    void unpin() {
         if (pinned_) {
             ::sched_setaffinity(0, sizeof copier_was_, &copier_was_);
             pinned_ = false;
         }
+    }
+
+    void stop() {
+        unpin();
         if (!helper_.joinable()) return;
         {
             std::lock_guard<std::mutex> lock(mu_);

@@ -28,6 +28,10 @@ from smstore.errors import DaemonError, StoreChangedError
 __all__ = ["BlockReader", "BlockResidency", "Piece", "block_pieces", "piece_id", "piece_path"]
 
 
+# Reads of pieces the daemon does not serve between two checks for released pieces still mapped.
+_STALE_EVERY = 64
+
+
 class Piece(NamedTuple):
     """Records ``[first, end)`` of shard ``shard`` (indices within the shard)."""
 
@@ -99,6 +103,7 @@ class BlockReader:
         self.socket = socket_path(socket)
         self.block_reads = 0
         self.file_reads = 0
+        self._misses = 0  # reads of a held piece the daemon does not serve yet
         self._pieces: OrderedDict[str, tuple[Piece, _core.Store | None]] = OrderedDict()
         self._files: dict[int, _core.Store] = {}
         self._conn: socket_module.socket | None = None
@@ -138,17 +143,26 @@ class BlockReader:
                 self._pieces[key] = (piece, None)
                 while len(self._pieces) > self.keep:
                     self._detach(next(iter(self._pieces)))
+            elif self._misses % _STALE_EVERY == 0:
+                # Not served (yet): perhaps because the pieces this reader still maps, released,
+                # fill the budget and the next loads wait for them. Drop them now and then.
+                self._drop_stale()
+            self._misses += 1
             return None  # not held now: read from the file, asked again next time
         # A new piece: the ranks moved on, so unmap the pieces no rank holds any more (a released
         # piece still mapped keeps its pages in the daemon's budget, and the next loads wait).
-        if self._pieces:
-            reply, _fd = self._send({"op": "stale_blocks", "checksums": ",".join(self._pieces)}, reply=True)
-            for old in reply.get("stale", []):
-                self._detach(old)
+        self._drop_stale()
         self._pieces[key] = (piece, store)
         while len(self._pieces) > self.keep:
             self._detach(next(iter(self._pieces)))
         return store
+
+    def _drop_stale(self) -> None:
+        """Unmap the pieces this reader maps that no rank holds any more."""
+        if self._pieces:
+            reply, _fd = self._send({"op": "stale_blocks", "checksums": ",".join(self._pieces)}, reply=True)
+            for old in reply.get("stale", []):
+                self._detach(old)
 
     def _detach(self, key: str) -> None:
         entry = self._pieces.pop(key, None)

@@ -1160,7 +1160,7 @@ class BlockWindowSampler(GlobalShuffleSampler):
             ValueError: The state is of another block size, spread or set of shards.
         """
         mine = [self.block, self.spread, self._digest]
-        if list(state.get("blocks", mine)) != mine:
+        if list(state.get("blocks") or ()) != mine:  # a state with none is another sampler's
             msg = (
                 f"the state was saved with (block, spread, shards) {state.get('blocks')}; this sampler has "
                 f"{mine}: another order cannot be resumed"

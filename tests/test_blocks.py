@@ -19,7 +19,7 @@ from smstore import _modes
 from smstore._blocks import BlockReader, BlockResidency, Piece, block_pieces, piece_id
 from smstore._manifest import read_manifest
 from smstore.errors import DaemonError, StoreChangedError
-from smstore.sampler import BlockWindowSampler
+from smstore.sampler import BlockWindowSampler, GlobalShuffleSampler
 
 from .daemon_testlib import Daemon
 
@@ -79,6 +79,10 @@ def test_resume_at_another_world_size_yields_the_rest_of_the_order(before: int, 
     other = BlockWindowSampler(SIZES, block=10, spread=4, seed=5, residency=False)
     with pytest.raises(ValueError, match="another order cannot be resumed"):
         other.load_state_dict(state)
+    # A state without the blocks' (a plain global shuffle's, same seed and records) is another order.
+    foreign = GlobalShuffleSampler(sum(SIZES), seed=5).state_dict()
+    with pytest.raises(ValueError, match="another order cannot be resumed"):
+        samplers[0].load_state_dict(foreign)
 
 
 class HoldRecorder:
@@ -386,3 +390,48 @@ def test_a_piece_load_refuses_a_shard_replaced_by_a_fifo_without_blocking(tmp_pa
     assert len(outcome) == 1, outcome
     assert isinstance(outcome[0], StoreChangedError), outcome
     assert "not a regular file" in str(outcome[0])
+
+
+def test_a_reader_drops_released_pieces_when_the_next_one_waits_for_their_room(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    # The budget fits one piece. The reader maps A; the holds move on to B, releasing A, whose
+    # pages count until the reader unmaps it; B waits for that room. A reader that unmapped stale
+    # pieces only after attaching a new one read B from the file forever.
+    out, recs = sharded(tmp_path, shards=2)
+    start_daemon(args=("--shm-limit", "64K"), loaded=0)
+    residency = BlockResidency(out, mode="daemon")
+    reader = BlockReader(out, block=100)
+    try:
+        residency.hold([Piece(0, 0, 100)], wait=True)
+        assert reader[0] == recs[0]
+        assert reader.block_reads == 1
+        residency.hold([Piece(0, 100, 200)], wait=True)
+        deadline = time.monotonic() + 120  # a guard against a hang only: B comes once A is unmapped
+        while reader.block_reads < 2 and time.monotonic() < deadline:
+            for i in range(100, 200):
+                assert reader[i] == recs[i]
+            time.sleep(0.02)
+        assert reader.block_reads >= 2, (reader.block_reads, reader.file_reads)
+    finally:
+        reader.close()
+        residency.close()
+
+
+def test_the_daemon_keeps_no_shard_mapped_after_checking_a_hold(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    # A hold's shards are checked once and their offsets kept: as a copy, not a view of the shard's
+    # mapping (which kept every checked shard mapped, and a shard truncated in place killed the
+    # daemon with SIGBUS when the view was read).
+    out, _recs = sharded(tmp_path, shards=2)
+    m = read_manifest(out)
+    d = start_daemon(loaded=0)
+    residency = BlockResidency(out, mode="daemon")
+    try:
+        residency.hold([Piece(0, 0, 100), Piece(1, 0, 100)], wait=True)
+        maps = Path(f"/proc/{d.pid}/maps").read_text()
+        for s in m.shards:
+            assert os.fspath(out / s.path) not in maps
+    finally:
+        residency.close()

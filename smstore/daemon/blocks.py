@@ -36,6 +36,8 @@ from smstore.daemon.segments import SHM_DIR, pages, unlink_quietly
 from smstore.errors import StoreChangedError, StoreError
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from smstore.daemon.serving import Serving
 
 __all__ = ["Blocks", "parse_pieces"]
@@ -44,6 +46,8 @@ log = logging.getLogger("smstore.daemon")
 
 # The blob header and index around a piece's records (the header is one page).
 _HEADER = 4096
+# Index entries of checked shards kept (8 bytes each): beyond, the cache starts again.
+_CACHED_OFFSETS = 1 << 22
 
 
 def parse_pieces(value: object) -> list[Piece]:
@@ -93,7 +97,7 @@ class Blocks:
         self.loading: dict[str, _Job] = {}  # id -> job queued or under way
         self.failed: dict[str, str] = {}  # shard path -> why its pieces cannot be loaded
         # Per shard path: (identity, index offsets) of a shard checked against its manifest.
-        self._shards: dict[str, tuple[tuple[int, int, int], object]] = {}
+        self._shards: dict[str, tuple[tuple[int, int, int], np.ndarray]] = {}
         self.jobs: queue.Queue[_Job | None] = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="smstore-blocks", daemon=True)
         self.thread.start()
@@ -121,7 +125,7 @@ class Blocks:
             offsets = self._checked(path, info.checksum, info.file_size)
             if path in self.failed:
                 raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {self.failed[path]}"[:1000])
-            size = _HEADER + int(offsets[p.end] - offsets[p.first]) + 8 * (p.end - p.first + 1)  # type: ignore[index]
+            size = _HEADER + int(offsets[p.end] - offsets[p.first]) + 8 * (p.end - p.first + 1)
             if not self.planner.fits(size, used=0):
                 msg = (
                     f"{piece_path(path, p.first, p.end)}: a block piece of {size} bytes does not fit the "
@@ -136,7 +140,7 @@ class Blocks:
         self.reconcile()
         return sum(j.key in self.segments for j in jobs)
 
-    def _checked(self, path: str, checksum: str, file_size: int) -> object:
+    def _checked(self, path: str, checksum: str, file_size: int) -> np.ndarray:
         """The index offsets of the shard at `path`, once its header says it is the manifest's shard.
 
         Raises:
@@ -163,13 +167,17 @@ class Blocks:
                 )
                 self.failed[path] = why
                 raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {why}")
-            offsets = store.offsets
+            # A copy: a view would keep the whole shard mapped after close(), and the daemon would die
+            # of SIGBUS reading it once the file is truncated in place.
+            import numpy as np  # here, not at import: its thread pool would start before SCHED_BATCH is set
+
+            offsets = np.array(store.offsets, dtype=np.int64)
         finally:
             store.close()
         self.failed.pop(path, None)
-        self._shards[path] = (identity, offsets)
-        if len(self._shards) > 4096:
+        if sum(len(o) for _i, o in self._shards.values()) + len(offsets) > _CACHED_OFFSETS:
             self._shards.clear()
+        self._shards[path] = (identity, offsets)
         return offsets
 
     def stale(self, value: object) -> list[str]:
