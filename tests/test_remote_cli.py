@@ -136,7 +136,7 @@ def test_pack_refuses_a_read_only_scheme_before_packing(tmp_path: Path, tmpdir_f
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL])
 def test_an_interrupted_pack_to_a_bucket_leaves_no_upload_and_no_manifest(
-    s3: S3, proxy: FaultProxy, tmp_path: Path, tmpdir_for_cli: Path, sig: signal.Signals
+    s3: S3, proxy: FaultProxy, tmp_path: Path, tmpdir_for_cli: Path, sig: signal.Signals, ctrl_c: None
 ) -> None:
     # One ~40 MiB shard, so its upload is multipart (16 MiB parts); the proxy stalls part 2 and the
     # test signals the command while it waits for that part.
