@@ -536,3 +536,27 @@ def test_bad_tar_is_named(tmp_path: Path, name: str, build: Any, message: str) -
     with pytest.raises(PackInputError, match=rf"{name}\.tar: {message}"):
         convert_webdataset([src], out, progress=False)
     assert out.read_bytes() == b"previous"
+
+
+def test_a_pax_record_running_past_its_header_is_read_as_this_tarfile_reads_it(tmp_path: Path) -> None:
+    # "20 comment=abc\n" in a header of 15 bytes: tarfile before Python 3.11.10 reads it (the value
+    # cut at the header's end, the records ending there) and WebDataset yields the sample; later
+    # ones refuse the archive. The converter refused it on every Python (a fuzz finding).
+    check_as_this_tarfile_reads(tmp_path, b"20 comment=abc\n")
+
+
+def test_a_pax_record_without_its_newline_is_read_as_this_tarfile_reads_it(tmp_path: Path) -> None:
+    # "14 comment=abc" + "\n": the length stops short of the newline (a fuzz finding, as above).
+    check_as_this_tarfile_reads(tmp_path, b"14 comment=abc\n")
+
+
+def check_as_this_tarfile_reads(tmp_path: Path, records: bytes) -> None:
+    src = tmp_path / "odd.tar"
+    src.write_bytes(tar_of(1) + raw_pax(records) + member("s.bin", b"x") + END)
+    try:
+        theirs([src])
+    except ValueError:
+        with pytest.raises(PackInputError, match="its pax header has a malformed record at byte 0"):
+            convert_webdataset([src], tmp_path / "out.smst", progress=False)
+        return
+    assert len(assert_same_as_webdataset([src], tmp_path / "out.smst")) == 2

@@ -14,6 +14,7 @@ Every header is read with bounded memory and time, whatever it declares: see the
 
 from __future__ import annotations
 
+import io
 import os
 import re
 import tarfile
@@ -153,6 +154,29 @@ class _Replay:
         return position - len(self.head)
 
 
+def _lenient_pax_records() -> bool:
+    """Whether this Python's tarfile reads pax records leniently, as before Python 3.11.10 / 3.12.6.
+
+    It then reads a record whose length runs past the header (the value cut at the header's end)
+    or that does not end in a newline, and stops at anything that is not a record; later ones
+    refuse such archives. Asked once, of a small tar built here, so the converter accepts what the
+    tarfile that WebDataset uses accepts.
+    """
+    records = b"13 comment=x\n"
+    info = tarfile.TarInfo("././@PaxHeader")
+    info.type, info.size = tarfile.XHDTYPE, len(records)
+    pax = info.tobuf(tarfile.USTAR_FORMAT) + records.replace(b"13", b"14") + b"\0" * (-len(records) % 512)
+    body = tarfile.TarInfo("x.txt").tobuf(tarfile.USTAR_FORMAT)
+    try:
+        with tarfile.open(fileobj=io.BytesIO(pax + body + b"\0" * 1024), mode="r:") as tar:
+            return [m.name for m in tar.getmembers()] == ["x.txt"]
+    except tarfile.TarError:
+        return False
+
+
+_LENIENT = _lenient_pax_records()
+
+
 def _pax_fault(data: bytes, size: int) -> str | None:
     """What is wrong with a pax header's records (``"LENGTH KEYWORD=VALUE\\n"``), if anything."""
     if len(data) < size:
@@ -162,6 +186,18 @@ def _pax_fault(data: bytes, size: int) -> str | None:
         space = data.find(b" ", pos, pos + 21)
         digits = data[pos:space]
         end = pos + int(digits) if space > pos and digits.isdigit() else -1
+        if _LENIENT and end != pos:
+            # Read as this tarfile reads it: no record there ends the records (no fault); a record
+            # need not end in a newline, and one running past the header ends them. Only a "="
+            # beyond the record's length is refused: that regex match spans records (quadratic).
+            if end < 0 or data[space + 1 : space + 2] == b"=" or data.find(b"=", space + 2) < 0:
+                break
+            if data.find(b"=", space + 2, min(end, size)) < 0:
+                return f"has a malformed record at byte {pos:,}"
+            if end >= size:
+                break
+            pos = end
+            continue
         if not pos < end <= size or data[end - 1] != 0x0A or data.find(b"=", space + 2, end) < 0:
             return f"has a malformed record at byte {pos:,}"
         pos = end
