@@ -41,10 +41,13 @@ Every figure is measured in this one run:
 4. **The same epoch through blocks**: `BlockWindowSampler` with `plan(budget, --block-mib)`, the
    daemon holding pieces of shards (smstore/daemon/blocks.py) and the workers reading records
    through `BlockReader`, over the same bytes in a sixth as many shards (blocks are meant to be
-   smaller than shards). The same criteria, and the reads: one sequential read a piece (a block,
-   or its part in one shard), how many are at least `--block-mib`, and each piece read once (the
-   daemon's log). Section 1's `BlockWindowSampler` rows and the acceptance row per memory size
-   (spread and neighbour ratio at least WebDataset's and `py1e`'s) are this sampler's order.
+   smaller than shards). The same criteria (the first `spread` windows, while the memory fills,
+   are the start of the epoch, as the window sampler's first window is), and the reads: one
+   sequential read a block (each within one shard), how many are at least `--block-mib`, and each
+   block read once (the daemon's log). Section 1's `BlockWindowSampler` rows and the acceptance
+   row per memory size (spread and neighbour ratio at least WebDataset's and `py1e`'s) are this
+   sampler's order, with blocks of `--block-mib` at records of `--record-kib` (that section's
+   memory sizes are in records).
 """
 
 from __future__ import annotations
@@ -74,9 +77,15 @@ from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, w
 
 import smstore
 from smstore import _core
-from smstore._blocks import BlockReader, BlockResidency, block_pieces
+from smstore._blocks import BlockReader, BlockResidency
 from smstore._manifest import read_manifest
-from smstore.sampler import BlockWindowOrder, BlockWindowSampler, GlobalShuffleSampler, WindowedShuffleSampler
+from smstore.sampler import (
+    BlockWindowOrder,
+    BlockWindowSampler,
+    GlobalShuffleSampler,
+    WindowedShuffleSampler,
+    block_bounds,
+)
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -133,31 +142,31 @@ def block_model(n: int, shards: int, batch: int, block: int, group: int, spread:
     """What docs/training.md's model of the block schedule predicts: (shards a batch, neighbour ratio),
     shards of equal size, every group of ``group * block`` records.
 
-    Group ``j``'s ``G`` records are cut into ``spread`` parts of ``c_t`` records (as even as whole
-    records allow), part ``t`` placed at random in window ``j + t`` of ``G`` positions. Two records
-    of one block fall in parts ``t, t'`` with probability ``c_t (c_t' - [t = t']) / (G (G - 1))`` and
-    then share a batch with probability ``E[max(0, 1 - |distance| / batch)]``. The model leaves out
+    Group ``j``'s ``G`` records are dealt to ``spread`` parts, part ``t`` placed at random in window
+    ``j + t`` of ``G`` positions: records ``r, r + 1`` of a group land ``stride`` windows apart, or
+    ``spread - stride`` the other way, and then share a batch with probability
+    ``E[max(0, 1 - |distance| / batch)]``. The model leaves out
     the epoch's first and last ``spread`` windows, which draw from fewer groups (memory filling and
     draining). A batch draws from the ``group * (spread + batch / G)`` blocks whose parts fill the
     windows it covers, at random (fewer distinct ones than balanced parts give: the spread is a
     lower estimate), and those blocks come from random shards.
     """
     window = group * block
-    t = np.arange(spread + 1)
-    cuts = t * window // spread
-    c = np.diff(cuts).astype(np.float64)
-    pairs = np.correlate(c, c, mode="full")[spread - 1 :]  # sum over t of c_t c_(t + d), d >= 0
-    pairs[0] -= c.sum()
-    pairs[1:] *= 2
-    p_delta = pairs / max(1, window * (window - 1))
+    # Records r and r + 1 of a group are dealt `stride` parts apart (forward, for a share
+    # (spread - stride) / spread of them) or spread - stride back: windows that far apart.
+    stride = BlockWindowOrder([window], block=block, group=group, spread=spread, key="model").stride
+    apart = (
+        {0: 1.0} if spread == 1 else {stride: (spread - stride) / spread, spread - stride: stride / spread}
+    )
     v = np.linspace(-1, 1, 401)  # U1 - U2 of two uniform places in their windows: triangular
     w = 1 - np.abs(v)
     w /= w.sum()
-    d = np.abs(np.arange(spread)[:, None] + v[None, :]) * window
-    together = (np.clip(1 - d / batch, 0, None) * w).sum(axis=1)
+    together = sum(
+        p * float((np.clip(1 - np.abs(d + v) * window / batch, 0, None) * w).sum()) for d, p in apart.items()
+    )
     # Pairs across a block edge (about 1 in ``block``) fall in unrelated groups: a global shuffle's rate.
     global_rate = (batch - 1) / (n - 1)
-    rate = (1 - 1 / block) * float((p_delta * together).sum()) + global_rate / block
+    rate = (1 - 1 / block) * together + global_rate / block
     blocks = group * (spread + batch / window)  # a batch covers 1 + batch / window windows on average
     distinct_blocks = blocks * (1 - (1 - 1 / blocks) ** batch)
     spread_shards = shards * (1 - (1 - 1 / shards) ** distinct_blocks)
@@ -171,6 +180,8 @@ def bench_quality(
     batch: int,
     windows: Sequence[int],
     block: int,
+    block_bytes: int,
+    record_bytes: int,
 ) -> None:
     rng = np.random.default_rng(0)
     sizes = [int(s) for s in rng.integers(per_shard // 2, per_shard * 3 // 2, size=shards)]
@@ -214,18 +225,37 @@ def bench_quality(
                 m_spread, m_ratio = block_model(n, shards, batch, b, group, spread)
                 model = f" (model: >= {m_spread:.1f} shards/batch, neighbour ratio {m_ratio:.3f})"
             row(f"memory {memory}: {name}", order, model)
-        # The block sampler itself (what a job runs): blocks of memory / (2 x batch) records, and
-        # as many as the memory holds with the next block loading and one in the lag (spread + 2).
-        b = max(1, memory // (2 * batch))
-        spread = max(1, memory // b - 2)
-        sampler = BlockWindowSampler(
-            sizes, block=b, spread=spread, seed=1, rank=0, world_size=1, residency=False
+
+        def sampler_row(b: int, what: str, memory: int) -> tuple[float, float] | None:
+            """The block sampler itself (what a job runs) with blocks of at least `b` records and the
+            widest spread the memory holds: spread + 2 groups (the window's, the next, one in the
+            lag) and the rest of a block at each end (plan()'s rule, in records)."""
+            longest = max(-(-x // max(1, x // b)) for x in sizes)
+            spread = (memory - 2 * longest) // b - 2
+            if spread < 1:
+                report.add(
+                    f"memory {memory}: smstore BlockWindowSampler, {what}", "skipped: fewer than 3 blocks fit"
+                )
+                return None
+            sampler = BlockWindowSampler(
+                sizes, block=b, spread=spread, seed=1, rank=0, world_size=1, residency=False
+            )
+            return row(
+                f"memory {memory}: smstore BlockWindowSampler, {what}: blocks of {b}+ records, spread {spread} "
+                f"(at most {(spread + 2) * b + 2 * longest} records held)",
+                np.asarray(list(sampler)),
+            )
+
+        # Blocks of `block_bytes` at records of `record_bytes` (the acceptance row), of the same
+        # bytes at records a quarter that size, and of memory / (2 x batch) records (the design's rule).
+        per_block = -(-block_bytes // record_bytes)
+        ours = sampler_row(
+            per_block, f"{block_bytes // MiB} MiB blocks of {record_bytes // 1024} KiB records", memory
         )
-        ours = row(
-            f"memory {memory}: smstore BlockWindowSampler, blocks of {b}, spread {spread} "
-            f"({(spread + 2) * b} records held)",
-            np.asarray(list(sampler)),
+        sampler_row(
+            4 * per_block, f"{block_bytes // MiB} MiB blocks of {record_bytes // 4096} KiB records", memory
         )
+        sampler_row(max(1, memory // (2 * batch)), "blocks of memory / (2 x batch) records", memory)
         wds = row(
             f"memory {memory}: WebDataset shard shuffle + _shuffle({memory})",
             webdataset_order(sizes, memory, 1),
@@ -241,7 +271,8 @@ def bench_quality(
         if ours is not None and wds is not None and py1e is not None:
             met = all(ours[k] >= max(wds[k], py1e[k]) for k in (0, 1))
             report.add(
-                f"memory {memory}: block sampler against WebDataset and py1e (spread; neighbour ratio)",
+                f"memory {memory}: block sampler ({block_bytes // MiB} MiB blocks of {record_bytes // 1024} KiB "
+                "records) against WebDataset and py1e (spread; neighbour ratio)",
                 f"{ours[0]:.2f}; {ours[1]:.3f}",
                 baseline=f"WebDataset {wds[0]:.2f}; {wds[1]:.3f}, py1e {py1e[0]:.2f}; {py1e[1]:.3f}",
                 goal=">= both, each",
@@ -566,8 +597,15 @@ def run_epoch(
     }
 
 
-def switch_and_steady(outs: list[dict[str, Any]], switch_batches: int) -> tuple[list[float], list[float]]:
-    """Batch waits in the first `switch_batches` batches of each window after the first, and the others."""
+def switch_and_steady(
+    outs: list[dict[str, Any]], switch_batches: int, startup: int = 1
+) -> tuple[list[float], list[float]]:
+    """Batch waits in the first `switch_batches` batches of each window after the first `startup`, and the others.
+
+    The first `startup` windows are the start of the epoch, not switches: the window sampler's
+    first window (nothing was loaded before it), the block sampler's first `spread` (the memory
+    fills: they draw from fewer blocks than a full memory holds, and go by faster than blocks load).
+    """
     switch, steady = [], []
     for o in outs:
         last = None
@@ -575,16 +613,39 @@ def switch_and_steady(outs: list[dict[str, Any]], switch_batches: int) -> tuple[
         for wait, win in zip(o["waits"], o["windows"], strict=True):
             since = 0 if win != last else since + 1
             last = win
-            if win == o["windows"][0]:
-                continue  # the first window: startup, not a switch
+            if win < o["windows"][0] + startup:
+                continue  # startup, not a switch
             (switch if since < switch_batches else steady).append(wait)
     return switch, steady
 
 
+def startup_waits(outs: list[dict[str, Any]], startup: int) -> tuple[int, float, float]:
+    """Over the ranks: batches in the first `startup` windows, their total wait and their p99 (seconds)."""
+    waits = [
+        w
+        for o in outs
+        for w, win in zip(o["waits"], o["windows"], strict=True)
+        if win < o["windows"][0] + startup
+    ]
+    return (
+        len(waits),
+        float(sum(waits)) / max(1, len(outs)),
+        float(np.percentile(waits, 99)) if waits else 0.0,
+    )
+
+
 def epoch_criteria(
-    report: Report, prefix: str, epoch: dict[str, Any], crcs: list[int], args: argparse.Namespace
+    report: Report,
+    prefix: str,
+    epoch: dict[str, Any],
+    crcs: list[int],
+    args: argparse.Namespace,
+    startup: int = 1,
 ) -> None:
-    """The epoch criteria of a run_epoch result: switch-batch wait, memory within the budget, every record once."""
+    """The epoch criteria of a run_epoch result: switch-batch wait, memory within the budget, every record once.
+
+    `startup`: the windows at the start of the epoch that are not switches (see switch_and_steady).
+    """
     outs, samples = epoch["outs"], epoch["samples"]
     budget = args.budget_mib * MiB
     # Every record once per epoch, byte-exact (CRC32 of every record read against the source's).
@@ -595,7 +656,7 @@ def epoch_criteria(
             seen[i] += 1
             bad += c != crcs[i]
     exact = bad == 0 and bool((seen >= 1).all()) and int(seen.sum()) - len(crcs) < args.ranks
-    switch, steady = switch_and_steady(outs, args.switch_batches)
+    switch, steady = switch_and_steady(outs, args.switch_batches, startup)
     p99 = {k: float(np.percentile(v, 99)) * 1000 for k, v in (("switch", switch), ("steady", steady))}
     ratio = p99["switch"] / p99["steady"]
     report.compare(
@@ -694,30 +755,32 @@ def bench_epoch_blocks(report: Report, tmp: Path, args: argparse.Namespace) -> N
     log(f"blocks of {block} records, spread {spread}, lag {lag}")
     epoch = run_epoch(tmp, dataset, budget, 0, lag, args, block=(block, spread))
     outs, elapsed = epoch["outs"], epoch["elapsed"]
-    epoch_criteria(report, "blocks: ", epoch, crcs, args)
-    # The reads: one per piece (a block, or its part in one shard), each sequential, each once.
+    # The first `spread` windows are the fill (each draws from fewer blocks than the memory holds,
+    # and goes by faster than a block loads): the start of the epoch, as the window sampler's first.
+    epoch_criteria(report, "blocks: ", epoch, crcs, args, startup=spread)
+    batches, total, p99 = startup_waits(outs, spread)
+    report.add(
+        f"blocks: info: the fill (the first {spread} windows, {batches} batches of {len(outs)} ranks)",
+        f"waited {total * 1000:.0f} ms a rank in all, p99 {p99 * 1000:.1f} ms; first batch after "
+        f"{outs[0]['waits'][0] * 1000:.0f} ms",
+    )
+    # The reads: one per block (a piece of one shard), each sequential, each once.
+    first, length, shard = block_bounds([s.records for s in manifest.shards], block)
     starts = [0, *np.cumsum([s.records for s in manifest.shards]).tolist()]
     offsets = []
     for k in range(len(manifest.shards)):
         with smstore._core.Store(manifest.shard_path(k)) as st:
             offsets.append(st.offsets)
-    blocks = -(-starts[-1] // block)
     piece_bytes = [
-        int(offsets[p.shard][p.end] - offsets[p.shard][p.first])
-        for b in range(blocks)
-        for p in block_pieces(starts, block, b)
-    ]
-    block_bytes = [
-        sum(int(offsets[p.shard][p.end] - offsets[p.shard][p.first]) for p in block_pieces(starts, block, b))
-        for b in range(blocks)
+        int(offsets[k][f - starts[k] + n] - offsets[k][f - starts[k]])
+        for f, n, k in zip(first.tolist(), length.tolist(), shard.tolist(), strict=True)
     ]
     big = [x for x in piece_bytes if x >= args.block_mib * MiB]
     report.add(
-        f"blocks: reads (one sequential read a piece: a block, or its part in one shard), >= {args.block_mib} MiB",
-        f"{len(piece_bytes)} pieces of {blocks} blocks: {len(big)} reads >= {args.block_mib} MiB carrying "
-        f"{sum(big) / sum(piece_bytes):.0%} of the bytes; median piece {np.median(piece_bytes) / MiB:.1f} MiB, "
-        f"smallest {min(piece_bytes) / 1024:.0f} KiB (at a shard's end); blocks "
-        f"{min(block_bytes) / MiB:.1f}-{max(block_bytes) / MiB:.1f} MiB",
+        f"blocks: reads (one sequential read a block, each within one shard), >= {args.block_mib} MiB",
+        f"{len(piece_bytes)} blocks: {len(big)} reads >= {args.block_mib} MiB carrying "
+        f"{sum(big) / sum(piece_bytes):.0%} of the bytes; blocks {min(piece_bytes) / MiB:.2f}-"
+        f"{max(piece_bytes) / MiB:.2f} MiB (median {np.median(piece_bytes) / MiB:.2f})",
         goal=f"every read >= {args.block_mib} MiB",
         met=yes_no(len(big) == len(piece_bytes)),
     )
@@ -738,10 +801,13 @@ def bench_epoch_blocks(report: Report, tmp: Path, args: argparse.Namespace) -> N
     )
     report.notes.append(
         f"blocks: the same epoch with BlockWindowSampler.plan(budget, {args.block_mib} MiB): blocks of {block} "
-        f"records, spread {spread} ({spread + 2} blocks held: the window's, the next, one in the lag), lag {lag} "
-        f"samples, over {data_bytes / MiB:.0f} MiB in {len(manifest.shards)} shards; the daemon loads each piece "
-        "as its own segment (smstore/daemon/blocks.py), readers read through smstore._blocks.BlockReader; a window "
-        f"is about one block of positions, so the 'first {args.switch_batches} batches of a window' are most batches"
+        f"records at least, spread {spread} (spread + 2 groups of {block} records held: the window's, the next, one "
+        f"in the lag; and the rest of a block at each end), lag {lag} samples, over {data_bytes / MiB:.0f} MiB in "
+        f"{len(manifest.shards)} shards; the daemon loads each block as its own segment (smstore/daemon/blocks.py), "
+        "readers read through smstore._blocks.BlockReader; a window is about one block of positions, so the 'first "
+        f"{args.switch_batches} batches of a window' are a third of all; the first {spread} windows are the fill "
+        "(the memory filling: each draws from fewer blocks than it holds, and goes by faster than a block loads), "
+        "counted as the start of the epoch, as the window sampler's first window is"
     )
 
 
@@ -788,6 +854,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--window", type=int, help=argparse.SUPPRESS)
     p.add_argument("--block", type=int, nargs=2, help=argparse.SUPPRESS)  # block records, spread
     p.add_argument("--block-mib", type=int, default=4, help="the block sampler's blocks, at least (MiB)")
+    p.add_argument(
+        "--record-kib",
+        type=int,
+        default=64,
+        help="the shuffle-quality section's record size (KiB): its memory sizes are in records, so a "
+        "block of --block-mib is this many records",
+    )
     args = p.parse_args(argv)
     if args.quick:
         args.budget_mib, args.shards, args.load_mib, args.load_repeats = 48, 24, 256, 9
@@ -814,6 +887,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch=args.batch_size * 4,
                 windows=[1, 4, 16],
                 block=args.block_records,
+                block_bytes=args.block_mib * MiB,
+                record_bytes=args.record_kib * 1024,
             )
         if "load" in sections:
             log("load vs cp")

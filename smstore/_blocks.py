@@ -1,8 +1,8 @@
 """Blocks of a sharded dataset: record ranges the daemon holds instead of whole shards, and the reader of them.
 
-A **block** is ``block`` consecutive records of the dataset in manifest order (the last shorter);
-one that runs past a shard's end is a **piece** of each shard, each read sequentially in one go.
-The daemon serves a piece as its own segment: a blob holding exactly the piece's records, named
+A **block** is a run of at least ``block`` consecutive records of one shard (a shard is cut into
+as many as fit, as even as whole records allow: :func:`shard_block`), read sequentially in one
+go. The daemon holds it as a **piece** (a shard and a record range) and serves it as its own segment: a blob holding exactly the piece's records, named
 (in the daemon's table) by :func:`piece_id` of the shard's checksum and the range, so a reader
 finds it without asking which bytes it holds. Client and daemon import this module; it never
 imports the daemon or torch.
@@ -25,7 +25,7 @@ from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import NOT_SERVED, encode
 from smstore.errors import DaemonError, StoreChangedError
 
-__all__ = ["BlockReader", "BlockResidency", "Piece", "block_pieces", "piece_id", "piece_path"]
+__all__ = ["BlockReader", "BlockResidency", "Piece", "piece_id", "piece_path", "shard_block"]
 
 
 # Reads of pieces the daemon does not serve between two checks for released pieces still mapped.
@@ -50,19 +50,16 @@ def piece_path(shard_path: str, first: int, end: int) -> str:
     return f"{os.path.abspath(shard_path)}#records={first}-{end}"
 
 
-def block_pieces(starts: Sequence[int], block: int, i: int) -> list[Piece]:
-    """The pieces of block ``i``: one per shard it touches (``starts``: each shard's first record, then the total)."""
-    n = starts[-1]
-    lo, hi = i * block, min((i + 1) * block, n)
-    pieces = []
-    k = bisect.bisect_right(starts, lo) - 1
-    while lo < hi:
-        while starts[k + 1] <= lo:  # empty shards
-            k += 1
-        end = min(hi, starts[k + 1])
-        pieces.append(Piece(k, lo - starts[k], end - starts[k]))
-        lo = end
-    return pieces
+def shard_block(records: int, block: int, x: int) -> tuple[int, int]:
+    """The block holding record ``x`` of a shard of ``records``: its records ``[lo, hi)`` in the shard.
+
+    A shard is cut into ``m = max(1, records // block)`` blocks, block ``t`` holding records
+    ``[t records // m, (t + 1) records // m)`` (``smstore.sampler.block_bounds``, which cuts every
+    shard the same way): each at least ``block`` records unless the whole shard is shorter.
+    """
+    m = max(1, records // block)
+    t = ((x + 1) * m - 1) // records
+    return t * records // m, (t + 1) * records // m
 
 
 class BlockReader:
@@ -121,8 +118,7 @@ class BlockReader:
             msg = f"{self.path}: record {i} out of range for a dataset of {self.starts[-1]}"
             raise IndexError(msg)
         k = bisect.bisect_right(self.starts, i) - 1
-        lo = max((i // self.block) * self.block, self.starts[k]) - self.starts[k]
-        hi = min((i // self.block + 1) * self.block, self.starts[k + 1]) - self.starts[k]
+        lo, hi = shard_block(self.starts[k + 1] - self.starts[k], self.block, i - self.starts[k])
         piece = Piece(k, lo, hi)
         store = self._piece(piece)
         if store is not None:

@@ -603,29 +603,33 @@ class BlockWindowOrder:
     """An epoch's order drawn from blocks: record ranges read in one go, from many shards at once.
 
     The design of docs/training.md, "Block windows", as a pure order (BlockWindowSampler yields it
-    with groups of one block). The dataset's records, in manifest order, are cut into **blocks** of
-    ``block`` consecutive records (the last shorter; a block that runs past a shard's end is read as
-    a piece of each shard); a keyed permutation puts the blocks in one random order, the
-    **sequence**; **groups** are runs of ``group`` consecutive blocks of it, ``G = group * block``
-    records each but the last. The records of group ``j`` are permuted by a keyed bijection and cut
-    into ``spread`` parts as even as whole records allow, part ``t`` going to **window** ``j + t``;
-    the records of each window (parts of groups ``j - spread + 1 .. j``) are permuted by a keyed
-    bijection of the window's positions, and the windows follow each other.
+    with groups of one block). Each shard is cut into **blocks** of at least ``block``
+    consecutive records, as many as fit and as even as whole records allow (a shard of fewer is
+    one block): a block never crosses a shard's end, so each is one sequential read of at least
+    ``block`` records (:func:`block_bounds`). A keyed permutation puts the blocks in one random
+    order, the **sequence**; **groups** are runs of ``G = group * block`` consecutive records of
+    it (the last shorter), so a block's records fall in one group or two. The records of group
+    ``j`` are dealt to ``spread`` parts: record ``r`` of it (in sequence order) to part
+    ``r * stride % spread``, a step near ``0.38 spread`` (``_deal_stride``), so the parts are as
+    even as whole records allow and source neighbours fall far apart. Part ``t`` goes to
+    **window** ``j + t``; the records of each window (parts of groups ``j - spread + 1 .. j``) are
+    permuted by a keyed bijection of the window's positions, and the windows follow each other.
 
     So every record comes exactly once; the order is a pure function of ``key`` (the seed and
     epoch go in it), the same for any world size; ``order(p)`` for any positions costs a few
-    binary searches and two Feistel evaluations each (O(1) resume), with tables of one entry a
+    binary searches and one Feistel evaluation each (O(1) resume), with tables of one entry a
     block, a window and a part (never groups x parts). While window ``w`` is read, groups
     ``w - spread + 1 .. w`` are needed and group ``w + 1`` is loading: a sliding run of
-    ``(spread + 1) * group`` blocks of the sequence, each block read once, sequentially.
-    ``spread=1`` is plain windows of blocks (the one read and the next); a larger ``spread``
-    spreads each block's records over ``spread`` windows, so source neighbours share a batch
-    less often (docs/training.md states the bound).
+    ``(spread + 1) * G`` records of the sequence, in the blocks that cover it (at most one more
+    block at each end), each block read once, sequentially. ``spread=1`` is plain windows of
+    blocks (the one read and the next); a larger ``spread`` spreads each block's records over
+    ``spread`` windows, so source neighbours share a batch less often (docs/training.md states
+    the bound).
 
     Args:
         shard_sizes: Records in each shard, in manifest order.
-        block: Records per block (at least 1).
-        group: Blocks per group (at least 1).
+        block: Records per block, at least (at least 1).
+        group: Blocks per group (at least 1): a group is ``group * block`` records.
         spread: Windows over which a group's records are spread (at least 1).
         key: Derives every permutation of the epoch.
 
@@ -653,27 +657,30 @@ class BlockWindowOrder:
         self.block, self.group, self.spread, self._key = block, group, spread, key
         self._permutations: dict[tuple[str, int], FeistelPermutation] = {}
         self.n = n = int(sizes.sum())
-        # Blocks: records [i b, (i + 1) b) of the dataset, all of b records but the last, so groups
-        # of whole blocks all hold G records and share one table of parts. A block that runs past
-        # a shard's end is read as a piece of each shard (each piece sequential).
-        nb = -(-self.n // block)
-        self.block_first = np.arange(nb, dtype=np.int64) * block
-        self.block_length = np.minimum(block, self.n - self.block_first)
-        starts = np.cumsum(sizes)
-        self.block_shard = np.searchsorted(starts, self.block_first, side="right").astype(np.int64)
-        # The sequence: the whole blocks in a keyed order, then the short last block if any (so
-        # sequence position k * block starts the k-th block of it).
-        whole = self.n // block
-        self.block_order = np.concatenate(
-            [FeistelPermutation(whole, f"{key}:blocks".encode())(np.arange(whole, dtype=np.uint64)), [nb - 1]]
-        )[:nb].astype(np.int64)
-        # Groups: sequence positions [j G, (j + 1) G), whole blocks; all of G records but the last.
+        # Blocks: records [block_first, block_first + block_length) of shard block_shard.
+        self.block_first, self.block_length, self.block_shard = block_bounds(sizes, block)
+        nb = len(self.block_first)
+        # The sequence: the blocks in a keyed order, and where each starts in it.
+        self.block_order = FeistelPermutation(nb, f"{key}:blocks".encode())(
+            np.arange(nb, dtype=np.uint64)
+        ).astype(np.int64)
+        self._seq_starts = np.concatenate([[0], np.cumsum(self.block_length[self.block_order])]).astype(
+            np.int64
+        )
+        # Groups: sequence positions [j G, (j + 1) G); all of G records but the last.
         size = self.group_records = group * block
         groups = -(-n // size)
         self.group_starts = np.minimum(np.arange(groups + 1, dtype=np.int64) * size, n)
         self._last = n - (groups - 1) * size if groups else 0
-        # cut[t]: a full group's records in its parts before part t (cut[spread] = G).
-        self._cut = np.arange(spread + 1, dtype=np.int64) * size // spread
+        # Records are dealt to parts: record r of a group (in sequence order) goes to part
+        # r * stride % spread, so part t holds records deal[t], deal[t] + spread, ... and source
+        # neighbours (r, r + 1) land `stride` windows apart (about 0.38 spread: golden-ratio steps).
+        self.stride = _deal_stride(spread, size)
+        inverse = pow(self.stride, -1, spread) if spread > 1 else 0
+        self._deal = np.arange(spread, dtype=np.int64) * inverse % spread  # part t's first record
+        # cut[t]: a full group's records in its parts before part t (cut[spread] = G); the last group's.
+        self._cut = _cuts(size, self._deal)
+        self._last_cut = _cuts(self._last, self._deal)
         self._cut_sums = np.concatenate([[0], np.cumsum(self._cut)]).astype(np.int64)  # sum of cut[:d]
         windows = groups + spread - 1 if groups else 0
         self.window_starts = np.append(self._before(np.arange(windows, dtype=np.int64)), n).astype(np.int64)
@@ -683,8 +690,7 @@ class BlockWindowOrder:
     ) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Records of group ``j`` in its parts before part ``t`` (0 <= t <= spread)."""
         groups = len(self.group_starts) - 1
-        last = t * self._last // self.spread
-        out: np.ndarray[Any, np.dtype[np.int64]] = np.where(j == groups - 1, last, self._cut[t])
+        out: np.ndarray[Any, np.dtype[np.int64]] = np.where(j == groups - 1, self._last_cut[t], self._cut[t])
         return out
 
     def _before(self, w: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
@@ -700,7 +706,7 @@ class BlockWindowOrder:
         d_lo, d_hi = np.where(some, w - full_hi, 0), np.where(some, w - lo + 1, 0)
         partial = self._cut_sums[np.clip(d_hi, 0, s + 1)] - self._cut_sums[np.clip(d_lo, 0, s + 1)]
         last_in = (lo <= groups - 1) & (groups - 1 <= hi)
-        partial = partial + np.where(last_in, np.clip(w - groups + 1, 0, s) * self._last // s, 0)
+        partial = partial + np.where(last_in, self._last_cut[np.clip(w - groups + 1, 0, s)], 0)
         total: np.ndarray[Any, np.dtype[np.int64]] = self.group_starts[whole] + partial
         return total
 
@@ -714,8 +720,11 @@ class BlockWindowOrder:
         return range(max(0, w - self.spread + 1), min(w, groups - 1) + 1)
 
     def group_blocks(self, j: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-        """Block indices (see ``block_first``) of group ``j``, as read."""
-        return self.block_order[j * self.group : (j + 1) * self.group]
+        """Block indices (see ``block_first``) holding records of group ``j``, in sequence order."""
+        lo, hi = int(self.group_starts[j]), int(self.group_starts[j + 1])
+        first = int(np.searchsorted(self._seq_starts, lo, side="right")) - 1
+        last = int(np.searchsorted(self._seq_starts, hi - 1, side="right")) - 1
+        return self.block_order[first : last + 1]
 
     def __call__(self, positions: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
         """The records at an array of positions in ``[0, n)``.
@@ -746,14 +755,11 @@ class BlockWindowOrder:
         j = w - u + 1
         t = w - j
         offset = top - self._cut[u]
-        # The group's permutation of the record's place in the group, then the record in its block.
-        in_group = self._cut_of(j, t) + q - offset
-        seq = np.empty_like(p)
-        for g, at in _runs(j):
-            lo_g, hi_g = int(self.group_starts[g]), int(self.group_starts[g + 1])
-            seq[at] = lo_g + self._permutation("group", g, hi_g - lo_g)(in_group[at])
-        out: np.ndarray[Any, np.dtype[np.int64]] = self.block_first[self.block_order[seq // self.block]] + (
-            seq % self.block
+        # The record dealt to that place of part t of group j, then the record in its block.
+        seq = self.group_starts[j] + self._deal[t] + (q - offset) * s
+        k = np.searchsorted(self._seq_starts, seq, side="right") - 1
+        out: np.ndarray[Any, np.dtype[np.int64]] = (
+            self.block_first[self.block_order[k]] + seq - self._seq_starts[k]
         )
         return out.reshape(shape)
 
@@ -789,6 +795,67 @@ class BlockWindowOrder:
 
     def __len__(self) -> int:
         return self.n
+
+
+def _deal_stride(spread: int, records: int) -> int:
+    """The step between the parts of consecutive records of a group of ``records``: coprime with ``spread``.
+
+    Records ``k`` apart land ``k * stride % spread`` parts (windows) apart. The step is the one
+    whose distance from 0 (circularly), times ``k``, is largest at its smallest over ``k = 1 ..
+    K`` (``K = min(records, spread, 64) - 1``): the golden ratio's property (``k ||k phi||`` stays
+    above ``1 / sqrt(5)``) on the integers, so neighbours (``k = 1``) land far apart and records
+    a few apart not much closer; and a group's last record and the next group's first (a block
+    runs on across groups) as far apart; the closest to ``0.382 spread`` among equals.
+    """
+    if spread <= 2:
+        return 1
+    k = np.arange(1, max(2, min(records, spread, 64)), dtype=np.int64)
+    golden = spread * (3 - 5**0.5) / 2
+    a = np.arange(1, spread // 2 + 1, dtype=np.int64)
+    if len(a) > 8192:  # very wide spreads: the steps near the golden one
+        a = np.arange(max(1, int(golden) - 4096), int(golden) + 4096, dtype=np.int64)
+    a = a[np.gcd(a, spread) == 1]
+    steps = k[None, :] * a[:, None] % spread
+    nearest = (np.minimum(steps, spread - steps) * k[None, :]).min(axis=1)
+    # A group's last record and the next group's first (one block runs on across groups) land in
+    # windows j + (records - 1) * stride % spread and j + 1: keep those apart too.
+    # (A fifth of the spread apart is far enough there: one pair a group.)
+    edge = np.abs((records - 1) * a % spread - 1)
+    nearest = np.minimum(nearest, np.maximum(edge, spread // 5))
+    best = a[nearest == nearest.max()]
+    return int(best[np.argmin(np.abs(best - golden))])
+
+
+def block_bounds(
+    shard_sizes: Sequence[int] | np.ndarray[Any, Any], block: int
+) -> tuple[
+    np.ndarray[Any, np.dtype[np.int64]],
+    np.ndarray[Any, np.dtype[np.int64]],
+    np.ndarray[Any, np.dtype[np.int64]],
+]:
+    """The blocks of a dataset: ``(first, length, shard)`` arrays, blocks in manifest order.
+
+    Shard ``k`` of ``n`` records is cut into ``m = max(1, n // block)`` blocks (none if empty),
+    block ``t`` of it holding its records ``[t n // m, (t + 1) n // m)``: every block lies in one
+    shard and holds at least ``block`` records (fewer only where the whole shard does), at most
+    ``2 block - 1``. ``smstore._blocks.shard_block`` finds a record's block the same way.
+    """
+    sizes = np.asarray(shard_sizes, dtype=np.int64)
+    m = np.where(sizes > 0, np.maximum(1, sizes // block), 0)
+    shard = np.repeat(np.arange(len(sizes), dtype=np.int64), m)
+    t = np.arange(int(m.sum()), dtype=np.int64) - np.repeat(np.cumsum(m) - m, m)
+    n, mk = sizes[shard], m[shard]
+    lo, hi = t * n // mk, (t + 1) * n // mk
+    starts = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    return (starts[shard] + lo).astype(np.int64), (hi - lo).astype(np.int64), shard
+
+
+def _cuts(size: int, deal: np.ndarray[Any, Any]) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """Records of a group of ``size`` in its parts before each part: part t holds the records
+    ``r < size`` with ``r % spread == deal[t]``."""
+    spread = len(deal)
+    counts = np.maximum(0, size - deal + spread - 1) // spread
+    return np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
 
 
 def _runs(
@@ -984,28 +1051,36 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         )
 
 
+# Bumped when BlockWindowOrder yields another order for the same key: a saved state says which.
+_BLOCK_ORDER_VERSION = 2
+
+
 class BlockWindowSampler(GlobalShuffleSampler):
     """A shuffle over a sharded dataset larger than memory that holds **blocks** (record ranges), not shards.
 
-    **The order** is :class:`BlockWindowOrder` keyed by ``(seed, epoch)`` with groups of one
-    block: the dataset's records in manifest order are cut into blocks of ``block`` records, the
-    blocks put in a keyed order, each block's records spread evenly over the ``spread`` windows
-    from its own, and each window shuffled exactly (docs/training.md, "Block windows"). As with
+    **The order** is :class:`BlockWindowOrder` keyed by ``(seed, epoch)`` with groups of
+    ``block`` records: each shard is cut into blocks of at least ``block`` records (never across a
+    shard's end), the blocks put in a keyed order, each group's records dealt evenly over the
+    ``spread`` windows from its own (source neighbours far apart), and each window shuffled
+    exactly (docs/training.md, "Block windows"). As with
     :class:`GlobalShuffleSampler`, the order does not depend on the world size, rank ``r`` of
     ``W`` yields positions ``r, r + W, ...``, and ``state_dict`` / ``load_state_dict`` resume in
     O(1) at any world size.
 
     **Residency.** While window ``w`` is read, the blocks of groups ``w - spread + 1 .. w`` are
-    needed and group ``w + 1``'s is loading; for the first ``lag`` samples of a window the block
-    whose records ended with the previous window stays held too. The sampler holds those blocks'
-    pieces (:class:`smstore._blocks.BlockResidency`), so a daemon loads each one once an epoch, in
-    one sequential read, within its ``--shm-limit``, and drops it when no rank holds it. Readers
-    read records through :class:`smstore._blocks.BlockReader` (``keep=sampler.keep``).
+    needed and group ``w + 1``'s are loading (while the memory fills, the first ``spread``
+    windows, the groups up to ``spread + 1`` are held from the start); for the first ``lag``
+    samples of a window the blocks whose records ended with the previous window stay held too.
+    The sampler holds those blocks (each a :class:`smstore._blocks.Piece` of one shard, with
+    :class:`smstore._blocks.BlockResidency`), so a daemon loads each one once an epoch, in one
+    sequential read, within its ``--shm-limit``, and drops it when no rank holds it. Readers read
+    records through :class:`smstore._blocks.BlockReader` (``keep=sampler.keep``).
 
     Args:
         dataset: A SharedStoreDataset of a sharded dataset (or anything with ``shard_sizes`` and
             the manifest's ``path``), or the shard sizes (no residency then).
-        block: Records per block (see :meth:`plan` for one of at least 4 MiB within a budget).
+        block: Records per block, at least, and per group (see :meth:`plan` for blocks of at
+            least 4 MiB within a budget).
         spread: Windows each block's records are spread over (at least 1).
         seed: Any integer; the same on every rank.
         rank: This rank (default: from torch.distributed or ``RANK``).
@@ -1045,6 +1120,8 @@ class BlockWindowSampler(GlobalShuffleSampler):
         self.shard_sizes = [int(x) for x in sizes]
         self.block, self.spread, self.lag = block, spread, int(lag)
         self.starts = [0, *np.cumsum(self.shard_sizes, dtype=np.int64).tolist()]
+        first, length, shard = block_bounds(self.shard_sizes, block)
+        self._blocks = (first.tolist(), length.tolist(), shard.tolist())
         self._digest = hashlib.blake2b(str(self.shard_sizes).encode(), digest_size=8).hexdigest()
         self._order_cache: tuple[tuple[int, int], BlockWindowOrder] | None = None
         if residency is None:
@@ -1055,22 +1132,22 @@ class BlockWindowSampler(GlobalShuffleSampler):
                 residency = BlockResidency(path)
         self.residency = residency or None
         self._last_hold: tuple[Any, ...] | None = None
-        self._pieces: dict[int, list[Any]] = {}
-        # Pieces a reader keeps mapped: the blocks held (spread + 2), a block being up to two pieces
-        # (more where shards are shorter than a block), twice over for the windows in flight.
-        shortest = min((x for x in self.shard_sizes if x), default=block)
-        self.keep = 2 * (spread + 2) * (1 + -(-block // shortest))
+        # Pieces a reader keeps mapped: the blocks held (spread + 2 groups, and a block at each
+        # end that a group shares with the next), one piece each, twice over for the windows in flight.
+        self.keep = 2 * (spread + 4)
 
     @staticmethod
     def plan(dataset: Any, budget: int, *, block_bytes: int = 4 << 20) -> tuple[int, int]:
         """``(block, spread)`` for blocks of at least `block_bytes` (5 % over, on average) within `budget` bytes.
 
-        The blocks held at once (``spread + 2``: the window's, the next, and one in the lag) fill
-        the budget. For the best mix keep ``block`` at most ``memory / (2 x batch)`` records
+        What is held at once (``spread + 2`` groups of ``block`` records: the window's, the next
+        and one in the lag; and the rest of a block at each end, which a group shares with the
+        next, at most the longest block) fills the budget, with each piece's header, index and
+        page rounding. For the best mix keep ``block`` at most ``memory / (2 x batch)`` records
         (docs/training.md, "Block windows").
 
         Raises:
-            ValueError: The budget holds fewer than three such blocks.
+            ValueError: The budget holds fewer than three groups and the blocks at the ends.
         """
         from smstore._manifest import read_manifest
 
@@ -1080,11 +1157,14 @@ class BlockWindowSampler(GlobalShuffleSampler):
         per_record = max(1.0, data / max(1, records))
         # 5 % over the average: a block of thousands of records strays far less from its mean.
         block = max(1, int(np.ceil(1.05 * block_bytes / per_record)))
-        held = int(budget // (block * per_record + 4096 + 8 * block))
+        longest = max((-(-x.records // max(1, x.records // block)) for x in manifest.shards), default=block)
+        piece = 4096 + 8 * longest  # a piece's header and index, and its last page
+        held = int((budget - 2 * (longest * per_record + piece)) // (block * per_record + piece))
         if held < 3:
             msg = (
-                f"a budget of {budget} bytes holds {held} blocks of {block} records ({block_bytes} bytes); "
-                "at least 3 are needed (the window's, the next and the previous): raise the budget"
+                f"a budget of {budget} bytes holds {max(0, held)} groups of {block} records ({block_bytes} bytes) "
+                f"beside two blocks of up to {longest} records; at least 3 are needed (the window's, the next and "
+                "the previous): raise the budget"
             )
             raise ValueError(msg)
         return block, held - 2
@@ -1096,19 +1176,27 @@ class BlockWindowSampler(GlobalShuffleSampler):
         epoch = self.epoch if epoch is None else int(epoch)
         cache_key = (self.seed, epoch)
         if self._order_cache is None or self._order_cache[0] != cache_key:
-            key = f"smstore-block-shuffle-v1:{self.seed}:{epoch}:{self.block}:{self.spread}:{self._digest}"
+            key = f"smstore-block-shuffle-v2:{self.seed}:{epoch}:{self.block}:{self.spread}:{self._digest}"
             order = BlockWindowOrder(self.shard_sizes, block=self.block, group=1, spread=self.spread, key=key)
             self._order_cache = (cache_key, order)
         return self._order_cache[1]
 
     def held_blocks(self, position: int) -> list[int]:
-        """The blocks held while ``position`` of the epoch's order is read (lag not counted), in load order."""
+        """The blocks held while ``position`` of the epoch's order is read (lag not counted), in load order.
+
+        Window ``w``'s groups and the next; while the memory fills (the first ``spread`` windows,
+        which draw from fewer groups) the groups up to ``spread + 1`` too, so the daemon loads
+        ahead as far as the budget allows from the first batch on instead of one block a window.
+        """
         order = self.permutation()
         w = order.window_of(position)
-        groups = list(order.window_groups(w))
-        if w + 1 < len(order.group_starts) - 1:
-            groups.append(w + 1)
-        return [int(b) for j in groups for b in order.group_blocks(j)]
+        groups = len(order.group_starts) - 1
+        first = order.window_groups(w).start
+        last = min(max(w + 1, self.spread + 1), groups - 1)
+        blocks: list[int] = []
+        for j in range(first, last + 1):
+            blocks += [int(b) for b in order.group_blocks(j) if not blocks or b != blocks[-1]]
+        return blocks
 
     def _reached(self, start: int, done: int) -> int:
         """Hold what the pass needs at local step `done`; the next step where that changes."""
@@ -1121,12 +1209,10 @@ class BlockWindowSampler(GlobalShuffleSampler):
         begin = order.window_start(w)
         draining = w >= self.spread and at - begin < self.lag * self.world_size
         if self.residency is not None:
-            from smstore._blocks import block_pieces
-
             blocks = self.held_blocks(at)
             if draining:
-                blocks += [int(b) for b in order.group_blocks(w - self.spread)]
-            held = tuple(p for b in blocks for p in self._pieces_of(b, block_pieces))
+                blocks += [int(b) for b in order.group_blocks(w - self.spread) if b not in blocks]
+            held = tuple(self.piece(b) for b in blocks)
             if held != self._last_hold:
                 self.residency.hold(held, wait=self._last_hold is None)
                 self._last_hold = held
@@ -1136,33 +1222,34 @@ class BlockWindowSampler(GlobalShuffleSampler):
         nxt += g - at
         return done + max(1, -(-(nxt - g) // self.world_size))
 
-    def _pieces_of(self, b: int, block_pieces: Callable[[Sequence[int], int, int], list[Any]]) -> list[Any]:
-        """Block `b`'s pieces, kept (a block is held over ``spread + 2`` windows)."""
-        pieces = self._pieces.get(b)
-        if pieces is None:
-            if len(self._pieces) >= 4096:
-                self._pieces.clear()
-            pieces = self._pieces[b] = block_pieces(self.starts, self.block, b)
-        return pieces
+    def piece(self, b: int) -> Any:
+        """Block ``b`` as the daemon holds it: a :class:`smstore._blocks.Piece` of its shard."""
+        from smstore._blocks import Piece
+
+        first, length, shard = (self._blocks[0][b], self._blocks[1][b], self._blocks[2][b])
+        lo = first - self.starts[shard]
+        return Piece(shard, lo, lo + length)
 
     def _new_pass(self) -> None:
         self._last_hold = None
 
     def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
         state = super().state_dict(local_consumed)
-        state["blocks"] = [self.block, self.spread, self._digest]
+        state["blocks"] = [self.block, self.spread, self._digest, _BLOCK_ORDER_VERSION]
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume (see GlobalShuffleSampler.load_state_dict); the blocks and shards must match.
 
         Raises:
-            ValueError: The state is of another block size, spread or set of shards.
+            ValueError: The state is of another block size, spread, set of shards or version of
+                the order.
         """
-        mine = [self.block, self.spread, self._digest]
+        mine = [self.block, self.spread, self._digest, _BLOCK_ORDER_VERSION]
         if list(state.get("blocks") or ()) != mine:  # a state with none is another sampler's
             msg = (
-                f"the state was saved with (block, spread, shards) {state.get('blocks')}; this sampler has "
+                f"the state was saved with (block, spread, shards, order version) {state.get('blocks')}; this "
+                f"sampler has "
                 f"{mine}: another order cannot be resumed"
             )
             raise ValueError(msg)

@@ -16,10 +16,10 @@ import pytest
 
 import smstore
 from smstore import _modes
-from smstore._blocks import BlockReader, BlockResidency, Piece, block_pieces, piece_id
+from smstore._blocks import BlockReader, BlockResidency, Piece, piece_id, shard_block
 from smstore._manifest import read_manifest
 from smstore.errors import DaemonError, StoreChangedError
-from smstore.sampler import BlockWindowSampler, GlobalShuffleSampler
+from smstore.sampler import BlockWindowSampler, GlobalShuffleSampler, block_bounds
 
 from .daemon_testlib import Daemon
 
@@ -115,11 +115,55 @@ def test_holds_cover_every_record_read(world: int, rank: int) -> None:
     assert max(len(h) for _y, h in rec.holds or [(0, held)]) <= 2 * (3 + 2)
 
 
-def test_block_pieces_split_at_shard_ends() -> None:
-    starts = [0, 5, 5, 12, 30]
-    assert block_pieces(starts, 8, 0) == [Piece(0, 0, 5), Piece(2, 0, 3)]
-    assert block_pieces(starts, 8, 1) == [Piece(2, 3, 7), Piece(3, 0, 4)]
-    assert block_pieces(starts, 8, 3) == [Piece(3, 12, 18)]
+def test_the_first_hold_fills_the_memory_ahead_and_holds_never_exceed_it() -> None:
+    """While the memory fills (the first `spread` windows draw from fewer groups and go by faster
+    than blocks load), the sampler holds every group up to spread + 1 from the first batch, not one
+    more a window (the daemon then sat idle while the early windows waited on their blocks)."""
+    sizes = [400] * 6
+    rec = HoldRecorder()
+    s = BlockWindowSampler(sizes, block=8, spread=5, seed=2, rank=0, world_size=1, residency=rec, lag=4)
+    order = s.permutation()
+    expected = {s.piece(int(b)) for j in range(5 + 2) for b in order.group_blocks(j)}
+    held_records = []
+    for _ in s:
+        rec.yielded += 1
+    assert rec.holds[0] == (0, frozenset(expected))
+    for _y, held in rec.holds:
+        held_records.append(sum(p.end - p.first for p in held))
+    # spread + 2 groups of 8 records, and the rest of a block at each end (blocks of 8 here).
+    assert max(held_records) <= (5 + 2) * 8 + 2 * 8
+
+
+def test_blocks_stay_within_shards_and_a_reader_finds_the_block_the_sampler_holds() -> None:
+    sizes = [5, 0, 7, 18, 1, 31, 8]
+    assert [tuple(map(int, x)) for x in zip(*block_bounds(sizes, 8), strict=True)] == [
+        (0, 5, 0),  # a shard shorter than a block is one block
+        (5, 7, 2),
+        (12, 9, 3),  # 18 records: two blocks of 9, never one of 8 and a short one of 2
+        (21, 9, 3),
+        (30, 1, 4),
+        (31, 10, 5),  # 31 records: three blocks of 10, 10 and 11
+        (41, 10, 5),
+        (51, 11, 5),
+        (62, 8, 6),
+    ]
+    s = BlockWindowSampler(sizes, block=8, spread=2, seed=1, rank=0, world_size=1, residency=False)
+    starts = [0, *np.cumsum(sizes).tolist()]
+    for b, (first, length, shard) in enumerate(zip(*block_bounds(sizes, 8), strict=True)):
+        lo = int(first) - starts[shard]
+        assert s.piece(b) == Piece(int(shard), lo, lo + int(length))
+        for x in range(lo, lo + int(length)):  # BlockReader's lookup of each record of it
+            assert shard_block(sizes[shard], 8, x) == (lo, lo + int(length))
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        sizes = rng.integers(0, 200, size=12).tolist()
+        block = int(rng.integers(1, 50))
+        for first, length, shard in zip(*block_bounds(sizes, block), strict=True):
+            lo = int(first) - int(np.sum(sizes[:shard]))
+            assert shard_block(sizes[shard], block, lo) == shard_block(
+                sizes[shard], block, lo + int(length) - 1
+            )
+            assert shard_block(sizes[shard], block, lo) == (lo, lo + int(length))
 
 
 def sharded(
@@ -188,7 +232,10 @@ def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_
     m = read_manifest(out)
     block, spread = 40, 4  # pieces of about 12 KiB: the 6 held at once (and the next) fit the budget
     page = os.sysconf("SC_PAGESIZE")
-    largest_block = max(len(b"".join(recs[i : i + block])) for i in range(0, len(recs), block))
+    first, length, _shard = block_bounds([s.records for s in m.shards], block)
+    largest_block = max(
+        len(b"".join(recs[f : f + k])) for f, k in zip(first.tolist(), length.tolist(), strict=True)
+    )
     piece_pages = -(-(largest_block + 4096 + 8 * (block + 1)) // page) * page
     budget = (spread + 3) * 2 * piece_pages
     assert budget < sum(s.file_size for s in m.shards) // 2  # far less than the dataset
@@ -235,10 +282,17 @@ def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_
     from_blocks = sum(b for _i, _d, b in merged)
     assert from_blocks > n // 2, from_blocks  # read from the daemon's block segments
     assert 0 < peak[0] <= budget
+    sampler = BlockWindowSampler(
+        [s.records for s in m.shards],
+        block=block,
+        spread=spread,
+        seed=9,
+        rank=0,
+        world_size=1,
+        residency=False,
+    )
     pieces = {
-        piece_id(m.shards[p.shard].checksum, p.first, p.end)
-        for b in range(-(-n // block))
-        for p in block_pieces([0, *np.cumsum([s.records for s in m.shards]).tolist()], block, b)
+        piece_id(m.shards[p.shard].checksum, p.first, p.end) for p in map(sampler.piece, range(len(first)))
     }
     assert seen_segments <= pieces  # only block pieces were loaded, never a whole shard
     deadline = time.monotonic() + 120  # the ranks have closed: the daemon drops them at once, unless starved
@@ -402,14 +456,17 @@ def test_a_reader_drops_released_pieces_when_the_next_one_waits_for_their_room(
     start_daemon(args=("--shm-limit", "64K"), loaded=0)
     residency = BlockResidency(out, mode="daemon")
     reader = BlockReader(out, block=100)
+    records = read_manifest(out).shards[0].records
+    a = Piece(0, *shard_block(records, 100, 0))
+    b = Piece(0, *shard_block(records, 100, a.end))
     try:
-        residency.hold([Piece(0, 0, 100)], wait=True)
+        residency.hold([a], wait=True)
         assert reader[0] == recs[0]
         assert reader.block_reads == 1
-        residency.hold([Piece(0, 100, 200)], wait=True)
+        residency.hold([b], wait=True)
         deadline = time.monotonic() + 120  # a guard against a hang only: B comes once A is unmapped
         while reader.block_reads < 2 and time.monotonic() < deadline:
-            for i in range(100, 200):
+            for i in range(b.first, b.end):
                 assert reader[i] == recs[i]
             time.sleep(0.02)
         assert reader.block_reads >= 2, (reader.block_reads, reader.file_reads)
@@ -430,6 +487,11 @@ def test_the_daemon_keeps_no_shard_mapped_after_checking_a_hold(
     residency = BlockResidency(out, mode="daemon")
     try:
         residency.hold([Piece(0, 0, 100), Piece(1, 0, 100)], wait=True)
+        # Once both pieces are loaded (a load maps its shard while it reads the index: not checked here).
+        deadline = time.monotonic() + 120  # a guard against a hang only
+        while len(d.status()["segments"]) < 2 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert len(d.status()["segments"]) == 2
         maps = Path(f"/proc/{d.pid}/maps").read_text()
         for s in m.shards:
             assert os.fspath(out / s.path) not in maps
