@@ -423,6 +423,26 @@ def crc_collate(batch: list[Any]) -> list[int]:
     return [zlib.crc32(r) for r in batch]
 
 
+class CountingReader:
+    """A BlockReader whose items say where each record came from: the daemon's block, or the shard file."""
+
+    def __init__(self, reader: BlockReader) -> None:
+        self.reader = reader
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> tuple[bytes, bool]:
+        before = self.reader.block_reads
+        data = self.reader[i]
+        return data, self.reader.block_reads > before
+
+
+def crc_collate_counted(batch: list[tuple[bytes, bool]]) -> tuple[list[int], int]:
+    """The records' CRC32s, and how many came from the daemon's blocks."""
+    return [zlib.crc32(r) for r, _b in batch], sum(b for _r, b in batch)
+
+
 def rank_child(args: argparse.Namespace) -> None:
     """One rank: a DataLoader over the dataset through the daemon; times every batch wait."""
     import torch
@@ -439,7 +459,7 @@ def rank_child(args: argparse.Namespace) -> None:
             sizes, block=block, spread=spread, seed=args.seed, rank=args.rank_child, world_size=args.ranks,
             residency=False,
         )  # fmt: skip
-        ds = BlockReader(args.dataset, block=block, keep=sampler.keep)
+        ds = CountingReader(BlockReader(args.dataset, block=block, keep=sampler.keep))
     else:
         ds = smstore.SharedStoreDataset(args.dataset, mode="daemon", decode=None)
         sampler = WindowedShuffleSampler(
@@ -455,7 +475,7 @@ def rank_child(args: argparse.Namespace) -> None:
         sampler=sampler,
         batch_size=args.batch_size,
         num_workers=args.workers,
-        collate_fn=crc_collate,
+        collate_fn=crc_collate_counted if args.block else crc_collate,
         multiprocessing_context="fork",
         prefetch_factor=2,
         persistent_workers=False,
@@ -463,6 +483,8 @@ def rank_child(args: argparse.Namespace) -> None:
     # The batch in which each window starts for this rank, and every batch's first window.
     waits: list[float] = []
     crcs: list[int] = []
+    from_blocks = 0
+    file_batches: list[int] = []  # batches with a record read from a shard file (the first 20)
     it = iter(loader)
     while True:
         t0 = time.perf_counter()
@@ -471,6 +493,11 @@ def rank_child(args: argparse.Namespace) -> None:
         except StopIteration:
             break
         waits.append(time.perf_counter() - t0)
+        if args.block:
+            batch, counted = batch
+            from_blocks += counted
+            if counted < len(batch) and len(file_batches) < 20:
+                file_batches.append(len(waits) - 1)
         crcs += batch
         time.sleep(args.train_ms / 1000)
     n = len(ds)
@@ -478,7 +505,16 @@ def rank_child(args: argparse.Namespace) -> None:
     firsts = [windows[b * args.batch_size] for b in range(len(waits))]
     sampler.close()
     Path(args.result).write_text(
-        json.dumps({"waits": waits, "crcs": crcs, "indices": indices, "windows": firsts})
+        json.dumps(
+            {
+                "waits": waits,
+                "crcs": crcs,
+                "indices": indices,
+                "windows": firsts,
+                "from_blocks": from_blocks,
+                "file_batches": file_batches,
+            }
+        )
     )
 
 
@@ -783,6 +819,21 @@ def bench_epoch_blocks(report: Report, tmp: Path, args: argparse.Namespace) -> N
         f"{max(piece_bytes) / MiB:.2f} MiB (median {np.median(piece_bytes) / MiB:.2f})",
         goal=f"every read >= {args.block_mib} MiB",
         met=yes_no(len(big) == len(piece_bytes)),
+    )
+    # Where the ranks' records came from: the daemon's blocks, or (a record at a time, at random
+    # places) the shard files, when a block was not there.
+    read = sum(len(o["crcs"]) for o in outs)
+    blocks_read = sum(o["from_blocks"] for o in outs)
+    report.add(
+        "blocks: records the workers read from the daemon's blocks (the rest: single records read from the shard files)",
+        f"{blocks_read} of {read} ({blocks_read / max(1, read):.2%}); from the files: {read - blocks_read}"
+        + (
+            f" (in batches {sorted({b for o in outs for b in o['file_batches']})[:10]})"
+            if read > blocks_read
+            else ""
+        ),
+        goal="all from blocks: the source is read only in sequential block reads",
+        met=yes_no(blocks_read == read),
     )
     # Each byte read once: the daemon's log has one "loaded PATH#records=A-B" line a piece it read.
     loaded = [line for line in epoch["daemon_log"].splitlines() if " loaded " in line and "#records=" in line]

@@ -1142,12 +1142,14 @@ class BlockWindowSampler(GlobalShuffleSampler):
 
         What is held at once (``spread + 2`` groups of ``block`` records: the window's, the next
         and one in the lag; and the rest of a block at each end, which a group shares with the
-        next, at most the longest block) fills the budget, with each piece's header, index and
-        page rounding. For the best mix keep ``block`` at most ``memory / (2 x batch)`` records
-        (docs/training.md, "Block windows").
+        next, at most the longest block) and one group's room more fill the budget, with each
+        piece's header, index and page rounding. The room is for the block the lag released:
+        its pages count until every reader has unmapped it (at its next new block), and the next
+        block's load should not wait for that. The spread, and with it the shards a batch draws
+        from, grows with the budget over the block size (docs/training.md, "Block windows").
 
         Raises:
-            ValueError: The budget holds fewer than three groups and the blocks at the ends.
+            ValueError: The budget holds fewer than four groups and the blocks at the ends.
         """
         from smstore._manifest import read_manifest
 
@@ -1160,14 +1162,14 @@ class BlockWindowSampler(GlobalShuffleSampler):
         longest = max((-(-x.records // max(1, x.records // block)) for x in manifest.shards), default=block)
         piece = 4096 + 8 * longest  # a piece's header and index, and its last page
         held = int((budget - 2 * (longest * per_record + piece)) // (block * per_record + piece))
-        if held < 3:
+        if held < 4:
             msg = (
                 f"a budget of {budget} bytes holds {max(0, held)} groups of {block} records ({block_bytes} bytes) "
-                f"beside two blocks of up to {longest} records; at least 3 are needed (the window's, the next and "
-                "the previous): raise the budget"
+                f"beside two blocks of up to {longest} records; at least 4 are needed (the window's, the next, "
+                "the previous and room for one released): raise the budget"
             )
             raise ValueError(msg)
-        return block, held - 2
+        return block, held - 3
 
     _max_chunk = 4096  # a window switch also holds the next block: keep each draw short
 

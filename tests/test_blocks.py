@@ -134,6 +134,23 @@ def test_the_first_hold_fills_the_memory_ahead_and_holds_never_exceed_it() -> No
     assert max(held_records) <= (5 + 2) * 8 + 2 * 8
 
 
+def test_plan_fits_what_is_held_and_room_for_one_released_block_in_the_budget(tmp_path: Path) -> None:
+    out, recs = sharded(tmp_path)
+    m = read_manifest(out)
+    per_record = sum(s.data_bytes for s in m.shards) / len(recs)
+    budget = 400_000
+    block, spread = BlockWindowSampler.plan(out, budget, block_bytes=16 << 10)
+    assert block * per_record >= 16 << 10  # blocks of at least the bytes asked for
+    _first, length, _shard = block_bounds([s.records for s in m.shards], block)
+    # The most held at once: spread + 2 groups and a block at each end; and room for one more group.
+    held = (spread + 3) * block + 2 * int(length.max())
+    assert held * per_record + (spread + 5) * (4096 + 8 * int(length.max())) <= budget
+    # More memory: a wider spread.
+    assert BlockWindowSampler.plan(out, 2 * budget, block_bytes=16 << 10)[1] > spread
+    with pytest.raises(ValueError, match="raise the budget"):
+        BlockWindowSampler.plan(out, 5 * (16 << 10), block_bytes=16 << 10)
+
+
 def test_blocks_stay_within_shards_and_a_reader_finds_the_block_the_sampler_holds() -> None:
     sizes = [5, 0, 7, 18, 1, 31, 8]
     assert [tuple(map(int, x)) for x in zip(*block_bounds(sizes, 8), strict=True)] == [
