@@ -19,8 +19,8 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 from smstore import _core
-from smstore._ipc import connect, exchange, socket_path
-from smstore._manifest import read_manifest
+from smstore._ipc import connect, exchange, socket_path, wait_until_served
+from smstore._manifest import is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import NOT_SERVED, encode
 from smstore.errors import DaemonError, StoreChangedError
@@ -46,8 +46,8 @@ def piece_id(shard_checksum: str, first: int, end: int) -> str:
 
 
 def piece_path(shard_path: str, first: int, end: int) -> str:
-    """What the daemon's loads and logs call a piece: the shard's path and the record range."""
-    return f"{os.path.abspath(shard_path)}#records={first}-{end}"
+    """What the daemon's loads and logs call a piece: the shard's path (or URL) and the record range."""
+    return f"{shard_path if is_url(shard_path) else os.path.abspath(shard_path)}#records={first}-{end}"
 
 
 def shard_block(records: int, block: int, x: int) -> tuple[int, int]:
@@ -90,8 +90,10 @@ class BlockReader:
         self.path = manifest.path
         self.block = int(block)
         self.keep = max(1, int(keep))
+        paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
         self.shards = [
-            (os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)
+            (p if is_url(p) else os.path.abspath(p), s.checksum)
+            for p, s in zip(paths, manifest.shards, strict=True)
         ]
         starts = [0]
         for s in manifest.shards:
@@ -134,6 +136,8 @@ class BlockReader:
             self._pieces.move_to_end(key)
             return entry[1]
         store = self._attach(key, piece)
+        if store is None and is_url(self.shards[piece.shard][0]):
+            store = self._wait_for_remote(key, piece)  # no file to read it from instead
         if store is None:
             if self._conn is None:  # no daemon answers: this piece is read from its file from now on
                 self._pieces[key] = (piece, None)
@@ -153,6 +157,31 @@ class BlockReader:
             self._detach(next(iter(self._pieces)))
         return store
 
+    def _wait_for_remote(self, key: str, piece: Piece) -> _core.Store:
+        """The piece of a shard in object storage, once the daemon serves it (a sampler holds it).
+
+        Raises:
+            DaemonError: No daemon answers (only the daemon fetches from object storage), the
+                piece's shard failed (why, from the daemon), or it is not served within
+                ``REMOTE_WAIT`` seconds (no sampler holds it).
+        """
+        path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
+
+        def ask() -> _core.Store | None:
+            if self._conn is None:
+                msg = (
+                    f"{path}: a shard in object storage is read through the node's daemon (smstore serve), "
+                    f"and none answers on {self.socket}"
+                )
+                raise DaemonError(msg)
+            store, reason = self._attach_or_why(key, piece)
+            if reason:
+                raise DaemonError(f"{path}: the smstore daemon will not serve it: {reason}")
+            return store
+
+        what = f"{path}: a block of a shard in object storage is read once a sampler (BlockWindowSampler) holds it"
+        return wait_until_served(ask, what)
+
     def _drop_stale(self) -> None:
         """Unmap the pieces this reader maps that no rank holds any more."""
         if self._pieces:
@@ -167,12 +196,17 @@ class BlockReader:
             self._send({"op": "detach", "checksum": key, "noreply": True}, reply=False)
 
     def _attach(self, key: str, piece: Piece) -> _core.Store | None:
+        return self._attach_or_why(key, piece)[0]
+
+    def _attach_or_why(self, key: str, piece: Piece) -> tuple[_core.Store | None, str | None]:
+        """The piece's segment if the daemon serves it; else None and why it never will (if it said)."""
         path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
         reply, fd = self._send({"op": "attach", "checksum": key, "path": path}, reply=True)
         if fd is None:
             if reply.get("code") not in (None, NOT_SERVED):
                 raise DaemonError(f"{path}: the smstore daemon refused: {reply.get('message', reply)}")
-            return None
+            reason = reply.get("reason")
+            return None, reason if isinstance(reason, str) else None
         try:
             store = _core.Store._from_fd(fd, path, False)
         finally:
@@ -181,7 +215,7 @@ class BlockReader:
             store.close()
             msg = f"{path}: the daemon's segment holds {len(store)} records, not {piece.end - piece.first}"
             raise StoreChangedError(msg)
-        return store
+        return store, None
 
     def _send(self, message: dict[str, Any], *, reply: bool) -> tuple[dict[str, Any], int | None]:
         if self._conn is None:

@@ -8,10 +8,11 @@ import os
 import socket
 import stat
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from smstore._protocol import BUSY, MAX_MESSAGE, decode_body, encode, frame_length
+from smstore._protocol import BUSY, MAX_MESSAGE, REMOTE_WAIT, decode_body, encode, frame_length
 from smstore.errors import DaemonError
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "process_start_time",
     "request",
     "socket_path",
+    "wait_until_served",
 ]
 
 # The longest path a Unix socket takes (sun_path is 108 bytes with its terminating NUL).
@@ -32,6 +34,32 @@ MAX_SOCKET_PATH = 107
 
 # The longest an owner's client refused as busy keeps trying (the daemon says how long is worth it).
 MAX_BUSY_WAIT = 60.0
+
+
+_T = TypeVar("_T")
+
+
+def wait_until_served(ask: Callable[[], _T | None], what: str) -> _T:
+    """What `ask` returns once it is not None: a shard (or block) in object storage, once served.
+
+    Its reader has no file to read instead, and the hold that makes the daemon fetch it may still
+    be on its way (a sampler sends its holds from its own thread, without waiting), so "not served"
+    is asked again, less often each time, for up to `REMOTE_WAIT` seconds. `ask` raises when the
+    daemon says why it never will serve it, or when no daemon answers.
+
+    Raises:
+        DaemonError: Not served within `REMOTE_WAIT` seconds (`what` says what holds it).
+    """
+    deadline = time.monotonic() + REMOTE_WAIT
+    pause = 0.001
+    while True:
+        if time.monotonic() > deadline:
+            raise DaemonError(f"{what}: not served after {REMOTE_WAIT:.0f} s")
+        time.sleep(pause)
+        pause = min(0.05, pause * 2)
+        got = ask()
+        if got is not None:
+            return got
 
 
 def default_socket_path() -> Path:

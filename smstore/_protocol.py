@@ -31,6 +31,7 @@ __all__ = [
     "NOT_SERVED",
     "NO_ROOM",
     "PERMISSION_DENIED",
+    "REMOTE_WAIT",
     "STATUS_PAGE",
     "TOO_LARGE",
     "ProtocolError",
@@ -145,6 +146,10 @@ MAX_HOLD = 65536
 # The longest a 'held' request may wait for a change (seconds): a parked request never pins a
 # connection for longer, and a client's timeout for it is this and a margin.
 MAX_WAIT = 60.0
+
+# How long a reader waits for a shard (or block) in object storage to be served: it has no file to
+# read instead, and the hold that makes the daemon fetch it may still be on its way.
+REMOTE_WAIT = 600.0
 
 # A status reply lists at most this many segments (a page: the request's "offset" asks for the next).
 STATUS_PAGE = 1000

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import connect, exchange, request, socket_path
+from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
 from smstore._manifest import ShardInfo, is_manifest, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, log_once
 from smstore._protocol import MAX_WAIT, NOT_SERVED, encode
@@ -617,12 +617,32 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
     return store
 
 
+def _wait_for_remote(session: DaemonSession, checksum: str, url: str) -> tuple[dict[str, Any], int | None]:
+    """The daemon's answer for a shard in object storage once it serves it, or says why it never will."""
+
+    def ask() -> tuple[dict[str, Any], int | None] | None:
+        reply, fd = session.attach(checksum, url)
+        return (
+            None
+            if fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason")
+            else (reply, fd)
+        )
+
+    what = (
+        f"{url}: a shard in object storage is fetched by the node's daemon once a sampler holds it "
+        "(WindowedShuffleSampler) or 'smstore load' loads it"
+    )
+    return wait_until_served(ask, what)
+
+
 def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: DaemonSession | None) -> Store:
     """The daemon's copy of the blob at `spath` holding `checksum`, or (mode "auto") a mapping of the file."""
     conn: socket.socket | None = None
     try:
         if session is not None:
             reply, fd = session.attach(checksum, spath)
+            if fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason") and is_url(spath):
+                reply, fd = _wait_for_remote(session, checksum, spath)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:

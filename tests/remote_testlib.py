@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import http.client
+import json
 import logging
 import socket
 import struct
@@ -10,10 +11,13 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import boto3
 from moto.server import ThreadedMotoServer
+
+import smstore
 
 BUCKET = "smstore-test"
 SECRET = "s3cr3t-never-shown-0f9e8d7c"  # a test asserts it never appears in errors or logs
@@ -199,3 +203,30 @@ class S3:
 
     def multipart_uploads(self) -> list[dict[str, object]]:
         return self.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])  # type: ignore[no-any-return]
+
+
+def remote_dataset(
+    s3: S3, tmp_path: Path, prefix: str, shards: int = 3
+) -> tuple[Path, list[bytes], list[str]]:
+    """A sharded dataset whose shards are in the bucket and whose manifest (local) names them by URL.
+
+    Returns the manifest's path, each shard's bytes and checksum.
+    """
+    local = tmp_path / f"{prefix}-local"
+    src = tmp_path / f"{prefix}.txt"
+    src.write_bytes(b"".join(b"%06d %s\n" % (i, b"x" * (i % 97)) for i in range(3000)))
+    smstore.pack_files(
+        [src], local, shard_size=(src.stat().st_size // shards) + 1, progress=False, durable=False
+    )
+    doc = json.loads((local / "manifest.json").read_text())
+    data, checksums = [], []
+    for entry in doc["shards"]:
+        blob = (local / entry["path"]).read_bytes()
+        entry["path"] = s3.put(f"{prefix}/{entry['path']}", blob)
+        data.append(blob)
+        checksums.append(entry["checksum"])
+    assert len(data) == shards
+    remote = tmp_path / f"{prefix}-remote"
+    remote.mkdir()
+    (remote / "manifest.json").write_text(json.dumps(doc))
+    return remote / "manifest.json", data, checksums

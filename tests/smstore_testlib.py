@@ -328,3 +328,30 @@ def read_through_handles(ds: Any, collate: Any, q: Any) -> None:
         q.put((records, gathered, where))
     except BaseException as e:  # noqa: BLE001 - the parent raises it
         q.put(e)
+
+
+def run_ranks(
+    target: Callable[..., None], args: Sequence[tuple[Any, ...]], *, timeout: float = 300.0
+) -> list[Any]:
+    """Run one forked process per rank, `target(*args[r], queue)`; what each puts on the queue, in arrival order.
+
+    Every process must exit 0; one still alive when the test fails is killed (by its pid) and joined.
+    """
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    q = ctx.Queue()
+    procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
+    try:
+        for p in procs:
+            p.start()
+        results = [q.get(timeout=timeout) for _ in procs]
+        for p in procs:
+            p.join(timeout=60)
+            assert p.exitcode == 0, f"rank process {p.pid} exited with {p.exitcode}"
+        return results
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()

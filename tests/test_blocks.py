@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import threading
 import time
@@ -13,6 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from smstore_testlib import run_ranks
 
 import smstore
 from smstore import _modes
@@ -273,23 +273,11 @@ def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_
 
     watcher = threading.Thread(target=watch)
     watcher.start()
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(os.fspath(out), r, 2, block, spread, q)) for r in range(2)]
     try:
-        for p in procs:
-            p.start()
-        results = dict(q.get(timeout=300) for _ in procs)
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
+        results = dict(run_ranks(run_rank, [(os.fspath(out), r, 2, block, spread) for r in range(2)]))
     finally:
         stop.set()
         watcher.join()
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
     n = len(recs)
     ref = order_of([s.records for s in m.shards], block, spread, seed=9)
     merged = [results[i % 2][i // 2] for i in range(n)]

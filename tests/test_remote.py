@@ -7,7 +7,6 @@ import fcntl
 import grp
 import json
 import logging
-import multiprocessing
 import os
 import re
 import signal
@@ -30,7 +29,8 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
 import daemon_testlib as tl
 from daemon_testlib import Daemon, as_user, public_rundir
-from remote_testlib import BUCKET, S3, SECRET, FaultProxy
+from remote_testlib import BUCKET, S3, SECRET, FaultProxy, remote_dataset
+from smstore_testlib import run_ranks
 
 import smstore
 from smstore import _core
@@ -752,33 +752,6 @@ def test_cache_without_o_tmpfile_uses_a_part_file_and_leaves_none(
 # --- the daemon fetches held shards named by URL ------------------------------------------------
 
 
-def remote_dataset(
-    s3: S3, tmp_path: Path, prefix: str, shards: int = 3
-) -> tuple[Path, list[bytes], list[str]]:
-    """A sharded dataset whose shards are in the bucket and whose manifest (local) names them by URL.
-
-    Returns the manifest's path, each shard's bytes and checksum.
-    """
-    local = tmp_path / f"{prefix}-local"
-    src = tmp_path / f"{prefix}.txt"
-    src.write_bytes(b"".join(b"%06d %s\n" % (i, b"x" * (i % 97)) for i in range(3000)))
-    smstore.pack_files(
-        [src], local, shard_size=(src.stat().st_size // shards) + 1, progress=False, durable=False
-    )
-    doc = json.loads((local / "manifest.json").read_text())
-    data, checksums = [], []
-    for entry in doc["shards"]:
-        blob = (local / entry["path"]).read_bytes()
-        entry["path"] = s3.put(f"{prefix}/{entry['path']}", blob)
-        data.append(blob)
-        checksums.append(entry["checksum"])
-    assert len(data) == shards
-    remote = tmp_path / f"{prefix}-remote"
-    remote.mkdir()
-    (remote / "manifest.json").write_text(json.dumps(doc))
-    return remote / "manifest.json", data, checksums
-
-
 def hold(sock: Path, manifest: Path, shards: list[int]) -> tuple[socket.socket, dict[str, Any]]:
     """A rank's hold (its connection, open while it holds) and the daemon's reply."""
     s = tl.raw(sock)
@@ -1029,27 +1002,68 @@ def test_a_windowed_epoch_at_2_ranks_x_2_workers_from_a_bucket_reads_every_recor
     local.close()
     cache_dir = tmp_path / "cache"
     d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(64 << 20)), loaded=0)
-    ctx = multiprocessing.get_context("fork")
-    q = ctx.Queue()
-    procs = [ctx.Process(target=run_rank, args=(os.fspath(manifest), r, 2, q)) for r in range(2)]
-    try:
-        for p in procs:
-            p.start()
-        results = {rank: (kind, got) for rank, kind, got in (q.get(timeout=300) for _ in procs)}
-        for p in procs:
-            p.join(timeout=60)
-            assert p.exitcode == 0
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
+    results = {
+        rank: (kind, got)
+        for rank, kind, got in run_ranks(run_rank, [(os.fspath(manifest), r, 2) for r in range(2)])
+    }
     assert [results[r][0] for r in range(2)] == ["daemon", "daemon"]
     got = results[0][1] + results[1][1]
     assert sorted(got) == sorted(recs)  # every record once, byte-exact
     m = d.status()["metrics"]
     assert m["cache_misses"] == 6  # each shard fetched once for the node, whatever rank held it
     assert m["fetched_bytes"] == sum(map(len, data))
+
+
+def test_a_reader_of_a_url_shard_waits_for_the_hold_still_on_its_way(
+    s3: S3,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    start_daemon: Callable[..., Daemon],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A worker may read a shard of the next window before its sampler's hold (sent from the
+    sampler's thread, without waiting) reaches the daemon. A local shard would be read from its
+    file; one in object storage has none: the reader asks again until the hold arrives (seen under
+    load in the windowed epoch above: "does not serve this file")."""
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "early", shards=2)
+    local = smstore.open(tmp_path / "early-local")
+    first = bytes(local[0])
+    local.close()
+    d = start_daemon(loaded=0)
+    heard = threading.Event()  # the reader was told "not served" and waits (a point this test controls)
+    real_sleep = time.sleep
+
+    def sleep(seconds: float) -> None:
+        if threading.current_thread().name == "reader":
+            heard.set()
+        real_sleep(seconds)
+
+    monkeypatch.setattr(smstore._ipc.time, "sleep", sleep)
+    got: list[object] = []
+    ds = smstore.open_store(manifest, mode="daemon", socket=d.sock)
+
+    def read() -> None:
+        try:
+            got.append(bytes(ds[0]))
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            got.append(e)
+
+    reader = threading.Thread(target=read, name="reader")
+    reader.start()
+    rank = None
+    try:
+        while not heard.is_set() and reader.is_alive():
+            heard.wait(0.01)
+        assert not got, got  # it did not give up at the first "not served"
+        rank, reply = hold(d.sock, manifest, [0])
+        assert reply["ok"] is True, reply
+        reader.join(timeout=120)
+        assert got == [first]
+    finally:
+        reader.join(timeout=120)
+        ds.close()
+        if rank is not None:
+            rank.close()
 
 
 def test_a_dataset_of_url_shards_opened_without_the_daemon_says_to_use_it(s3: S3, tmp_path: Path) -> None:

@@ -15,6 +15,14 @@ re-packed or replaced is refused, at the hold and at the load); the shard's inde
 (every record within the data section) before the piece's bytes are located by it; and the
 piece's segment is a blob with its own checksum, written as its bytes are copied. Bytes changed
 in place without a new header are not detected (``smstore verify`` checks whole files).
+
+Shards named by URL (object storage): the same checks from ranged reads, on this module's thread
+(never the event loop). The first hold of such a shard queues the read of its header, index and
+metadata (two ranged GETs; the header must be the manifest's, the index is validated); its
+pieces wait for it (their size is not known before), then each piece is one ranged GET of
+exactly its records' bytes, carrying the ETag the header's read saw, so every part comes from one
+version of the object. A failed read of the index fails the shard's pieces: the readers waiting
+for them hear why.
 """
 
 from __future__ import annotations
@@ -26,14 +34,15 @@ import queue
 import stat
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from smstore import _core
 from smstore._blocks import Piece, piece_id, piece_path
+from smstore._manifest import is_url
 from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, ProtocolError
 from smstore.daemon.loader import LOADER_NICENESS, Failed, Loaded
 from smstore.daemon.segments import SHM_DIR, pages, unlink_quietly
-from smstore.errors import StoreChangedError, StoreError
+from smstore.errors import StoreChangedError, StoreError, StoreFormatError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -70,14 +79,40 @@ def parse_pieces(value: object) -> list[Piece]:
 
 
 class _Job:
-    """One piece to load: the shard, the range, its id and the checksum the manifest records."""
+    """One piece to load: the shard, the range, its id and the checksum the manifest records.
+
+    ``size`` (the piece's segment) is None for a shard named by URL until its index is read.
+    """
 
     __slots__ = ("checksum", "end", "first", "key", "path", "pseudo", "size")
 
-    def __init__(self, path: str, checksum: str, piece: Piece, key: str, size: int) -> None:
+    def __init__(self, path: str, checksum: str, piece: Piece, key: str, size: int | None) -> None:
         self.path, self.checksum, self.first, self.end = path, checksum, piece.first, piece.end
         self.key, self.size = key, size
         self.pseudo = piece_path(path, piece.first, piece.end)
+
+
+class _IndexJob:
+    """Read the header, index and metadata of a shard named by URL (see the module docstring)."""
+
+    __slots__ = ("checksum", "file_size", "url")
+
+    def __init__(self, url: str, checksum: str, file_size: int) -> None:
+        self.url, self.checksum, self.file_size = url, checksum, file_size
+
+
+class _Remote(NamedTuple):
+    """What a shard named by URL holds, read once: where its data starts, its index and metadata, its version."""
+
+    data_offset: int
+    offsets: np.ndarray
+    meta: str
+    etag: str | None
+
+
+def _piece_size(offsets: np.ndarray, p: Piece) -> int:
+    """A piece's segment: the blob header, its records' bytes and their index."""
+    return _HEADER + int(offsets[p.end] - offsets[p.first]) + 8 * (p.end - p.first + 1)
 
 
 class Blocks:
@@ -98,7 +133,15 @@ class Blocks:
         self.failed: dict[str, str] = {}  # shard path -> why its pieces cannot be loaded
         # Per shard path: (identity, index offsets) of a shard checked against its manifest.
         self._shards: dict[str, tuple[tuple[int, int, int], np.ndarray]] = {}
-        self.jobs: queue.Queue[_Job | None] = queue.Queue()
+        # Shards named by URL: what their index read found (written by this module's thread), the
+        # reads queued (event loop), and why one failed (this module's thread; the loop takes it).
+        self._remote: dict[str, _Remote] = {}
+        self._indexing: set[str] = set()
+        self._index_failed: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self.fetched_bytes = 0  # bytes of pieces read from object storage (this module's thread)
+        self.jobs: queue.Queue[_Job | _IndexJob | None] = queue.Queue()
+        serving.piece_failure = self.failure_of
         self.thread = threading.Thread(target=self._run, name="smstore-blocks", daemon=True)
         self.thread.start()
 
@@ -122,16 +165,16 @@ class Blocks:
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )
             path, info = paths[p.shard], manifest.shards[p.shard]
-            offsets = self._checked(path, info.checksum, info.file_size)
+            size: int | None
+            if is_url(path):
+                remote = self._remote_of(path, info.checksum, info.file_size)
+                size = None if remote is None else _piece_size(remote.offsets, p)
+            else:
+                size = _piece_size(self._checked(path, info.checksum, info.file_size), p)
             if path in self.failed:
                 raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {self.failed[path]}"[:1000])
-            size = _HEADER + int(offsets[p.end] - offsets[p.first]) + 8 * (p.end - p.first + 1)
-            if not self.planner.fits(size, used=0):
-                msg = (
-                    f"{piece_path(path, p.first, p.end)}: a block piece of {size} bytes does not fit the "
-                    f"daemon's --shm-limit of {self.planner.shm_limit} bytes; use smaller blocks"
-                )
-                raise ProtocolError(NO_ROOM, msg)
+            if size is not None and not self.planner.fits(size, used=0):
+                raise ProtocolError(NO_ROOM, self._too_large(path, p, size))
             jobs.append(_Job(path, info.checksum, p, piece_id(info.checksum, p.first, p.end), size))
         if jobs:
             self.holds[cid] = jobs
@@ -180,6 +223,38 @@ class Blocks:
         self._shards[path] = (identity, offsets)
         return offsets
 
+    def _too_large(self, path: str, p: Piece, size: int) -> str:
+        return (
+            f"{piece_path(path, p.first, p.end)}: a block piece of {size} bytes does not fit the "
+            f"daemon's --shm-limit of {self.planner.shm_limit} bytes; use smaller blocks"
+        )
+
+    def _remote_of(self, url: str, checksum: str, file_size: int) -> _Remote | None:
+        """What the shard at `url` holds, once its index is read; else None, and its read queued (once).
+
+        Raises:
+            ProtocolError: The URL is one the daemon does not fetch (the scheme allow-list).
+        """
+        from smstore.remote.urls import parse_url  # the allow-list; never a credential in the message
+
+        with self._lock:
+            remote = self._remote.get(url)
+        if remote is not None:
+            return remote
+        if url not in self._indexing and url not in self.failed:
+            try:
+                parse_url(url)
+            except StoreError as e:
+                raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+            self._indexing.add(url)
+            self.jobs.put(_IndexJob(url, checksum, file_size))
+        return None
+
+    def failure_of(self, pseudo: str) -> str | None:
+        """Why the piece a reader asks for (``PATH#records=A-B``) will not be served, if its shard failed."""
+        path = pseudo.rpartition("#records=")[0]
+        return self.failed.get(path) if path else None
+
     def stale(self, value: object) -> list[str]:
         """Of the pieces a reader maps (``"id,id,..."``), those no rank holds any more (it should unmap them).
 
@@ -215,12 +290,26 @@ class Blocks:
                 released.append(self.planner.release(self.segments[key]))
             if key not in self.loading and (key not in wanted or key not in self.segments):
                 self.mine.discard(key)  # released, or its load failed (tried again at the next hold)
-        used = self.planner.used() + sum(pages(j.size) for j in self.loading.values())
+        # Shards named by URL whose index read ended: their pieces' sizes, or their failure.
+        with self._lock:
+            failed, self._index_failed = self._index_failed, {}
+            remote = dict(self._remote)
+        for url, why in failed.items():
+            self.failed[url] = why
+            self._indexing.discard(url)
+        for job in wanted.values():
+            if job.size is None and job.path in remote:
+                self._indexing.discard(job.path)
+                piece = Piece(0, job.first, job.end)
+                job.size = _piece_size(remote[job.path].offsets, piece)
+                if not self.planner.fits(job.size, used=0):
+                    self.failed[job.path] = self._too_large(job.path, piece, job.size)
+        used = self.planner.used() + sum(pages(j.size or 0) for j in self.loading.values())
         queued = []
         for key, job in wanted.items():
             if key in self.segments or key in self.loading or job.path in self.failed:
                 continue
-            if not self.planner.fits(job.size, used):
+            if job.size is None or not self.planner.fits(job.size, used):
                 break  # later pieces wait until earlier ones are released
             used += pages(job.size)
             self.loading[key] = job
@@ -247,18 +336,93 @@ class Blocks:
             job = self.jobs.get()
             if job is None:
                 return
-            result: Loaded | Failed
-            try:
-                result = self._load(job)
-            except Exception as e:  # noqa: BLE001 - every load gets an answer
-                result = Failed(e)
             loader = self.serving.loader
-            loader.done.put((job.pseudo, result))
+            if isinstance(job, _IndexJob):
+                try:
+                    remote = self._read_index(job)
+                except Exception as e:  # noqa: BLE001 - every read gets an answer
+                    log.warning("%s", e)
+                    with self._lock:
+                        self._index_failed[job.url] = f"{e}"[:1000]
+                else:
+                    with self._lock:
+                        self._remote[job.url] = remote
+            else:
+                result: Loaded | Failed
+                try:
+                    result = self._load(job)
+                except Exception as e:  # noqa: BLE001 - every load gets an answer
+                    result = Failed(e)
+                loader.done.put((job.pseudo, result))
             with contextlib.suppress(OSError):
                 loader.wake_w.send(b"x")
 
+    def _read_index(self, job: _IndexJob) -> _Remote:
+        """The header, index and metadata of the shard at ``job.url``, checked against its manifest.
+
+        Raises:
+            StoreChangedError: Its header is not the manifest's shard.
+            StoreFormatError: Its header or index is not a valid blob's.
+            RemoteError: A read failed (after retries).
+        """
+        import numpy as np
+
+        from smstore.remote.fetch import read_range
+
+        head, etag = read_range(job.url, 0, _HEADER)
+        file_size = int.from_bytes(head[24:32], "little")
+        if file_size != job.file_size:
+            msg = (
+                f"{job.url}: its header says {file_size} bytes, but its manifest records {job.file_size}: the shard "
+                "was re-packed or replaced since its manifest was written; publish the dataset again"
+            )
+            raise StoreChangedError(msg)
+        # The one header check (csrc/store.cpp), on a sparse file of the blob's size holding its header.
+        fd = os.memfd_create("smstore-header", os.MFD_CLOEXEC)
+        try:
+            os.write(fd, head)
+            os.ftruncate(fd, file_size)
+            header = _core.read_header_fd(fd, job.url)
+        finally:
+            os.close(fd)
+        if header.checksum != job.checksum:
+            msg = (
+                f"{job.url}: holds checksum {header.checksum}, but its manifest records {job.checksum}: it was "
+                "re-packed or replaced since its manifest was written; publish the dataset again"
+            )
+            raise StoreChangedError(msg)
+        tail, _etag = read_range(
+            job.url, header.index_offset, header.meta_offset + header.meta_size, if_match=etag
+        )
+        n = header.record_count
+        offsets = np.frombuffer(bytes(tail[: header.index_size]), dtype="<u8").astype(np.int64)
+        if (
+            len(offsets) != n + 1
+            or offsets[0] != 0
+            or offsets[-1] != header.data_size
+            or (n and int(np.diff(offsets).min()) < 0)
+        ):
+            msg = f"{job.url}: its index is not {n} records within its data section (a damaged blob)"
+            raise StoreFormatError(msg)
+        meta = bytes(tail[header.meta_offset - header.index_offset :]).decode("utf-8", "replace")
+        return _Remote(header.data_offset, offsets, meta, etag)
+
     def _load(self, job: _Job) -> Loaded:
         t0 = time.monotonic()
+        if is_url(job.path):
+            from smstore.remote.fetch import read_range
+
+            with self._lock:
+                remote = self._remote[job.path]
+            offsets = remote.offsets[job.first : job.end + 1]
+            # One ranged GET of the piece's bytes, of the version whose index located them.
+            start = remote.data_offset + int(offsets[0])
+            data, _etag = read_range(
+                job.path, start, start + int(offsets[-1] - offsets[0]), if_match=remote.etag
+            )
+            self.fetched_bytes += len(data)
+            self._pace(len(data), t0)
+            return self._write(job, data, offsets, remote.meta, t0)
         # O_NONBLOCK: a FIFO put in the shard's place must not block this thread (it is refused
         # below as not a regular file). The index, the header and the bytes all come from this one
         # descriptor, so a file swapped in meanwhile cannot lend one its offsets and another its bytes.
@@ -293,9 +457,17 @@ class Blocks:
                 got += n
         finally:
             os.close(fd)
+        self._pace(length, t0)
+        return self._write(job, data, offsets, meta, t0)
+
+    def _pace(self, length: int, t0: float) -> None:
+        """--max-read-rate holds for pieces too (a slow shared file system, a node's share of the network)."""
         rate = self.serving.loader.read_rate
-        if rate:  # --max-read-rate holds for pieces too: a slow shared file system
+        if rate:
             time.sleep(max(0.0, length / rate - (time.monotonic() - t0)))
+
+    def _write(self, job: _Job, data: bytearray, offsets: np.ndarray, meta: str, t0: float) -> Loaded:
+        """The piece's segment: a blob of exactly its records (`data`, located by `offsets`), served read-only."""
         name = self.serving.loader.segment_name(job.key)
         shm = os.fspath(SHM_DIR / name)
         gid = self.serving.loader.gid

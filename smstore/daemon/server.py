@@ -440,6 +440,8 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
     available, _total = shm if shm is not None else _core.shm_space(os.fspath(SHM_DIR))
     planner = daemon.serving.planner
     wanted = planner.wanted()
+    remote = daemon.serving.loader.remote_values()
+    remote["fetched_bytes"] += daemon.blocks.fetched_bytes  # blocks of shards in object storage
     return {
         "segments": len(daemon.segments),
         "resident_bytes": sum(s.size for s in daemon.segments.values()),
@@ -448,7 +450,7 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
         "shm_available_bytes": available,
         "loading": len(daemon.serving.loading),
         **daemon.serving.counters.values(),
-        **daemon.serving.loader.remote_values(),
+        **remote,
         "held_wanted": len(wanted),
         "held_resident": sum(ck in daemon.segments for ck in wanted),
         "connections": {str(uid): n for uid, n in sorted(daemon.per_uid.items())},

@@ -75,6 +75,8 @@ class Serving:
         self.server = server
         self.segments = segments
         self.state = state
+        # Why a block piece (``PATH#records=A-B``) will not be served: set by the block residency.
+        self.piece_failure: Callable[[str], str | None] = lambda _path: None
         self.planner = Planner(
             segments,
             shm_limit=shm_limit,
@@ -238,6 +240,8 @@ class Serving:
                 if path is not None and checksum is not None
                 else None
             )
+            if why is None and path is not None:
+                why = self.piece_failure(path) or self.failures.get(path)  # a block piece's
             self.server.reply(cid, not_served(str(key or checksum), why))
             return
         self._attach(cid, conn, seg)

@@ -7,7 +7,15 @@ Neither is imported until a function that needs it runs.
 from __future__ import annotations
 
 from smstore.remote.cache import CacheEntry, CacheStats, NodeCache
-from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, FetchResult, Retry, fetch, object_size
+from smstore.remote.fetch import (
+    DEFAULT_CHUNK,
+    DEFAULT_CONCURRENCY,
+    FetchResult,
+    Retry,
+    fetch,
+    object_size,
+    read_range,
+)
 from smstore.remote.upload import publish_remote_dataset, upload
 from smstore.remote.urls import SCHEMES, RemoteURL, is_remote_url, parse_url
 
@@ -26,5 +34,6 @@ __all__ = [
     "object_size",
     "parse_url",
     "publish_remote_dataset",
+    "read_range",
     "upload",
 ]

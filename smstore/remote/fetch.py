@@ -28,7 +28,15 @@ if TYPE_CHECKING:
     from obstore import GetOptions
     from typing_extensions import Buffer
 
-__all__ = ["DEFAULT_CHUNK", "DEFAULT_CONCURRENCY", "FetchResult", "Retry", "fetch", "object_size"]
+__all__ = [
+    "DEFAULT_CHUNK",
+    "DEFAULT_CONCURRENCY",
+    "FetchResult",
+    "Retry",
+    "fetch",
+    "object_size",
+    "read_range",
+]
 
 log = logging.getLogger("smstore.remote")
 
@@ -187,6 +195,71 @@ def object_size(url: str | RemoteURL, *, retry: Retry | None = None) -> int:
     store = open_store(u, r.timeout)
     meta = _with_retries(u, r, threading.Event(), lambda: None, lambda: obstore.head(store, u.key))
     return int(meta["size"])
+
+
+def read_range(
+    url: str | RemoteURL,
+    start: int,
+    end: int,
+    *,
+    if_match: str | None = None,
+    retry: Retry | None = None,
+    stop: threading.Event | None = None,
+) -> tuple[bytearray, str | None]:
+    """Bytes ``[start, end)`` of the object at `url`, in one ranged GET (resumed where it stopped on a retry).
+
+    For a part of a blob whose whole cannot be fetched: the caller checks what it reads (a
+    block's bytes are located by an index it validated). With `if_match` (an ETag an earlier
+    read returned) the object must still be that version, so reads of one object's parts never
+    mix two versions (a replaced object fails with a precondition error, not retried).
+
+    Returns:
+        The bytes and the object's ETag (None where the store gives none).
+
+    Raises:
+        RemoteURLError: A URL smstore will not fetch.
+        RemoteNotFoundError: No such object.
+        RemoteError: A non-retryable error (a replaced object included), or retryable ones
+            `retry.attempts` times, or `stop` set while waiting to retry.
+        StoreTruncatedError: The object ends before `end`.
+    """
+    import obstore
+
+    u = url if isinstance(url, RemoteURL) else parse_url(url)
+    if not 0 <= start <= end:
+        raise ValueError(f"{u}: a range needs 0 <= start <= end, not {start}-{end}")
+    r = retry or Retry()
+    store = open_store(u, r.timeout)
+    data = bytearray(end - start)
+    view = memoryview(data)
+    pos = start
+    etag: list[str | None] = [if_match]
+
+    def once() -> None:
+        nonlocal pos
+        if pos == end:
+            return
+        options: GetOptions = {"range": (pos, end)}
+        if etag[0]:
+            options["if_match"] = etag[0]
+        result = obstore.get(store, u.key, options=options)
+        etag[0] = etag[0] or result.meta.get("e_tag")
+        for piece in result.stream(min_chunk_size=PIECE):
+            n = len(piece)
+            if pos + n > end:
+                raise _ShortRead(f"range {start}-{end} returned more bytes than asked")
+            view[pos - start : pos - start + n] = piece
+            pos += n
+        if pos != end:
+            raise _ShortRead(f"range {start}-{end} ended at {pos}")
+
+    try:
+        _with_retries(u, r, stop or threading.Event(), lambda: None, once)
+    except RemoteError as e:
+        if "range" in str(e).lower() and "416" in str(e):
+            raise StoreTruncatedError(f"{u}: the object ends before byte {end}") from e
+        raise
+    return data, etag[0]
 
 
 class _Sink:
