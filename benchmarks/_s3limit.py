@@ -30,7 +30,8 @@ from typing import Any
 from urllib.parse import unquote, urlsplit
 
 PIECE = 256 << 10  # bytes written per token-bucket take
-STATS_PATH = "/_s3limit/stats"  # GET: {"bytes_sent": body bytes of GETs so far, "requests": count}
+# GET: {"bytes_sent": body bytes of GETs so far, "blob_bytes_sent": those of *.smst objects, "requests": count}
+STATS_PATH = "/_s3limit/stats"
 
 
 def server_stats(endpoint: str) -> dict[str, int]:
@@ -85,6 +86,7 @@ class S3Limit:
         self.total = TokenBucket(total_rate) if total_rate else None
         self.latency = latency
         self.bytes_sent = 0  # body bytes of GET responses, all connections
+        self.blob_bytes_sent = 0  # ... of blobs (*.smst): a dataset's shards, not its manifest
         self.requests: list[tuple[str, str, str | None]] = []  # (method, path, Range)
         self._lock = threading.Lock()
         server = self
@@ -144,7 +146,11 @@ class S3Limit:
 
     def stats(self) -> dict[str, int]:
         with self._lock:
-            return {"bytes_sent": self.bytes_sent, "requests": len(self.requests)}
+            return {
+                "bytes_sent": self.bytes_sent,
+                "blob_bytes_sent": self.blob_bytes_sent,
+                "requests": len(self.requests),
+            }
 
     def _get(self, h: BaseHTTPRequestHandler, *, body: bool) -> None:
         if h.path == STATS_PATH:  # not a valid bucket name, so never an object
@@ -201,6 +207,7 @@ class S3Limit:
 
     def _send(self, h: BaseHTTPRequestHandler, fd: int, start: int, end: int) -> None:
         conn = TokenBucket(self.conn_rate) if self.conn_rate else None
+        blob = h.path.endswith(".smst")
         pos = start
         while pos < end:
             n = min(PIECE, end - pos)
@@ -213,6 +220,7 @@ class S3Limit:
             pos += len(data)
             with self._lock:
                 self.bytes_sent += len(data)
+                self.blob_bytes_sent += len(data) if blob else 0
 
     def _put(self, h: BaseHTTPRequestHandler) -> None:
         path = self._path(h)

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 from smstore import _core
 from smstore._ipc import connect, exchange, socket_path, wait_until_served
-from smstore._manifest import is_url, read_manifest
+from smstore._manifest import absolute, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import NOT_SERVED, encode
 from smstore.errors import DaemonError, StoreChangedError
@@ -47,7 +47,7 @@ def piece_id(shard_checksum: str, first: int, end: int) -> str:
 
 def piece_path(shard_path: str, first: int, end: int) -> str:
     """What the daemon's loads and logs call a piece: the shard's path (or URL) and the record range."""
-    return f"{shard_path if is_url(shard_path) else os.path.abspath(shard_path)}#records={first}-{end}"
+    return f"{absolute(shard_path)}#records={first}-{end}"
 
 
 def shard_block(records: int, block: int, x: int) -> tuple[int, int]:
@@ -91,10 +91,7 @@ class BlockReader:
         self.block = int(block)
         self.keep = max(1, int(keep))
         paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
-        self.shards = [
-            (p if is_url(p) else os.path.abspath(p), s.checksum)
-            for p, s in zip(paths, manifest.shards, strict=True)
-        ]
+        self.shards = [(absolute(p), s.checksum) for p, s in zip(paths, manifest.shards, strict=True)]
         starts = [0]
         for s in manifest.shards:
             starts.append(starts[-1] + s.records)
@@ -292,7 +289,13 @@ class BlockResidency:
         self, path: str | os.PathLike[str], *, mode: Mode = "auto", socket: str | None = None
     ) -> None:
         self.mode: Mode = check_mode(mode)
-        self.path = os.path.abspath(read_manifest(path).path)
+        manifest = read_manifest(path)
+        self.path = absolute(manifest.path)
+        # A dataset in object storage: its holds name the dataset (the daemon's manifest must be
+        # this one), and without a daemon there is no file to read instead.
+        self._hold_fields = {"manifest": self.path}
+        if is_url(self.path):
+            self._hold_fields["dataset"] = manifest.checksum
         self.socket = socket_path(socket)
         self.kind: str | None = None
         self.held: tuple[Piece, ...] = ()
@@ -313,14 +316,20 @@ class BlockResidency:
                 changed since its manifest was written), or none answers with ``mode="daemon"``.
         """
         wanted = tuple(pieces)
+        remote = "dataset" in self._hold_fields
         if self.mode == "mmap":
+            if remote:
+                msg = (
+                    f'{self.path}: a dataset in object storage is held only by the daemon; mode="mmap" cannot'
+                )
+                raise DaemonError(msg)
             self.kind, self.held = "file", wanted
             return
         if self._pid != os.getpid():
             self._conn, self._pid = None, os.getpid()
         message = {
             "op": "hold_blocks",
-            "manifest": self.path,
+            **self._hold_fields,
             "pieces": ",".join(f"{p.shard}:{p.first}:{p.end}" for p in wanted),
         }
         if not wait and self.kind == "daemon" and self._conn is not None and self._send_noreply(message):
@@ -334,7 +343,8 @@ class BlockResidency:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
-            fall_back(self.mode, self.path, str(e), self.socket, "file")
+            # A dataset in object storage has no file to read instead: no daemon is an error.
+            fall_back("daemon" if remote else self.mode, self.path, str(e), self.socket, "file")
             self.kind, self.held = "file", wanted
             return
         if fd is not None:

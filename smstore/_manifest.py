@@ -34,6 +34,7 @@ __all__ = [
     "Manifest",
     "ShardInfo",
     "ShardNames",
+    "absolute",
     "describe_shard",
     "is_manifest",
     "is_url",
@@ -89,12 +90,20 @@ class Manifest:
 
     @property
     def directory(self) -> str:
+        """The manifest's directory; for a manifest in object storage, its prefix (ending in ``/``)."""
+        if is_url(self.path):
+            return self.path[: self.path.rindex("/") + 1]
         return os.path.dirname(os.path.abspath(self.path))
 
     def shard_path(self, k: int) -> str:
-        """The absolute path of shard ``k``, or its URL where the manifest names it by URL (``s3://...``)."""
+        """The absolute path of shard ``k``, or its URL where the manifest names it by URL (``s3://...``)
+        or is itself in object storage (a relative path is then a key under its prefix)."""
         path = self.shards[k].path
-        return path if is_url(path) else os.path.join(self.directory, path)
+        if is_url(path):
+            return path
+        if is_url(self.path):
+            return self.directory + path  # checked when the manifest was read
+        return os.path.join(self.directory, path)
 
     @property
     def records(self) -> int:
@@ -126,15 +135,28 @@ def is_url(path: str) -> bool:
     return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
 
 
+def absolute(path: str) -> str:
+    """`path` as every process names it: a URL as it is, a local path made absolute."""
+    return path if is_url(path) else os.path.abspath(path)
+
+
 def manifest_file(path: str | os.PathLike[str]) -> str:
-    """The manifest of `path`: the file itself, or ``manifest.json`` inside a directory."""
+    """The manifest of `path`: the file itself, or ``manifest.json`` inside a directory (or under a
+    URL prefix ending in ``/``)."""
     p = os.fspath(path)
+    if is_url(p):
+        return p + MANIFEST_NAME if p.endswith("/") else p
     return os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p
 
 
 def is_manifest(path: str | os.PathLike[str]) -> bool:
-    """Whether `path` is a sharded dataset (a manifest, or a directory holding one); no validation."""
+    """Whether `path` is a sharded dataset (a manifest, or a directory holding one); no validation.
+
+    A URL is one by its name alone (nothing is fetched): a prefix ending in ``/`` or a ``.json`` object.
+    """
     p = manifest_file(path)
+    if is_url(p):
+        return p.endswith(".json")
     if p != os.fspath(path):
         return os.path.isfile(p)  # a directory with a manifest.json: read_manifest says what is wrong with it
     try:
@@ -177,12 +199,21 @@ def _int_field(path: str, where: str, entry: dict[str, Any], key: str, minimum: 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """Read and validate a manifest (or the ``manifest.json`` of a dataset directory).
 
+    `path` may be a URL (``s3://bucket/ds/``, meaning ``s3://bucket/ds/manifest.json``, or the URL
+    of the ``.json`` manifest): it is fetched with one GET (refused if larger than
+    ``MAX_MANIFEST_BYTES``, before its body is read) and validated as a local one. Its relative
+    shard paths are keys under its prefix; one with ``..``, or an absolute local path, is refused,
+    and every shard URL goes through the scheme allow-list.
+
     Raises:
-        StoreNotFoundError: It does not exist.
+        StoreNotFoundError: It does not exist (``RemoteNotFoundError`` for a URL).
         StoreFormatError: It is not a well-formed manifest; the message names the field.
         StoreVersionError: It was written by a newer smstore.
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or the fetch failed.
     """
     p = manifest_file(path)
+    if is_url(p):
+        return _read_remote(p)
     try:
         # O_NONBLOCK: a FIFO named as a manifest must not wait for a writer (the daemon reads
         # manifests on its event loop); anything but a regular file is refused below.
@@ -198,6 +229,37 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
         raise StoreIOError(e.errno or 5, f"{p}: cannot read the manifest: {e.strerror}") from None
     if len(raw) > MAX_MANIFEST_BYTES:
         raise _bad(p, f"larger than {MAX_MANIFEST_BYTES} bytes")
+    return _parse(p, raw)
+
+
+def _read_remote(url: str) -> Manifest:
+    """The manifest at `url`, fetched (one GET) and validated, its shards checked as keys or URLs."""
+    from smstore.remote.fetch import read_object
+    from smstore.remote.urls import parse_url
+
+    u = parse_url(url)  # the allow-list, before anything is fetched
+    raw = read_object(u, max_bytes=MAX_MANIFEST_BYTES, what="the manifest")
+    manifest = _parse(str(u), raw)
+    for k, shard in enumerate(manifest.shards):
+        where = f"shards[{k}].path {shard.path!r}"  # not a URL: no credentials to hide in it
+        if not is_url(shard.path):
+            if shard.path.startswith("/"):
+                raise _bad(
+                    str(u),
+                    f"{where} is a local path: a manifest in object storage names its shards by "
+                    "keys relative to its prefix, or by URL",
+                )
+            if ".." in shard.path.split("/"):
+                raise _bad(str(u), f"{where} leaves the manifest's prefix ('..')")
+        try:
+            parse_url(manifest.shard_path(k))
+        except StoreError as e:  # names the URL as parse_url shows it (redacted), never as written
+            raise _bad(str(u), f"shards[{k}].path: {e}") from None
+    return manifest
+
+
+def _parse(p: str, raw: bytes) -> Manifest:
+    """The manifest in `raw` (read from `p`, which every error names), validated."""
     try:
         doc = json.loads(raw)
     except (ValueError, RecursionError) as e:

@@ -37,6 +37,7 @@ __all__ = [
     "ProtocolError",
     "checksum_arg",
     "checksum_in",
+    "dataset_arg",
     "decode_body",
     "encode",
     "frame",
@@ -45,6 +46,7 @@ __all__ = [
     "hold_arg",
     "is_checksum",
     "key_arg",
+    "manifest_value",
     "not_served",
     "page_arg",
     "parse_request",
@@ -221,16 +223,38 @@ def path_arg(req: dict[str, Any], *, required: bool) -> str | None:
     return path_value(value)
 
 
+def _is_url(value: object) -> bool:
+    """A URL-shaped string (``scheme://...``, at most 4096 characters); what it may name is the reader's check."""
+    return (
+        isinstance(value, str)
+        and len(value) <= 4096
+        and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^\0]+", value) is not None
+    )
+
+
 def attach_path_arg(req: dict[str, Any]) -> str | None:
     """An attach's 'path': a held shard's file, or its URL (only a name to wait on: nothing is read or fetched)."""
     value = req.get("path")
-    if (
-        isinstance(value, str)
-        and len(value) <= 4096
-        and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^\0]+", value)
-    ):
+    if _is_url(value):
+        assert isinstance(value, str)
         return value
     return path_arg(req, required=False)
+
+
+def manifest_value(value: object) -> str:
+    """A request's 'manifest': an absolute path, or a dataset's URL (the daemon checks it with ``parse_url``)."""
+    if _is_url(value):
+        assert isinstance(value, str)
+        return value
+    return path_value(value)
+
+
+def dataset_arg(req: dict[str, Any]) -> str | None:
+    """A hold's 'dataset': the checksum of the manifest its client read (a dataset in object storage)."""
+    value = req.get("dataset")
+    if value is not None and not is_checksum(value):
+        raise ProtocolError(BAD_REQUEST, f"'dataset' must be {CHECKSUM_WORDING}")
+    return value
 
 
 def path_value(value: object) -> str:
@@ -256,7 +280,7 @@ def page_arg(req: dict[str, Any]) -> tuple[int, int]:
 
 def hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
     """A 'hold' request: the manifest, and the indices of its shards in the order to load them."""
-    manifest = path_value(req.get("manifest"))
+    manifest = manifest_value(req.get("manifest"))
     value = req.get("shards")
     if not isinstance(value, str) or len(value) > 16 * MAX_HOLD:
         raise ProtocolError(BAD_REQUEST, "'shards' must be a string of comma-separated shard indices")
@@ -280,4 +304,4 @@ def held_arg(req: dict[str, Any]) -> tuple[int | None, float, str | None]:
         raise ProtocolError(BAD_REQUEST, "'since' must be an integer >= 0 (a 'version' the daemon sent)")
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_WAIT:  # NaN fails the range check too
         raise ProtocolError(BAD_REQUEST, f"'wait' must be a number of seconds from 0 to {MAX_WAIT:g}")
-    return since, float(wait), None if manifest is None else path_value(manifest)
+    return since, float(wait), None if manifest is None else manifest_value(manifest)

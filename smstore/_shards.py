@@ -217,9 +217,13 @@ def open_sharded(
     check_files: bool = True,
     raw: bool = False,
     keep_alive: Sequence[object] = (),
+    manifest: Manifest | None = None,
 ) -> ShardedStore:
-    """A ShardedStore, or (unless `raw`) a ShardedObjectStore for a dataset of object records."""
-    manifest = read_manifest(path)
+    """A ShardedStore, or (unless `raw`) a ShardedObjectStore for a dataset of object records.
+
+    `manifest`: the dataset's manifest, already read (else it is read from `path`).
+    """
+    manifest = manifest if manifest is not None else read_manifest(path)
     objects = manifest.encoding in OBJECT_ENCODINGS and not raw
     cls = ShardedObjectStore if objects else ShardedStore
     return cls(path, opener=opener, check_files=check_files, manifest=manifest, keep_alive=keep_alive)

@@ -184,22 +184,26 @@ def cmd_pack(args: argparse.Namespace) -> int:
     return 0
 
 
+def _manifest_info(m: Any) -> dict[str, Any]:
+    """What info says of a sharded dataset: its manifest's summary."""
+    return {
+        "path": m.path,
+        "records": m.records,
+        "shards": len(m.shards),
+        "data_bytes": m.data_bytes,
+        "file_bytes": sum(s.file_size for s in m.shards),
+        "checksum": f"manifest:{m.checksum}",
+        "encoding": m.encoding,
+        "created": m.meta.get("created"),
+        "source": m.meta.get("source"),
+        "user": m.meta.get("user", {}),
+    }
+
+
 def _info(store: Any) -> dict[str, Any]:
-    meta = store.metadata
     if isinstance(store, smstore.ShardedStore):
-        m = store.manifest
-        return {
-            "path": store.path,
-            "records": len(store),
-            "shards": store.shard_count,
-            "data_bytes": store.nbytes,
-            "file_bytes": sum(s.file_size for s in m.shards),
-            "checksum": f"manifest:{store.checksum}",
-            "encoding": meta.get("encoding"),
-            "created": meta.get("created"),
-            "source": meta.get("source"),
-            "user": meta.get("user", {}),
-        }
+        return _manifest_info(store.manifest)
+    meta = store.metadata
     return {
         "path": store.path,
         "format_version": store.format_version,
@@ -214,14 +218,48 @@ def _info(store: Any) -> dict[str, Any]:
     }
 
 
+def _remote_header(url: str) -> Any:
+    """The header of the blob at `url`: one ranged GET of its first 4096 bytes, never the whole object."""
+    from smstore.remote.fetch import HEADER, parse_header, read_range
+
+    head, _etag = read_range(url, 0, HEADER)
+    return parse_header(head, None, url)
+
+
+def _remote_info(url: str) -> dict[str, Any]:
+    """info of a dataset in object storage (its manifest), or of one blob there (its header only)."""
+    from smstore._manifest import is_manifest, read_manifest
+
+    if is_manifest(url):
+        return _manifest_info(read_manifest(url))
+    header = _remote_header(url)
+    return {
+        "path": url,
+        "format_version": header.version,
+        "records": header.record_count,
+        "data_bytes": header.data_size,
+        "file_bytes": header.file_size,
+        "checksum": f"xxh64:{header.checksum}",
+    }
+
+
 def _inspect(path: str) -> Any:
     """`path` opened to look at, never to decode: what info, verify and get read (nothing unpickled)."""
     return smstore.open(path, raw=True)
 
 
+def _is_url(path: str) -> bool:
+    from smstore._manifest import is_url
+
+    return is_url(path)
+
+
 def cmd_info(args: argparse.Namespace) -> int:
-    with _inspect(args.store) as store:
-        info = _info(store)
+    if _is_url(args.store):
+        info = _remote_info(args.store)
+    else:
+        with _inspect(args.store) as store:
+            info = _info(store)
     if args.json:
         print(json.dumps(info, indent=2, ensure_ascii=False))
         return 0
@@ -239,10 +277,39 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _verify_remote(url: str) -> int:
+    """Stream every shard of the dataset at `url` (or the one blob there) through its checksum,
+    keeping none of it; each bad one is named. The exit status: 1 if any is bad."""
+    from smstore._manifest import is_manifest, read_manifest
+    from smstore.remote.fetch import verify_object
+
+    if not is_manifest(url):
+        header = _remote_header(url)
+        verify_object(url, size=header.file_size, checksum=header.checksum)
+        print(f"{url}: OK ({header.record_count} records, xxh64:{header.checksum})")
+        return 0
+    m = read_manifest(url)
+    bad = 0
+    for k, shard in enumerate(m.shards):
+        try:
+            verify_object(m.shard_path(k), size=shard.file_size, checksum=shard.checksum)
+        except StoreError as e:
+            print(f"{url}: shard {k} FAILED: {e}", file=sys.stderr)
+            bad += 1
+    if bad:
+        print(f"{url}: FAILED: {bad} of {len(m.shards)} shards do not match the manifest", file=sys.stderr)
+        return 1
+    print(f"{url}: OK ({m.records} records in {len(m.shards)} shards, all checksums match)")
+    return 0
+
+
 def cmd_verify(args: argparse.Namespace) -> int:
     status = 0
     for path in args.stores:
         try:
+            if _is_url(path):
+                status = max(status, _verify_remote(path))
+                continue
             with _inspect(path) as store:
                 store.verify()
                 if isinstance(store, smstore.ShardedStore):
@@ -426,12 +493,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fsync", action="store_true", help="skip fsync before publishing the file")
     p.set_defaults(func=cmd_pack)
 
-    p = sub.add_parser("info", help="show a blob's (or a sharded dataset's) header and metadata")
+    p = sub.add_parser(
+        "info",
+        help="show a blob's (or a sharded dataset's) header and metadata; a URL (s3://bucket/ds/): its "
+        "manifest, or a blob's header (one ranged GET)",
+    )
     p.add_argument("store")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("verify", help="check the checksum over every byte; exit 1 if any store is corrupt")
+    p = sub.add_parser(
+        "verify",
+        help="check the checksum over every byte; exit 1 if any store is corrupt (a URL: every shard "
+        "streamed through its checksum, none kept)",
+    )
     p.add_argument("stores", nargs="+")
     p.set_defaults(func=cmd_verify)
 
@@ -502,6 +577,18 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _backoff(text: str) -> float:
+    """Seconds from 0 to 600; ArgumentTypeError otherwise."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 <= value <= 600:  # also refuses nan and inf
+        msg = f"{text!r} is not a number of seconds from 0 to 600"
+        raise argparse.ArgumentTypeError(msg)
+    return value
+
+
 def _from_env(name: str, parse: Callable[[str], Any]) -> Any:
     """An environment variable parsed like the option it stands for; None if unset."""
     text = os.environ.get(name)
@@ -568,6 +655,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         read_rate=args.max_read_rate or 0,
         cache_dir=args.cache_dir,
         cache_limit=args.cache_limit or 0,
+        fetch_backoff=args.fetch_backoff,
         limits=limits,
         background=args.background,
         require=args.require,
@@ -861,6 +949,14 @@ def _add_daemon_commands(sub: Any) -> None:
         metavar="SIZE",
         type=_size,
         help="the most the node cache may hold (e.g. 100G); least recently used shards go first",
+    )
+    p.add_argument(
+        "--fetch-backoff",
+        metavar="SECONDS",
+        type=_backoff,
+        default=30.0,
+        help="a shard whose fetch from object storage failed is fetched again by a hold this many seconds "
+        "later (doubled at each failure in a row, up to 600; default 30; 0: at the next hold)",
     )
     p.add_argument(
         "--no-background",

@@ -14,12 +14,12 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
-from smstore._manifest import ShardInfo, is_manifest, is_url, read_manifest
+from smstore._manifest import Manifest, ShardInfo, absolute, is_manifest, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, log_once
 from smstore._protocol import MAX_WAIT, NOT_SERVED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
-from smstore.errors import DaemonError, StoreChangedError
+from smstore.errors import DaemonError, RemoteURLError, StoreChangedError
 
 __all__ = [
     "DaemonSession",
@@ -269,8 +269,13 @@ def open_store(
     socket: str | os.PathLike[str] | None = None,
     *,
     checksum: str | None = None,
+    manifest: Manifest | None = None,
 ) -> Store | ShardedStore:
     """Open a blob: the daemon's shared-memory copy, or a read-only mapping of the file.
+
+    A sharded dataset in object storage (``s3://bucket/ds/``, or the URL of its manifest) is read
+    through the node's daemon only: its shards are fetched by ``smstore serve`` once a sampler
+    holds them. Mode ``"auto"`` then requires a daemon, as ``"daemon"`` does; ``"mmap"`` is refused.
 
     A sharded dataset (a manifest, or a directory holding one) opens as a ``ShardedStore`` whose
     shards are each attached the same way on first use, through one daemon connection per
@@ -292,14 +297,18 @@ def open_store(
         checksum: The contents this process must read (the checksum another process saw when it
             opened the blob): a reader created in one process and attached in another never reads
             other records than its creator did.
+        manifest: The manifest of a dataset URL, already read (a handle unpickled in a worker
+            passes its creator's: the worker fetches nothing).
 
     Raises:
         ValueError: ``mode`` is none of ``"auto"``, ``"daemon"``, ``"mmap"``.
-        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
+        RemoteURLError: A dataset URL with ``mode="mmap"``, or a URL that names no manifest.
+        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file; or
+            a dataset URL and no daemon answers.
         StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).
     """
-    store: Store | ShardedStore = _open(path, mode, socket)
+    store: Store | ShardedStore = _open(path, mode, socket, manifest)
     if checksum is not None and (now := store.checksum) != checksum:
         store.close()
         msg = (
@@ -334,18 +343,22 @@ class StoreHandle:
         StoreError: The file is missing or not a valid blob.
     """
 
-    __slots__ = ("_store", "checksum", "mode", "path", "socket")
+    __slots__ = ("_store", "checksum", "manifest", "mode", "path", "socket")
 
     def __init__(
         self, path: str | os.PathLike[str], mode: Mode = "auto", socket: str | os.PathLike[str] | None = None
     ) -> None:
         # Absolute: a process it is pickled to may run in another directory (a relative path
-        # would name another file there, or none).
-        self.path = os.path.abspath(os.fspath(path))
+        # would name another file there, or none). A URL stays as it is.
+        self.path = absolute(os.fspath(path))
         self.mode: Mode = check_mode(mode)
         self.socket = os.path.abspath(os.fspath(socket)) if socket is not None else None
         self._store: Store | ShardedStore | None = open_store(self.path, self.mode, self.socket)
         self.checksum: str = self._store.checksum  # every process must read these very bytes
+        # A dataset in object storage pickles with its manifest: a worker fetches nothing.
+        self.manifest: Manifest | None = (
+            self._store.manifest if is_url(self.path) and isinstance(self._store, ShardedStore) else None
+        )
 
     @property
     def store(self) -> Store | ShardedStore:
@@ -357,7 +370,9 @@ class StoreHandle:
         """
         store = self._store
         if store is None or store.closed:
-            store = self._store = open_store(self.path, self.mode, self.socket, checksum=self.checksum)
+            store = self._store = open_store(
+                self.path, self.mode, self.socket, checksum=self.checksum, manifest=self.manifest
+            )
         return store
 
     @property
@@ -366,22 +381,38 @@ class StoreHandle:
         return self._store is not None and not self._store.closed
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"path": self.path, "mode": self.mode, "socket": self.socket, "checksum": self.checksum}
+        state: dict[str, Any] = {
+            "path": self.path,
+            "mode": self.mode,
+            "socket": self.socket,
+            "checksum": self.checksum,
+        }
+        if self.manifest is not None:
+            state["manifest"] = self.manifest
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.path = state["path"]
         self.mode = check_mode(state["mode"])
         self.socket = state["socket"]
         self.checksum = state["checksum"]
+        self.manifest = state.get("manifest")
         self._store = None
 
     def __repr__(self) -> str:
         return f"StoreHandle({self.path!r}, mode={self.mode!r}, checksum={self.checksum!r})"
 
 
-def _open(path: str | os.PathLike[str], mode: Mode, socket: str | os.PathLike[str] | None) -> Any:
+def _open(
+    path: str | os.PathLike[str],
+    mode: Mode,
+    socket: str | os.PathLike[str] | None,
+    manifest: Manifest | None = None,
+) -> Any:
     mode = check_mode(mode)
     spath = os.fspath(path)
+    if is_url(spath):
+        return _open_remote(spath, mode, socket, manifest)
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
     if mode == "mmap":
@@ -427,7 +458,7 @@ class _Preattacher:
         release: Callable[[int], None],
     ) -> None:
         self.session = DaemonSession(sock)
-        self.manifest = os.path.abspath(manifest)  # the daemon answers with this dataset's shards only
+        self.manifest = absolute(manifest)  # the daemon answers with this dataset's shards only
         self._refused: str | None = None  # the daemon's last refusal, logged once
         self.checksums = checksums  # checksum -> shard index, for this dataset
         self.is_open = is_open
@@ -576,7 +607,39 @@ class _Preattacher:
             self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
 
-def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None) -> ShardedStore:
+# What a reader of a dataset in object storage needs, for the errors that say it is missing.
+_THROUGH_THE_DAEMON = (
+    "a dataset in object storage is read through the node daemon: start 'smstore serve' (with "
+    "--cache-dir DIR --cache-limit SIZE to keep its shards on the node), which fetches the shards "
+    "the samplers hold"
+)
+
+
+def _open_remote(
+    url: str, mode: Mode, socket: str | os.PathLike[str] | None, manifest: Manifest | None
+) -> ShardedStore:
+    """A sharded dataset in object storage: its manifest fetched here, its shards attached from the daemon."""
+    if mode == "mmap":
+        raise RemoteURLError(
+            f'{url}: {_THROUGH_THE_DAEMON}; mode="mmap" cannot read it (use "daemon" or "auto")'
+        )
+    if not is_manifest(url):
+        msg = (
+            f"{url}: not a dataset URL: name its prefix (ending in '/', for PREFIX/manifest.json) or "
+            "its .json manifest"
+        )
+        raise RemoteURLError(msg)
+    sock_at = socket_path(socket)
+    try:
+        connect(sock_at).close()  # no daemon: said now, not at the first read
+    except DaemonError as e:
+        raise DaemonError(f"{url}: {_THROUGH_THE_DAEMON}; {e}") from None
+    return _open_sharded(url, "daemon", socket, manifest if manifest is not None else read_manifest(url))
+
+
+def _open_sharded(
+    spath: str, mode: Mode, socket: str | os.PathLike[str] | None, manifest: Manifest | None = None
+) -> ShardedStore:
     """A sharded dataset whose shards attach, on first use, through one connection per process."""
     if mode == "mmap":
         return open_sharded(spath)
@@ -587,7 +650,8 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
         store = store_ref()
         return store is not None and not store.closed and store.is_shard_open(k)
 
-    manifest = read_manifest(spath)
+    if manifest is None:
+        manifest = read_manifest(spath)
 
     def release(k: int) -> None:
         store = store_ref()
@@ -611,7 +675,9 @@ def _open_sharded(spath: str, mode: Mode, socket: str | os.PathLike[str] | None)
         return store
 
     # The session is closed with the store's last reference.
-    store = open_sharded(spath, opener=opener, check_files=mode != "daemon", keep_alive=(session, ahead))
+    store = open_sharded(
+        spath, opener=opener, check_files=mode != "daemon", keep_alive=(session, ahead), manifest=manifest
+    )
     store_ref = weakref.ref(store)
     weakref.finalize(store, ahead.close)
     return store

@@ -13,6 +13,7 @@ from torch.utils.data._utils import collate as torch_collate
 
 from smstore._core import RecordReader, _DataExport
 from smstore._decode import Decoder, make_decoder
+from smstore._manifest import Manifest
 from smstore._store import ShardedStore, Store
 from smstore.client import Mode, StoreHandle
 from smstore.errors import CollateError
@@ -169,6 +170,12 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
     def path(self) -> str:
         """The blob or sharded dataset, as given."""
         return self._handle.path
+
+    @property
+    def manifest(self) -> Manifest | None:
+        """The parsed manifest of a dataset given as a URL (pickled with it: no process fetches it
+        again), else None."""
+        return self._handle.manifest
 
     @property
     def mode(self) -> Mode:

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore._ipc import connect, exchange, request, socket_path
-from smstore._manifest import read_manifest
+from smstore._manifest import Manifest, absolute, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import encode
 from smstore._protocol import frame as framed
@@ -49,6 +49,7 @@ class ShardResidency:
             :class:`DaemonError` naming the socket); ``"mmap"``: the page cache only, never a
             daemon.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+        manifest: The dataset's manifest, already read (a dataset URL's: not fetched again).
 
     Raises:
         ValueError: ``mode`` is none of those.
@@ -63,13 +64,20 @@ class ShardResidency:
         *,
         mode: Mode = "auto",
         socket: str | os.PathLike[str] | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
         self.mode: Mode = check_mode(mode)
-        manifest = read_manifest(path)
-        self.path = manifest.path
-        self.shards = [
-            (os.path.abspath(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)
-        ]
+        if manifest is None:
+            manifest = read_manifest(path)
+        self.path = absolute(manifest.path)
+        self.shards = [(absolute(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)]
+        # A dataset in object storage: only the daemon can fetch its shards (no page cache to fall
+        # back to), and its holds name the dataset's checksum (the daemon's copy of the manifest
+        # must be the one this rank read).
+        self.remote = is_url(self.path)
+        self._hold_fields: dict[str, str] = {"manifest": self.path}
+        if self.remote:
+            self._hold_fields["dataset"] = manifest.checksum
         self.sizes = [s.file_size for s in manifest.shards]
         self.socket = socket_path(socket)
         self.kind: str | None = None
@@ -84,7 +92,7 @@ class ShardResidency:
         self._lock = threading.Lock()  # one hold applied at a time (the thread's, or a waited one)
         # The noreply hold's frame around its shard list, encoded once: a hold is sent inside the
         # training loop's next(), where even json.dumps of a small dict costs tens of microseconds.
-        head = encode({"op": "hold", "manifest": os.path.abspath(self.path), "noreply": True, "shards": ""})
+        head = encode({"op": "hold", **self._hold_fields, "noreply": True, "shards": ""})
         self._frame_head, self._frame_tail = head[4:-2], b'"}'
 
     def hold(self, shards: Sequence[int], *, wait: bool = False) -> None:
@@ -147,25 +155,35 @@ class ShardResidency:
                     self._hold_in_daemon(wanted)
                 except _Unreachable as e:
                     # The daemon died: read ahead into the page cache until one answers again.
-                    fall_back(self.mode, self.path, str(e), self.socket, "shards")
+                    fall_back(self._fallback_mode, self.path, str(e), self.socket, "shards")
                     self.kind = None
                     self._hold_in_page_cache(wanted)
             else:
                 self._hold_in_page_cache(wanted)
             self._held = wanted
 
+    @property
+    def _fallback_mode(self) -> Mode:
+        """A dataset in object storage has no page cache to fall back to: no daemon is an error."""
+        return "daemon" if self.remote else self.mode
+
     def _choose(self) -> str:
         if self.mode == "mmap":
+            if self.remote:
+                msg = (
+                    f'{self.path}: a dataset in object storage is held only by the daemon; mode="mmap" cannot'
+                )
+                raise DaemonError(msg)
             return "page cache"
         try:
             self._conn = connect(self.socket)
         except DaemonError as e:
-            fall_back(self.mode, self.path, str(e), self.socket, "shards")
+            fall_back(self._fallback_mode, self.path, str(e), self.socket, "shards")
             return "page cache"
         return "daemon"
 
     def _hold_in_daemon(self, wanted: tuple[int, ...]) -> None:
-        message = {"op": "hold", "manifest": os.path.abspath(self.path), "shards": ",".join(map(str, wanted))}
+        message = {"op": "hold", **self._hold_fields, "shards": ",".join(map(str, wanted))}
         for attempt in (1, 2):
             reused = self._conn is not None
             try:

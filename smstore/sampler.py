@@ -960,7 +960,8 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         """
         from smstore._manifest import read_manifest
 
-        sizes = [s.file_size for s in read_manifest(getattr(dataset, "path", dataset)).shards]
+        manifest = getattr(dataset, "manifest", None) or read_manifest(getattr(dataset, "path", dataset))
+        sizes = [s.file_size for s in manifest.shards]
         largest = max(sizes, default=0)
         if largest == 0 or budget < 2 * largest:
             msg = (
@@ -1288,7 +1289,10 @@ def residency_for(dataset: Any) -> Any:
     from smstore.residency import ShardResidency
 
     return ShardResidency(
-        path, mode=getattr(dataset, "mode", "auto"), socket=getattr(dataset, "socket", None)
+        path,
+        mode=getattr(dataset, "mode", "auto"),
+        socket=getattr(dataset, "socket", None),
+        manifest=getattr(dataset, "manifest", None),  # a dataset URL's, not fetched again
     )
 
 

@@ -184,6 +184,9 @@ def proxy(s3: S3) -> Iterator[FaultProxy]:
     every = lambda method, path, headers: True
     s3.proxy.inject(matches=every)  # no faults or hooks left over from another test
     s3.proxy.seen.clear()
+    s3.proxy.answered.clear()
     s3.proxy.stalled.clear()
+    s3.proxy.hold_stalls()  # a test's stalls last until it releases them, or it ends
     yield s3.proxy
     s3.proxy.inject(matches=every)
+    s3.proxy.release()

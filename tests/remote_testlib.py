@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
 import struct
 import threading
@@ -66,6 +67,7 @@ class FaultProxy:
     matches: Callable[[str, str, dict[str, str]], bool] = lambda method, path, headers: True
     seen: list[Seen] = field(default_factory=list)
     stalled: threading.Event = field(default_factory=threading.Event)  # set when a request stalls
+    answered: list[Seen] = field(default_factory=list)  # requests whose whole answer was sent, in order
     _stop: threading.Event = field(default_factory=threading.Event)
     _release: threading.Event = field(default_factory=threading.Event)  # ends the stalls
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -97,6 +99,10 @@ class FaultProxy:
             self.faults = list(faults)
             if matches is not None:
                 self.matches = matches
+
+    def hold_stalls(self) -> None:
+        """Stall the requests given the "stall" fault from now on (until :meth:`release`)."""
+        self._release.clear()
 
     def release(self) -> None:
         """End the requests stalled now and later (each is reset, as a timeout would end it)."""
@@ -175,6 +181,9 @@ class FaultProxy:
             _reset(h.connection)
             return
         h.wfile.write(data)
+        h.wfile.flush()
+        with self._lock:
+            self.answered.append(Seen(h.command, h.path, h.headers.get("Range"), None))
 
 
 def _reset(sock: socket.socket) -> None:
@@ -203,6 +212,24 @@ class S3:
 
     def multipart_uploads(self) -> list[dict[str, object]]:
         return self.client.list_multipart_uploads(Bucket=BUCKET).get("Uploads", [])  # type: ignore[no-any-return]
+
+
+def bucket_dataset(s3: S3, tmp_path: Path, prefix: str, shards: int = 3) -> tuple[str, list[bytes], Path]:
+    """A sharded dataset published whole under ``s3://BUCKET/prefix/`` (its manifest names its
+    shards relative to that prefix, as ``smstore pack -o s3://...`` writes it).
+
+    Returns the dataset's URL (the prefix), its records, and the local copy it was packed into.
+    """
+    local = tmp_path / f"{prefix}-local"
+    src = tmp_path / f"{prefix}.txt"
+    records = [b"%06d %s" % (i, b"y" * (i % 89)) for i in range(2500)]
+    src.write_bytes(b"".join(r + b"\n" for r in records))
+    smstore.pack_files(
+        [src], local, shard_size=(src.stat().st_size // shards) + 1, progress=False, durable=False
+    )
+    for name in os.listdir(local):
+        s3.put(f"{prefix}/{name}", (local / name).read_bytes())
+    return s3.url(f"{prefix}/"), records, local
 
 
 def remote_dataset(

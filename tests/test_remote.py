@@ -667,7 +667,7 @@ def test_an_interrupted_fetch_caches_nothing(
         """Whether the main thread waits for the ranges in flight after its KeyboardInterrupt."""
         frame = sys._current_frames().get(main)
         while frame is not None:
-            if frame.f_code.co_name == "shutdown" and "concurrent" in frame.f_code.co_filename:
+            if frame.f_code.co_name == "join" and frame.f_code.co_filename == threading.__file__:
                 return True
             frame = frame.f_back
         return False
@@ -978,10 +978,15 @@ def test_a_group_member_cannot_make_the_daemon_fetch_a_url(
     assert d.status()["segments"] == []
 
 
-def run_rank(manifest: str, rank: int, window: int, q: Any) -> None:
+def run_rank(source: Any, rank: int, window: int, q: Any) -> None:
+    """A rank's windowed epoch over `source` (a manifest's path, or a dataset its parent opened)."""
     import torch
 
-    ds = smstore.SharedStoreDataset(manifest, mode="daemon", decode="bytes")
+    ds = (
+        source
+        if isinstance(source, smstore.SharedStoreDataset)
+        else smstore.SharedStoreDataset(source, mode="daemon", decode="bytes")
+    )
     sampler = smstore.WindowedShuffleSampler(ds, window=window, seed=7, rank=rank, world_size=2, lag=32)
     loader = torch.utils.data.DataLoader(
         ds, sampler=sampler, batch_size=16, num_workers=2, collate_fn=list, multiprocessing_context="fork"

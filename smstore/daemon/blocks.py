@@ -141,6 +141,7 @@ class Blocks:
         self._lock = threading.Lock()
         self.fetched_bytes = 0  # bytes of pieces read from object storage (this module's thread)
         self.jobs: queue.Queue[_Job | _IndexJob | None] = queue.Queue()
+        self.halt = threading.Event()  # set by stop(): a read under way ends at once
         serving.piece_failure = self.failure_of
         self.thread = threading.Thread(target=self._run, name="smstore-blocks", daemon=True)
         self.thread.start()
@@ -165,6 +166,8 @@ class Blocks:
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )
             path, info = paths[p.shard], manifest.shards[p.shard]
+            if path in self.failed and is_url(path) and self.planner.backoff.due(path):
+                self._retry(path)
             size: int | None
             if is_url(path):
                 remote = self._remote_of(path, info.checksum, info.file_size)
@@ -222,6 +225,20 @@ class Blocks:
             self._shards.clear()
         self._shards[path] = (identity, offsets)
         return offsets
+
+    def _fail(self, path: str, why: str) -> None:
+        """The pieces of the shard at `path` cannot be loaded: not tried again until its file changes,
+        or for a shard in object storage, until a hold after its backoff (`Planner.backoff`)."""
+        self.failed[path] = why
+        if is_url(path):
+            self.planner.backoff.failed(path)
+
+    def _retry(self, path: str) -> None:
+        """Try the shard in object storage at `path` again: its header and index are read afresh
+        (it may have been uploaded again)."""
+        del self.failed[path]
+        with self._lock:
+            self._remote.pop(path, None)
 
     def _too_large(self, path: str, p: Piece, size: int) -> str:
         return (
@@ -283,7 +300,9 @@ class Blocks:
                 del self.loading[key]
                 why = self.serving.failures.get(job.pseudo)
                 if key not in self.segments and why is not None:
-                    self.failed[job.path] = why  # not tried again until the file changes
+                    self._fail(job.path, why)
+                elif key in self.segments and is_url(job.path):
+                    self.planner.backoff.succeeded(job.path)
         released = []
         for key in list(self.mine):
             if key not in wanted and key in self.segments:
@@ -295,7 +314,7 @@ class Blocks:
             failed, self._index_failed = self._index_failed, {}
             remote = dict(self._remote)
         for url, why in failed.items():
-            self.failed[url] = why
+            self._fail(url, why)
             self._indexing.discard(url)
         for job in wanted.values():
             if job.size is None and job.path in remote:
@@ -324,6 +343,7 @@ class Blocks:
             log.debug("loading %d held block piece(s)", len(queued))
 
     def stop(self) -> None:
+        self.halt.set()
         self.jobs.put(None)
         self.thread.join(timeout=5.0)
 
@@ -367,9 +387,9 @@ class Blocks:
         """
         import numpy as np
 
-        from smstore.remote.fetch import read_range
+        from smstore.remote.fetch import parse_header, read_range
 
-        head, etag = read_range(job.url, 0, _HEADER)
+        head, etag = read_range(job.url, 0, _HEADER, stop=self.halt)
         file_size = int.from_bytes(head[24:32], "little")
         if file_size != job.file_size:
             msg = (
@@ -377,14 +397,7 @@ class Blocks:
                 "was re-packed or replaced since its manifest was written; publish the dataset again"
             )
             raise StoreChangedError(msg)
-        # The one header check (csrc/store.cpp), on a sparse file of the blob's size holding its header.
-        fd = os.memfd_create("smstore-header", os.MFD_CLOEXEC)
-        try:
-            os.write(fd, head)
-            os.ftruncate(fd, file_size)
-            header = _core.read_header_fd(fd, job.url)
-        finally:
-            os.close(fd)
+        header = parse_header(head, file_size, job.url)  # the one header check (csrc/store.cpp)
         if header.checksum != job.checksum:
             msg = (
                 f"{job.url}: holds checksum {header.checksum}, but its manifest records {job.checksum}: it was "
@@ -392,7 +405,7 @@ class Blocks:
             )
             raise StoreChangedError(msg)
         tail, _etag = read_range(
-            job.url, header.index_offset, header.meta_offset + header.meta_size, if_match=etag
+            job.url, header.index_offset, header.meta_offset + header.meta_size, if_match=etag, stop=self.halt
         )
         n = header.record_count
         offsets = np.frombuffer(bytes(tail[: header.index_size]), dtype="<u8").astype(np.int64)
@@ -418,7 +431,7 @@ class Blocks:
             # One ranged GET of the piece's bytes, of the version whose index located them.
             start = remote.data_offset + int(offsets[0])
             data, _etag = read_range(
-                job.path, start, start + int(offsets[-1] - offsets[0]), if_match=remote.etag
+                job.path, start, start + int(offsets[-1] - offsets[0]), if_match=remote.etag, stop=self.halt
             )
             self.fetched_bytes += len(data)
             self._pace(len(data), t0)
@@ -464,7 +477,7 @@ class Blocks:
         """--max-read-rate holds for pieces too (a slow shared file system, a node's share of the network)."""
         rate = self.serving.loader.read_rate
         if rate:
-            time.sleep(max(0.0, length / rate - (time.monotonic() - t0)))
+            self.halt.wait(max(0.0, length / rate - (time.monotonic() - t0)))
 
     def _write(self, job: _Job, data: bytearray, offsets: np.ndarray, meta: str, t0: float) -> Loaded:
         """The piece's segment: a blob of exactly its records (`data`, located by `offsets`), served read-only."""

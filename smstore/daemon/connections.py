@@ -313,20 +313,26 @@ class Server:
             conn.in_since = time.monotonic()
             conn.served = True
             try:
-                self.handle(cid, conn, parse_request(body))
-            except ProtocolError as e:
-                self.reply(cid, refusal(e.error, str(e)))
-            except (StoreError, OSError) as e:  # what the client sent or named is bad: no traceback
-                log.warning("request from pid %d refused: %s", conn.pid, e)
-                self.reply(cid, refusal(type(e).__name__, str(e)[:1000]))
-            except Exception as e:  # one request, however malformed, never ends the loop
-                log.exception("request from pid %d failed", conn.pid)
-                self.reply(cid, refusal(type(e).__name__, str(e)[:1000]))
+                self.serve_request(cid, conn, body)
             finally:
                 conn.drop_fd()  # a descriptor the request did not take is not kept
             conn = self.conns.get(cid)
         if conn is not None:
             self._watch(cid, conn)
+
+    def serve_request(self, cid: int, conn: Conn, request: bytes | dict[str, Any]) -> None:
+        """Handle one request (its frame's body, or the request parsed: one served again); a refusal
+        is the reply to anything wrong with it."""
+        try:
+            self.handle(cid, conn, parse_request(request) if isinstance(request, bytes) else request)
+        except ProtocolError as e:
+            self.reply(cid, refusal(e.error, str(e)))
+        except (StoreError, OSError) as e:  # what the client sent or named is bad: no traceback
+            log.warning("request from pid %d refused: %s", conn.pid, e)
+            self.reply(cid, refusal(type(e).__name__, str(e)[:1000]))
+        except Exception as e:  # one request, however malformed, never ends the loop
+            log.exception("request from pid %d failed", conn.pid)
+            self.reply(cid, refusal(type(e).__name__, str(e)[:1000]))
 
     # ---- writing --------------------------------------------------------------------------------
 

@@ -102,6 +102,8 @@ class Loader:
         # The cache's size, measured in this thread after each use (status never lists the directory).
         self.cache_bytes = self.cache.total_bytes() if self.cache is not None else 0
         self.stopping = False
+        # Set by stop(): a fetch under way ends at once (its requests in flight are not waited for).
+        self.halt = threading.Event()
         # Work, in order: a path to load (with the checksum a hold expects of it, if any), a
         # released segment to free, or None (stop).
         self.jobs: queue.Queue[tuple[str, str | None] | Segment | None] = queue.Queue()
@@ -135,6 +137,7 @@ class Loader:
     def stop(self) -> None:
         """Stop the thread; free the released segments it had not freed yet."""
         self.stopping = True
+        self.halt.set()
         self.jobs.put(None)
         if self.thread.is_alive():
             # A load still running writes on into its segment; the thread unlinks it when it ends
@@ -213,7 +216,7 @@ class Loader:
         if self.cache is not None:
             try:
                 # The entry open, so that another process evicting it meanwhile cannot fail the load.
-                fd = self.cache.get_fd(u, checksum=expected, size=size)
+                fd = self.cache.get_fd(u, checksum=expected, size=size, stop=self.halt)
             finally:
                 self.cache_bytes = self.cache.total_bytes()
             try:
@@ -233,7 +236,8 @@ class Loader:
         fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
         try:
             os.ftruncate(fd, size)
-            result = fetch(u, fd, size=size, checksum=expected)
+            # --max-read-rate paces the fetched bytes as it paces a file's.
+            result = fetch(u, fd, size=size, checksum=expected, rate=self.read_rate, stop=self.halt)
             os.fchmod(fd, 0o400 if self.gid is None else 0o440)
             if self.gid is not None:
                 os.fchown(fd, -1, self.gid)

@@ -12,18 +12,72 @@ from __future__ import annotations
 
 import contextlib
 import os
+import time
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 
-from smstore._manifest import Manifest, is_url, manifest_file, read_manifest
+from smstore._manifest import Manifest, absolute, is_url, manifest_file, read_manifest
 from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.errors import StoreError
 
-__all__ = ["MAX_MANIFESTS", "Plan", "Planner"]
+__all__ = [
+    "FETCH_BACKOFF",
+    "MAX_FETCH_BACKOFF",
+    "MAX_MANIFESTS",
+    "Backoff",
+    "ManifestPending",
+    "Plan",
+    "Planner",
+]
 
 # Manifests kept parsed (one per dataset a job holds shards of; more only from a hostile client).
 MAX_MANIFESTS = 64
+# Seconds before an object whose fetch failed is fetched again for a hold (``--fetch-backoff``),
+# doubled at each failure in a row up to MAX_FETCH_BACKOFF.
+FETCH_BACKOFF = 30.0
+MAX_FETCH_BACKOFF = 600.0
+
+
+class ManifestPending(Exception):
+    """A request names a manifest in object storage that the daemon has not fetched yet."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.url = url
+
+
+class Backoff:
+    """When an object whose fetch failed may be fetched again: `first` seconds after its first
+    failure, doubled at each failure in a row up to `longest`; forgotten once a fetch succeeds.
+
+    Args:
+        first: Seconds after a first failure (0: at once).
+        longest: The longest wait.
+        clock: Seconds, monotonic (tests pass their own).
+    """
+
+    def __init__(
+        self, first: float, longest: float = MAX_FETCH_BACKOFF, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.first, self.longest, self.clock = first, longest, clock
+        self._entries: dict[str, tuple[float, float]] = {}  # key -> (its last wait, when it ends)
+
+    def failed(self, key: str) -> float:
+        """`key` failed (again): the seconds before it may be tried again."""
+        last = self._entries.get(key)
+        wait = self.first if last is None else min(self.longest, max(self.first, 2 * last[0]))
+        self._entries[key] = (wait, self.clock() + wait)
+        return wait
+
+    def due(self, key: str) -> bool:
+        """Whether `key` may be tried again (True if it never failed)."""
+        entry = self._entries.get(key)
+        return entry is None or self.clock() >= entry[1]
+
+    def succeeded(self, key: str) -> None:
+        self._entries.pop(key, None)
+
 
 # A file's identity as stat sees it: a failed held load is retried only once this changes.
 FileIdentity = tuple[int, int, int, int]
@@ -31,7 +85,12 @@ FileIdentity = tuple[int, int, int, int]
 
 def _identity(path: str) -> FileIdentity | None:
     if is_url(path):
-        return (0, 0, 0, 0)  # an object's fetch that failed is not tried again until the daemon restarts
+        return (
+            0,
+            0,
+            0,
+            0,
+        )  # an object has no identity to watch: a failed fetch is tried again after `Backoff`
     try:
         st = os.stat(path)
     except OSError:
@@ -56,6 +115,8 @@ class Planner:
         shm_limit_from: Where ``shm_limit`` came from, for the messages that refuse a load.
         is_owner: Whether a connection is one of the owner's (only those pin a released segment).
         release: Takes a released segment out of the table and frees it (off the event loop).
+        fetch_backoff: Seconds before a shard in object storage whose fetch failed is fetched
+            again for a hold (doubled at each failure in a row, up to ten minutes).
     """
 
     def __init__(
@@ -66,8 +127,11 @@ class Planner:
         shm_limit_from: str,
         is_owner: Callable[[int], bool],
         release: Callable[[Segment], None],
+        fetch_backoff: float = FETCH_BACKOFF,
     ) -> None:
         self.segments = segments
+        # When objects whose fetch failed (shards, blocks' shards) are fetched again for a hold.
+        self.backoff = Backoff(fetch_backoff)
         self.shm_limit = shm_limit
         self.shm_limit_from = shm_limit_from
         self._is_owner = is_owner
@@ -90,7 +154,8 @@ class Planner:
         # Shards named by URL: their sizes, as their manifests say (there is no file to stat).
         self.remote_sizes: dict[str, int] = {}
         # Held paths whose load failed: path -> (the checksum held, the file's identity then, why).
-        # Not loaded again (and a hold naming them is refused) until the file changes.
+        # Not loaded again (and a hold naming them is refused) until the file changes, or for an
+        # object, until a hold after its backoff.
         self.hold_failed: dict[str, tuple[str, FileIdentity | None, str]] = {}
         # Held checksums the owner unloaded: not loaded again while a hold still names them.
         self.unloaded: set[str] = set()
@@ -147,6 +212,8 @@ class Planner:
                     )
                     raise ProtocolError(NO_ROOM, msg)
         for path, checksum in shards:
+            if is_url(path) and path in self.hold_failed and self.backoff.due(path):
+                del self.hold_failed[path]  # its backoff is over: this hold fetches it again
             why = self.failed(path, checksum)
             if why is not None:
                 raise ProtocolError(LOAD_FAILED, f"a held shard cannot be loaded: {why}")
@@ -276,6 +343,8 @@ class Planner:
         held = expected or next((ck for ck, p in self.wanted().items() if p == path), None)
         if held is not None:
             self.hold_failed[path] = (held, _identity(path), why)
+            if is_url(path):
+                self.backoff.failed(path)
 
     def load_done(self, path: str, checksum: str, *, asked: bool) -> None:
         """A load of `path` gave `checksum` (before the table has it); `asked`: a client waits for it.
@@ -284,6 +353,7 @@ class Planner:
         else): the holds manage it, and the next plan drops it if none holds it.
         """
         for_hold = self.hold_loads.pop(path, None) is not None
+        self.backoff.succeeded(path)
         fresh = checksum not in self.segments
         if any(path in (p for p, _ in held) for held in self.holds.values()) or (
             for_hold and fresh and not asked
@@ -317,7 +387,7 @@ class Planner:
 
     def knows(self, manifest_path: str) -> bool:
         """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
-        return manifest_path in self.manifests
+        return (manifest_file(manifest_path) if is_url(manifest_path) else manifest_path) in self.manifests
 
     def checksums(self, manifest_path: str) -> frozenset[str]:
         """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
@@ -336,12 +406,45 @@ class Planner:
         """
         return self._manifest(path)
 
+    def remote_manifest(self, url: str) -> Manifest | None:
+        """The manifest fetched from `url` (by :meth:`add_remote`), if it is kept."""
+        cached = self.manifests.get(manifest_file(url))
+        return cached[1] if cached is not None else None
+
+    def add_remote(self, url: str, manifest: Manifest) -> None:
+        """Keep the manifest fetched from `url`: the holds naming it use it from now on, until
+        :meth:`forget` (a hold naming another dataset there: it was replaced in the bucket)."""
+        self._keep(manifest_file(url), (0, 0, 0, 0), manifest)
+
+    def forget(self, url: str) -> None:
+        self.manifests.pop(manifest_file(url), None)
+
+    def _keep(self, path: str, key: FileIdentity, manifest: Manifest) -> list[str]:
+        paths = [absolute(manifest.shard_path(k)) for k in range(len(manifest.shards))]
+        for p, shard in zip(paths, manifest.shards, strict=True):
+            if is_url(p):
+                self.remote_sizes[p] = shard.file_size
+        if len(self.manifests) >= MAX_MANIFESTS:
+            self.manifests.clear()
+        self.manifests[path] = (key, manifest, paths)
+        return paths
+
     def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
         """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
 
         Every rank holds at every window: parsing a manifest of thousands of shards each time
-        would be milliseconds of the daemon's core at each window switch.
+        would be milliseconds of the daemon's core at each window switch. A manifest in object
+        storage is never fetched here (on the event loop): the daemon fetches it on a thread first.
+
+        Raises:
+            ManifestPending: `path` is a URL whose manifest was not fetched yet.
+            StoreError: The manifest is missing or bad.
         """
+        if is_url(path):
+            remote = self.manifests.get(manifest_file(path))  # a prefix ending in '/' names its manifest.json
+            if remote is None:
+                raise ManifestPending(path)
+            return remote[1], remote[2]
         try:
             st = os.stat(manifest_file(path))
             key = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
@@ -351,13 +454,6 @@ class Planner:
         if key is not None and cached is not None and cached[0] == key:
             return cached[1], cached[2]
         manifest = read_manifest(path)
-        paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
-        paths = [p if is_url(p) else os.path.abspath(p) for p in paths]
-        for p, shard in zip(paths, manifest.shards, strict=True):
-            if is_url(p):
-                self.remote_sizes[p] = shard.file_size
-        if key is not None:
-            if len(self.manifests) >= MAX_MANIFESTS:
-                self.manifests.clear()
-            self.manifests[path] = (key, manifest, paths)
-        return manifest, paths
+        if key is None:
+            return manifest, [absolute(manifest.shard_path(k)) for k in range(len(manifest.shards))]
+        return manifest, self._keep(path, key, manifest)

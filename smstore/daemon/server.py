@@ -18,21 +18,26 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
+from smstore._manifest import is_url, manifest_file
 from smstore._protocol import (
     BAD_REQUEST,
     PERMISSION_DENIED,
     STATUS_PAGE,
     ProtocolError,
     checksum_arg,
+    dataset_arg,
     held_arg,
     hold_arg,
+    manifest_value,
     page_arg,
     path_arg,
-    path_value,
+    refusal,
 )
 from smstore.daemon.blocks import Blocks, parse_pieces
 from smstore.daemon.connections import Conn, Limits, Server
+from smstore.daemon.manifests import ManifestFetches
 from smstore.daemon.metrics import Exporter
+from smstore.daemon.planner import FETCH_BACKOFF
 from smstore.daemon.segments import (
     SHM_DIR,
     DaemonLock,
@@ -44,7 +49,7 @@ from smstore.daemon.segments import (
 )
 from smstore.daemon.serving import Serving, describe
 from smstore.daemon.state import StateFile, state_path
-from smstore.errors import DaemonError
+from smstore.errors import DaemonError, StoreError
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
 
@@ -119,6 +124,8 @@ class Daemon(Server):
             file system.
         cache_dir: The node cache of shards named by URL (``--cache-dir``), or None: fetched into segments.
         cache_limit: The node cache's limit in bytes (``--cache-limit``).
+        fetch_backoff: Seconds before a shard whose fetch failed is fetched again for a hold
+            (``--fetch-backoff``; doubled at each failure in a row, up to ten minutes).
         limits: What clients are allowed (connections, request size, timeouts).
         exporter: Where the metrics go (HTTP, textfile), published at most once a second; or None.
     """
@@ -133,6 +140,7 @@ class Daemon(Server):
         read_rate: int = 0,
         cache_dir: str | None = None,
         cache_limit: int = 0,
+        fetch_backoff: float = FETCH_BACKOFF,
         limits: Limits | None = None,
         exporter: Exporter | None = None,
     ) -> None:
@@ -158,8 +166,14 @@ class Daemon(Server):
             read_rate=read_rate,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
+            fetch_backoff=fetch_backoff,
         )
         self.blocks = Blocks(self.serving)  # pieces of shards held by block samplers
+        # Manifests of datasets in object storage, fetched off the loop for the holds naming them.
+        self.manifests = ManifestFetches(self._wake_loop)
+        self._refetched: dict[str, Any] | None = (
+            None  # a request served again after its manifest was fetched again
+        )
         self.stopping = False
         self.served_held = 0  # 'held' requests served: what readers following the holds cost
         self.lock: DaemonLock | None = None
@@ -307,10 +321,14 @@ class Daemon(Server):
             self.serving.unload(cid, checksum_arg(req), path_arg(req, required=False))
         elif op == "share":
             self.serving.share(cid, conn, req)
+        elif op in ("hold", "hold_blocks") and not self._manifest_ready(cid, req):
+            return  # served again once the daemon has fetched the manifest
         elif op == "hold":
             self.serving.hold(cid, *hold_arg(req), reply=req.get("noreply") is not True)
         elif op == "hold_blocks":
-            resident = self.blocks.hold(cid, path_value(req.get("manifest")), parse_pieces(req.get("pieces")))
+            resident = self.blocks.hold(
+                cid, manifest_value(req.get("manifest")), parse_pieces(req.get("pieces"))
+            )
             if req.get("noreply") is not True:
                 self.reply(cid, {"ok": True, "resident": resident})
         elif op == "stop":
@@ -318,6 +336,77 @@ class Daemon(Server):
             self.stopping = True
         else:
             raise ProtocolError(BAD_REQUEST, f"unknown op {str(op)[:100]!r}")
+
+    def _manifest_ready(self, cid: int, req: dict[str, Any]) -> bool:
+        """Whether the manifest a hold names is here to plan with; if not (a dataset in object
+        storage not fetched yet, or the reader's `dataset` is not the manifest kept for its URL),
+        its fetch is started and the request waits for it (its connection busy meanwhile).
+
+        Raises:
+            ProtocolError: A URL off the allow-list, or a manifest fetched again for this very
+                request that is still not the dataset the reader read (replaced in the bucket).
+        """
+        url = manifest_value(req.get("manifest"))
+        if not is_url(url):
+            return True
+        dataset = dataset_arg(req)
+        kept = self.serving.planner.remote_manifest(url)
+        if kept is not None and (dataset is None or kept.checksum == dataset):
+            return True
+        if kept is not None and req is self._refetched:
+            msg = (
+                f"{url}: the manifest there is dataset {kept.checksum}, but this reader read dataset {dataset}: "
+                "the manifest was replaced in the bucket since; open the dataset again"
+            )
+            raise ProtocolError(BAD_REQUEST, msg)
+        from smstore.remote.urls import parse_url  # the allow-list, before any thread starts
+
+        try:
+            parse_url(manifest_file(url))
+        except StoreError as e:
+            raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+        if kept is not None:
+            # Another dataset than the reader's under this URL: the bucket's manifest may have been
+            # replaced since it was fetched. Fetched again (the shards' checksums guard the bytes either way).
+            log.info(
+                "%s: a hold names dataset %s, not the %s kept: fetching the manifest again",
+                url,
+                dataset,
+                kept.checksum,
+            )
+            self.serving.planner.forget(url)
+        self.manifests.fetch(url, cid, req)
+        self.set_busy(cid, True)
+        return False
+
+    def finish_manifests(self) -> None:
+        """Keep the manifests fetched since the last call, and serve the requests that waited for them."""
+        for url, result, waiting in self.manifests.finished():
+            if isinstance(result, Exception):
+                log.error("cannot read the manifest %s: %s", url, result)
+            else:
+                self.serving.planner.add_remote(url, result)
+                log.info(
+                    "read the manifest %s: %d shards (dataset %s)", url, len(result.shards), result.checksum
+                )
+            for cid, req in waiting:
+                conn = self.conns.get(cid)
+                if conn is None:
+                    continue
+                self.set_busy(cid, False)
+                if isinstance(result, Exception):
+                    self.reply(cid, refusal(type(result).__name__, str(result)[:1000]))
+                else:
+                    self._refetched = req
+                    try:
+                        self.serve_request(cid, conn, req)
+                    finally:
+                        self._refetched = None
+                self.parse(cid)
+
+    def _wake_loop(self) -> None:
+        with contextlib.suppress(OSError):
+            self.serving.loader.wake_w.send(b"x")
 
     def on_close(self, cid: int, conn: Conn) -> None:
         self.serving.closed(cid, conn)
@@ -338,6 +427,7 @@ class Daemon(Server):
                     log.error("accept failed: %s", e)
             elif key.data == "wake":
                 self.serving.finish_loads()
+                self.finish_manifests()
                 self.blocks.reconcile()
             else:
                 self.dispatch(key, events)
@@ -468,6 +558,7 @@ def serve(
     read_rate: int = 0,
     cache_dir: str | None = None,
     cache_limit: int = 0,
+    fetch_backoff: float = FETCH_BACKOFF,
     limits: Limits | None = None,
     background: bool = True,
     require: bool = False,
@@ -501,6 +592,7 @@ def serve(
             read_rate=read_rate,
             cache_dir=cache_dir,
             cache_limit=cache_limit,
+            fetch_backoff=fetch_backoff,
             limits=limits,
             require=require,
             metrics=metrics,
@@ -524,6 +616,7 @@ def _serve(
     read_rate: int,
     cache_dir: str | None,
     cache_limit: int,
+    fetch_backoff: float,
     limits: Limits | None,
     require: bool,
     metrics: tuple[str, int] | None,
@@ -537,6 +630,7 @@ def _serve(
         read_rate=read_rate,
         cache_dir=cache_dir,
         cache_limit=cache_limit,
+        fetch_backoff=fetch_backoff,
         limits=limits,
         exporter=(
             Exporter(metrics, Path(metrics_file) if metrics_file is not None else None)

@@ -26,7 +26,7 @@ from smstore._protocol import (
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
 from smstore.daemon.metrics import Counters
-from smstore.daemon.planner import MAX_MANIFESTS, Planner
+from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, ManifestPending, Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
 from smstore.daemon.state import StateFile
 from smstore.errors import DaemonError, StoreError
@@ -55,7 +55,9 @@ class Serving:
         shm_limit_from: Where ``shm_limit`` came from, for the messages that it refuses a load.
         segment_name: A fresh segment name for a checksum.
         gid: The group that may read the segments, or None for the owner only.
-        read_rate: Read files at most this many bytes a second (0: no limit).
+        read_rate: Read files (and fetch objects) at most this many bytes a second (0: no limit).
+        cache_dir, cache_limit: The node cache of shards in object storage (None: fetched into segments).
+        fetch_backoff: Seconds before a failed fetch is tried again for a hold (see `Backoff`).
     """
 
     def __init__(
@@ -71,6 +73,7 @@ class Serving:
         read_rate: int,
         cache_dir: str | None = None,
         cache_limit: int = 0,
+        fetch_backoff: float = FETCH_BACKOFF,
     ) -> None:
         self.server = server
         self.segments = segments
@@ -83,6 +86,7 @@ class Serving:
             shm_limit_from=shm_limit_from,
             is_owner=lambda cid: (conn := server.conns.get(cid)) is not None and conn.owner,
             release=self._release,
+            fetch_backoff=fetch_backoff,
         )
         self.loader = Loader(
             segments,
@@ -350,8 +354,14 @@ class Serving:
             return frame
         assert self._held_seen is not None  # computed by _held_update, which runs first
         shards, not_resident = self._held_seen
+        keep = True
         if manifest is not None:
-            ours = frozenset() if manifest == _NOTHING else self.planner.checksums(manifest)
+            try:
+                ours = frozenset() if manifest == _NOTHING else self.planner.checksums(manifest)
+            except ManifestPending:
+                # A dataset in object storage no hold has named yet: nothing of it is held (and
+                # the daemon never fetches a manifest for a reader that only follows).
+                ours, keep = frozenset(), False
             shards = [s for s in shards if s[1] in ours]
             not_resident = [c for c in not_resident if c in ours]
         reply = {"ok": True, "shards": shards, "not_resident": not_resident, "version": self.held_version}
@@ -365,6 +375,8 @@ class Serving:
                 e,
             )
             frame = encode(refusal("reply_failed", str(e), version=self.held_version))
+        if not keep:
+            return frame
         if len(self._held_frames) >= MAX_MANIFESTS:
             self._held_frames.clear()
         self._held_frames[manifest] = frame

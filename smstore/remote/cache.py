@@ -171,6 +171,7 @@ class NodeCache:
         chunk_size: int = DEFAULT_CHUNK,
         concurrency: int = DEFAULT_CONCURRENCY,
         retry: Retry | None = None,
+        stop: threading.Event | None = None,
     ) -> str:
         """The path of a local, verified copy of the blob at `url`; fetched first if not cached.
 
@@ -178,7 +179,7 @@ class NodeCache:
             url: The blob's URL.
             checksum: Its checksum (16 hex digits), as the manifest says.
             size: Its size in bytes, as the manifest says.
-            chunk_size, concurrency, retry: As :func:`smstore.remote.fetch`.
+            chunk_size, concurrency, retry, stop: As :func:`smstore.remote.fetch`.
 
         Returns:
             The entry's path; it stays readable while open even if a later get evicts it. Another
@@ -188,7 +189,7 @@ class NodeCache:
             StoreError: The blob is larger than the cache's limit.
             RemoteError, ChecksumMismatchError, ...: As :func:`smstore.remote.fetch`; nothing is cached then.
         """
-        path, fd = self._get(url, checksum, size, chunk_size, concurrency, retry)
+        path, fd = self._get(url, checksum, size, chunk_size, concurrency, retry, stop)
         os.close(fd)
         return path
 
@@ -201,13 +202,14 @@ class NodeCache:
         chunk_size: int = DEFAULT_CHUNK,
         concurrency: int = DEFAULT_CONCURRENCY,
         retry: Retry | None = None,
+        stop: threading.Event | None = None,
     ) -> int:
         """:meth:`get`, the entry handed over open: a read-only descriptor (the caller's to close)
         of the very file that was verified, readable whatever another process evicts meanwhile.
 
         Args and Raises: as :meth:`get`.
         """
-        return self._get(url, checksum, size, chunk_size, concurrency, retry)[1]
+        return self._get(url, checksum, size, chunk_size, concurrency, retry, stop)[1]
 
     def _get(
         self,
@@ -217,6 +219,7 @@ class NodeCache:
         chunk_size: int,
         concurrency: int,
         retry: Retry | None,
+        stop: threading.Event | None,
     ) -> tuple[str, int]:
         """The entry's path and a read-only descriptor of the file verified (or fetched) as it."""
         u = url if isinstance(url, RemoteURL) else parse_url(url)
@@ -238,7 +241,7 @@ class NodeCache:
                 return path, fd
             with self._lock():
                 self._evict(self.limit_bytes - size, keep=path)
-            result, fd = self._fetch_into_entry(u, path, size, checksum, chunk_size, concurrency, retry)
+            result, fd = self._fetch_into_entry(u, path, size, checksum, chunk_size, concurrency, retry, stop)
             try:
                 self._count(fetches=1, bytes_fetched=result.bytes, retries=result.retries)
                 with self._lock():
@@ -309,6 +312,7 @@ class NodeCache:
         chunk_size: int,
         concurrency: int,
         retry: Retry | None,
+        stop: threading.Event | None,
     ) -> tuple[FetchResult, int]:
         """Fetch into a new entry at `path`; the result and a read-only descriptor of the entry."""
         part: str | None = None
@@ -329,6 +333,7 @@ class NodeCache:
                 chunk_size=chunk_size,
                 concurrency=concurrency,
                 retry=retry,
+                stop=stop,
             )
             os.fsync(fd)
             if part is None:

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import logging
 import os
+import queue
 import random
 import re
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
@@ -35,7 +36,10 @@ __all__ = [
     "Retry",
     "fetch",
     "object_size",
+    "parse_header",
+    "read_object",
     "read_range",
+    "verify_object",
 ]
 
 log = logging.getLogger("smstore.remote")
@@ -97,7 +101,35 @@ class _ShortRead(Exception):
 
 
 class _Stopped(Exception):
-    """Another range failed for good: this one is not tried."""
+    """Another range failed for good (or the caller stopped the fetch): this one is not tried."""
+
+
+def _stopped(url: RemoteURL) -> RemoteError:
+    return RemoteError(f"{url}: the fetch was stopped (the process is stopping)")
+
+
+class _Pacer:
+    """Holds a transfer to `rate` bytes a second (0: no limit), over every range of it together.
+
+    A piece's bytes are counted as they arrive; the thread that took them then waits until the
+    transfer's average is back under the rate. The wait ends early when `stop` is set.
+    """
+
+    def __init__(self, rate: int, stop: threading.Event, clock: Callable[[], float] = time.monotonic) -> None:
+        self.rate, self.stop, self.clock = rate, stop, clock
+        self.start = clock()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def took(self, n: int) -> None:
+        if not self.rate:
+            return
+        with self.lock:
+            self.bytes += n
+            due = self.start + self.bytes / self.rate
+        pause = due - self.clock()
+        if pause > 0:
+            self.stop.wait(pause)
 
 
 # A status in object_store's error text ("... status: 503 Service Unavailable" / "status code: 403").
@@ -175,6 +207,8 @@ def _with_retries(
     for tries in range(1, retry.attempts + 1):
         try:
             return call()
+        except _Stopped:
+            raise _stopped(url) from None
         except Exception as exc:
             if not _retryable(exc) or tries == retry.attempts:
                 raise _fail(url, exc, tries) from exc
@@ -195,6 +229,60 @@ def object_size(url: str | RemoteURL, *, retry: Retry | None = None) -> int:
     store = open_store(u, r.timeout)
     meta = _with_retries(u, r, threading.Event(), lambda: None, lambda: obstore.head(store, u.key))
     return int(meta["size"])
+
+
+def _stream_range(
+    store: Any,
+    u: RemoteURL,
+    start: int,
+    end: int,
+    *,
+    if_match: str | None,
+    retry: Retry,
+    stop: threading.Event,
+    take: Callable[[int, memoryview], None],
+    count: Callable[[], None] = lambda: None,
+) -> str | None:
+    """Bytes ``[start, end)`` of `u` in one ranged GET, each piece handed to ``take(offset, piece)`` in
+    order as it arrives; a retry resumes where the bytes stopped. Returns the object's ETag.
+
+    With `if_match` the object must still be that version (a replaced one fails with a
+    precondition error, not retried). `stop` set ends it between two pieces (``RemoteError``).
+    """
+    import obstore
+
+    pos = start
+    etag: list[str | None] = [if_match]
+
+    def once() -> None:
+        nonlocal pos
+        if pos == end:
+            return
+        if stop.is_set():
+            raise _Stopped
+        options: GetOptions = {"range": (pos, end)}
+        if etag[0]:
+            options["if_match"] = etag[0]
+        result = obstore.get(store, u.key, options=options)
+        etag[0] = etag[0] or result.meta.get("e_tag")
+        for piece in result.stream(min_chunk_size=PIECE):
+            n = len(piece)
+            if pos + n > end:
+                raise _ShortRead(f"range {start}-{end} returned more bytes than asked")
+            take(pos, memoryview(piece))
+            pos += n
+            if stop.is_set() and pos < end:
+                raise _Stopped
+        if pos != end:
+            raise _ShortRead(f"range {start}-{end} ended at {pos}")
+
+    try:
+        _with_retries(u, retry, stop, count, once)
+    except RemoteError as e:
+        if "range" in str(e).lower() and "416" in str(e):
+            raise StoreTruncatedError(f"{u}: the object ends before byte {end}") from e
+        raise
+    return etag[0]
 
 
 def read_range(
@@ -220,46 +308,189 @@ def read_range(
         RemoteURLError: A URL smstore will not fetch.
         RemoteNotFoundError: No such object.
         RemoteError: A non-retryable error (a replaced object included), or retryable ones
-            `retry.attempts` times, or `stop` set while waiting to retry.
+            `retry.attempts` times, or `stop` set (between two pieces, or while waiting to retry).
         StoreTruncatedError: The object ends before `end`.
     """
-    import obstore
-
     u = url if isinstance(url, RemoteURL) else parse_url(url)
     if not 0 <= start <= end:
         raise ValueError(f"{u}: a range needs 0 <= start <= end, not {start}-{end}")
     r = retry or Retry()
-    store = open_store(u, r.timeout)
     data = bytearray(end - start)
     view = memoryview(data)
-    pos = start
-    etag: list[str | None] = [if_match]
 
-    def once() -> None:
-        nonlocal pos
-        if pos == end:
-            return
-        options: GetOptions = {"range": (pos, end)}
-        if etag[0]:
-            options["if_match"] = etag[0]
-        result = obstore.get(store, u.key, options=options)
-        etag[0] = etag[0] or result.meta.get("e_tag")
+    def take(pos: int, piece: memoryview) -> None:
+        view[pos - start : pos - start + len(piece)] = piece
+
+    etag = _stream_range(
+        open_store(u, r.timeout),
+        u,
+        start,
+        end,
+        if_match=if_match,
+        retry=r,
+        stop=stop or threading.Event(),
+        take=take,
+    )
+    return data, etag
+
+
+def parse_header(head: Buffer, file_size: int | None, label: str) -> _core.BlobHeader:
+    """The blob header in `head` (a blob's first 4096 bytes), checked by the core's one header check.
+
+    Args:
+        head: The header's bytes.
+        file_size: The blob's size, if known (else the header's own word for it).
+        label: What the errors name (the object's URL).
+
+    Raises:
+        StoreFormatError: Not a valid blob header (or not one of `file_size` bytes).
+    """
+    data = bytes(memoryview(head).cast("B"))
+    if file_size is None:
+        file_size = int.from_bytes(data[24:32], "little") if len(data) >= 32 else len(data)
+    # read_header_fd checks the header against its file: a sparse file of the blob's size holding it.
+    fd = os.memfd_create("smstore-header", os.MFD_CLOEXEC)
+    try:
+        os.write(fd, data)
+        try:
+            os.ftruncate(fd, max(file_size, len(data)))
+        except OSError as e:
+            raise StoreFormatError(
+                f"{label}: not an smstore blob (a header claiming {file_size} bytes)"
+            ) from e
+        return _core.read_header_fd(fd, label)
+    finally:
+        os.close(fd)
+
+
+def read_object(
+    url: str | RemoteURL,
+    *,
+    max_bytes: int,
+    what: str = "the object",
+    retry: Retry | None = None,
+    stop: threading.Event | None = None,
+) -> bytes:
+    """The whole (small) object at `url` in one GET, retried; refused if it holds more than `max_bytes`.
+
+    The size the server reports is checked before the body is read, and the body is cut off if it
+    runs past the limit anyway: a hostile object never fills memory.
+
+    Raises:
+        RemoteURLError: A URL smstore will not fetch.
+        RemoteNotFoundError: No such object.
+        RemoteError: As :func:`read_range`.
+        StoreFormatError: It holds more than `max_bytes` bytes.
+    """
+    import obstore
+
+    u = url if isinstance(url, RemoteURL) else parse_url(url)
+    r = retry or Retry()
+    store = open_store(u, r.timeout)
+
+    def too_large(size: int | str) -> StoreFormatError:
+        return StoreFormatError(f"{u}: {what} holds {size} bytes, more than the {max_bytes} it may hold")
+
+    def once() -> bytes:
+        result = obstore.get(store, u.key)
+        size = int(result.meta["size"])
+        if size > max_bytes:
+            raise too_large(size)
+        data = bytearray()
         for piece in result.stream(min_chunk_size=PIECE):
-            n = len(piece)
-            if pos + n > end:
-                raise _ShortRead(f"range {start}-{end} returned more bytes than asked")
-            view[pos - start : pos - start + n] = piece
-            pos += n
-        if pos != end:
-            raise _ShortRead(f"range {start}-{end} ended at {pos}")
+            data += piece
+            if len(data) > max_bytes:
+                raise too_large(f"at least {len(data)}")
+        if len(data) != size:
+            raise _ShortRead(f"the object of {size} bytes ended at {len(data)}")
+        return bytes(data)
 
     try:
-        _with_retries(u, r, stop or threading.Event(), lambda: None, once)
+        data: bytes = _with_retries(u, r, stop or threading.Event(), lambda: None, once)
     except RemoteError as e:
-        if "range" in str(e).lower() and "416" in str(e):
-            raise StoreTruncatedError(f"{u}: the object ends before byte {end}") from e
+        if isinstance(e.__cause__, StoreFormatError):
+            raise e.__cause__ from None
         raise
-    return data, etag[0]
+    return data
+
+
+def verify_object(
+    url: str | RemoteURL,
+    *,
+    size: int,
+    checksum: str,
+    retry: Retry | None = None,
+    stop: threading.Event | None = None,
+) -> FetchResult:
+    """Check the blob at `url` against `checksum`, streaming it once (one GET, resumed on a retry):
+    nothing is kept but its header, whatever its size.
+
+    Raises:
+        As :func:`fetch`: ``ChecksumMismatchError`` naming the object when its bytes do not hash to
+        `checksum`, ``StoreTruncatedError`` / ``StoreFormatError`` when its size is not `size`.
+    """
+    u = url if isinstance(url, RemoteURL) else parse_url(url)
+    _check_args(u, size, checksum)
+    r = retry or Retry()
+    store = open_store(u, r.timeout)
+    head = bytearray(HEADER)
+    hasher = _core.BlobHasher()
+
+    def take(pos: int, piece: memoryview) -> None:
+        if pos < HEADER:
+            n = min(len(piece), HEADER - pos)
+            head[pos : pos + n] = piece[:n]
+            piece = piece[n:]
+        if len(piece):
+            hasher.update(piece)
+
+    etag = _check_size(u, store, size, r, stop or threading.Event(), lambda: None)
+    _stream_range(store, u, 0, size, if_match=etag, retry=r, stop=stop or threading.Event(), take=take)
+    _check_checksum(u, hasher.finish(head), checksum, head)
+    return FetchResult(size, 1, 0)
+
+
+def _check_args(u: RemoteURL, size: int, checksum: str) -> None:
+    if not is_checksum(checksum):
+        raise ValueError(f"{u}: checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
+    if size < HEADER:
+        raise StoreTruncatedError(f"{u}: a blob has at least {HEADER} bytes; the size given is {size}")
+
+
+def _check_size(
+    u: RemoteURL, store: Any, size: int, r: Retry, stop: threading.Event, count_retry: Callable[[], None]
+) -> str | None:
+    """One HEAD: the object must hold exactly `size` bytes. Returns its ETag (every range pins it)."""
+    import obstore
+
+    meta = _with_retries(u, r, stop, count_retry, lambda: obstore.head(store, u.key))
+    actual = int(meta["size"])
+    if actual < size:
+        raise StoreTruncatedError(
+            f"{u}: the object holds {actual} bytes, the manifest says {size}: an incomplete upload"
+        )
+    if actual > size:
+        raise StoreFormatError(
+            f"{u}: the object holds {actual} bytes, the manifest says {size}: another object"
+        )
+    etag = meta.get("e_tag")
+    return str(etag) if etag else None
+
+
+def _check_checksum(u: RemoteURL, got: str, checksum: str, head: Buffer) -> None:
+    """The fetched bytes hash to `checksum`, and the header's checksum field says so too."""
+    if got != checksum:
+        raise ChecksumMismatchError(
+            f"{u}: checksum mismatch: the manifest says {checksum}, the fetched bytes hash to {got}; "
+            "the object was replaced or corrupted, re-upload it or fix the manifest"
+        )
+    stored = int.from_bytes(
+        bytes(memoryview(head).cast("B")[_CHECKSUM_FIELD : _CHECKSUM_FIELD + 8]), "little"
+    )
+    if f"{stored:016x}" != checksum:
+        raise ChecksumMismatchError(
+            f"{u}: its header's checksum field is {stored:016x}, its bytes hash to {checksum}"
+        )
 
 
 class _Sink:
@@ -296,6 +527,16 @@ class _Sink:
         if len(data) != size:
             raise StoreTruncatedError(f"the file written to was truncated under the fetch at offset {offset}")
         return data
+
+    @property
+    def header(self) -> Buffer:
+        return self.read(0, HEADER)
+
+    def close(self) -> None:
+        """Close the descriptor written through (the fetch's own duplicate)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 class _InOrderHasher:
@@ -334,6 +575,8 @@ def fetch(
     chunk_size: int = DEFAULT_CHUNK,
     concurrency: int = DEFAULT_CONCURRENCY,
     retry: Retry | None = None,
+    rate: int = 0,
+    stop: threading.Event | None = None,
 ) -> FetchResult:
     """Download the blob at `url` into `into` and verify its checksum before returning.
 
@@ -350,6 +593,10 @@ def fetch(
         chunk_size: Bytes per ranged GET.
         concurrency: Ranged GETs in flight.
         retry: Retries and timeouts; ``Retry()`` by default.
+        rate: Fetch at most this many bytes a second, all ranges together (0: no limit).
+        stop: Set by another thread to end the fetch at once: it raises ``RemoteError`` within
+            a fraction of a second, without waiting for the requests in flight (their threads
+            end on their own; an fd `into` is written through a duplicate they close).
 
     Returns:
         What was fetched: bytes, requests, retries.
@@ -357,23 +604,18 @@ def fetch(
     Raises:
         RemoteURLError: A URL smstore will not fetch.
         RemoteNotFoundError: No such object.
-        RemoteError: A request failed with a non-retryable error, or with retryable ones `retry.attempts` times.
+        RemoteError: A request failed with a non-retryable error, or with retryable ones
+            `retry.attempts` times; or `stop` was set.
         StoreTruncatedError, StoreFormatError: The object's size is not `size`.
         ChecksumMismatchError: The bytes do not hash to `checksum` (what `into` holds is then garbage).
     """
-    import obstore
-
     u = url if isinstance(url, RemoteURL) else parse_url(url)
-    if not is_checksum(checksum):
-        raise ValueError(f"{u}: checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
-    if size < HEADER:
-        raise StoreTruncatedError(f"{u}: a blob has at least {HEADER} bytes; the size given is {size}")
-    if chunk_size < 1 or concurrency < 1:
-        raise ValueError(f"{u}: chunk_size and concurrency must be positive")
+    _check_args(u, size, checksum)
+    if chunk_size < 1 or concurrency < 1 or rate < 0:
+        raise ValueError(f"{u}: chunk_size and concurrency must be positive, rate not negative")
     r = retry or Retry()
-    sink = _Sink(into, size, str(u))
     store = open_store(u, r.timeout)
-    stop = threading.Event()
+    ended = threading.Event()  # the ranges must end: one failed for good, or `stop` was set
     stats_lock = threading.Lock()
     retries = 0
 
@@ -382,85 +624,98 @@ def fetch(
         with stats_lock:
             retries += 1
 
-    meta = _with_retries(u, r, stop, count_retry, lambda: obstore.head(store, u.key))
-    actual = int(meta["size"])
-    if actual < size:
-        raise StoreTruncatedError(
-            f"{u}: the object holds {actual} bytes, the manifest says {size}: an incomplete upload"
-        )
-    if actual > size:
-        raise StoreFormatError(
-            f"{u}: the object holds {actual} bytes, the manifest says {size}: another object"
-        )
-
     # Every range must come from the object whose size was checked: one replaced mid-fetch fails
     # with a precondition error instead of mixing two versions' bytes.
-    etag = meta.get("e_tag")
+    etag = _check_size(u, store, size, r, stop or ended, count_retry)
     chunks = (size + chunk_size - 1) // chunk_size
+    # A descriptor of our own: threads abandoned by `stop` may still write through it after we return.
+    sink = _Sink(os.dup(into) if isinstance(into, int) else into, size, str(u))
     hasher = _InOrderHasher(sink, size)
-
-    def get(i: int, failures: list[BaseException]) -> None:
-        try:
-            fetch_range(i)
-        except BaseException as exc:
-            with stats_lock:
-                if not stop.is_set():  # the first failure; the others are its consequences
-                    failures.append(exc)
-                    stop.set()
-            raise
-
-    def fetch_range(i: int) -> None:
-        start, end = i * chunk_size, min(size, (i + 1) * chunk_size)
-        pos = start  # a retry resumes where the bytes stopped
-
-        def once() -> None:
-            nonlocal pos
-            if stop.is_set():
-                raise _Stopped
-            options: GetOptions = {"range": (pos, end)}
-            if etag:
-                options["if_match"] = etag
-            result = obstore.get(store, u.key, options=options)
-            # Pieces are written and hashed as they arrive, overlapping the transfer.
-            for piece in result.stream(min_chunk_size=PIECE):
-                n = len(piece)
-                if pos + n > end:
-                    raise _ShortRead(f"range {start}-{end} returned more bytes than asked")
-                sink.write(pos, piece)
-                hasher.arrived(pos, pos + n)
-                pos += n
-                if stop.is_set() and pos < end:
-                    raise _Stopped
-            if pos != end:
-                raise _ShortRead(f"range {start}-{end} ended at {pos}")
-
-        _with_retries(u, r, stop, count_retry, once)
-
+    pacer = _Pacer(rate, ended)
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(chunks):
+        todo.put(i)
     failures: list[BaseException] = []
-    pool = ThreadPoolExecutor(max_workers=min(concurrency, chunks), thread_name_prefix="smstore-fetch")
-    try:
-        pending = {pool.submit(get, i, failures) for i in range(chunks)}
-        # In steps, not one wait: a Ctrl-C that the kernel gives to another thread (the client
-        # library's) only sets a flag, which this thread acts on when it next runs Python code.
-        while pending and not failures:
-            _, pending = wait(pending, timeout=_STEP, return_when=FIRST_EXCEPTION)
-    except BaseException:
-        stop.set()  # interrupted: the ranges still queued are dropped, those in flight end after their GET
-        raise
-    finally:
-        pool.shutdown(wait=True, cancel_futures=True)
-    if failures:
-        raise failures[0]
+    finished = threading.Event()  # every range is in
+    left = [chunks]
 
-    got = hasher.finish()
-    if got != checksum:
-        raise ChecksumMismatchError(
-            f"{u}: checksum mismatch: the manifest says {checksum}, the fetched bytes hash to {got}; "
-            "the object was replaced or corrupted, re-upload it or fix the manifest"
-        )
-    stored = int.from_bytes(bytes(sink.read(_CHECKSUM_FIELD, 8)), "little")
-    if f"{stored:016x}" != checksum:
-        raise ChecksumMismatchError(
-            f"{u}: its header's checksum field is {stored:016x}, its bytes hash to {checksum}"
-        )
+    def take(pos: int, piece: memoryview) -> None:
+        # Pieces are written and hashed as they arrive, overlapping the transfer.
+        sink.write(pos, piece)
+        hasher.arrived(pos, pos + len(piece))
+        pacer.took(len(piece))
+
+    # Threads still writing, and whether the caller has gone (the last thread then closes the sink).
+    alive = [min(concurrency, chunks), False]
+
+    def worker() -> None:
+        try:
+            work()
+        finally:
+            with stats_lock:
+                alive[0] -= 1
+                last = not alive[0] and alive[1]
+            if last:
+                sink.close()
+
+    def work() -> None:
+        while not ended.is_set():
+            try:
+                i = todo.get_nowait()
+            except queue.Empty:
+                return
+            start, end = i * chunk_size, min(size, (i + 1) * chunk_size)
+            try:
+                _stream_range(
+                    store, u, start, end, if_match=etag, retry=r, stop=ended, take=take, count=count_retry
+                )
+            except BaseException as exc:  # noqa: BLE001 - the caller raises it (a thread has no one else)
+                with stats_lock:
+                    if not ended.is_set():  # the first failure; the others are its consequences
+                        failures.append(exc)
+                        ended.set()
+                return
+            with stats_lock:
+                left[0] -= 1
+                if not left[0]:
+                    finished.set()
+
+    threads = [
+        threading.Thread(target=worker, name="smstore-fetch", daemon=True)
+        for _ in range(min(concurrency, chunks))
+    ]
+    abandoned = False
+    try:
+        try:
+            for t in threads:
+                t.start()
+            # In steps, not one wait: a Ctrl-C that the kernel gives to another thread (the client
+            # library's) only sets a flag, which this thread acts on when it next runs Python code.
+            while not finished.wait(_STEP) and not ended.is_set():
+                if stop is not None and stop.is_set():
+                    # The requests in flight are not waited for when the bytes go to a descriptor (the
+                    # threads write through our duplicate); a buffer's owner may free it once we return.
+                    abandoned = isinstance(into, int)
+                    ended.set()
+                    raise _stopped(u)
+        except BaseException:
+            ended.set()  # interrupted: the ranges still queued are dropped, those in flight end after their GET
+            raise
+        finally:
+            if not abandoned:
+                for t in threads:
+                    if t.ident is not None:  # started
+                        t.join()
+        if failures:
+            raise failures[0]
+        _check_checksum(u, hasher.finish(), checksum, sink.header)
+    finally:
+        if abandoned:
+            with stats_lock:
+                alive[1] = True
+                last = not alive[0]
+            if last:
+                sink.close()
+        else:
+            sink.close()
     return FetchResult(size, chunks, retries)
