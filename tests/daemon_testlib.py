@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -129,6 +130,22 @@ def read_reply(s: socket.socket) -> dict[str, Any] | None:
     return reply
 
 
+def remove_tree(path: Path, tries: int = 100) -> None:
+    """shutil.rmtree, tried again while a daemon still running writes into the tree (its state file
+    as a rank's connection closes: the test's finalizers run before the daemon fixture stops it)."""
+    for _ in range(tries - 1):
+        try:
+            shutil.rmtree(path)
+            return
+        except FileNotFoundError:
+            return
+        except OSError as e:
+            if e.errno != errno.ENOTEMPTY:
+                raise
+            time.sleep(0.05)
+    shutil.rmtree(path)
+
+
 def public_rundir(request: Any, group_gid: int | None = None) -> Path:
     """A socket directory another user can reach (pytest's tmp_path is private to us), removed after.
 
@@ -136,7 +153,7 @@ def public_rundir(request: Any, group_gid: int | None = None) -> Path:
     wants it); else 0700, for the test to open up after the daemon started.
     """
     public = Path(tempfile.mkdtemp(prefix="smstore-test-"))
-    request.addfinalizer(lambda: shutil.rmtree(public))
+    request.addfinalizer(lambda: remove_tree(public))
     public.chmod(0o755)
     rundir = public / "run"
     rundir.mkdir(mode=0o700 if group_gid is None else 0o710)

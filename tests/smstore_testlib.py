@@ -331,15 +331,20 @@ def read_through_handles(ds: Any, collate: Any, q: Any) -> None:
 
 
 def run_ranks(
-    target: Callable[..., None], args: Sequence[tuple[Any, ...]], *, timeout: float = 300.0
+    target: Callable[..., None],
+    args: Sequence[tuple[Any, ...]],
+    *,
+    timeout: float = 300.0,
+    method: str = "fork",
 ) -> list[Any]:
-    """Run one forked process per rank, `target(*args[r], queue)`; what each puts on the queue, in arrival order.
+    """Run one process per rank (started by `method`), `target(*args[r], queue)`; what each puts on the
+    queue, in arrival order.
 
     Every process must exit 0; one still alive when the test fails is killed (by its pid) and joined.
     """
     import multiprocessing
 
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context(method)
     q = ctx.Queue()
     procs = [ctx.Process(target=target, args=(*a, q)) for a in args]
     try:

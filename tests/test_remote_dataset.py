@@ -190,13 +190,13 @@ def test_a_windowed_epoch_from_a_dataset_url_at_2_ranks_x_2_workers(
     url, records, _local = bucket_dataset(s3, tmp_path, "windowed", shards=6)
     cache = tmp_path / "cache"
     d = start_daemon(args=("--cache-dir", os.fspath(cache), "--cache-limit", str(64 << 20)), loaded=0)
-    # Opened (its manifest fetched) here, in the parent: obstore's runtime does not survive a fork,
-    # so a forked rank must not fetch (a rank a launcher starts is a process of its own).
+    # Opened (its manifest fetched) here, in the parent; the ranks are processes of their own, as a
+    # launcher starts them (spawned: obstore's runtime, which this process used, does not survive a
+    # fork; a rank forked from here hung once beside busy processes), and read it as pickled.
     ds = smstore.SharedStoreDataset(url, decode="bytes")  # mode "auto": a URL is read through the daemon
     try:
-        results = {
-            rank: (kind, got) for rank, kind, got in run_ranks(run_rank, [(ds, r, 2) for r in range(2)])
-        }
+        ranks = run_ranks(run_rank, [(ds, r, 2) for r in range(2)], method="spawn")
+        results = {rank: (kind, got) for rank, kind, got in ranks}
     finally:
         ds.store.close()
     assert [results[r][0] for r in range(2)] == ["daemon", "daemon"]
