@@ -683,20 +683,21 @@ def _open_sharded(
     return store
 
 
+def _not_yet_served(reply: dict[str, Any], fd: int | None) -> bool:
+    """The daemon does not serve the shard and gives no reason: it may yet (a hold on its way)."""
+    return fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason")
+
+
 def _wait_for_remote(session: DaemonSession, checksum: str, url: str) -> tuple[dict[str, Any], int | None]:
     """The daemon's answer for a shard in object storage once it serves it, or says why it never will."""
 
     def ask() -> tuple[dict[str, Any], int | None] | None:
         reply, fd = session.attach(checksum, url)
-        return (
-            None
-            if fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason")
-            else (reply, fd)
-        )
+        return None if _not_yet_served(reply, fd) else (reply, fd)
 
     what = (
         f"{url}: a shard in object storage is fetched by the node's daemon once a sampler holds it "
-        "(WindowedShuffleSampler) or 'smstore load' loads it"
+        "(WindowedShuffleSampler)"
     )
     return wait_until_served(ask, what)
 
@@ -707,7 +708,7 @@ def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: Daemo
     try:
         if session is not None:
             reply, fd = session.attach(checksum, spath)
-            if fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason") and is_url(spath):
+            if is_url(spath) and _not_yet_served(reply, fd):
                 reply, fd = _wait_for_remote(session, checksum, spath)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
