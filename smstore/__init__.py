@@ -6,6 +6,7 @@ reads zero-copy, read-only records from one copy per node.
 
 from __future__ import annotations
 
+import os
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -16,11 +17,13 @@ except ImportError as err:  # pragma: no cover - only without a built extension
         "source checkout, install the package first (pip install .) and run outside the source tree."
     ) from err
 
+from smstore._manifest import is_url
 from smstore._objects import ObjectStore, pack_objects
 from smstore._pack import PackStats, Writer, pack
 from smstore._packfiles import pack_files
 from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
-from smstore._store import Store, open
+from smstore._store import Store
+from smstore._store import open as _open_local
 from smstore.errors import (
     ChecksumMismatchError,
     CollateError,
@@ -157,6 +160,47 @@ _LAZY = {
     "select": "smstore.views",
     "TransformLoader": "smstore.transform_loader",
 }
+
+
+def open(
+    path: str | os.PathLike[str],
+    *,
+    verify: bool = False,
+    raw: bool = False,
+    socket: str | os.PathLike[str] | None = None,
+) -> Store | ShardedStore:
+    """Open a blob or a sharded dataset, on disk or in object storage, and validate its structure.
+
+    A local file maps read-only (see :func:`smstore._store.open`): a blob of objects (see
+    :func:`smstore.pack_objects`) opens as an :class:`ObjectStore`, whose items are decoded
+    objects (unpickling a pickle record runs code from the file); with ``raw``, or through
+    ``smstore.Store(path)``, its records are raw bytes. A sharded dataset (a manifest, or a
+    directory holding ``manifest.json``) opens as a :class:`ShardedStore` (a
+    ``ShardedObjectStore`` for objects, unless ``raw``), one global index over its shards.
+    Opening, ``len``, ``metadata``, ``verify`` and ``repr`` never decode a record.
+
+    A URL (``s3://bucket/ds/``, ``gs://``, ``az://``, ``https://``) is read through the node's
+    daemon (``smstore serve``), the only process that fetches from object storage
+    (:func:`smstore.client.open_url`): a dataset's shards as samplers hold them (or for this
+    reader), one blob once loaded (``smstore load URL``).
+
+    Args:
+        path: The ``.smst`` file, a sharded dataset, or the URL of either.
+        verify: Also check the checksum over the whole file (reads every byte; every shard).
+        raw: Give every record as a read-only memoryview of its bytes, never decoded: what a
+            program that only inspects a file it does not trust should use.
+        socket: The daemon's socket for a URL (default: ``$SMSTORE_SOCKET``, else the per-user default).
+
+    Raises:
+        StoreNotFoundError: The file does not exist (``RemoteNotFoundError``: the object).
+        StoreFormatError: The file is foreign, malformed, truncated, or fails ``verify``.
+        DaemonError: A URL, and no daemon answers (or it does not serve the blob).
+    """
+    if is_url(os.fspath(path)):
+        from smstore.client import open_url
+
+        return open_url(os.fspath(path), verify=verify, raw=raw, socket=socket)
+    return _open_local(path, verify=verify, raw=raw)
 
 
 def __getattr__(name: str) -> Any:

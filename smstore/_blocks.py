@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 from smstore import _core
 from smstore._ipc import connect, exchange, socket_path, wait_until_served
 from smstore._manifest import absolute, is_url, read_manifest
-from smstore._modes import Mode, check_mode, fall_back
-from smstore._protocol import NOT_SERVED, encode
+from smstore._modes import Mode, check_mode, fall_back, warn_once
+from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, encode
 from smstore.errors import DaemonError, StoreChangedError
 
 __all__ = ["BlockReader", "BlockResidency", "Piece", "piece_id", "piece_path", "shard_block"]
@@ -88,6 +88,7 @@ class BlockReader:
     ) -> None:
         manifest = read_manifest(path)
         self.path = manifest.path
+        self._dataset = manifest.checksum
         self.block = int(block)
         self.keep = max(1, int(keep))
         paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
@@ -132,9 +133,12 @@ class BlockReader:
         if entry is not None:
             self._pieces.move_to_end(key)
             return entry[1]
-        store = self._attach(key, piece)
+        store, why = self._attach_or_why(key, piece)
         if store is None and is_url(self.shards[piece.shard][0]):
-            store = self._wait_for_remote(key, piece)  # no file to read it from instead
+            if why:  # its fetch failed (a hold after its backoff fetches it again)
+                path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
+                raise DaemonError(f"{path}: the smstore daemon will not serve it: {why}")
+            store = self._fetch_for_reader(key, piece)  # no file to read it from instead
         if store is None:
             if self._conn is None:  # no daemon answers: this piece is read from its file from now on
                 self._pieces[key] = (piece, None)
@@ -154,13 +158,52 @@ class BlockReader:
             self._detach(next(iter(self._pieces)))
         return store
 
+    def _fetch_for_reader(self, key: str, piece: Piece) -> _core.Store:
+        """The piece of a shard in object storage, which the daemon does not serve now.
+
+        No sampler holds it (none is used, its ``lag`` released the piece while workers still read
+        it, or its hold has not reached the daemon yet), and there is no file to read instead: this
+        reader holds the piece itself (replacing the piece it held so before), so the daemon
+        fetches it, and waits for it. A warning says so once per process. A reader the daemon does
+        not let hold (a member of its ``--group``) waits for the owner's samplers instead.
+
+        Raises:
+            DaemonError: No daemon answers (only the daemon fetches from object storage), it
+                refused the hold or the piece's shard failed (why, from the daemon), or it is not
+                served within ``REMOTE_WAIT`` seconds.
+        """
+        path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
+        warn_once(
+            f"{self.path}: unheld",
+            "%s: a block (%s) is read while no sampler holds it: fetched for this reader (slower "
+            "than a hold ahead). Read a dataset in object storage with BlockWindowSampler, its lag at least "
+            "prefetch_factor * num_workers * batch_size",
+            self.path,
+            path,
+        )
+        message = {
+            "op": "hold_blocks",
+            "manifest": self.path,
+            "dataset": self._dataset,
+            "pieces": f"{piece.shard}:{piece.first}:{piece.end}",
+        }
+        reply, fd = self._send(message, reply=True)
+        if fd is not None:
+            os.close(fd)
+        error = reply.get("error")
+        if not reply.get("ok") and error not in (None, PERMISSION_DENIED):
+            raise DaemonError(
+                f"{path}: the smstore daemon on {self.socket} cannot serve it: {reply.get('message')}"
+            )
+        return self._wait_for_remote(key, piece)
+
     def _wait_for_remote(self, key: str, piece: Piece) -> _core.Store:
-        """The piece of a shard in object storage, once the daemon serves it (a sampler holds it).
+        """The piece of a shard in object storage, once the daemon serves it.
 
         Raises:
             DaemonError: No daemon answers (only the daemon fetches from object storage), the
                 piece's shard failed (why, from the daemon), or it is not served within
-                ``REMOTE_WAIT`` seconds (no sampler holds it).
+                ``REMOTE_WAIT`` seconds.
         """
         path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
 
@@ -192,15 +235,12 @@ class BlockReader:
             entry[1].close()
             self._send({"op": "detach", "checksum": key, "noreply": True}, reply=False)
 
-    def _attach(self, key: str, piece: Piece) -> _core.Store | None:
-        return self._attach_or_why(key, piece)[0]
-
     def _attach_or_why(self, key: str, piece: Piece) -> tuple[_core.Store | None, str | None]:
         """The piece's segment if the daemon serves it; else None and why it never will (if it said)."""
         path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
         reply, fd = self._send({"op": "attach", "checksum": key, "path": path}, reply=True)
         if fd is None:
-            if reply.get("code") not in (None, NOT_SERVED):
+            if reply.get("error", reply.get("code")) not in (None, NOT_SERVED):
                 raise DaemonError(f"{path}: the smstore daemon refused: {reply.get('message', reply)}")
             reason = reply.get("reason")
             return None, reason if isinstance(reason, str) else None

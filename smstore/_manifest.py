@@ -232,6 +232,20 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return _parse(p, raw)
 
 
+def read_remote_checksum(url: str) -> str:
+    """The checksum in the header of the blob at `url`: one ranged GET of its first 4 KiB, checked
+    by the core's one header check.
+
+    Raises:
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed.
+        StoreFormatError: Not an smstore blob.
+    """
+    from smstore.remote.fetch import HEADER, parse_header, read_range
+
+    head, _etag = read_range(url, 0, HEADER)
+    return parse_header(head, None, url).checksum
+
+
 def _read_remote(url: str) -> Manifest:
     """The manifest at `url`, fetched (one GET) and validated, its shards checked as keys or URLs."""
     from smstore.remote.fetch import read_object

@@ -9,7 +9,7 @@ from typing import Literal
 from smstore._ipc import default_socket_path, socket_path
 from smstore.errors import DaemonError
 
-__all__ = ["MODES", "Instead", "Mode", "check_mode", "fall_back", "log_once"]
+__all__ = ["MODES", "Instead", "Mode", "check_mode", "fall_back", "log_once", "warn_once"]
 
 log = logging.getLogger("smstore")
 
@@ -55,6 +55,13 @@ def log_once(subject: str, choice: str, message: str, *args: object) -> None:
     if (subject, choice) not in _logged:
         _logged.add((subject, choice))
         log.info(message, *args)
+
+
+def warn_once(subject: str, message: str, *args: object) -> None:
+    """Log ``message`` as a warning the first time this process meets ``subject``."""
+    if (subject, "warning") not in _logged:
+        _logged.add((subject, "warning"))
+        log.warning(message, *args)
 
 
 def fall_back(

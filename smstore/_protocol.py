@@ -241,6 +241,16 @@ def attach_path_arg(req: dict[str, Any]) -> str | None:
     return path_arg(req, required=False)
 
 
+def load_path_arg(req: dict[str, Any], *, required: bool) -> str | None:
+    """A load's or unload's 'path': a blob's absolute path, or an object's URL (the daemon checks
+    it with ``parse_url`` before it fetches anything)."""
+    value = req.get("path")
+    if _is_url(value):
+        assert isinstance(value, str)
+        return value
+    return path_arg(req, required=required)
+
+
 def manifest_value(value: object) -> str:
     """A request's 'manifest': an absolute path, or a dataset's URL (the daemon checks it with ``parse_url``)."""
     if _is_url(value):

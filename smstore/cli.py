@@ -12,7 +12,6 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import smstore
@@ -636,7 +635,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.cache_dir is not None and not args.cache_limit:
         print("smstore serve: --cache-dir needs --cache-limit SIZE (e.g. 100G)", file=sys.stderr)
         return 2
-    files = [blob for f in args.files for blob in _blob_files(f)]
+    try:
+        # A dataset in object storage: its manifest read here, before the daemon starts (no fork
+        # follows: this process is the daemon), so that its shards load with the checksums it records.
+        blobs = [blob for f in args.files for blob in _blob_files(f)]
+    except StoreError as e:
+        print(f"smstore serve: {e}", file=sys.stderr)
+        return 1
+    files = [path for path, _checksum in blobs]
+    checksums = {path: checksum for path, checksum in blobs if checksum is not None}
     metrics = None
     if args.metrics is not None:
         from smstore.daemon import parse_address
@@ -648,6 +655,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             return 2
     return serve(
         files,
+        checksums=checksums,
         sock=args.socket,
         group=args.group,
         shm_limit=shm_limit or 0,
@@ -779,14 +787,19 @@ def cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
-def _blob_files(path: str) -> list[str]:
-    """The blobs behind `path`: itself, or the shards of a sharded dataset, in order."""
-    from smstore._manifest import is_manifest, read_manifest
+def _blob_files(path: str) -> list[tuple[str, str | None]]:
+    """The blobs behind `path` (itself, or the shards of a sharded dataset, in order) as the
+    daemon is told of them: absolute paths, or objects' URLs; with the checksum its manifest
+    records for a shard in object storage (the daemon refuses an object holding another)."""
+    from smstore._manifest import absolute, is_manifest, is_url, read_manifest
 
     if not is_manifest(path):
-        return [path]
+        return [(absolute(path), None)]
     m = read_manifest(path)
-    return [m.shard_path(k) for k in range(len(m.shards))]
+    return [
+        (p, s.checksum if is_url(p) else None)
+        for p, s in ((absolute(m.shard_path(k)), s) for k, s in enumerate(m.shards))
+    ]
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -797,10 +810,11 @@ def cmd_load(args: argparse.Namespace) -> int:
         try:
             shards = _blob_files(path)
             total = 0
-            for blob in shards:
-                reply = daemon_request(
-                    {"op": "load", "path": os.fspath(Path(blob).absolute())}, args.socket, timeout=None
-                )
+            for blob, checksum in shards:
+                message = {"op": "load", "path": blob}
+                if checksum is not None:
+                    message["checksum"] = checksum
+                reply = daemon_request(message, args.socket, timeout=None)
                 total += reply["size"]
                 if len(shards) == 1:
                     print(
@@ -816,24 +830,27 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
+    from smstore._manifest import is_url
     from smstore._protocol import checksum_in
     from smstore._store import read_checksum
     from smstore.client import daemon_request
 
     status = 0
-    targets: list[str] = []
+    targets: list[tuple[str, str | None]] = []
     for target in args.targets:
         try:
             targets += _blob_files(target)
         except StoreError as e:
             print(f"smstore unload: {target}: {e}", file=sys.stderr)
             status = 1
-    for target in targets:
-        msg: dict[str, Any] = {"op": "unload", "path": os.fspath(Path(target).absolute())}
-        try:
-            checksum = read_checksum(target)
-        except OSError:
-            checksum = checksum_in(target)
+    for target, known in targets:
+        msg: dict[str, Any] = {"op": "unload", "path": target}
+        checksum = known
+        if checksum is None and not is_url(target):
+            try:
+                checksum = read_checksum(target)
+            except OSError:
+                checksum = checksum_in(target)
         if checksum:
             msg["checksum"] = checksum
         try:
@@ -918,7 +935,11 @@ def _add_daemon_commands(sub: Any) -> None:
         return p
 
     p = with_socket(sub.add_parser("serve", help="run the node daemon in the foreground (logs to stderr)"))
-    p.add_argument("files", nargs="*", help="blobs to load at start")
+    p.add_argument(
+        "files",
+        nargs="*",
+        help="blobs or datasets to load at start (paths, or URLs: s3://bucket/ds/ loads every shard)",
+    )
     p.add_argument("--group", help="share the socket and segments (read-only) with this group")
     p.add_argument(
         "--shm-limit",
@@ -1017,8 +1038,12 @@ def _add_daemon_commands(sub: Any) -> None:
     )
     p.set_defaults(func=cmd_status)
 
-    p = with_socket(sub.add_parser("load", help="ask the running daemon to load blobs"))
-    p.add_argument("files", nargs="+")
+    p = with_socket(
+        sub.add_parser("load", help="ask the running daemon to load blobs or datasets (kept until unload)")
+    )
+    p.add_argument(
+        "files", nargs="+", help="blobs or datasets: paths, or URLs (s3://bucket/ds/, s3://bucket/x.smst)"
+    )
     p.set_defaults(func=cmd_load)
 
     p = with_socket(

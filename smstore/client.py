@@ -14,9 +14,17 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
-from smstore._manifest import Manifest, ShardInfo, absolute, is_manifest, is_url, read_manifest
-from smstore._modes import Mode, check_mode, fall_back, log_once
-from smstore._protocol import MAX_WAIT, NOT_SERVED, encode
+from smstore._manifest import (
+    Manifest,
+    ShardInfo,
+    absolute,
+    is_manifest,
+    is_url,
+    read_manifest,
+    read_remote_checksum,
+)
+from smstore._modes import Mode, check_mode, fall_back, log_once, warn_once
+from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
 from smstore.errors import DaemonError, RemoteURLError, StoreChangedError
@@ -130,15 +138,37 @@ class DaemonSession:
         message: dict[str, Any] = {"op": "attach", "checksum": checksum}
         if path is not None:
             message["path"] = path if is_url(path) else os.path.abspath(path)
+        return self.ask(message, LOAD_WAIT if path is not None else 10.0)
+
+    def hold_shard(self, manifest: Manifest, index: int) -> dict[str, Any]:
+        """Hold shard `index` of `manifest` for this process (replacing what it held before): the
+        daemon's reply, once it has the manifest (fetched first, for a dataset in object storage).
+
+        Raises:
+            DaemonError: No daemon answers, or the exchange failed.
+        """
+        message: dict[str, Any] = {"op": "hold", "manifest": manifest.path, "shards": str(int(index))}
+        if is_url(manifest.path):
+            message["dataset"] = manifest.checksum
+        reply, fd = self.ask(message, LOAD_WAIT)
+        if fd is not None:
+            os.close(fd)
+        return reply
+
+    def ask(self, message: dict[str, Any], timeout: float) -> tuple[dict[str, Any], int | None]:
+        """The daemon's reply to `message` on the session's connection, and the fd it sent, if any.
+
+        Raises:
+            DaemonError: No daemon answers, or the exchange failed (the connection is dropped).
+        """
         with self.lock:
             if self.finished:
                 raise DaemonError(f"smstore: the daemon session on {self.path} is closed")
-            return self._attach(message)
+            return self._ask(message, timeout)
 
-    def _attach(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
+    def _ask(self, message: dict[str, Any], timeout: float) -> tuple[dict[str, Any], int | None]:
         for attempt in (1, 2):
             reused = self.conn is not None
-            timeout = LOAD_WAIT if "path" in message else 10.0
             if self.conn is None:  # a new connection: refused as busy, it tries again a while
                 reply, fd, self.conn = request(message, self.path, timeout=timeout)
                 return reply, fd
@@ -319,6 +349,32 @@ def open_store(
     return store
 
 
+def open_url(
+    url: str, *, verify: bool = False, raw: bool = False, socket: str | os.PathLike[str] | None = None
+) -> Store | ShardedStore:
+    """:func:`smstore.open` of a URL: a dataset or blob in object storage, read through the node daemon.
+
+    A dataset (``s3://bucket/ds/``, or its manifest's URL) opens as a ``ShardedStore`` (a
+    ``ShardedObjectStore`` for objects, unless `raw`) whose shards the daemon fetches as samplers
+    hold them, or for this reader when none does; one blob (``s3://bucket/x.smst``) opens as the
+    daemon's copy once the owner loaded it (``smstore load URL``). `verify` reads every record
+    through the daemon (which checked each object's checksum as it fetched it).
+
+    Raises:
+        DaemonError: No daemon answers (only the daemon fetches from object storage), or it does
+            not serve the blob.
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or a read failed.
+    """
+    store: Store | ShardedStore = _open(url, "daemon", socket, raw=raw)
+    if verify:
+        try:
+            store.verify()
+        except BaseException:
+            store.close()
+            raise
+    return store
+
+
 class StoreHandle:
     """The store of a reader that pickles as a path: opened in each process that reads it, contents pinned.
 
@@ -408,11 +464,13 @@ def _open(
     mode: Mode,
     socket: str | os.PathLike[str] | None,
     manifest: Manifest | None = None,
+    *,
+    raw: bool = False,
 ) -> Any:
     mode = check_mode(mode)
     spath = os.fspath(path)
     if is_url(spath):
-        return _open_remote(spath, mode, socket, manifest)
+        return _open_remote(spath, mode, socket, manifest, raw=raw)
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
     if mode == "mmap":
@@ -616,33 +674,71 @@ _THROUGH_THE_DAEMON = (
 
 
 def _open_remote(
-    url: str, mode: Mode, socket: str | os.PathLike[str] | None, manifest: Manifest | None
-) -> ShardedStore:
+    url: str,
+    mode: Mode,
+    socket: str | os.PathLike[str] | None,
+    manifest: Manifest | None,
+    *,
+    raw: bool = False,
+) -> Store | ShardedStore:
     """A sharded dataset in object storage: its manifest fetched here, its shards attached from the daemon."""
     if mode == "mmap":
         raise RemoteURLError(
             f'{url}: {_THROUGH_THE_DAEMON}; mode="mmap" cannot read it (use "daemon" or "auto")'
         )
-    if not is_manifest(url):
-        msg = (
-            f"{url}: not a dataset URL: name its prefix (ending in '/', for PREFIX/manifest.json) or "
-            "its .json manifest"
-        )
-        raise RemoteURLError(msg)
     sock_at = socket_path(socket)
     try:
         connect(sock_at).close()  # no daemon: said now, not at the first read
     except DaemonError as e:
         raise DaemonError(f"{url}: {_THROUGH_THE_DAEMON}; {e}") from None
-    return _open_sharded(url, "daemon", socket, manifest if manifest is not None else read_manifest(url))
+    if not is_manifest(url):
+        return _open_remote_blob(url, sock_at)
+    return _open_sharded(
+        url, "daemon", socket, manifest if manifest is not None else read_manifest(url), raw=raw
+    )
+
+
+def _open_remote_blob(url: str, sock_at: Path) -> Store:
+    """One blob in object storage (``s3://bucket/x.smst``): the daemon's copy, which it holds once
+    the owner loaded it (``smstore load URL``, or ``smstore serve URL``). Its header (one ranged
+    GET of 4 KiB) gives the checksum to attach by.
+
+    Raises:
+        DaemonError: The daemon does not serve it (why, and how to load it).
+    """
+    checksum = read_remote_checksum(url)
+    reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
+    if fd is None:
+        conn.close()
+        why = reply.get("message", reply)
+        msg = (
+            f"{url}: a blob in object storage is read from the node daemon's copy, and the daemon on "
+            f"{sock_at} does not serve it ({why}): load it first ('smstore load {url}'), or read a "
+            "sharded dataset, whose shards the samplers hold"
+        )
+        raise DaemonError(msg)
+    try:
+        conn.settimeout(None)
+        store = DaemonStore(fd, url, reply, conn, None)
+    except BaseException:
+        conn.close()
+        raise
+    finally:
+        os.close(fd)
+    return store
 
 
 def _open_sharded(
-    spath: str, mode: Mode, socket: str | os.PathLike[str] | None, manifest: Manifest | None = None
+    spath: str,
+    mode: Mode,
+    socket: str | os.PathLike[str] | None,
+    manifest: Manifest | None = None,
+    *,
+    raw: bool = False,
 ) -> ShardedStore:
     """A sharded dataset whose shards attach, on first use, through one connection per process."""
     if mode == "mmap":
-        return open_sharded(spath)
+        return open_sharded(spath, raw=raw)
     session = DaemonSession(socket_path(socket))
     store_ref: Callable[[], ShardedStore | None] = lambda: None
 
@@ -658,16 +754,15 @@ def _open_sharded(
         if store is not None and not store.closed:
             store.release_shard(k)
 
-    ahead = _Preattacher(
-        session.path, manifest.path, {s.checksum: k for k, s in enumerate(manifest.shards)}, is_open, release
-    )
+    index = {s.checksum: k for k, s in enumerate(manifest.shards)}
+    ahead = _Preattacher(session.path, manifest.path, index, is_open, release)
 
     def opener(path: str, info: ShardInfo) -> Store:
         ready = ahead.take(info.checksum)
         if ready is not None:
             return ready
         # By the checksum the manifest records: a served shard's file is never read.
-        store = _attach(path, info.checksum, mode, session.path, session)
+        store = _attach(path, info.checksum, mode, session.path, session, (manifest, index[info.checksum]))
         if isinstance(store, DaemonStore):
             # Detach through the connection that never waits for a load (the daemon counts any
             # connection of this process as speaking for all of them).
@@ -676,7 +771,12 @@ def _open_sharded(
 
     # The session is closed with the store's last reference.
     store = open_sharded(
-        spath, opener=opener, check_files=mode != "daemon", keep_alive=(session, ahead), manifest=manifest
+        spath,
+        opener=opener,
+        check_files=mode != "daemon",
+        keep_alive=(session, ahead),
+        manifest=manifest,
+        raw=raw,
     )
     store_ref = weakref.ref(store)
     weakref.finalize(store, ahead.close)
@@ -686,6 +786,48 @@ def _open_sharded(
 def _not_yet_served(reply: dict[str, Any], fd: int | None) -> bool:
     """The daemon does not serve the shard and gives no reason: it may yet (a hold on its way)."""
     return fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason")
+
+
+def _fetch_for_reader(
+    session: DaemonSession, checksum: str, url: str, shard: tuple[Manifest, int] | None
+) -> tuple[dict[str, Any], int | None]:
+    """The daemon's answer for a shard in object storage that it does not serve now.
+
+    No sampler holds it: none is used (a plain sampler, or reads outside an epoch), or the
+    sampler's ``lag`` released it while DataLoader workers still read it, or its hold has not
+    reached the daemon yet. A shard on local disk would be read from its file; one in object
+    storage has none, so this process holds it itself (one shard at a time, replacing the last:
+    the daemon fetches it through its node cache, within its budget) and attaches it once it is
+    loaded. Correct, but slower than a hold made ahead (a warning says so once). A reader the
+    daemon does not let hold (a member of its ``--group``) waits for the owner's samplers instead.
+
+    Raises:
+        DaemonError: The daemon refused the hold (why: its budget, the shard's fetch failed, the
+            manifest in the bucket was replaced), or never served the shard.
+    """
+    if shard is None:
+        return _wait_for_remote(session, checksum, url)
+    manifest, k = shard
+    warn_once(
+        f"{manifest.path}: unheld",
+        "%s: shard %s is read while no sampler holds it: fetched for this reader (slower than a "
+        "hold ahead). Read a dataset in object storage with WindowedShuffleSampler (lag at least "
+        "prefetch_factor * num_workers * batch_size) or BlockWindowSampler, or load it whole first "
+        "('smstore load %s')",
+        manifest.path,
+        url,
+        manifest.path,
+    )
+    reply = session.hold_shard(manifest, k)
+    if reply.get("error") == PERMISSION_DENIED:
+        return _wait_for_remote(session, checksum, url)  # the owner's samplers hold for us
+    if not reply.get("ok"):
+        msg = f"{url}: the smstore daemon on {session.path} cannot serve it: {reply.get('message', reply)}"
+        raise DaemonError(msg)
+    reply, fd = session.attach(checksum, url)  # waits for the load the hold started
+    if _not_yet_served(reply, fd):  # released again at once (the owner unloaded it, say)
+        return _wait_for_remote(session, checksum, url)
+    return reply, fd
 
 
 def _wait_for_remote(session: DaemonSession, checksum: str, url: str) -> tuple[dict[str, Any], int | None]:
@@ -702,14 +844,25 @@ def _wait_for_remote(session: DaemonSession, checksum: str, url: str) -> tuple[d
     return wait_until_served(ask, what)
 
 
-def _attach(spath: str, checksum: str, mode: Mode, sock_at: Path, session: DaemonSession | None) -> Store:
-    """The daemon's copy of the blob at `spath` holding `checksum`, or (mode "auto") a mapping of the file."""
+def _attach(
+    spath: str,
+    checksum: str,
+    mode: Mode,
+    sock_at: Path,
+    session: DaemonSession | None,
+    shard: tuple[Manifest, int] | None = None,
+) -> Store:
+    """The daemon's copy of the blob at `spath` holding `checksum`, or (mode "auto") a mapping of the file.
+
+    `shard`: the manifest and index of the shard at `spath` (a reader of one in object storage
+    that no sampler holds holds it itself).
+    """
     conn: socket.socket | None = None
     try:
         if session is not None:
             reply, fd = session.attach(checksum, spath)
             if is_url(spath) and _not_yet_served(reply, fd):
-                reply, fd = _wait_for_remote(session, checksum, spath)
+                reply, fd = _fetch_for_reader(session, checksum, spath, shard)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:

@@ -52,6 +52,18 @@ def hold(sock: Path, url: str, shards: list[int], dataset: str | None = None) ->
     return s, reply
 
 
+def ask(sock: Path, msg: dict[str, Any]) -> dict[str, Any]:
+    """The daemon's reply to one request on a connection of its own."""
+    s = tl.raw(sock)
+    try:
+        s.sendall(tl.frame(json.dumps(msg).encode()))
+        reply = tl.read_reply(s)
+    finally:
+        s.close()
+    assert reply is not None
+    return reply
+
+
 def put_manifest(s3: S3, key: str, doc: dict[str, Any]) -> str:
     return s3.put(key, json.dumps(doc).encode())
 
@@ -156,7 +168,8 @@ def test_a_dataset_url_without_a_daemon_says_to_run_smstore_serve(
             smstore.open_store(url, mode=mode)  # type: ignore[arg-type]
     with pytest.raises(RemoteURLError, match='mode="mmap" cannot read it'):
         smstore.open_store(url, mode="mmap")
-    with pytest.raises(RemoteURLError, match="not a dataset URL"):
+    # One blob there (once loaded: 'smstore load URL') is read through the daemon too.
+    with pytest.raises(DaemonError, match="read through the node daemon"):
         smstore.open_store(s3.url("nodaemon/x.smst"), mode="daemon")
 
 
@@ -252,6 +265,93 @@ def test_block_residency_and_reader_over_a_dataset_url(
         residency.close()
 
 
+# --- a shard or block read while no sampler holds it --------------------------------------------------
+# A local shard not held is read from its file; one in object storage has none. The reader used to
+# wait for a hold that never came (REMOTE_WAIT, 600 s): with a plain sampler, or when a sampler's
+# lag released a shard that DataLoader workers still read (a rank of the windowed epoch above hung
+# so, beside busy processes). Now it holds the shard (or block) itself and the daemon fetches it.
+
+
+@pytest.fixture
+def short_remote_wait(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A reader that waits for a hold gives up after 20 s, not 600 (the old code failed so, not hung)."""
+    monkeypatch.setattr(smstore._ipc, "REMOTE_WAIT", 20.0)
+
+
+def test_a_reader_of_a_dataset_url_no_sampler_holds_gets_every_record_fetched_for_it(
+    s3: S3,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    start_daemon: Callable[..., Daemon],
+    short_remote_wait: None,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    url, records, _local = bucket_dataset(s3, tmp_path, "unheld", shards=3)
+    d = start_daemon(args=("--cache-dir", os.fspath(tmp_path / "cache"), "--cache-limit", "64M"), loaded=0)
+    ds = smstore.open_store(url, mode="daemon", socket=d.sock)
+    try:
+        with caplog.at_level("WARNING", logger="smstore"):
+            got = [bytes(ds[i]) for i in range(len(ds))]
+        # Backwards too: each shard is held (replacing the last) and fetched again through the cache.
+        back = [bytes(ds[i]) for i in reversed(range(len(ds)))]
+    finally:
+        ds.close()
+    assert got == records
+    assert back == records[::-1]
+    warned = [r.getMessage() for r in caplog.records if "no sampler holds it" in r.getMessage()]
+    assert len(warned) == 1, warned  # once per process and dataset
+    assert "smstore load" in warned[0]
+    m = d.status()["metrics"]
+    assert m["cache_misses"] == 3  # each shard fetched from the bucket once
+
+
+def test_a_forked_worker_reading_a_dataset_url_no_sampler_holds_reads_every_record(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon], short_remote_wait: None
+) -> None:
+    torch = pytest.importorskip("torch")
+    url, records, _local = bucket_dataset(s3, tmp_path, "plain", shards=3)
+    d = start_daemon(loaded=0)
+    ds = smstore.SharedStoreDataset(url, decode="bytes", socket=d.sock)
+    loader = torch.utils.data.DataLoader(
+        ds,
+        sampler=torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(5)),
+        batch_size=64,
+        num_workers=2,
+        collate_fn=list,
+        multiprocessing_context="fork",
+    )
+    try:
+        assert sorted(r for batch in loader for r in batch) == sorted(records)
+    finally:
+        ds.store.close()
+
+
+def test_a_reader_whose_own_hold_is_refused_gets_the_daemons_reason_at_once(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon], short_remote_wait: None
+) -> None:
+    url, _records, _local = bucket_dataset(s3, tmp_path, "toobig", shards=2)
+    d = start_daemon(args=("--shm-limit", "4K"), loaded=0)  # a shard (about 12 KiB) never fits
+    ds = smstore.open_store(url, mode="daemon", socket=d.sock)
+    try:
+        with pytest.raises(DaemonError, match=r"toobig/part-.*\.smst.*--shm-limit"):
+            ds[0]
+    finally:
+        ds.close()
+
+
+def test_a_block_reader_of_a_dataset_url_no_sampler_holds_gets_every_record_fetched_for_it(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon], short_remote_wait: None
+) -> None:
+    url, records, _local = bucket_dataset(s3, tmp_path, "blocks-unheld", shards=2)
+    d = start_daemon(loaded=0)
+    reader = BlockReader(url, block=400, socket=os.fspath(d.sock))
+    try:
+        assert [reader[i] for i in range(len(records))] == records
+        assert (reader.block_reads, reader.file_reads) == (len(records), 0)
+    finally:
+        reader.close()
+
+
 # --- the daemon and a manifest URL -----------------------------------------------------------------
 
 
@@ -321,6 +421,80 @@ def smstore_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "smstore", *args], capture_output=True, text=True, timeout=120, check=False
     )
+
+
+# --- smstore load / unload / serve of a URL, and smstore.open(url) -----------------------------------
+
+
+def test_smstore_load_of_a_dataset_url_pins_every_shard_until_unload(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    url, records, local = bucket_dataset(s3, tmp_path, "pinned", shards=3)
+    here = read_manifest(local)
+    d = start_daemon(loaded=0)
+    res = smstore_cli("load", "--socket", os.fspath(d.sock), url)
+    assert res.returncode == 0, res.stderr
+    assert f"{url}: loaded 3 shards" in res.stdout
+    status = d.status()
+    assert sorted(seg["checksum"] for seg in status["segments"]) == sorted(s.checksum for s in here.shards)
+    assert status["metrics"]["held_wanted"] == 0  # pinned by the load, not held by a rank
+    proxy.seen.clear()
+    with smstore.open(url, socket=d.sock) as ds:  # every shard served: nothing fetched, no hold
+        assert [bytes(ds[i]) for i in range(len(ds))] == records
+    assert [s for s in proxy.seen if s.path.endswith(".smst")] == []
+    res = smstore_cli("unload", "--socket", os.fspath(d.sock), url)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.count("unloaded") == 3
+    assert d.status()["segments"] == []
+
+
+def test_smstore_serve_of_a_dataset_url_loads_every_shard_at_start(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    url, _records, local = bucket_dataset(s3, tmp_path, "atstart", shards=2)
+    here = read_manifest(local)
+    d = start_daemon(args=(url, "--require"), loaded=2)
+    assert sorted(seg["checksum"] for seg in d.status()["segments"]) == sorted(
+        s.checksum for s in here.shards
+    )
+    assert SECRET not in d.log.read_text()
+
+
+def test_a_blob_url_is_opened_once_loaded_and_said_how_before(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    url, records, local = bucket_dataset(s3, tmp_path, "oneblob", shards=2)
+    blob = read_manifest(local).shards[0]
+    blob_url = url + blob.path
+    d = start_daemon(loaded=0)
+    with pytest.raises(DaemonError, match=r"oneblob/part-.*\.smst.*smstore load"):
+        smstore.open(blob_url, socket=d.sock)
+    assert d.status()["segments"] == []  # nothing fetched for a reader that asked to open it
+    res = smstore_cli("load", "--socket", os.fspath(d.sock), blob_url)
+    assert res.returncode == 0, res.stderr
+    assert f"xxh64:{blob.checksum}" in res.stdout
+    with smstore.open(blob_url, socket=d.sock) as store:
+        assert [bytes(r) for r in store] == records[: blob.records]
+        assert store.checksum == blob.checksum
+
+
+def test_a_load_naming_a_url_checks_the_allow_list_and_the_checksum_it_names(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    url, _records, local = bucket_dataset(s3, tmp_path, "checked", shards=2)
+    here = read_manifest(local)
+    d = start_daemon(loaded=0)
+    proxy.seen.clear()
+    for bad in ("file:///etc/passwd", "gopher://example.com/x.smst"):
+        reply = ask(d.sock, {"op": "load", "path": bad})
+        assert (reply["ok"], reply["error"]) == (False, "bad_request"), reply
+    wrong = here.shards[1].checksum
+    reply = ask(d.sock, {"op": "load", "path": url + here.shards[0].path, "checksum": wrong})
+    assert reply["ok"] is False, reply
+    assert f"records {wrong}" in reply["message"]
+    assert "checked/part-" in reply["message"]
+    assert [s.range for s in proxy.seen] == ["bytes=0-4095"]  # its header only: nothing loaded
+    assert d.status()["segments"] == []
 
 
 def test_info_of_a_dataset_url_and_of_a_blob_url_reading_only_its_header(

@@ -18,8 +18,8 @@ from smstore.daemon.planner import Planner
 from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
 from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
 from smstore.remote.cache import NodeCache
-from smstore.remote.fetch import fetch
-from smstore.remote.urls import is_remote_url, parse_url
+from smstore.remote.fetch import HEADER, fetch, parse_header, read_range
+from smstore.remote.urls import RemoteURL, is_remote_url, parse_url
 
 __all__ = ["AlreadyLoaded", "Failed", "LoadResult", "Loaded", "Loader"]
 
@@ -207,12 +207,16 @@ class Loader:
         on a mismatch nothing is served and nothing cached (the error names the object).
         """
         u = parse_url(url)  # the scheme allow-list: the error names the URL, never a credential
-        if expected is None:
-            msg = f"{u}: an object is loaded only as a held shard of a manifest, which gives its checksum"
-            raise DaemonError(msg)
-        if expected in self.segments:
+        if expected is not None and expected in self.segments:
             return AlreadyLoaded(expected)
-        size = self.planner.size(url)
+        size = self.planner.remote_sizes.get(url)
+        if size is None or expected is None:
+            # Named alone ('smstore load URL', or 'smstore serve URL'): no manifest the daemon read
+            # gives its size, so its header does (one ranged GET); the checksum the loader names, if
+            # any, must be the header's.
+            expected, size = self._describe(u, expected)
+            if expected in self.segments:
+                return AlreadyLoaded(expected)
         if self.cache is not None:
             try:
                 # The entry open, so that another process evicting it meanwhile cannot fail the load.
@@ -249,6 +253,24 @@ class Loader:
             os.close(fd)
         self.fetched_bytes += result.bytes
         return Loaded(name, ro, expected, time.monotonic() - t0)
+
+    def _describe(self, u: RemoteURL, expected: str | None) -> tuple[str, int]:
+        """The checksum and size of the blob at `u`, from its header (one ranged GET of 4 KiB).
+
+        Raises:
+            StoreFormatError: Not an smstore blob.
+            StoreChangedError: It holds another checksum than `expected`.
+            RemoteError: The read failed (after retries).
+        """
+        head, _etag = read_range(u, 0, HEADER, stop=self.halt)
+        header = parse_header(head, None, str(u))  # the one header check (csrc/store.cpp)
+        if expected is not None and header.checksum != expected:
+            msg = (
+                f"{u}: holds checksum {header.checksum}, but its manifest records {expected}: it was re-packed "
+                "or replaced since its manifest was written; publish the dataset again"
+            )
+            raise StoreChangedError(msg)
+        return header.checksum, header.file_size
 
     def _load_file(self, path: str, expected: str | None) -> Loaded | AlreadyLoaded:
         checksum = read_checksum(path)

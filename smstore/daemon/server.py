@@ -28,9 +28,9 @@ from smstore._protocol import (
     dataset_arg,
     held_arg,
     hold_arg,
+    load_path_arg,
     manifest_value,
     page_arg,
-    path_arg,
     refusal,
 )
 from smstore.daemon.blocks import Blocks, parse_pieces
@@ -106,6 +106,25 @@ def claim_socket(sock_path: Path) -> None:
         probe.close()
     msg = f"another smstore daemon is already listening on {sock_path}; 'smstore stop' it first"
     raise DaemonError(msg)
+
+
+def load_path(f: str) -> str:
+    """A file given to load: its absolute path, or an object's URL as it is."""
+    return f if is_url(f) else os.fspath(Path(f).absolute())
+
+
+def check_url(url: str) -> None:
+    """Refuse a URL off the allow-list (the message names it, never a credential).
+
+    Raises:
+        ProtocolError: A scheme smstore does not fetch, or a malformed URL.
+    """
+    from smstore.remote.urls import parse_url
+
+    try:
+        parse_url(url)
+    except StoreError as e:
+        raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
 
 
 class Daemon(Server):
@@ -186,8 +205,9 @@ class Daemon(Server):
 
     # ---- setup and teardown -------------------------------------------------------------------
 
-    def start(self, files: list[str]) -> None:
-        """Claim the socket, adopt a dead predecessor's segments, listen, and queue `files`."""
+    def start(self, files: list[str], checksums: dict[str, str] | None = None) -> None:
+        """Claim the socket, adopt a dead predecessor's segments, listen, and queue `files` (paths,
+        or objects' URLs: `checksums` gives the one each of those must hold, as its manifest says)."""
         with contextlib.suppress(ValueError, OSError):
             _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -223,7 +243,8 @@ class Daemon(Server):
             self.exporter.start()
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
         for f in files:
-            self.serving.queue_load(os.fspath(Path(f).absolute()), None)
+            path = load_path(f)
+            self.serving.queue_load(path, None, expected=(checksums or {}).get(path))
 
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
@@ -314,11 +335,17 @@ class Daemon(Server):
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
-            path = path_arg(req, required=True)
+            path = load_path_arg(req, required=True)
             assert path is not None
-            self.serving.queue_load(path, cid)
+            if is_url(path):
+                # An object, pinned like a file until 'unload': the allow-list first (the owner's
+                # word, but never a scheme we do not fetch); the checksum its manifest records, if given.
+                check_url(path)
+                self.serving.queue_load(path, cid, expected=checksum_arg(req))
+            else:
+                self.serving.queue_load(path, cid)
         elif op == "unload":
-            self.serving.unload(cid, checksum_arg(req), path_arg(req, required=False))
+            self.serving.unload(cid, checksum_arg(req), load_path_arg(req, required=False))
         elif op == "share":
             self.serving.share(cid, conn, req)
         elif op in ("hold", "hold_blocks") and not self._manifest_ready(cid, req):
@@ -359,12 +386,7 @@ class Daemon(Server):
                 "the manifest was replaced in the bucket since; open the dataset again"
             )
             raise ProtocolError(BAD_REQUEST, msg)
-        from smstore.remote.urls import parse_url  # the allow-list, before any thread starts
-
-        try:
-            parse_url(manifest_file(url))
-        except StoreError as e:
-            raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+        check_url(manifest_file(url))  # the allow-list, before any thread starts
         if kept is not None:
             # Another dataset than the reader's under this URL: the bucket's manifest may have been
             # replaced since it was fetched. Fetched again (the shards' checksums guard the bytes either way).
@@ -443,7 +465,7 @@ class Daemon(Server):
         Raises:
             DaemonError: Naming each file that failed to load and why.
         """
-        paths = [os.fspath(Path(f).absolute()) for f in files]
+        paths = [load_path(f) for f in files]
         while not self.stopping and any(p in self.serving.loading for p in paths):
             self.run_once(0.5)
         whys = [(p, self.serving.failures[p]) for p in paths if p in self.serving.failures]
@@ -551,6 +573,7 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
 def serve(
     files: list[str],
     *,
+    checksums: dict[str, str] | None = None,
     sock: str | os.PathLike[str] | None = None,
     group: str | None = None,
     shm_limit: int = 0,
@@ -567,7 +590,9 @@ def serve(
 ) -> int:
     """Run the daemon in the foreground until stopped. Returns the exit status.
 
-    With `require`, a file of `files` that fails to load stops the daemon: `DaemonError` names
+    `files` are blobs' paths or objects' URLs (a URL's `checksums` entry, if any, is the checksum
+    its manifest records: a blob holding another is refused). With `require`, a file of `files`
+    that fails to load stops the daemon: `DaemonError` names
     the file and the fault (a launcher sees the exit status instead of a daemon serving less).
 
     With `background` (the default), the daemon's threads run under ``SCHED_BATCH``: a request
@@ -585,6 +610,7 @@ def serve(
     try:
         return _serve(
             files,
+            checksums=checksums,
             sock=sock,
             group=group,
             shm_limit=shm_limit,
@@ -609,6 +635,7 @@ def serve(
 def _serve(
     files: list[str],
     *,
+    checksums: dict[str, str] | None,
     sock: str | os.PathLike[str] | None,
     group: str | None,
     shm_limit: int,
@@ -649,7 +676,7 @@ def _serve(
     # Wakes select() when a signal arrives, so stopping never waits for the timeout.
     old_wakeup = signal.set_wakeup_fd(daemon.serving.loader.wake_w.fileno(), warn_on_full_buffer=False)
     try:
-        daemon.start(files)
+        daemon.start(files, checksums)
         if require:
             daemon.require(files)
         daemon.run()
