@@ -14,7 +14,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import check_socket_path, ensure_private_dir, process_alive, socket_path
-from smstore._manifest import is_manifest, read_manifest
+from smstore._manifest import is_manifest, is_url, read_manifest, read_remote_header
 from smstore._pack import human_bytes
 from smstore._store import read_checksum
 from smstore.client import daemon_request
@@ -90,6 +90,9 @@ def dataset_blobs(path: str) -> list[Blob]:
     if is_manifest(path):
         m = read_manifest(path)
         return [Blob(m.shard_path(k), s.file_size, s.checksum) for k, s in enumerate(m.shards)]
+    if is_url(path):  # one blob in object storage: its header (one ranged GET of 4 KiB)
+        header = read_remote_header(path)
+        return [Blob(path, header.file_size, header.checksum)]
     try:
         checksum = read_checksum(path)
         size = os.stat(path).st_size

@@ -232,9 +232,9 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return _parse(p, raw)
 
 
-def read_remote_checksum(url: str) -> str:
-    """The checksum in the header of the blob at `url`: one ranged GET of its first 4 KiB, checked
-    by the core's one header check.
+def read_remote_header(url: str) -> _core.BlobHeader:
+    """The header of the blob at `url` (its checksum, size, records): one ranged GET of its first
+    4 KiB, checked by the core's one header check.
 
     Raises:
         RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed.
@@ -243,7 +243,7 @@ def read_remote_checksum(url: str) -> str:
     from smstore.remote.fetch import HEADER, parse_header, read_range
 
     head, _etag = read_range(url, 0, HEADER)
-    return parse_header(head, None, url).checksum
+    return parse_header(head, None, url)
 
 
 def _read_remote(url: str) -> Manifest:

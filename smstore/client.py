@@ -21,7 +21,7 @@ from smstore._manifest import (
     is_manifest,
     is_url,
     read_manifest,
-    read_remote_checksum,
+    read_remote_header,
 )
 from smstore._modes import Mode, check_mode, fall_back, log_once, warn_once
 from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED, encode
@@ -706,7 +706,7 @@ def _open_remote_blob(url: str, sock_at: Path) -> Store:
     Raises:
         DaemonError: The daemon does not serve it (why, and how to load it).
     """
-    checksum = read_remote_checksum(url)
+    checksum = read_remote_header(url).checksum
     reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     if fd is None:
         conn.close()

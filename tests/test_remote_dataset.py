@@ -473,6 +473,9 @@ def test_a_blob_url_is_opened_once_loaded_and_said_how_before(
     res = smstore_cli("load", "--socket", os.fspath(d.sock), blob_url)
     assert res.returncode == 0, res.stderr
     assert f"xxh64:{blob.checksum}" in res.stdout
+    res = smstore_cli("wait", "--socket", os.fspath(d.sock), "--timeout", "60", blob_url)
+    assert res.returncode == 0, res.stderr
+    assert "served (1 blob(s)" in res.stdout
     with smstore.open(blob_url, socket=d.sock) as store:
         assert [bytes(r) for r in store] == records[: blob.records]
         assert store.checksum == blob.checksum
