@@ -11,6 +11,7 @@ imports the daemon or torch.
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import os
 import socket as socket_module
@@ -24,6 +25,10 @@ from smstore._manifest import absolute, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, warn_once
 from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, encode
 from smstore.errors import DaemonError, StoreChangedError
+
+# How long a reader's own hold may wait for its reply (the daemon fetching a dataset's manifest
+# first): as long as a reader waits for a load (client.LOAD_WAIT).
+HOLD_WAIT = 300.0
 
 __all__ = ["BlockReader", "BlockResidency", "Piece", "piece_id", "piece_path", "shard_block"]
 
@@ -181,21 +186,58 @@ class BlockReader:
             self.path,
             path,
         )
-        message = {
-            "op": "hold_blocks",
-            "manifest": self.path,
-            "dataset": self._dataset,
-            "pieces": f"{piece.shard}:{piece.first}:{piece.end}",
-        }
-        reply, fd = self._send(message, reply=True)
-        if fd is not None:
-            os.close(fd)
+        if self._conn is None:
+            try:
+                self._conn = connect(self.socket)
+            except DaemonError:
+                msg = (
+                    f"{path}: a shard in object storage is read through the node's daemon (smstore serve), "
+                    f"and none answers on {self.socket}"
+                )
+                raise DaemonError(msg) from None
+        reply = self._hold_piece(piece)
         error = reply.get("error")
         if not reply.get("ok") and error not in (None, PERMISSION_DENIED):
             raise DaemonError(
                 f"{path}: the smstore daemon on {self.socket} cannot serve it: {reply.get('message')}"
             )
-        return self._wait_for_remote(key, piece)
+        try:
+            return self._wait_for_remote(key, piece)
+        finally:
+            if reply.get("ok"):
+                # Held only until attached (the mapping keeps it; its pages count in the daemon's
+                # budget until detached): a hold kept would keep it resident ahead of the samplers'.
+                with contextlib.suppress(DaemonError):
+                    self._hold_piece(None)
+
+    def _hold_piece(self, piece: Piece | None) -> dict[str, Any]:
+        """Hold `piece` for this reader (None: nothing): the daemon's reply, which waits for it to
+        fetch the manifest of a dataset in object storage (up to ``HOLD_WAIT`` seconds).
+
+        Raises:
+            DaemonError: The exchange failed or timed out (the connection is dropped).
+        """
+        message = {
+            "op": "hold_blocks",
+            "manifest": absolute(self.path),
+            "pieces": "" if piece is None else f"{piece.shard}:{piece.first}:{piece.end}",
+        }
+        if is_url(self.path):
+            message["dataset"] = self._dataset
+        if self._conn is None:
+            self._conn = connect(self.socket)
+        conn = self._conn
+        conn.settimeout(HOLD_WAIT)
+        try:
+            reply, fd = exchange(conn, message, self.socket)
+        except DaemonError as e:
+            conn.close()
+            self._conn = None
+            raise DaemonError(f"{self.path}: holding a block for a reader: {e}") from None
+        conn.settimeout(10.0)
+        if fd is not None:
+            os.close(fd)
+        return reply
 
     def _wait_for_remote(self, key: str, piece: Piece) -> _core.Store:
         """The piece of a shard in object storage, once the daemon serves it.
@@ -241,6 +283,11 @@ class BlockReader:
         reply, fd = self._send({"op": "attach", "checksum": key, "path": path}, reply=True)
         if fd is None:
             if reply.get("error", reply.get("code")) not in (None, NOT_SERVED):
+                if not is_url(path):  # busy, or not ours to use: the file is read instead
+                    if self._conn is not None:
+                        self._conn.close()
+                        self._conn = None
+                    return None, None
                 raise DaemonError(f"{path}: the smstore daemon refused: {reply.get('message', reply)}")
             reason = reply.get("reason")
             return None, reason if isinstance(reason, str) else None

@@ -830,7 +830,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    from smstore._manifest import is_url
+    from smstore._manifest import absolute, is_manifest, is_url
     from smstore._protocol import checksum_in
     from smstore._store import read_checksum
     from smstore.client import daemon_request
@@ -838,13 +838,16 @@ def cmd_unload(args: argparse.Namespace) -> int:
     status = 0
     targets: list[tuple[str, str | None]] = []
     for target in args.targets:
+        if not is_manifest(target):  # a blob's path or URL, or a checksum: as given
+            targets.append((target, None))
+            continue
         try:
             targets += _blob_files(target)
         except StoreError as e:
             print(f"smstore unload: {target}: {e}", file=sys.stderr)
             status = 1
     for target, known in targets:
-        msg: dict[str, Any] = {"op": "unload", "path": target}
+        msg: dict[str, Any] = {"op": "unload", "path": absolute(target)}
         checksum = known
         if checksum is None and not is_url(target):
             try:

@@ -21,13 +21,13 @@ from smstore._manifest import (
     is_manifest,
     is_url,
     read_manifest,
-    read_remote_header,
 )
 from smstore._modes import Mode, check_mode, fall_back, log_once, warn_once
+from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
 from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
-from smstore.errors import DaemonError, RemoteURLError, StoreChangedError
+from smstore.errors import DaemonError, RemoteURLError, StoreChangedError, StoreFormatError
 
 __all__ = [
     "DaemonSession",
@@ -109,6 +109,28 @@ def keep_attached(holder: Any) -> None:
 LOAD_WAIT = 300.0
 
 
+class DaemonObjectStore(DecodedItems, DaemonStore):
+    """The daemon's copy of a blob of objects (:func:`smstore.open` of a blob URL): items decoded
+    as :class:`smstore.ObjectStore`'s, ``raw(i)`` the record's bytes."""
+
+    _raw = _core.Store
+
+    def __init__(
+        self,
+        fd: int,
+        path: str,
+        info: dict[str, Any],
+        conn: socket.socket | None,
+        session: DaemonSession | None = None,
+    ) -> None:
+        DaemonStore.__init__(self, fd, path, info, conn, session)
+        decoder = object_decoder(self.encoding)
+        if decoder is None:  # only made for a blob of objects
+            self.close()
+            raise StoreFormatError(f"{path}: records are encoded as {self.encoding!r}, not as objects")
+        self._decode = decoder
+
+
 class DaemonSession:
     """One connection to the daemon for many attaches: the shards of one dataset in one process.
 
@@ -140,14 +162,23 @@ class DaemonSession:
             message["path"] = path if is_url(path) else os.path.abspath(path)
         return self.ask(message, LOAD_WAIT if path is not None else 10.0)
 
-    def hold_shard(self, manifest: Manifest, index: int) -> dict[str, Any]:
-        """Hold shard `index` of `manifest` for this process (replacing what it held before): the
-        daemon's reply, once it has the manifest (fetched first, for a dataset in object storage).
+    def hold_shard(self, manifest: Manifest, index: int | None) -> dict[str, Any]:
+        """Hold shard `index` of `manifest` for this process (replacing what it held before; None:
+        nothing): the daemon's reply, once it has the manifest (fetched first, for a dataset in
+        object storage).
 
         Raises:
             DaemonError: No daemon answers, or the exchange failed.
         """
-        message: dict[str, Any] = {"op": "hold", "manifest": manifest.path, "shards": str(int(index))}
+        shards = "" if index is None else str(int(index))
+        # "reader": apart from the samplers' holds (loaded after them, never listed to the readers
+        # that follow the holds: those unmap the shards no sampler holds).
+        message: dict[str, Any] = {
+            "op": "hold",
+            "manifest": absolute(manifest.path),
+            "shards": shards,
+            "reader": True,
+        }
         if is_url(manifest.path):
             message["dataset"] = manifest.checksum
         reply, fd = self.ask(message, LOAD_WAIT)
@@ -365,7 +396,7 @@ def open_url(
             not serve the blob.
         RemoteURLError, RemoteError: A URL smstore will not fetch, or a read failed.
     """
-    store: Store | ShardedStore = _open(url, "daemon", socket, raw=raw)
+    store: Store | ShardedStore = _open(url, "daemon", socket, raw=raw, decode_blob=not raw)
     if verify:
         try:
             store.verify()
@@ -466,11 +497,14 @@ def _open(
     manifest: Manifest | None = None,
     *,
     raw: bool = False,
+    decode_blob: bool = False,
 ) -> Any:
+    """`raw`: a sharded dataset of objects opens undecoded; `decode_blob`: a blob URL of objects
+    opens decoded (smstore.open's rule; open_store's, as for a local blob: raw)."""
     mode = check_mode(mode)
     spath = os.fspath(path)
     if is_url(spath):
-        return _open_remote(spath, mode, socket, manifest, raw=raw)
+        return _open_remote(spath, mode, socket, manifest, raw=raw, decode_blob=decode_blob)
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
     if mode == "mmap":
@@ -680,6 +714,7 @@ def _open_remote(
     manifest: Manifest | None,
     *,
     raw: bool = False,
+    decode_blob: bool = False,
 ) -> Store | ShardedStore:
     """A sharded dataset in object storage: its manifest fetched here, its shards attached from the daemon."""
     if mode == "mmap":
@@ -692,34 +727,42 @@ def _open_remote(
     except DaemonError as e:
         raise DaemonError(f"{url}: {_THROUGH_THE_DAEMON}; {e}") from None
     if not is_manifest(url):
-        return _open_remote_blob(url, sock_at)
+        return _open_remote_blob(url, sock_at, decode=decode_blob)
     return _open_sharded(
         url, "daemon", socket, manifest if manifest is not None else read_manifest(url), raw=raw
     )
 
 
-def _open_remote_blob(url: str, sock_at: Path) -> Store:
+def _open_remote_blob(url: str, sock_at: Path, *, decode: bool = False) -> Store:
     """One blob in object storage (``s3://bucket/x.smst``): the daemon's copy, which it holds once
-    the owner loaded it (``smstore load URL``, or ``smstore serve URL``). Its header (one ranged
-    GET of 4 KiB) gives the checksum to attach by.
+    the owner loaded it (``smstore load URL``, or ``smstore serve URL``), attached by its URL (this
+    process fetches nothing). With `decode`, a blob of objects decodes its items
+    (:class:`DaemonObjectStore`).
 
     Raises:
         DaemonError: The daemon does not serve it (why, and how to load it).
     """
-    checksum = read_remote_header(url).checksum
-    reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
+    reply, fd, conn = request({"op": "attach", "path": url}, sock_at, timeout=10.0)
     if fd is None:
         conn.close()
-        why = reply.get("message", reply)
+        hint = (
+            ""
+            if url.endswith(".smst")
+            else " (a dataset's URL ends in '/', naming its prefix, or in '.json', naming its manifest)"
+        )
         msg = (
             f"{url}: a blob in object storage is read from the node daemon's copy, and the daemon on "
-            f"{sock_at} does not serve it ({why}): load it first ('smstore load {url}'), or read a "
-            "sharded dataset, whose shards the samplers hold"
+            f"{sock_at} does not serve it ({reply.get('message', reply)}): load it first "
+            f"('smstore load {url}'){hint}"
         )
         raise DaemonError(msg)
     try:
         conn.settimeout(None)
         store = DaemonStore(fd, url, reply, conn, None)
+        if decode and store.encoding in OBJECT_ENCODINGS:
+            store._conn = None  # handed over, with the fd, to the decoding store
+            store.close()
+            store = DaemonObjectStore(fd, url, reply, conn, None)
     except BaseException:
         conn.close()
         raise
@@ -824,7 +867,15 @@ def _fetch_for_reader(
     if not reply.get("ok"):
         msg = f"{url}: the smstore daemon on {session.path} cannot serve it: {reply.get('message', reply)}"
         raise DaemonError(msg)
-    reply, fd = session.attach(checksum, url)  # waits for the load the hold started
+    try:
+        reply, fd = session.attach(checksum, url)  # waits for the load the hold started
+    finally:
+        # Held only until attached: the mapping keeps the segment (the daemon counts its pages in
+        # its budget until this process detaches it), and a hold kept would keep it resident for
+        # the rest of the run, ahead of the samplers' next windows. With a reply: a refusal sent
+        # to a hold without one would be read as the answer to this session's next request.
+        with contextlib.suppress(DaemonError):
+            session.hold_shard(manifest, None)
     if _not_yet_served(reply, fd):  # released again at once (the owner unloaded it, say)
         return _wait_for_remote(session, checksum, url)
     return reply, fd
@@ -866,6 +917,8 @@ def _attach(
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:
+        if is_url(spath):  # no file to fall back on: whatever the mode, the reader hears why
+            raise DaemonError(f"{spath}: {e}") from None
         fall_back(mode, spath, str(e), sock_at, "file")
         return Store(spath)
     if not reply.get("ok") or fd is None:
@@ -882,6 +935,8 @@ def _attach(
             reason = f"the smstore daemon on {sock_at} does not serve this file: {reply.get('message')}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
+        if is_url(spath):
+            raise DaemonError(f"{spath}: {reason}")
         fall_back(mode, spath, reason, sock_at, "file")
         return Store(spath)
     try:

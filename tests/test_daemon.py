@@ -605,6 +605,27 @@ def test_hostile_messages(blob: tuple[Path, list[bytes]], start_daemon: Callable
 # ---- lifetime ----------------------------------------------------------------------------------
 
 
+def test_unload_by_checksum_as_given(
+    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """'smstore unload xxh64:...' names no file: the checksum is sent as given (it was once made
+    into a path under the working directory, and nothing was unloaded)."""
+    path, _recs = blob
+    d = start_daemon(path)
+    checksum = d.status()["segments"][0]["checksum"]
+    res = subprocess.run(
+        [sys.executable, "-m", "smstore", "unload", "--socket", os.fspath(d.sock), f"xxh64:{checksum}"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert res.returncode == 0, res.stderr
+    assert f"xxh64:{checksum}: unloaded" in res.stdout
+    assert d.status()["segments"] == []
+
+
 def test_unload_while_mapped(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
     path, recs = blob
     d = start_daemon(path)

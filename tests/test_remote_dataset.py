@@ -303,13 +303,42 @@ def test_a_reader_of_a_dataset_url_no_sampler_holds_gets_every_record_fetched_fo
     assert "smstore load" in warned[0]
     m = d.status()["metrics"]
     assert m["cache_misses"] == 3  # each shard fetched from the bucket once
+    # Held only until attached: nothing stays held for the reader (its hold kept a shard resident
+    # for the rest of a run, ahead of the samplers' windows).
+    assert m["held_wanted"] == 0
+
+
+def test_a_reader_of_a_local_manifest_of_url_shards_named_relatively_holds_them_by_its_absolute_path(
+    s3: S3,
+    proxy: FaultProxy,
+    tmp_path: Path,
+    start_daemon: Callable[..., Daemon],
+    short_remote_wait: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    manifest, data, _checksums = remote_dataset(s3, tmp_path, "relative", shards=2)
+    d = start_daemon(loaded=0)
+    monkeypatch.chdir(tmp_path)
+    ds = smstore.open_store(os.path.relpath(manifest, tmp_path), mode="daemon", socket=d.sock)
+    try:
+        first = bytes(ds[0])
+    finally:
+        ds.close()
+    with smstore.open(tmp_path / "relative-local") as here:
+        assert first == bytes(here[0])
+    assert len(data) == 2
+    reader = BlockReader(os.path.relpath(manifest, tmp_path), block=300, socket=os.fspath(d.sock))
+    try:
+        assert reader[0] == first
+    finally:
+        reader.close()
 
 
 def test_a_forked_worker_reading_a_dataset_url_no_sampler_holds_reads_every_record(
     s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon], short_remote_wait: None
 ) -> None:
     torch = pytest.importorskip("torch")
-    url, records, _local = bucket_dataset(s3, tmp_path, "plain", shards=3)
+    url, records, local = bucket_dataset(s3, tmp_path, "plain", shards=3)
     d = start_daemon(loaded=0)
     ds = smstore.SharedStoreDataset(url, decode="bytes", socket=d.sock)
     loader = torch.utils.data.DataLoader(
@@ -324,6 +353,10 @@ def test_a_forked_worker_reading_a_dataset_url_no_sampler_holds_reads_every_reco
         assert sorted(r for batch in loader for r in batch) == sorted(records)
     finally:
         ds.store.close()
+    # Each worker fetched each shard at most once: a reader's own hold is no window the others
+    # follow (they unmapped every shard but the one held, and fetched it again: 2,500 fetches).
+    total = sum(s.file_size for s in read_manifest(local).shards)
+    assert d.status()["metrics"]["fetched_bytes"] <= 2 * total
 
 
 def test_a_reader_whose_own_hold_is_refused_gets_the_daemons_reason_at_once(
@@ -479,6 +512,23 @@ def test_a_blob_url_is_opened_once_loaded_and_said_how_before(
     with smstore.open(blob_url, socket=d.sock) as store:
         assert [bytes(r) for r in store] == records[: blob.records]
         assert store.checksum == blob.checksum
+
+
+def test_a_blob_url_of_objects_opens_decoded_unless_raw(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    objects = [{"id": i, "text": "x" * (i % 13)} for i in range(200)]
+    local = tmp_path / "objects.smst"
+    smstore.pack_objects(objects, local)
+    blob_url = s3.put("objects/objects.smst", local.read_bytes())
+    d = start_daemon(loaded=0)
+    res = smstore_cli("load", "--socket", os.fspath(d.sock), blob_url)
+    assert res.returncode == 0, res.stderr
+    with smstore.open(blob_url, socket=d.sock) as store:
+        assert list(store) == objects
+        assert store[7] == objects[7]
+    with smstore.open(blob_url, socket=d.sock, raw=True) as raw, smstore.open(local, raw=True) as here:
+        assert [bytes(r) for r in raw] == [bytes(r) for r in here]
 
 
 def test_a_load_naming_a_url_checks_the_allow_list_and_the_checksum_it_names(

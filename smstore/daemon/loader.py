@@ -215,6 +215,9 @@ class Loader:
             # gives its size, so its header does (one ranged GET); the checksum the loader names, if
             # any, must be the header's.
             expected, size = self._describe(u, expected)
+            # Counted in the budget from now on while it loads (the planner reads it on the event
+            # loop; one dict store, which no one iterates).
+            self.planner.remote_sizes[url] = size
             if expected in self.segments:
                 return AlreadyLoaded(expected)
         if self.cache is not None:

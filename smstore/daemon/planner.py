@@ -138,6 +138,10 @@ class Planner:
         self._release = release
         # What each connection (a rank's sampler) holds, in the order to load it.
         self.holds: dict[int, list[tuple[str, str]]] = {}
+        # What a reader holds for itself (a shard in object storage no sampler held when it read
+        # it), until it attached it: loaded after every sampler's shards, and never listed to the
+        # readers that follow the holds ('held'), whose windows it is not part of.
+        self.reader_holds: dict[int, list[tuple[str, str]]] = {}
         # Segments loaded for holds (dropped when no connection holds them).
         self.managed: set[str] = set()
         # Adopted segments a dead predecessor had loaded for holds, not held again since: kept for
@@ -185,8 +189,12 @@ class Planner:
 
     # ---- holds ----------------------------------------------------------------------------------
 
-    def hold(self, cid: int, manifest_path: str, indices: list[int]) -> list[tuple[str, str]]:
+    def hold(
+        self, cid: int, manifest_path: str, indices: list[int], *, reader: bool = False
+    ) -> list[tuple[str, str]]:
         """Replace what connection `cid` holds with shards `indices` of a manifest; the (path, checksum) held.
+
+        `reader`: a reader's hold for itself (see ``reader_holds``), apart from a sampler's.
 
         Raises:
             ProtocolError: The manifest or an index is bad, a shard is larger than the whole
@@ -217,21 +225,24 @@ class Planner:
             why = self.failed(path, checksum)
             if why is not None:
                 raise ProtocolError(LOAD_FAILED, f"a held shard cannot be loaded: {why}")
+        holds = self.reader_holds if reader else self.holds
         if shards:
-            self.holds[cid] = shards
+            holds[cid] = shards
         else:
-            self.holds.pop(cid, None)
+            holds.pop(cid, None)
         return shards
 
-    def wanted(self) -> dict[str, str]:
-        """Checksum -> path of every held shard, in priority order (each holder's order, merged)."""
+    def wanted(self, *, readers: bool = True) -> dict[str, str]:
+        """Checksum -> path of every held shard, in priority order (each sampler's order, merged;
+        then, with `readers`, what readers hold for themselves)."""
         wanted: dict[str, str] = {}
-        lists = list(self.holds.values())
-        for depth in range(max((len(h) for h in lists), default=0)):
-            for held in lists:
-                if depth < len(held):
-                    path, checksum = held[depth]
-                    wanted.setdefault(checksum, path)
+        for holds in (self.holds, self.reader_holds) if readers else (self.holds,):
+            lists = list(holds.values())
+            for depth in range(max((len(h) for h in lists), default=0)):
+                for held in lists:
+                    if depth < len(held):
+                        path, checksum = held[depth]
+                        wanted.setdefault(checksum, path)
         return wanted
 
     def plan(self, loading: Collection[str]) -> Plan:
@@ -315,7 +326,9 @@ class Planner:
     def disconnect(self, cid: int) -> bool:
         """Connection `cid` closed: its holds and mappings go. True if the holds must be planned again."""
         freed = [self.unmapped(cid, checksum) for checksum in list(self.released)]
-        return self.holds.pop(cid, None) is not None or any(freed)
+        held = self.holds.pop(cid, None) is not None
+        held = self.reader_holds.pop(cid, None) is not None or held
+        return held or any(freed)
 
     # ---- segments coming and going --------------------------------------------------------------
 
@@ -355,9 +368,8 @@ class Planner:
         for_hold = self.hold_loads.pop(path, None) is not None
         self.backoff.succeeded(path)
         fresh = checksum not in self.segments
-        if any(path in (p for p, _ in held) for held in self.holds.values()) or (
-            for_hold and fresh and not asked
-        ):
+        holders = (*self.holds.values(), *self.reader_holds.values())
+        if any(path in (p for p, _ in held) for held in holders) or (for_hold and fresh and not asked):
             self.managed.add(checksum)
 
     # ---- questions readers ask ------------------------------------------------------------------

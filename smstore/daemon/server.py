@@ -351,7 +351,9 @@ class Daemon(Server):
         elif op in ("hold", "hold_blocks") and not self._manifest_ready(cid, req):
             return  # served again once the daemon has fetched the manifest
         elif op == "hold":
-            self.serving.hold(cid, *hold_arg(req), reply=req.get("noreply") is not True)
+            self.serving.hold(
+                cid, *hold_arg(req), reply=req.get("noreply") is not True, reader=req.get("reader") is True
+            )
         elif op == "hold_blocks":
             resident = self.blocks.hold(
                 cid, manifest_value(req.get("manifest")), parse_pieces(req.get("pieces"))

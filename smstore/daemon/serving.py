@@ -227,6 +227,10 @@ class Serving:
         else:
             seg = self.segments.get(checksum) if checksum is not None else None
         path = attach_path_arg(req)
+        if seg is None and key is None and checksum is None and path is not None and not path.startswith("/"):
+            # A URL (attach_path_arg's other kind is an absolute path): an object loaded by its
+            # URL ('smstore load URL'), attached by it (the reader fetches nothing to learn its checksum).
+            seg = self.segments.serving(path)
         if (
             seg is None
             and path is not None
@@ -246,20 +250,22 @@ class Serving:
             )
             if why is None and path is not None:
                 why = self.piece_failure(path) or self.failures.get(path)  # a block piece's
-            self.server.reply(cid, not_served(str(key or checksum), why))
+            self.server.reply(cid, not_served(str(key or checksum or path), why))
             return
         self._attach(cid, conn, seg)
 
     # ---- residency: the planner decides, the server replies and queues ------------------------
 
-    def hold(self, cid: int, manifest_path: str, indices: list[int], *, reply: bool) -> None:
+    def hold(
+        self, cid: int, manifest_path: str, indices: list[int], *, reply: bool, reader: bool = False
+    ) -> None:
         """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
 
         The reply comes at once (none with ``"noreply": true``, unless the request is refused):
         loads run in the background, in the order given (the window being read first, then the
         next). A shard larger than the whole --shm-limit is refused here.
         """
-        shards = self.planner.hold(cid, manifest_path, indices)
+        shards = self.planner.hold(cid, manifest_path, indices, reader=reader)
         if reply:
             resident = [ck for _p, ck in shards if ck in self.segments]
             self.server.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
@@ -333,7 +339,7 @@ class Serving:
         if not self._held_stale:
             return
         self._held_stale = False
-        wanted = self.planner.wanted()
+        wanted = self.planner.wanted(readers=False)  # a reader's own hold is no window to follow
         seen = ([[p, c] for c, p in wanted.items()], [c for c in wanted if c not in self.segments])
         if seen != self._held_seen:
             self._held_seen = seen
