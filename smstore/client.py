@@ -115,19 +115,13 @@ class DaemonObjectStore(DecodedItems, DaemonStore):
 
     _raw = _core.Store
 
-    def __init__(
-        self,
-        fd: int,
-        path: str,
-        info: dict[str, Any],
-        conn: socket.socket | None,
-        session: DaemonSession | None = None,
-    ) -> None:
-        DaemonStore.__init__(self, fd, path, info, conn, session)
+    def __init__(self, *args: Any) -> None:  # DaemonStore's
+        DaemonStore.__init__(self, *args)
         decoder = object_decoder(self.encoding)
         if decoder is None:  # only made for a blob of objects
+            label, encoding = self.path, self.encoding
             self.close()
-            raise StoreFormatError(f"{path}: records are encoded as {self.encoding!r}, not as objects")
+            raise StoreFormatError(f"{label}: records are encoded as {encoding!r}, not as objects")
         self._decode = decoder
 
 
