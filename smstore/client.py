@@ -156,15 +156,14 @@ class DaemonSession:
             message["path"] = path if is_url(path) else os.path.abspath(path)
         return self.ask(message, LOAD_WAIT if path is not None else 10.0)
 
-    def hold_shard(self, manifest: Manifest, index: int | None) -> dict[str, Any]:
-        """Hold shard `index` of `manifest` for this process (replacing what it held before; None:
-        nothing): the daemon's reply, once it has the manifest (fetched first, for a dataset in
-        object storage).
+    def hold_shard(self, manifest: Manifest, index: int) -> dict[str, Any]:
+        """Hold shard `index` of `manifest` for this process (replacing what it held before): the
+        daemon's reply, once it has the manifest (fetched first, for a dataset in object storage).
 
         Raises:
             DaemonError: No daemon answers, or the exchange failed.
         """
-        shards = "" if index is None else str(int(index))
+        shards = str(int(index))
         # "reader": apart from the samplers' holds (loaded after them, never listed to the readers
         # that follow the holds: those unmap the shards no sampler holds).
         message: dict[str, Any] = {
@@ -855,21 +854,18 @@ def _fetch_for_reader(
         url,
         manifest.path,
     )
-    reply = session.hold_shard(manifest, k)
-    if reply.get("error") == PERMISSION_DENIED:
-        return _wait_for_remote(session, checksum, url)  # the owner's samplers hold for us
-    if not reply.get("ok"):
-        msg = f"{url}: the smstore daemon on {session.path} cannot serve it: {reply.get('message', reply)}"
-        raise DaemonError(msg)
-    try:
+    with session.lock:  # the hold and the attach together: another thread's hold would replace it
+        reply = session.hold_shard(manifest, k)
+        if reply.get("error") == PERMISSION_DENIED:
+            return _wait_for_remote(session, checksum, url)  # the owner's samplers hold for us
+        if not reply.get("ok"):
+            msg = (
+                f"{url}: the smstore daemon on {session.path} cannot serve it: {reply.get('message', reply)}"
+            )
+            raise DaemonError(msg)
+        # Held until this process holds another shard so, or closes: planned after the samplers'
+        # shards, and released first when one of theirs needs the room.
         reply, fd = session.attach(checksum, url)  # waits for the load the hold started
-    finally:
-        # Held only until attached: the mapping keeps the segment (the daemon counts its pages in
-        # its budget until this process detaches it), and a hold kept would keep it resident for
-        # the rest of the run, ahead of the samplers' next windows. With a reply: a refusal sent
-        # to a hold without one would be read as the answer to this session's next request.
-        with contextlib.suppress(DaemonError):
-            session.hold_shard(manifest, None)
     if _not_yet_served(reply, fd):  # released again at once (the owner unloaded it, say)
         return _wait_for_remote(session, checksum, url)
     return reply, fd

@@ -1031,10 +1031,9 @@ def test_a_reader_of_a_url_shard_ahead_of_its_samplers_hold_holds_it_itself_and_
 ) -> None:
     """A worker may read a shard of the next window before its sampler's hold (sent from the
     sampler's thread, without waiting) reaches the daemon. A local shard would be read from its
-    file; one in object storage has none: the reader holds it itself until it attached it (seen
-    under load in the windowed epoch above: first "does not serve this file", then a reader waiting
-    for a hold its sampler's lag had already released). The sampler's hold arriving after the
-    reader let go loads it again (from the node cache, where there is one)."""
+    file; one in object storage has none: the reader holds it itself (seen under load in the
+    windowed epoch above: first "does not serve this file", then a reader waiting for a hold its
+    sampler's lag had already released), and the sampler's hold arriving after finds it loaded."""
     monkeypatch.setattr(smstore._ipc, "REMOTE_WAIT", 20.0)  # a reader that waits gives up, not hangs
     manifest, data, _checksums = remote_dataset(s3, tmp_path, "early", shards=2)
     local = smstore.open(tmp_path / "early-local")
@@ -1045,13 +1044,11 @@ def test_a_reader_of_a_url_shard_ahead_of_its_samplers_hold_holds_it_itself_and_
     rank = None
     try:
         assert bytes(ds[0]) == first  # no rank holds shard 0 yet
-        m = d.status()["metrics"]
-        assert m["fetched_bytes"] == len(data[0])  # fetched for the reader
-        assert m["held_wanted"] == 0  # and held only until it attached it
         rank, reply = hold(d.sock, manifest, [0])  # the sampler's hold, late
-        assert (reply["ok"], reply["held"]) == (True, 1), reply
-        tl.wait_status(d, lambda st: len(st["segments"]) == 1)
+        assert (reply["ok"], reply["resident"], reply["held"]) == (True, 1, 1), reply
         assert bytes(ds[1]) == second
+        m = d.status()["metrics"]
+        assert m["fetched_bytes"] == len(data[0])  # fetched once, for the reader
     finally:
         ds.close()
         if rank is not None:

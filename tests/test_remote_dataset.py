@@ -303,9 +303,36 @@ def test_a_reader_of_a_dataset_url_no_sampler_holds_gets_every_record_fetched_fo
     assert "smstore load" in warned[0]
     m = d.status()["metrics"]
     assert m["cache_misses"] == 3  # each shard fetched from the bucket once
-    # Held only until attached: nothing stays held for the reader (its hold kept a shard resident
-    # for the rest of a run, ahead of the samplers' windows).
-    assert m["held_wanted"] == 0
+    assert m["held_wanted"] == 0  # a reader's own hold is none of the ranks' windows
+
+
+def test_a_shard_a_reader_holds_for_itself_makes_room_for_a_samplers_shard(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon], short_remote_wait: None
+) -> None:
+    """A reader's own hold stays (no fetch again while there is room) but never keeps a sampler's
+    shard out: under a budget of two shards, the rank's hold of two others releases it (its pages
+    count until the reader unmaps it), and both load once it does."""
+    url, records, local = bucket_dataset(s3, tmp_path, "roomy", shards=3)
+    shards = read_manifest(local).shards
+    budget = 2 * max(-(-s.file_size // 4096) * 4096 for s in shards)
+    d = start_daemon(args=("--shm-limit", str(budget)), loaded=0)
+    ds = smstore.open_store(url, mode="daemon", socket=d.sock)
+    rank = None
+    try:
+        assert bytes(ds[0]) == records[0]  # shard 0, held by the reader for itself
+        assert [seg["checksum"] for seg in d.status()["segments"]] == [shards[0].checksum]
+        rank, reply = hold(d.sock, url, [1, 2], dataset=read_manifest(url).checksum)
+        assert reply["ok"] is True, reply
+        tl.wait_status(d, lambda st: shards[1].checksum in {seg["checksum"] for seg in st["segments"]})
+        status = d.status()
+        assert shards[0].checksum not in {seg["checksum"] for seg in status["segments"]}  # released for room
+        ds.release_shard(0)  # the reader unmaps it: its pages are room now
+        tl.wait_status(d, lambda st: len(st["segments"]) == 2)
+        assert {seg["checksum"] for seg in d.status()["segments"]} == {shards[1].checksum, shards[2].checksum}
+    finally:
+        ds.close()
+        if rank is not None:
+            rank.close()
 
 
 def test_a_reader_of_a_local_manifest_of_url_shards_named_relatively_holds_them_by_its_absolute_path(

@@ -139,8 +139,9 @@ class Planner:
         # What each connection (a rank's sampler) holds, in the order to load it.
         self.holds: dict[int, list[tuple[str, str]]] = {}
         # What a reader holds for itself (a shard in object storage no sampler held when it read
-        # it), until it attached it: loaded after every sampler's shards, and never listed to the
-        # readers that follow the holds ('held'), whose windows it is not part of.
+        # it; the last one it read so): loaded after every sampler's shards, released first when a
+        # sampler's shard needs room, and never listed to the readers that follow the holds
+        # ('held'), whose windows it is not part of.
         self.reader_holds: dict[int, list[tuple[str, str]]] = {}
         # Segments loaded for holds (dropped when no connection holds them).
         self.managed: set[str] = set()
@@ -252,6 +253,7 @@ class Planner:
         """
         plan = Plan()
         wanted = self.wanted()
+        samplers = self.wanted(readers=False)
         claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
         self.unloaded &= wanted.keys()  # unloaded shards are loaded again once a hold names them anew
         self.unclaimed -= claimed
@@ -279,11 +281,20 @@ class Planner:
                 size = self.size(path)
             except OSError:
                 continue  # the load would fail: the reader falls back to (and reports) the file
-            while not full and not self.fits(size, used) and self.unclaimed:
-                # Room for a held shard comes first: the oldest unclaimed adopted segment goes.
-                seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
+            while not full and not self.fits(size, used):
+                # Room for a held shard comes first: the oldest unclaimed adopted segment goes,
+                # then (for a sampler's shard) the oldest that only readers hold for themselves.
+                if self.unclaimed:
+                    seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
+                elif checksum in samplers and (spare := self._readers_only(samplers)):
+                    seg = min(spare, key=lambda s: s.loaded_at)
+                    self._drop_reader_holds(seg.checksum)
+                else:
+                    break
+                before = self.released_pages
                 plan.released.append(self.release(seg))
-                used -= pages(seg.size)
+                # Its pages are room now unless a reader of the owner still maps them.
+                used -= pages(seg.size) - (self.released_pages - before)
             if full or not self.fits(size, used):
                 full = True  # later shards wait until earlier ones are released
                 self.waiting_room.add(path)
@@ -292,6 +303,21 @@ class Planner:
             self.hold_loads[path] = checksum
             plan.loads.append((path, checksum))
         return plan
+
+    def _readers_only(self, samplers: dict[str, str]) -> list[Segment]:
+        """The resident segments that only readers hold for themselves (no sampler holds them)."""
+        held = {ck for holds in self.reader_holds.values() for _p, ck in holds}
+        return [self.segments[ck] for ck in held - samplers.keys() if ck in self.segments]
+
+    def _drop_reader_holds(self, checksum: str) -> None:
+        """Readers no longer hold `checksum` for themselves (released for a sampler's room: they
+        map it, and one that reads it again after unmapping it holds it again)."""
+        for cid, held in list(self.reader_holds.items()):
+            kept = [(p, c) for p, c in held if c != checksum]
+            if kept:
+                self.reader_holds[cid] = kept
+            else:
+                del self.reader_holds[cid]
 
     def release(self, seg: Segment) -> str:
         """Stop serving a held segment no rank holds; its pages count until every owner's reader unmaps it."""

@@ -553,7 +553,7 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
     """Every metric's value now (keys of `smstore.daemon.metrics.METRICS`): status's ``metrics`` section."""
     available, _total = shm if shm is not None else _core.shm_space(os.fspath(SHM_DIR))
     planner = daemon.serving.planner
-    wanted = planner.wanted()
+    wanted = planner.wanted(readers=False)  # what the ranks hold (a reader's own hold is no window)
     remote = daemon.serving.loader.remote_values()
     remote["fetched_bytes"] += daemon.blocks.fetched_bytes  # blocks of shards in object storage
     return {
