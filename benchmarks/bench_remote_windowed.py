@@ -10,7 +10,8 @@ benchmark stops at once and says so.
 The epoch is bench_windowed.py's (its functions, unchanged: R=2 ranks x K=2 workers,
 `WindowedShuffleSampler` with the window `window_for(budget)` gives, every batch wait timed, data
 memory sampled as the system's shared memory over its value before the daemon started), over a
-dataset 3x the budget that lives in a bucket of benchmarks/_s3limit.py, run in its own process:
+dataset 6x the budget (14 windows: 208 switch batches, so that their p99 is no single batch's
+wait) that lives in a bucket of benchmarks/_s3limit.py, run in its own process:
 an S3 GET/HEAD server that reads only the ranges asked for, with a token bucket per connection
 (`--conn-rate`, default 150 MB/s, as real S3 gives one connection) and one for all of them
 (`--total-rate`, default 100 MB/s: the node's share of the network, and the rate the local
@@ -123,7 +124,7 @@ def epoch_rows(
 
 def bench(report: Report, tmp: Path, args: argparse.Namespace) -> None:
     budget = args.budget_mib * MiB
-    local, crcs = make_dataset(tmp, args.data_mib or 3 * args.budget_mib, args.shards, args.seed)
+    local, crcs = make_dataset(tmp, args.data_mib or 6 * args.budget_mib, args.shards, args.seed)
     manifest = read_manifest(local)
     data_bytes = sum(s.file_size for s in manifest.shards)
     window = WindowedShuffleSampler.window_for(local, budget)
@@ -197,8 +198,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tmpdir", type=Path)
     p.add_argument("--seed", type=int, default=7)
     p.add_argument("--budget-mib", type=int, default=160)
-    p.add_argument("--shards", type=int, default=48)
-    p.add_argument("--data-mib", type=int, default=0, help="dataset size (default: 3x the budget)")
+    p.add_argument("--shards", type=int, default=96)
+    p.add_argument("--data-mib", type=int, default=0, help="dataset size (default: 6x the budget)")
     p.add_argument("--conn-rate", type=float, default=150.0, help="MB/s per connection")
     p.add_argument("--total-rate", type=float, default=100.0, help="MB/s for all connections")
     p.add_argument("--latency", type=float, default=0.020, help="seconds to each response's first byte")
