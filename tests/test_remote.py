@@ -966,14 +966,28 @@ def test_a_group_member_cannot_make_the_daemon_fetch_a_url(
     d = start_daemon(args=("--group", "users"), at=sock, loaded=0)
     proxy.seen.clear()
 
+    shard_url = json.loads(manifest.read_text())["shards"][0]["path"]
+
     def ask() -> str:
+        replies = []
         s, reply = hold(sock, public / "manifest.json", [0])
         s.close()
-        return json.dumps(reply)
+        replies.append(reply)
+        for message in (  # an object named alone ('smstore load URL'), and a reader's own hold
+            {"op": "load", "path": shard_url},
+            {"op": "hold", "manifest": os.fspath(public / "manifest.json"), "shards": "0", "reader": True},
+        ):
+            s = tl.raw(sock)
+            s.sendall(tl.frame(json.dumps(message).encode()))
+            replies.append(tl.read_reply(s))
+            s.close()
+        return json.dumps(replies)
 
-    answer = as_user(ask, [group.gr_gid])
-    assert '"permission_denied"' in answer, answer
-    assert "only uid" in answer, answer
+    answers = json.loads(as_user(ask, [group.gr_gid]))
+    assert len(answers) == 3
+    for answer in answers:
+        assert answer["error"] == "permission_denied", answer
+        assert "only uid" in answer["message"], answer
     assert proxy.seen == []
     assert d.status()["segments"] == []
 
