@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from smstore import _core
 from smstore._ipc import connect, exchange, socket_path, wait_until_served
-from smstore._manifest import absolute, is_url, read_manifest
+from smstore._manifest import absolute, hold_fields, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, warn_once
 from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, encode
 from smstore.errors import DaemonError, StoreChangedError
@@ -93,7 +93,7 @@ class BlockReader:
     ) -> None:
         manifest = read_manifest(path)
         self.path = manifest.path
-        self._dataset = manifest.checksum
+        self._hold_fields = hold_fields(manifest)
         self.block = int(block)
         self.keep = max(1, int(keep))
         paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
@@ -219,11 +219,9 @@ class BlockReader:
         """
         message = {
             "op": "hold_blocks",
-            "manifest": absolute(self.path),
+            **self._hold_fields,
             "pieces": "" if piece is None else f"{piece.shard}:{piece.first}:{piece.end}",
         }
-        if is_url(self.path):
-            message["dataset"] = self._dataset
         if self._conn is None:
             self._conn = connect(self.socket)
         conn = self._conn
@@ -378,11 +376,9 @@ class BlockResidency:
         self.mode: Mode = check_mode(mode)
         manifest = read_manifest(path)
         self.path = absolute(manifest.path)
-        # A dataset in object storage: its holds name the dataset (the daemon's manifest must be
-        # this one), and without a daemon there is no file to read instead.
-        self._hold_fields = {"manifest": self.path}
-        if is_url(self.path):
-            self._hold_fields["dataset"] = manifest.checksum
+        # A dataset in object storage: its holds name the dataset, and without a daemon there is
+        # no file to read instead.
+        self._hold_fields = hold_fields(manifest)
         self.socket = socket_path(socket)
         self.kind: str | None = None
         self.held: tuple[Piece, ...] = ()

@@ -232,6 +232,16 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return _parse(p, raw)
 
 
+def hold_fields(manifest: Manifest) -> dict[str, str]:
+    """How a hold (``hold``, ``hold_blocks``) names `manifest`'s dataset: its absolute path or URL,
+    and for a dataset in object storage the checksum of the manifest this reader read (the daemon's
+    copy of the manifest must be that one)."""
+    fields = {"manifest": absolute(manifest.path)}
+    if is_url(fields["manifest"]):
+        fields["dataset"] = manifest.checksum
+    return fields
+
+
 def read_remote_header(url: str) -> _core.BlobHeader:
     """The header of the blob at `url` (its checksum, size, records): one ranged GET of its first
     4 KiB, checked by the core's one header check.
@@ -240,10 +250,9 @@ def read_remote_header(url: str) -> _core.BlobHeader:
         RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed.
         StoreFormatError: Not an smstore blob.
     """
-    from smstore.remote.fetch import HEADER, parse_header, read_range
+    from smstore.remote.fetch import read_header
 
-    head, _etag = read_range(url, 0, HEADER)
-    return parse_header(head, None, url)
+    return read_header(url)
 
 
 def _read_remote(url: str) -> Manifest:

@@ -217,21 +217,13 @@ def _info(store: Any) -> dict[str, Any]:
     }
 
 
-def _remote_header(url: str) -> Any:
-    """The header of the blob at `url`: one ranged GET of its first 4096 bytes, never the whole object."""
-    from smstore.remote.fetch import HEADER, parse_header, read_range
-
-    head, _etag = read_range(url, 0, HEADER)
-    return parse_header(head, None, url)
-
-
 def _remote_info(url: str) -> dict[str, Any]:
     """info of a dataset in object storage (its manifest), or of one blob there (its header only)."""
-    from smstore._manifest import is_manifest, read_manifest
+    from smstore._manifest import is_manifest, read_manifest, read_remote_header
 
     if is_manifest(url):
         return _manifest_info(read_manifest(url))
-    header = _remote_header(url)
+    header = read_remote_header(url)
     return {
         "path": url,
         "format_version": header.version,
@@ -279,11 +271,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _verify_remote(url: str) -> int:
     """Stream every shard of the dataset at `url` (or the one blob there) through its checksum,
     keeping none of it; each bad one is named. The exit status: 1 if any is bad."""
-    from smstore._manifest import is_manifest, read_manifest
+    from smstore._manifest import is_manifest, read_manifest, read_remote_header
     from smstore.remote.fetch import verify_object
 
     if not is_manifest(url):
-        header = _remote_header(url)
+        header = read_remote_header(url)
         verify_object(url, size=header.file_size, checksum=header.checksum)
         print(f"{url}: OK ({header.record_count} records, xxh64:{header.checksum})")
         return 0

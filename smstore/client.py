@@ -18,6 +18,7 @@ from smstore._manifest import (
     Manifest,
     ShardInfo,
     absolute,
+    hold_fields,
     is_manifest,
     is_url,
     read_manifest,
@@ -153,7 +154,7 @@ class DaemonSession:
         """
         message: dict[str, Any] = {"op": "attach", "checksum": checksum}
         if path is not None:
-            message["path"] = path if is_url(path) else os.path.abspath(path)
+            message["path"] = absolute(path)
         return self.ask(message, LOAD_WAIT if path is not None else 10.0)
 
     def hold_shard(self, manifest: Manifest, index: int) -> dict[str, Any]:
@@ -163,17 +164,9 @@ class DaemonSession:
         Raises:
             DaemonError: No daemon answers, or the exchange failed.
         """
-        shards = str(int(index))
         # "reader": apart from the samplers' holds (loaded after them, never listed to the readers
         # that follow the holds: those unmap the shards no sampler holds).
-        message: dict[str, Any] = {
-            "op": "hold",
-            "manifest": absolute(manifest.path),
-            "shards": shards,
-            "reader": True,
-        }
-        if is_url(manifest.path):
-            message["dataset"] = manifest.checksum
+        message = {"op": "hold", **hold_fields(manifest), "shards": str(int(index)), "reader": True}
         reply, fd = self.ask(message, LOAD_WAIT)
         if fd is not None:
             os.close(fd)
@@ -825,7 +818,7 @@ def _not_yet_served(reply: dict[str, Any], fd: int | None) -> bool:
 
 
 def _fetch_for_reader(
-    session: DaemonSession, checksum: str, url: str, shard: tuple[Manifest, int] | None
+    session: DaemonSession, checksum: str, url: str, shard: tuple[Manifest, int]
 ) -> tuple[dict[str, Any], int | None]:
     """The daemon's answer for a shard in object storage that it does not serve now.
 
@@ -841,8 +834,6 @@ def _fetch_for_reader(
         DaemonError: The daemon refused the hold (why: its budget, the shard's fetch failed, the
             manifest in the bucket was replaced), or never served the shard.
     """
-    if shard is None:
-        return _wait_for_remote(session, checksum, url)
     manifest, k = shard
     warn_once(
         f"{manifest.path}: unheld",
@@ -855,20 +846,20 @@ def _fetch_for_reader(
         manifest.path,
     )
     with session.lock:  # the hold and the attach together: another thread's hold would replace it
-        reply = session.hold_shard(manifest, k)
-        if reply.get("error") == PERMISSION_DENIED:
-            return _wait_for_remote(session, checksum, url)  # the owner's samplers hold for us
-        if not reply.get("ok"):
-            msg = (
-                f"{url}: the smstore daemon on {session.path} cannot serve it: {reply.get('message', reply)}"
-            )
-            raise DaemonError(msg)
-        # Held until this process holds another shard so, or closes: planned after the samplers'
-        # shards, and released first when one of theirs needs the room.
-        reply, fd = session.attach(checksum, url)  # waits for the load the hold started
-    if _not_yet_served(reply, fd):  # released again at once (the owner unloaded it, say)
+        held = session.hold_shard(manifest, k)
+        if held.get("ok"):
+            # Held until this process holds another shard so, or closes: planned after the
+            # samplers' shards, and released first when one of theirs needs the room.
+            reply, fd = session.attach(checksum, url)  # waits for the load the hold started
+            if not _not_yet_served(reply, fd):
+                return reply, fd
+    if held.get("ok") or held.get("error") == PERMISSION_DENIED:
+        # Released again at once (the owner unloaded it, say), or a reader that may not hold: the
+        # owner's samplers hold for it. Waited for outside the lock: the session's other threads
+        # attach and detach meanwhile.
         return _wait_for_remote(session, checksum, url)
-    return reply, fd
+    msg = f"{url}: the smstore daemon on {session.path} cannot serve it: {held.get('message', held)}"
+    raise DaemonError(msg)
 
 
 def _wait_for_remote(session: DaemonSession, checksum: str, url: str) -> tuple[dict[str, Any], int | None]:
@@ -902,7 +893,7 @@ def _attach(
     try:
         if session is not None:
             reply, fd = session.attach(checksum, spath)
-            if is_url(spath) and _not_yet_served(reply, fd):
+            if shard is not None and is_url(spath) and _not_yet_served(reply, fd):
                 reply, fd = _fetch_for_reader(session, checksum, spath, shard)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore._ipc import connect, exchange, request, socket_path
-from smstore._manifest import Manifest, absolute, is_url, read_manifest
+from smstore._manifest import Manifest, absolute, hold_fields, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import encode
 from smstore._protocol import frame as framed
@@ -72,12 +72,9 @@ class ShardResidency:
         self.path = absolute(manifest.path)
         self.shards = [(absolute(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)]
         # A dataset in object storage: only the daemon can fetch its shards (no page cache to fall
-        # back to), and its holds name the dataset's checksum (the daemon's copy of the manifest
-        # must be the one this rank read).
+        # back to), and its holds name the dataset's checksum.
         self.remote = is_url(self.path)
-        self._hold_fields: dict[str, str] = {"manifest": self.path}
-        if self.remote:
-            self._hold_fields["dataset"] = manifest.checksum
+        self._hold_fields = hold_fields(manifest)
         self.sizes = [s.file_size for s in manifest.shards]
         self.socket = socket_path(socket)
         self.kind: str | None = None

@@ -18,7 +18,7 @@ from smstore.daemon.planner import Planner
 from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
 from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
 from smstore.remote.cache import NodeCache
-from smstore.remote.fetch import HEADER, fetch, parse_header, read_range
+from smstore.remote.fetch import fetch, read_header
 from smstore.remote.urls import RemoteURL, is_remote_url, parse_url
 
 __all__ = ["AlreadyLoaded", "Failed", "LoadResult", "Loaded", "Loader"]
@@ -265,8 +265,7 @@ class Loader:
             StoreChangedError: It holds another checksum than `expected`.
             RemoteError: The read failed (after retries).
         """
-        head, _etag = read_range(u, 0, HEADER, stop=self.halt)
-        header = parse_header(head, None, str(u))  # the one header check (csrc/store.cpp)
+        header = read_header(u, stop=self.halt)
         if expected is not None and header.checksum != expected:
             msg = (
                 f"{u}: holds checksum {header.checksum}, but its manifest records {expected}: it was re-packed "

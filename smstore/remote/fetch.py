@@ -37,6 +37,7 @@ __all__ = [
     "fetch",
     "object_size",
     "parse_header",
+    "read_header",
     "read_object",
     "read_range",
     "verify_object",
@@ -361,6 +362,18 @@ def parse_header(head: Buffer, file_size: int | None, label: str) -> _core.BlobH
         return _core.read_header_fd(fd, label)
     finally:
         os.close(fd)
+
+
+def read_header(url: str | RemoteURL, *, stop: threading.Event | None = None) -> _core.BlobHeader:
+    """The header of the blob at `url`: one ranged GET of its first 4 KiB (never the whole object),
+    checked by the core's one header check.
+
+    Raises:
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed (or `stop`).
+        StoreFormatError: Not an smstore blob.
+    """
+    head, _etag = read_range(url, 0, HEADER, stop=stop)
+    return parse_header(head, None, str(url))
 
 
 def read_object(
