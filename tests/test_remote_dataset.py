@@ -565,8 +565,16 @@ def test_a_load_naming_a_url_checks_the_allow_list_and_the_checksum_it_names(
     here = read_manifest(local)
     d = start_daemon(loaded=0)
     proxy.seen.clear()
-    for bad in ("file:///etc/passwd", "gopher://example.com/x.smst"):
-        reply = ask(d.sock, {"op": "load", "path": bad})
+    oversized = "s3://smstore-test/" + "x" * 5000 + ".smst"
+    for bad in (
+        {"op": "load", "path": "file:///etc/passwd"},
+        {"op": "load", "path": "gopher://example.com/x.smst"},
+        {"op": "load", "path": oversized},
+        {"op": "load", "path": ["s3://smstore-test/x.smst"]},
+        {"op": "load", "path": url + here.shards[0].path, "checksum": "not-a-checksum"},
+        {"op": "unload", "path": oversized},
+    ):
+        reply = ask(d.sock, bad)
         assert (reply["ok"], reply["error"]) == (False, "bad_request"), reply
     wrong = here.shards[1].checksum
     reply = ask(d.sock, {"op": "load", "path": url + here.shards[0].path, "checksum": wrong})
