@@ -258,6 +258,8 @@ def main() -> None:
         sampler=sampler,
         collate_fn=collate,
         num_workers=args.workers,
+        # Not fork: a rank's gloo thread may be inside Python at that moment, and the child hangs (docs/recipes.md).
+        multiprocessing_context="forkserver" if args.workers > 0 else None,
         persistent_workers=args.persistent_workers and args.workers > 0,
         pin_memory=args.pin_memory,
         in_order=args.in_order,

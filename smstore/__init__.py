@@ -17,6 +17,7 @@ except ImportError as err:  # pragma: no cover - only without a built extension
         "source checkout, install the package first (pip install .) and run outside the source tree."
     ) from err
 
+from smstore import _fork  # noqa: F401 (a forked child inherits a frozen heap: smstore/_fork.py)
 from smstore._manifest import is_url
 from smstore._objects import ObjectStore, pack_objects
 from smstore._pack import PackStats, Writer, pack

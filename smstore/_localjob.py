@@ -34,6 +34,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+from smstore import _fork
 from smstore.errors import SharedListError
 
 __all__ = ["Peer", "Server", "Topology", "address_for", "bind_listener", "connect", "job_key", "topology"]
@@ -373,7 +374,7 @@ def _after_fork_in_child() -> None:
         server._close_in_forked_child()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.in_child(_after_fork_in_child)
 
 
 class Peer:

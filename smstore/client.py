@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from smstore import _core
+from smstore import _core, _fork
 from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
 from smstore._manifest import (
     Manifest,
@@ -248,7 +248,7 @@ def _after_fork_in_child() -> None:
             holder._drop_connection()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.in_child(_after_fork_in_child)
 
 
 def _refused(reply: dict[str, Any], what: str) -> DaemonError:

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from smstore import _core
+from smstore import _core, _fork
 from smstore.collate import TokenCollator
 from smstore.errors import StoreChangedError, StoreClosedError
 from smstore.loader_stats import LoaderStats
@@ -26,7 +26,7 @@ def _after_fork_in_child() -> None:
         loader._forked()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+_fork.in_child(_after_fork_in_child)
 
 
 class Loader:

@@ -25,7 +25,10 @@ def train(path: str, ckpt: str, epochs: int = 2, stop_at: int = -1) -> list[int]
     sampler = GlobalShuffleSampler(ds, seed=0)  # rank and world size from the process group
     model = torch.nn.Linear(1, 1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    loader = DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2)
+    # Workers start by forkserver: a fork of a rank whose gloo thread is inside Python can hang (docs/recipes.md).
+    loader = DataLoader(
+        ds, batch_size=4, sampler=sampler, num_workers=2, multiprocessing_context="forkserver"
+    )
     # prepare() wraps the sampler to split it across processes; the sampler turns that second split off.
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     loader = ResumableLoader(loader)  # its state_dict() is what the loop received, prefetch or not

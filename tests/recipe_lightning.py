@@ -28,7 +28,14 @@ class Data(pl.LightningDataModule):
         # A DistributedSampler: Lightning leaves it as it is (its rank comes from the process group).
         sampler = GlobalShuffleSampler(ds, seed=0)
         # A StatefulDataLoader: Lightning saves its position in a mid-epoch checkpoint.
-        return StatefulDataLoader(ds, batch_size=self.batch_size, sampler=sampler, num_workers=2)
+        # Workers start by forkserver: a fork of a rank whose gloo thread is inside Python can hang.
+        return StatefulDataLoader(
+            ds,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=2,
+            multiprocessing_context="forkserver",
+        )
 
 
 class Model(pl.LightningModule):

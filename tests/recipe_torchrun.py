@@ -24,10 +24,12 @@ from smstore import GlobalShuffleSampler, ResumableLoader, SharedStoreDataset
 def make_loader(
     ds: SharedStoreDataset, sampler: GlobalShuffleSampler, stateful: bool
 ) -> StatefulDataLoader | ResumableLoader:
+    # Workers start by forkserver: a fork of a rank whose gloo thread is inside Python can hang.
+    workers = {"num_workers": 2, "prefetch_factor": 2, "multiprocessing_context": "forkserver"}
     if stateful:  # torchdata's: its state_dict() snapshots the sampler as each batch is drawn
-        return StatefulDataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=2)
+        return StatefulDataLoader(ds, batch_size=4, sampler=sampler, **workers)
     # A plain DataLoader: ResumableLoader counts the batches the loop received (prefetch aside).
-    return ResumableLoader(DataLoader(ds, batch_size=4, sampler=sampler, num_workers=2, prefetch_factor=2))
+    return ResumableLoader(DataLoader(ds, batch_size=4, sampler=sampler, **workers))
 
 
 def train(path: str, ckpt: str, stateful: bool, epochs: int = 2, stop_at: int = -1) -> list[int]:

@@ -44,6 +44,7 @@ def train(path: str, output_dir: str, max_steps: int = -1) -> Model:
         max_steps=max_steps,
         save_steps=5,  # resume_from_checkpoint continues from the latest: same number of processes
         dataloader_num_workers=2,
+        dataloader_multiprocessing_context="forkserver",  # a fork of a rank can hang (docs/recipes.md)
         use_cpu=True,
         ddp_backend="gloo",
         ddp_find_unused_parameters=False,

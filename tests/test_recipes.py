@@ -54,8 +54,13 @@ def share(epoch: int, rank: int, world: int, start: int = 0) -> list[int]:
 
 
 def run(*args: str | Path, torchrun: int = 0, timeout: float = 300) -> None:
-    """Run a recipe script (under torchrun with `torchrun` processes); kill its process group on failure."""
-    cmd = [sys.executable, *[str(a) for a in args]]
+    """Run a recipe script (under torchrun with `torchrun` processes); kill its process group on failure.
+
+    Each rank runs it under fork_hazard.py, beside a thread that makes a forked child fail: a
+    recipe whose DataLoader forks its workers from the rank (which may hang beside gloo's thread)
+    fails here every time instead of now and then under load.
+    """
+    cmd = [sys.executable, str(TESTS / "fork_hazard.py"), *[str(a) for a in args]]
     if torchrun:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

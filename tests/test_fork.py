@@ -1,0 +1,108 @@
+"""A forked child (DataLoader worker, TransformLoader worker, SharedList's builder) copies none of its parent's heap.
+
+The cyclic garbage collector of a child writes a field of every object it walks; a full
+collection in a worker, set off by its own allocations, would copy every page of the rank's
+heap. smstore freezes the heap around every fork (smstore/_fork.py): these tests measure the
+pages a child really copies (Private_Dirty in /proc/self/smaps_rollup) after a full collection,
+in a real DataLoader fork worker, and check that the parent's collector is left as it was.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import weakref
+from typing import Any
+
+import pytest
+
+import smstore  # noqa: F401 (registers smstore's fork hooks, as any use of smstore does)
+
+torch = pytest.importorskip("torch")
+from torch.utils.data import DataLoader, Dataset
+
+N = 300_000  # small dicts: about 100 MiB of the parent's heap
+
+
+def private_dirty() -> int:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Private_Dirty:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no Private_Dirty in smaps_rollup")
+
+
+class Copied(Dataset[int]):
+    """Each item: the bytes this worker has copied since it started, after a full collection."""
+
+    def __init__(self, heap: list[dict[str, Any]]) -> None:
+        self.heap = heap  # reached, not read: the collector alone would touch it
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, i: int) -> int:
+        gc.collect()  # what a worker's allocations set off sooner or later
+        return private_dirty() - _start[0]
+
+
+_start = [0]
+
+
+def _note_start(worker_id: int) -> None:
+    _start[0] = private_dirty()
+
+
+def heap_bytes(heap: list[dict[str, Any]]) -> int:
+    return sum(sys.getsizeof(d) for d in heap)
+
+
+def test_a_fork_worker_copies_none_of_the_ranks_heap() -> None:
+    heap = [{"id": i, "name": f"img_{i:08d}.jpg", "box": [i, i + 1]} for i in range(N)]
+    size = heap_bytes(heap)
+    loader = DataLoader(
+        Copied(heap),
+        batch_size=None,
+        num_workers=1,
+        multiprocessing_context="fork",
+        worker_init_fn=_note_start,
+    )
+    copied = max(int(x) for x in loader)
+    # Unfrozen, the collection writes the header of each of the N dicts (and their lists): the
+    # worker copies at least the dicts' pages (measured: about 1x size). Frozen: a few MiB of its own.
+    assert copied < size / 4, f"the worker copied {copied >> 20} MiB of a {size >> 20} MiB heap"
+
+
+def test_the_parents_collector_is_left_as_it_was() -> None:
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle only the collector frees
+    gone = weakref.ref(a)
+    del a, b
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0 if gc.get_freeze_count() > 0 else 1)  # the child keeps its inherited objects frozen
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert gc.get_freeze_count() == 0  # the parent's objects are its collector's again
+    assert gc.isenabled()
+    gc.collect()
+    assert gone() is None
+
+
+def test_a_process_that_froze_its_own_heap_is_left_to_manage_it() -> None:
+    keep = [object() for _ in range(10)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        pid = os.fork()
+        if pid == 0:
+            os._exit(0)
+        os.waitpid(pid, 0)
+        assert gc.get_freeze_count() == frozen  # neither unfrozen nor grown by smstore
+    finally:
+        gc.unfreeze()
+    del keep
