@@ -643,8 +643,9 @@ class WindowedMixtureSampler(MixtureSampler):
     this rank after a window ends, the previous one: the daemon keeps one window per source
     resident and loads the next ones in the background, all within its ``--shm-limit``; without a
     daemon the files are read ahead into the page cache. Memory: with ``L_s`` the largest shard
-    of source ``s``, the windows held take at most ``sum_s 2 * window_s * L_s`` bytes (three
-    windows of a source during its lag); :meth:`windows_for` picks windows that fit a budget.
+    of source ``s`` (in whole pages, as ``--shm-limit`` counts it), the windows held take at most
+    ``sum_s 2 * window_s * L_s`` bytes (three windows of a source during its lag);
+    :meth:`windows_for` picks windows that fit a budget.
 
     Args:
         mixture: A :class:`MixtureDataset` (shard sizes and residency found from its sources) or
@@ -755,9 +756,9 @@ class WindowedMixtureSampler(MixtureSampler):
     def windows_for(dataset: MixtureDataset, budget: int) -> list[int]:
         """Shards per window for each source so that every sharded source's window and next one fit
         in ``budget`` bytes together: ``sum_s 2 * window_s * L_s <= budget`` (``L_s`` its largest
-        shard). Each sharded source gets one shard a window, then the rest of the budget in
-        proportion to the weights (a source read faster gets longer windows); a source without
-        shards gets 1.
+        shard in whole pages of shared memory, as the daemon's ``--shm-limit`` counts it). Each
+        sharded source gets one shard a window, then the rest of the budget in proportion to the
+        weights (a source read faster gets longer windows); a source without shards gets 1.
 
         Raises:
             ValueError: The budget cannot hold two of the largest shards of every sharded source.
@@ -768,14 +769,14 @@ class WindowedMixtureSampler(MixtureSampler):
         for s, source in enumerate(dataset.sources):
             path = manifest_of(source)
             if path is not None:
-                sizes = [x.file_size for x in read_manifest(path).shards]
+                sizes = [_core.shm_footprint(x.file_size) for x in read_manifest(path).shards]
                 largest[s] = (max(sizes, default=0), len(sizes))
         need = sum(2 * big for big, _ in largest.values())
         if budget < need:
             msg = (
                 f"a budget of {budget} bytes cannot hold two of the largest shards of every sharded source "
-                f"({need} bytes: each source's window being read and the next): raise it, or pack smaller "
-                "shards (smstore pack --shard-size)"
+                f"({need} bytes of shared memory in whole pages, as the daemon counts them: each source's "
+                "window being read and the next): raise it, or pack smaller shards (smstore pack --shard-size)"
             )
             raise ValueError(msg)
         rest = budget - need

@@ -953,7 +953,8 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
     @staticmethod
     def window_for(dataset: Any, budget: int) -> int:
         """The most shards a window can have so that two windows (the one read and the next)
-        fit in `budget` bytes of memory, however the shards fall.
+        fit in `budget` bytes of shared memory, however the shards fall: the budget of
+        ``smstore serve --shm-limit``, counted as the daemon counts it (each shard in whole pages).
 
         Raises:
             ValueError: The budget cannot hold two of the largest shards.
@@ -961,12 +962,15 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         from smstore._manifest import read_manifest
 
         manifest = getattr(dataset, "manifest", None) or read_manifest(getattr(dataset, "path", dataset))
-        sizes = [s.file_size for s in manifest.shards]
-        largest = max(sizes, default=0)
+        # Two windows, not fewer: at a switch the window just left stays held for the lag while the
+        # one now read must be resident already; with less room it waits for that lag, which the
+        # loop waiting on it never ends.
+        largest = max((_core.shm_footprint(s.file_size) for s in manifest.shards), default=0)
         if largest == 0 or budget < 2 * largest:
             msg = (
-                f"a budget of {budget} bytes cannot hold two shards of up to {largest} bytes (the window "
-                "being read and the next): raise it, or pack smaller shards (smstore pack --shard-size)"
+                f"a budget of {budget} bytes cannot hold two shards of up to {largest} bytes of shared memory "
+                "(in whole pages, as the daemon counts them; the window being read and the next): raise it, "
+                "or pack smaller shards (smstore pack --shard-size)"
             )
             raise ValueError(msg)
         return max(1, budget // (2 * largest))

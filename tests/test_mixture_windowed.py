@@ -397,8 +397,14 @@ def test_windows_for_a_budget(tmp_path: Path) -> None:
         ],
         [0.6, 0.2, 0.2],
     )
-    la = max(s.file_size for s in read_manifest(a).shards)
-    lb = max(s.file_size for s in read_manifest(b).shards)
+    page = os.sysconf("SC_PAGESIZE")
+    raw_a = max(s.file_size for s in read_manifest(a).shards)
+    raw_b = max(s.file_size for s in read_manifest(b).shards)
+    la, lb = -(-raw_a // page) * page, -(-raw_b // page) * page  # as the daemon counts: whole pages
+    assert raw_a % page
+    assert raw_b % page
+    with pytest.raises(ValueError, match="whole pages"):  # by the files' sizes, the daemon deadlocked
+        WindowedMixtureSampler.windows_for(ds, 2 * raw_a + 2 * raw_b)
     assert WindowedMixtureSampler.windows_for(ds, 2 * la + 2 * lb) == [1, 1, 1]
     budget = 2 * la + 2 * lb + 8 * la  # the rest splits 3:1 as the sharded weights: 6 la and 2 la
     windows = WindowedMixtureSampler.windows_for(ds, budget)
