@@ -466,28 +466,13 @@ class MixtureSampler(GlobalShuffleSampler):
             raise IndexError(msg)
         return s, index - offsets[s]
 
-    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
-        state = super().state_dict(local_consumed)
-        state["mixture"] = self.mixture.digest
-        state["sources"] = len(self.mixture.lengths)
-        return state
+    # A state of another order (another mixture: other sources, lengths, weights or stopping
+    # rule; or not a mixture's) is a MixtureError (sampler.check_order).
+    _order_kind = "mixture"
+    _state_error = MixtureError
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (see GlobalShuffleSampler.load_state_dict); the mixture must be the same.
-
-        Raises:
-            MixtureError: The state was saved for another mixture (other sources, lengths,
-                weights or stopping rule), or is not a mixture state.
-        """
-        digest = state.get("mixture") if isinstance(state, dict) else None
-        if digest != self.mixture.digest:
-            msg = (
-                f"the state was saved for another mixture (digest {digest!r}, this one is "
-                f"{self.mixture.digest!r}: other sources, lengths, weights or stopping rule): its "
-                "position means nothing in this mixture's order"
-            )
-            raise MixtureError(msg)
-        super().load_state_dict(state)
+    def _order_params(self) -> dict[str, Any]:
+        return {"mixture": self.mixture.digest, "sources": len(self.mixture.lengths)}
 
     def __repr__(self) -> str:
         return (
@@ -828,24 +813,10 @@ class WindowedMixtureSampler(MixtureSampler):
         self._last_holds = [None] * len(self.residencies)
         self._planned_at = None
 
-    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
-        state = super().state_dict(local_consumed)
-        state["windows"] = self._layout
-        return state
+    _order_kind = "windowed-mixture"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (see MixtureSampler.load_state_dict); the windows and shards must be the same.
-
-        Raises:
-            MixtureError: The state was saved for another mixture, or other windows or shards.
-        """
-        if isinstance(state, dict) and state.get("windows") != self._layout:
-            msg = (
-                f"the state was saved with other windows or shards (layout {state.get('windows')!r}, this "
-                f"sampler's is {self._layout!r}, windows={self.windows}): another order cannot be resumed"
-            )
-            raise MixtureError(msg)
-        super().load_state_dict(state)
+    def _order_params(self) -> dict[str, Any]:
+        return {**super()._order_params(), "windows": self._layout}  # windows and shard sizes
 
     def close(self) -> None:
         """Give up the shards this rank holds (also done when the process exits)."""
