@@ -318,6 +318,11 @@ ShmSpace shm_space(const std::string& dir) {
     return {static_cast<uint64_t>(st.f_bavail) * st.f_frsize, static_cast<uint64_t>(st.f_blocks) * st.f_frsize};
 }
 
+uint64_t shm_footprint(uint64_t size) {
+    static const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    return (size + page - 1) / page * page;
+}
+
 void check_shm_room(uint64_t needed, uint64_t available, const std::string& label) {
     if (needed <= available) return;
     uint64_t gib = (needed + (uint64_t{1} << 30) - 1) >> 30;
@@ -357,8 +362,7 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     std::memcpy(&h, header, sizeof h);
     validate_header(h, size, path);
 
-    uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-    uint64_t needed = (size + page - 1) / page * page;
+    uint64_t needed = shm_footprint(size);
     uint64_t available = shm_space(options.shm_dir).available;
     if (options.room_limit > 0 && options.room_limit < available) available = options.room_limit;
     check_shm_room(needed, available, path);

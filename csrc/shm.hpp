@@ -19,6 +19,10 @@ struct ShmSpace {
 // The room in the filesystem at `dir` (normally kShmDir).
 ShmSpace shm_space(const std::string& dir);
 
+// Bytes of shared memory a segment of `size` bytes takes: whole pages, as tmpfs allocates them.
+// The one size rule for the daemon's --shm-limit and for everything that plans within it.
+uint64_t shm_footprint(uint64_t size);
+
 // Throws Error(Shm) saying how much `label` needs, how much is free and how to make room.
 void check_shm_room(uint64_t needed, uint64_t available, const std::string& label);
 

@@ -106,7 +106,7 @@ def dataset_blobs(path: str) -> list[Blob]:
 
 
 def _pages(n: int) -> int:
-    return -(-n // PAGE) * PAGE
+    return _core.shm_footprint(n)  # the daemon's rule for its --shm-limit, not a second one
 
 
 # ---- the daemon ----------------------------------------------------------------------------------

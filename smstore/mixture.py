@@ -466,28 +466,13 @@ class MixtureSampler(GlobalShuffleSampler):
             raise IndexError(msg)
         return s, index - offsets[s]
 
-    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
-        state = super().state_dict(local_consumed)
-        state["mixture"] = self.mixture.digest
-        state["sources"] = len(self.mixture.lengths)
-        return state
+    # A state of another order (another mixture: other sources, lengths, weights or stopping
+    # rule; or not a mixture's) is a MixtureError (sampler.check_order).
+    _order_kind = "mixture"
+    _state_error = MixtureError
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (see GlobalShuffleSampler.load_state_dict); the mixture must be the same.
-
-        Raises:
-            MixtureError: The state was saved for another mixture (other sources, lengths,
-                weights or stopping rule), or is not a mixture state.
-        """
-        digest = state.get("mixture") if isinstance(state, dict) else None
-        if digest != self.mixture.digest:
-            msg = (
-                f"the state was saved for another mixture (digest {digest!r}, this one is "
-                f"{self.mixture.digest!r}: other sources, lengths, weights or stopping rule): its "
-                "position means nothing in this mixture's order"
-            )
-            raise MixtureError(msg)
-        super().load_state_dict(state)
+    def _order_params(self) -> dict[str, Any]:
+        return {"mixture": self.mixture.digest, "sources": len(self.mixture.lengths)}
 
     def __repr__(self) -> str:
         return (
@@ -643,8 +628,9 @@ class WindowedMixtureSampler(MixtureSampler):
     this rank after a window ends, the previous one: the daemon keeps one window per source
     resident and loads the next ones in the background, all within its ``--shm-limit``; without a
     daemon the files are read ahead into the page cache. Memory: with ``L_s`` the largest shard
-    of source ``s``, the windows held take at most ``sum_s 2 * window_s * L_s`` bytes (three
-    windows of a source during its lag); :meth:`windows_for` picks windows that fit a budget.
+    of source ``s`` (in whole pages, as ``--shm-limit`` counts it), the windows held take at most
+    ``sum_s 2 * window_s * L_s`` bytes (three windows of a source during its lag);
+    :meth:`windows_for` picks windows that fit a budget.
 
     Args:
         mixture: A :class:`MixtureDataset` (shard sizes and residency found from its sources) or
@@ -755,9 +741,9 @@ class WindowedMixtureSampler(MixtureSampler):
     def windows_for(dataset: MixtureDataset, budget: int) -> list[int]:
         """Shards per window for each source so that every sharded source's window and next one fit
         in ``budget`` bytes together: ``sum_s 2 * window_s * L_s <= budget`` (``L_s`` its largest
-        shard). Each sharded source gets one shard a window, then the rest of the budget in
-        proportion to the weights (a source read faster gets longer windows); a source without
-        shards gets 1.
+        shard in whole pages of shared memory, as the daemon's ``--shm-limit`` counts it). Each
+        sharded source gets one shard a window, then the rest of the budget in proportion to the
+        weights (a source read faster gets longer windows); a source without shards gets 1.
 
         Raises:
             ValueError: The budget cannot hold two of the largest shards of every sharded source.
@@ -768,14 +754,14 @@ class WindowedMixtureSampler(MixtureSampler):
         for s, source in enumerate(dataset.sources):
             path = manifest_of(source)
             if path is not None:
-                sizes = [x.file_size for x in read_manifest(path).shards]
+                sizes = [_core.shm_footprint(x.file_size) for x in read_manifest(path).shards]
                 largest[s] = (max(sizes, default=0), len(sizes))
         need = sum(2 * big for big, _ in largest.values())
         if budget < need:
             msg = (
                 f"a budget of {budget} bytes cannot hold two of the largest shards of every sharded source "
-                f"({need} bytes: each source's window being read and the next): raise it, or pack smaller "
-                "shards (smstore pack --shard-size)"
+                f"({need} bytes of shared memory in whole pages, as the daemon counts them: each source's "
+                "window being read and the next): raise it, or pack smaller shards (smstore pack --shard-size)"
             )
             raise ValueError(msg)
         rest = budget - need
@@ -827,24 +813,10 @@ class WindowedMixtureSampler(MixtureSampler):
         self._last_holds = [None] * len(self.residencies)
         self._planned_at = None
 
-    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
-        state = super().state_dict(local_consumed)
-        state["windows"] = self._layout
-        return state
+    _order_kind = "windowed-mixture"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (see MixtureSampler.load_state_dict); the windows and shards must be the same.
-
-        Raises:
-            MixtureError: The state was saved for another mixture, or other windows or shards.
-        """
-        if isinstance(state, dict) and state.get("windows") != self._layout:
-            msg = (
-                f"the state was saved with other windows or shards (layout {state.get('windows')!r}, this "
-                f"sampler's is {self._layout!r}, windows={self.windows}): another order cannot be resumed"
-            )
-            raise MixtureError(msg)
-        super().load_state_dict(state)
+    def _order_params(self) -> dict[str, Any]:
+        return {**super()._order_params(), "windows": self._layout}  # windows and shard sizes
 
     def close(self) -> None:
         """Give up the shards this rank holds (also done when the process exits)."""

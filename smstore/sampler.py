@@ -7,7 +7,7 @@ import hashlib
 import os
 import sys
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Sequence, Sized
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from operator import length_hint
 from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar
 
@@ -39,6 +39,15 @@ __all__ = [
 ]
 
 _STATE_VERSION = 1
+
+# The kind of order a state saved before states named it (the "order" entry) was saved by, told by
+# the entry only that kind saved; a state with none of them is a global shuffle's.
+_KIND_BY_ENTRY = (
+    ("blocks", "blocks"),
+    ("windows", "windowed-mixture"),
+    ("mixture", "mixture"),
+    ("window", "windowed"),
+)
 
 
 class FeistelPermutation:
@@ -477,19 +486,24 @@ class GlobalShuffleSampler(_SamplerBase):
             "num_records": self.num_records,
             "world_size": self.world_size,  # informational: resuming with another one is fine
             "drop_last": self.drop_last,
+            "order": self._order_kind,
+            **self._order_params(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next pass starts at ``state["consumed"]`` of ``state["epoch"]``, in O(1).
 
         Raises:
-            ValueError: The state belongs to a dataset of another size, or is malformed.
+            ValueError: The state belongs to a dataset of another size, was saved by a sampler of
+                another order (another kind, or other parameters: see :func:`check_order`), or is
+                malformed.
         """
         try:
             seed, epoch, consumed = int(state["seed"]), int(state["epoch"]), int(state["consumed"])
         except (KeyError, TypeError, ValueError) as e:
             msg = f"not a GlobalShuffleSampler state: {e!r}"
             raise ValueError(msg) from None
+        check_order(self, state)
         n = state.get("num_records", self.num_records)
         if n != self.num_records:
             msg = (
@@ -506,6 +520,15 @@ class GlobalShuffleSampler(_SamplerBase):
         self._resume = True
         self._in_pass = False
         self._iter_token += 1
+
+    # What a state names its order by: the kind, and the entries that tell apart orders of that
+    # kind over the same records (a subclass adds its own). See check_order.
+    _order_kind = "global"
+    _state_error: type[ValueError] = ValueError  # what refuses a state of another order
+
+    def _order_params(self) -> dict[str, Any]:
+        """The state's entries that identify this sampler's order beside its kind, seed and records."""
+        return {}
 
     def __repr__(self) -> str:
         return (
@@ -953,7 +976,8 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
     @staticmethod
     def window_for(dataset: Any, budget: int) -> int:
         """The most shards a window can have so that two windows (the one read and the next)
-        fit in `budget` bytes of memory, however the shards fall.
+        fit in `budget` bytes of shared memory, however the shards fall: the budget of
+        ``smstore serve --shm-limit``, counted as the daemon counts it (each shard in whole pages).
 
         Raises:
             ValueError: The budget cannot hold two of the largest shards.
@@ -961,12 +985,15 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         from smstore._manifest import read_manifest
 
         manifest = getattr(dataset, "manifest", None) or read_manifest(getattr(dataset, "path", dataset))
-        sizes = [s.file_size for s in manifest.shards]
-        largest = max(sizes, default=0)
+        # Two windows, not fewer: at a switch the window just left stays held for the lag while the
+        # one now read must be resident already; with less room it waits for that lag, which the
+        # loop waiting on it never ends.
+        largest = max((_core.shm_footprint(s.file_size) for s in manifest.shards), default=0)
         if largest == 0 or budget < 2 * largest:
             msg = (
-                f"a budget of {budget} bytes cannot hold two shards of up to {largest} bytes (the window "
-                "being read and the next): raise it, or pack smaller shards (smstore pack --shard-size)"
+                f"a budget of {budget} bytes cannot hold two shards of up to {largest} bytes of shared memory "
+                "(in whole pages, as the daemon counts them; the window being read and the next): raise it, "
+                "or pack smaller shards (smstore pack --shard-size)"
             )
             raise ValueError(msg)
         return max(1, budget // (2 * largest))
@@ -1013,31 +1040,11 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
     def _new_pass(self) -> None:
         self._last_hold = None  # the first hold of a pass is applied before it yields (errors up front)
 
-    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
-        state = super().state_dict(local_consumed)
-        state["window"] = self.window
-        state["shard_sizes_digest"] = hashlib.blake2b(
-            str(self.shard_sizes).encode(), digest_size=8
-        ).hexdigest()
-        return state
+    _order_kind = "windowed"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (see GlobalShuffleSampler.load_state_dict); the window and shards must match.
-
-        Raises:
-            ValueError: The state is of another window size or another set of shards.
-        """
+    def _order_params(self) -> dict[str, Any]:
         digest = hashlib.blake2b(str(self.shard_sizes).encode(), digest_size=8).hexdigest()
-        if (
-            state.get("window", self.window) != self.window
-            or state.get("shard_sizes_digest", digest) != digest
-        ):
-            msg = (
-                f"the state was saved with window={state.get('window')} over other shards; this sampler has "
-                f"window={self.window}: another order cannot be resumed"
-            )
-            raise ValueError(msg)
-        super().load_state_dict(state)
+        return {"window": self.window, "shard_sizes_digest": digest}
 
     def close(self) -> None:
         """Give up the shards this rank holds (also done when the process exits)."""
@@ -1236,27 +1243,11 @@ class BlockWindowSampler(GlobalShuffleSampler):
     def _new_pass(self) -> None:
         self._last_hold = None
 
-    def state_dict(self, local_consumed: int | None = None) -> dict[str, Any]:
-        state = super().state_dict(local_consumed)
-        state["blocks"] = [self.block, self.spread, self._digest, _BLOCK_ORDER_VERSION]
-        return state
+    _order_kind = "blocks"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume (see GlobalShuffleSampler.load_state_dict); the blocks and shards must match.
-
-        Raises:
-            ValueError: The state is of another block size, spread, set of shards or version of
-                the order.
-        """
-        mine = [self.block, self.spread, self._digest, _BLOCK_ORDER_VERSION]
-        if list(state.get("blocks") or ()) != mine:  # a state with none is another sampler's
-            msg = (
-                f"the state was saved with (block, spread, shards, order version) {state.get('blocks')}; this "
-                f"sampler has "
-                f"{mine}: another order cannot be resumed"
-            )
-            raise ValueError(msg)
-        super().load_state_dict(state)
+    def _order_params(self) -> dict[str, Any]:
+        # (block, spread, shards, order version)
+        return {"blocks": [self.block, self.spread, self._digest, _BLOCK_ORDER_VERSION]}
 
     def close(self) -> None:
         """Give up the blocks this rank holds (also done when the process exits)."""
@@ -1269,6 +1260,45 @@ class BlockWindowSampler(GlobalShuffleSampler):
             f"block={self.block}, spread={self.spread}, seed={self.seed}, epoch={self.epoch}, "
             f"rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})"
         )
+
+
+def check_order(sampler: GlobalShuffleSampler, state: Mapping[str, Any]) -> None:
+    """Refuse a state that another order saved: resumed, its position would repeat some records
+    and skip others. Every sampler's load_state_dict asks this one rule.
+
+    A state names its order's kind (``"order"``: ``sampler._order_kind``) beside the entries that
+    identify an order of that kind (``sampler._order_params()``: a window, blocks, a mixture's
+    digest); a state saved before it named the kind is told by those entries.
+
+    Raises:
+        ValueError: (``sampler._state_error``) Another kind of order, or other parameters.
+    """
+    kind = state.get("order")
+    if kind is None:
+        kind = next((k for entry, k in _KIND_BY_ENTRY if entry in state), "global")
+    name = type(sampler).__name__
+    if kind != sampler._order_kind:
+        msg = (
+            f"the state was saved by a sampler of another kind of order ({kind!r}); this {name} draws a "
+            f"{sampler._order_kind!r} order over the same positions: another order cannot be resumed (it "
+            "would repeat some records and skip others)"
+        )
+        raise sampler._state_error(msg)
+    mine = sampler._order_params()
+    differ = [key for key, value in mine.items() if _plain(state.get(key)) != _plain(value)]
+    if differ:
+        theirs = ", ".join(f"{key}={state.get(key)!r}" for key in differ)
+        ours = ", ".join(f"{key}={mine[key]!r}" for key in differ)
+        msg = (
+            f"the state was saved with {theirs}; this {name} has {ours} (other windows, blocks or shards, or "
+            "another mixture: sources, lengths, weights or stopping rule): another order cannot be resumed"
+        )
+        raise sampler._state_error(msg)
+
+
+def _plain(value: Any) -> Any:
+    """A state's entry as saved and read back (a tuple comes back from JSON as a list)."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def manifest_of(dataset: Any) -> str | None:

@@ -5,7 +5,7 @@ A view has ``len`` and ``__getitem__`` and maps each of its indices to one index
 view), so views compose with each other and are valid :class:`~smstore.mixture.Mixture` sources,
 and any of our samplers over ``len(view)`` samples a view. A view pickles as its source (which
 pickles as a path) and its spec: ranges, an index array, or the path of an index file written
-by :func:`select`.
+by :func:`select` with the digest of the indices it held (a file selected again since is refused).
 """
 
 from __future__ import annotations
@@ -204,7 +204,8 @@ class Subset(View):
         IndexError: A range or index outside the source.
     """
 
-    _file: tuple[str, str, str] | None = None  # (index file, data checksum, data) when made by select()
+    # (index file, data checksum, data, the indices' digest) when made by select()
+    _file: tuple[str, str, str, str] | None = None
 
     def __init__(self, source: Any, ranges: Iterable[Any] | None = None, *, indices: Any = None) -> None:
         if (ranges is None) == (indices is None):
@@ -264,8 +265,8 @@ class Subset(View):
     def __setstate__(self, state: dict[str, Any]) -> None:
         super().__setstate__(state)
         if self._file is not None:
-            path, checksum, data = self._file
-            _load_into(self, path, records=len(self.source), checksum=checksum, data=data)
+            path, checksum, data, digest = self._file
+            _load_into(self, path, records=len(self.source), checksum=checksum, data=data, digest=digest)
 
     def __repr__(self) -> str:
         what = (
@@ -561,13 +562,24 @@ def read_index(
     return header, array
 
 
-def _load_into(view: Subset, path: str, *, records: int, checksum: str, data: str) -> None:
+def _load_into(
+    view: Subset, path: str, *, records: int, checksum: str, data: str, digest: str | None = None
+) -> None:
+    """Give `view` the selection in the index file `path`; `digest`: the indices it must hold (a
+    pickled view's), refused if the file now holds others (selected again under the same name)."""
     header, array = read_index(path, records=records, checksum=checksum, data=data)
+    if digest is not None and header["digest"] != digest:
+        msg = (
+            f"{path}: the index file changed since this view was pickled (indices digest {digest}, now "
+            f"{header['digest']}: selected again under the same name?), so its indices mean other "
+            f"records of {data}; open the selection again (select or open_selection) and pass the new view"
+        )
+        raise StoreChangedError(msg)
     if header["kind"] == "ranges":
         view._set_ranges([range(int(a), int(b)) for a, b in array.tolist()])
     else:
         view._set_indices(_compact(array.astype(array.dtype.newbyteorder("="), copy=False), records))
-    view._file = (os.path.abspath(path), checksum, data)
+    view._file = (os.path.abspath(path), checksum, data, str(header["digest"]))
 
 
 def open_selection(source: Any, name: str) -> Subset:

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 import os
+import pickle
 import random
 import struct
 import subprocess
@@ -360,3 +362,37 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+# ---- views ----
+
+
+def run_child(target: Callable[..., None], *args: Any, method: str = "spawn") -> Any:
+    """What `target(*args, queue)` puts, run in a child started by `method`; raised if an exception."""
+    ctx = multiprocessing.get_context(method)
+    q = ctx.Queue()
+    proc = ctx.Process(target=target, args=(*args, q))
+    proc.start()
+    try:
+        got = q.get(timeout=120)  # a guard against a child that hangs: it answers in seconds
+    finally:
+        proc.join(timeout=60)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    assert proc.exitcode == 0
+    if isinstance(got, BaseException):
+        raise got
+    return got
+
+
+def unpickle_and_read(state: bytes, q: Any) -> None:
+    """A spawned or forkserver child: unpickle a view as a DataLoader worker does and read every
+    record; puts the records, or the StoreError unpickling or reading raised."""
+    from smstore.errors import StoreError
+
+    try:
+        view = pickle.loads(state)
+        q.put([bytes(view[i]) for i in range(len(view))])
+    except StoreError as e:
+        q.put(e)

@@ -223,9 +223,9 @@ def test_a_state_of_other_windows_or_shards_is_refused() -> None:
         sampler(mix, 3),
         sampler(mix, 2, shard_sizes=[[90, 90], SHARDS[1], None]),
     ):
-        with pytest.raises(MixtureError, match="other windows or shards"):
+        with pytest.raises(MixtureError, match=r"windows=.*another order cannot be resumed"):
             other.load_state_dict(state)
-    with pytest.raises(MixtureError, match="other windows or shards"):
+    with pytest.raises(MixtureError, match="another order cannot be resumed"):
         sampler(mix, 2).load_state_dict(MixtureSampler(mix, seed=3, rank=0, world_size=1).state_dict())
 
 
@@ -397,8 +397,14 @@ def test_windows_for_a_budget(tmp_path: Path) -> None:
         ],
         [0.6, 0.2, 0.2],
     )
-    la = max(s.file_size for s in read_manifest(a).shards)
-    lb = max(s.file_size for s in read_manifest(b).shards)
+    page = os.sysconf("SC_PAGESIZE")
+    raw_a = max(s.file_size for s in read_manifest(a).shards)
+    raw_b = max(s.file_size for s in read_manifest(b).shards)
+    la, lb = -(-raw_a // page) * page, -(-raw_b // page) * page  # as the daemon counts: whole pages
+    assert raw_a % page
+    assert raw_b % page
+    with pytest.raises(ValueError, match="whole pages"):  # by the files' sizes, the daemon deadlocked
+        WindowedMixtureSampler.windows_for(ds, 2 * raw_a + 2 * raw_b)
     assert WindowedMixtureSampler.windows_for(ds, 2 * la + 2 * lb) == [1, 1, 1]
     budget = 2 * la + 2 * lb + 8 * la  # the rest splits 3:1 as the sharded weights: 6 la and 2 la
     windows = WindowedMixtureSampler.windows_for(ds, budget)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import multiprocessing
 import os
 import pickle
 import re
@@ -93,24 +92,6 @@ def too_long(tmp_path: Path) -> Path:
     path = tmp_path / ("d" * 120) / "smstore.sock"
     assert len(os.fsencode(path)) > 107
     return path
-
-
-def run_child(target: Callable[..., None], *args: Any, method: str = "spawn") -> Any:
-    ctx = multiprocessing.get_context(method)
-    q = ctx.Queue()
-    proc = ctx.Process(target=target, args=(*args, q))
-    proc.start()
-    try:
-        got = q.get(timeout=120)
-    finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-    assert proc.exitcode == 0
-    if isinstance(got, BaseException):
-        raise got
-    return got
 
 
 # ---- the mode itself -----------------------------------------------------------------------------------
@@ -229,7 +210,7 @@ def test_auto_without_a_daemon_warns_once_per_process_in_one_wording(
     blob, manifest, recs = data
     sock = tmp_path / "none.sock"
     order = [first, *(u for u in tl.MODE_USERS if u != first)]
-    read, logged = run_child(
+    read, logged = tl.run_child(
         tl.fallbacks_in_a_fresh_process, order, os.fspath(blob), os.fspath(manifest), os.fspath(sock)
     )
     for user in tl.MODE_USERS:
@@ -331,7 +312,7 @@ def test_dataset_and_collator_handed_to_a_child_attach_to_the_daemons_segment(
     segment = ds.store.segment  # type: ignore[union-attr]
     assert type(ds.store) is DaemonStore
     assert segment.lstrip("/") in list_segments(d.pid)
-    records, gathered, where = run_child(tl.read_through_handles, ds, collate, method=method)
+    records, gathered, where = tl.run_child(tl.read_through_handles, ds, collate, method=method)
     assert records == recs
     assert gathered == recs
     assert where == [("DaemonStore", segment), ("DaemonStore", segment)]
@@ -352,7 +333,7 @@ def test_a_relative_path_reads_the_same_file_in_a_child_with_another_cwd(
     ds = smstore.SharedStoreDataset("d.smst", decode="bytes", mode="mmap")
     collate = smstore.TokenCollator("d.smst", layout="pack", mode="mmap")
     monkeypatch.chdir(elsewhere)  # a spawned child starts in its parent's working directory
-    records, gathered, _where = run_child(tl.read_through_handles, ds, collate)
+    records, gathered, _where = tl.run_child(tl.read_through_handles, ds, collate)
     assert records == recs
     assert gathered == recs
     assert ds.store.path == os.fspath(here / "d.smst")

@@ -725,3 +725,80 @@ def test_a_sampler_made_before_the_process_group_takes_its_rank_from_it(
     for rank, before, got, after in results:
         assert before == (0, 1)
         assert (got, after) == (streams[rank], (rank, 2))
+
+
+# ---- a state names its order: another kind over the same records is refused (issue 36, L8) ----
+
+ORDER_SHARDS = [30, 25, 0, 40, 35, 20, 30]  # 180 records
+ORDER_LENGTHS, ORDER_WEIGHTS = [180, 120], [0.6, 0.4]
+
+
+def order_samplers() -> dict[str, GlobalShuffleSampler]:
+    """One sampler of every kind of order, each over the same number of positions as another kind."""
+    from smstore.mixture import Mixture, MixtureSampler, WindowedMixtureSampler
+    from smstore.sampler import BlockWindowSampler, WindowedShuffleSampler
+
+    mix = Mixture(ORDER_LENGTHS, ORDER_WEIGHTS)
+    n = sum(ORDER_SHARDS)
+    one = {"seed": 3, "rank": 0, "world_size": 1}
+    return {
+        "global": GlobalShuffleSampler(n, **one),
+        "windowed": WindowedShuffleSampler(ORDER_SHARDS, window=2, residency=False, **one),
+        "blocks": BlockWindowSampler(ORDER_SHARDS, block=10, spread=2, residency=False, **one),
+        "global over the mixture": GlobalShuffleSampler(mix.num_samples, **one),
+        "mixture": MixtureSampler(mix, **one),
+        "windowed mixture": WindowedMixtureSampler(
+            mix, window=2, shard_sizes=[ORDER_SHARDS, None], residency=False, **one
+        ),
+    }
+
+
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [
+        ("global", "windowed"),
+        ("windowed", "global"),
+        ("blocks", "global"),
+        ("global", "blocks"),
+        ("blocks", "windowed"),
+        ("windowed", "blocks"),
+        ("windowed mixture", "mixture"),
+        ("mixture", "windowed mixture"),
+        ("global over the mixture", "mixture"),
+        ("mixture", "global over the mixture"),
+        ("windowed mixture", "global over the mixture"),
+    ],
+)
+@pytest.mark.parametrize("legacy", [False, True], ids=["", "saved-before-states-named-their-order"])
+def test_a_state_of_another_kind_of_order_is_refused(saved: str, loaded: str, legacy: bool) -> None:
+    """The same records (or mixture positions), seed and epoch, another order: resumed, the
+    position would repeat half the epoch and skip the other half."""
+    samplers = order_samplers()
+    source, target = samplers[saved], samplers[loaded]
+    assert source.num_records == target.num_records
+    it = iter(source)
+    for _ in range(source.num_records // 2):
+        next(it)
+    state = source.state_dict()
+    assert state["consumed"] == source.num_records // 2
+    if legacy:  # a state saved before the kind was named is told by the entries its kind saved
+        state.pop("order", None)
+    with pytest.raises(ValueError, match="another order cannot be resumed") as err:
+        target.load_state_dict(state)
+    assert type(target).__name__ in str(err.value)
+    assert target.state_dict()["consumed"] == 0  # nothing was taken from the refused state
+
+
+@pytest.mark.parametrize("kind", ["global", "windowed", "blocks", "mixture", "windowed mixture"])
+def test_a_state_of_the_same_order_resumes_after_a_json_round_trip(kind: str) -> None:
+    import json
+
+    saved, resumed = order_samplers()[kind], order_samplers()[kind]
+    it = iter(saved)
+    for _ in range(50):
+        next(it)
+    state = json.loads(json.dumps(saved.state_dict()))
+    resumed.load_state_dict(state)
+    assert list(resumed) == list(it)
+    legacy = {k: v for k, v in saved.state_dict().items() if k != "order"}
+    order_samplers()[kind].load_state_dict(legacy)  # a state saved before it named its order

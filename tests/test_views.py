@@ -15,7 +15,7 @@ import pytest
 import smstore_testlib as tl
 
 import smstore
-from smstore import IndexFileError, IndexStaleError, StoreError
+from smstore import IndexFileError, IndexStaleError, StoreChangedError, StoreError
 from smstore.mixture import MixtureDataset, MixtureSampler
 from smstore.views import Concat, Repeat, Subset, index_path, open_selection, read_index, select
 
@@ -428,3 +428,25 @@ def test_view_keeps_the_collate_guard(blob: tuple[Path, list[bytes]]) -> None:
     loader = DataLoader(Subset(ds, [(0, 20)]), batch_size=4)
     with pytest.raises(smstore.CollateError, match=str(path)):
         next(iter(loader))
+
+
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_selection_selected_again_under_its_name_is_refused_in_a_worker(
+    blob: tuple[Path, list[bytes]], method: str
+) -> None:
+    """A select() view pickles as its index file's path: rebuilt under the same name (other
+    records), a spawn or forkserver worker read the new file and so other records, silently."""
+    path, recs = blob
+    view = select(path, lambda r: len(r) > 15, name="pick")
+    state = pickle.dumps(view)
+    assert tl.run_child(tl.unpickle_and_read, state, method=method) == [r for r in recs if len(r) > 15]
+    # Selected again with another predicate (same data: the data's checksum still matches).
+    select(path, lambda r: len(r) <= 15, name="pick", rebuild=True)
+    with pytest.raises(StoreChangedError, match="changed since this view was pickled") as err:
+        tl.run_child(tl.unpickle_and_read, state, method=method)
+    assert f"{path}.pick.idx" in str(err.value)
+    with pytest.raises(StoreChangedError, match="changed since this view was pickled"):
+        pickle.loads(state)  # in this process too
+    # The same selection written again holds the same indices: the pickled view still reads them.
+    select(path, lambda r: len(r) > 15, name="pick", rebuild=True)
+    assert tl.run_child(tl.unpickle_and_read, state, method=method) == [r for r in recs if len(r) > 15]

@@ -277,11 +277,63 @@ def test_a_lag_over_half_a_window_is_warned_of() -> None:
 
 def test_window_for_a_budget(tmp_path: Path) -> None:
     out, _ = sharded(tmp_path)
-    largest = max(s.file_size for s in read_manifest(out).shards)
+    page = os.sysconf("SC_PAGESIZE")
+    raw = max(s.file_size for s in read_manifest(out).shards)
+    largest = -(-raw // page) * page  # the daemon counts a segment in whole pages
+    assert raw % page  # so the file's size alone undercounts it
     assert WindowedShuffleSampler.window_for(out, 2 * largest) == 1
     assert WindowedShuffleSampler.window_for(out, 9 * largest) == 4
     with pytest.raises(ValueError, match="cannot hold two shards"):
         WindowedShuffleSampler.window_for(out, 2 * largest - 1)
+    with pytest.raises(ValueError, match="whole pages"):
+        WindowedShuffleSampler.window_for(out, 2 * raw)
+
+
+def equal_shards(tmp_path: Path, shards: int = 8, per_shard: int = 100) -> tuple[Path, list[bytes]]:
+    """A dataset of shards of one size that is not a whole number of pages."""
+    recs = [b"%05d" % i + bytes([97 + i % 26]) * 55 for i in range(shards * per_shard)]
+    out = tmp_path / "ds"
+    with smstore.ShardedWriter(f"{out}/", shard_records=per_shard, durable=False) as w:
+        w.extend(recs)
+    sizes = {s.file_size for s in read_manifest(out).shards}
+    assert len(sizes) == 1, sizes
+    assert sizes.pop() % os.sysconf("SC_PAGESIZE")
+    return out, recs
+
+
+def test_the_readme_recipe_runs_an_epoch_across_window_switches(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """window_for(ds, B) with `smstore serve --shm-limit B` (README). It sized windows by the files'
+    sizes, the daemon counts whole pages: two windows did not fit, so at the first switch the window
+    now read waited for room that the previous one (held for the lag) kept, and the lag never ended
+    because the loop waited for that window: the epoch hung."""
+    torch = pytest.importorskip("torch")
+    out, recs = equal_shards(tmp_path)
+    budget = 4 * read_manifest(out).shards[0].file_size  # two windows of two shards, by file size
+    start_daemon(args=("--shm-limit", str(budget)), loaded=0)
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
+    window = WindowedShuffleSampler.window_for(ds, budget)
+    sampler = WindowedShuffleSampler(ds, window=window, seed=1, rank=0, world_size=1, lag=40)
+    assert sampler.permutation().window_count >= 3  # the epoch switches windows
+    try:
+        loader = torch.utils.data.DataLoader(
+            ds,
+            sampler=sampler,
+            batch_size=4,
+            num_workers=2,
+            prefetch_factor=2,  # 16 samples ahead of the loop: within the lag
+            collate_fn=list,
+            multiprocessing_context="fork",
+            # The old code's hang ends here (a worker waits for a shard no room will ever hold);
+            # a batch of the fixed code takes milliseconds.
+            timeout=120,
+        )
+        got = collect(loader)
+    finally:
+        sampler.close()
+    assert sampler.residency.kind == "daemon"
+    assert got == [recs[i] for i in order_of(ds.shard_sizes, window, seed=1)]
 
 
 def test_readers_release_shards_they_stopped_reading(tmp_path: Path) -> None:

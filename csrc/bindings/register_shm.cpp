@@ -40,6 +40,8 @@ void register_shm(py::module_& m) {
         py::arg("path"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1, py::arg("room_limit") = 0,
         py::arg("max_rate") = 0, py::arg("hash_thread") = true,
         "Load a blob into a new segment; returns (read-only fd, size, checksum as hex, record_count).");
+    m.def("shm_footprint", &shm_footprint, py::arg("size"),
+          "Bytes of shared memory a segment of `size` bytes takes (whole pages): what --shm-limit counts.");
     m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");
     m.def(
         "_check_index_stream",

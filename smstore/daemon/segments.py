@@ -210,12 +210,9 @@ class Segment:
         os.close(self.fd)
 
 
-def pages(size: int) -> int:
-    """Bytes of /dev/shm a segment of `size` bytes takes (whole pages)."""
-    return -(-size // _PAGE) * _PAGE
-
-
-_PAGE = os.sysconf("SC_PAGESIZE")
+# Bytes of /dev/shm a segment of `size` bytes takes (whole pages): the core's one rule, which the
+# samplers' window planners count by too.
+pages = _core.shm_footprint
 
 
 class SegmentTable(dict[str, Segment]):
