@@ -26,6 +26,7 @@ __all__ = [
     "process_start_time",
     "request",
     "socket_path",
+    "untrusted_dir_fault",
     "wait_until_served",
 ]
 
@@ -77,6 +78,24 @@ def socket_path(explicit: str | os.PathLike[str] | None = None) -> Path:
     return Path(env) if env else default_socket_path()
 
 
+def untrusted_dir_fault(st: os.stat_result, *, root_owned_ok: bool = False) -> str | None:
+    """Why a directory whose ``lstat`` (or ``fstat``) is `st` may not be trusted, or None.
+
+    Another user who owns a directory, or may write to it, can swap what it holds for a link
+    to anywhere, or plant files there, that whoever uses it then acts on with their own rights.
+    Root owning it is no such risk where `root_owned_ok` (it can do anything anyway).
+    """
+    if stat.S_ISLNK(st.st_mode):
+        return "a symbolic link, not a directory"
+    if not stat.S_ISDIR(st.st_mode):
+        return "not a directory"
+    if st.st_uid != os.getuid() and not (root_owned_ok and st.st_uid == 0):
+        return f"owned by uid {st.st_uid}, not by you (uid {os.getuid()})"
+    if st.st_mode & 0o022:
+        return f"writable by other users (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
 def ensure_private_dir(path: Path, *, create: bool, group_gid: int | None = None) -> None:
     """Check (and optionally create) the socket's directory: ours, and closed to other users.
 
@@ -91,22 +110,15 @@ def ensure_private_dir(path: Path, *, create: bool, group_gid: int | None = None
             os.chown(path, -1, group_gid)
         path.chmod(mode)
     st = os.lstat(path)
-    if not stat.S_ISDIR(st.st_mode):
-        msg = f"{path}: not a directory; cannot put the smstore socket there"
-        raise DaemonError(msg)
-    if st.st_uid != os.getuid():
-        msg = f"{path}: owned by uid {st.st_uid}, not by you (uid {os.getuid()}); refusing to use it for the socket"
-        raise DaemonError(msg)
     forbidden = 0o022 if group_gid is not None else 0o077
-    if create and st.st_mode & forbidden:
+    if create and stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and st.st_mode & forbidden:
         msg = (
             f"{path}: mode {stat.S_IMODE(st.st_mode):04o} lets other users in; the socket directory must be "
             f"{mode:04o} (chmod {mode:o} {path})"
         )
         raise DaemonError(msg)
-    if st.st_mode & 0o022:
-        msg = f"{path}: writable by other users (mode {stat.S_IMODE(st.st_mode):04o}); refusing to use it"
-        raise DaemonError(msg)
+    if (fault := untrusted_dir_fault(st)) is not None:
+        raise DaemonError(f"{path}: {fault}; refusing to use it for the smstore socket")
 
 
 def check_default_dir(path: Path) -> None:

@@ -10,6 +10,7 @@ import random
 import struct
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -396,3 +397,28 @@ def unpickle_and_read(state: bytes, q: Any) -> None:
         q.put([bytes(view[i]) for i in range(len(view))])
     except StoreError as e:
         q.put(e)
+
+
+def outcome_past_a_fifo(fn: Callable[[], Any], fifo: str | os.PathLike[str], what: str) -> Any:
+    """What fn() returns or raises (the exception, returned), run in a thread.
+
+    Should it block opening `fifo` (waiting for a writer), a writer lets it go and the test fails
+    saying `what` blocked. The join's bound is for that defect only: code that never opens the FIFO
+    is done long before it.
+    """
+    outcome: list[Any] = []
+
+    def run() -> None:
+        try:
+            outcome.append(fn())
+        except BaseException as e:  # noqa: BLE001 - the test looks at it
+            outcome.append(e)
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    t.join(timeout=60)
+    if t.is_alive():  # blocked in open(): let it go before failing
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+        t.join()
+        raise AssertionError(f"{what} blocked on a FIFO")
+    return outcome[0]

@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from smstore_testlib import run_ranks
+from smstore_testlib import outcome_past_a_fifo, run_ranks
 
 import smstore
 from smstore import _modes
@@ -430,25 +430,9 @@ def test_a_piece_load_refuses_a_shard_replaced_by_a_fifo_without_blocking(tmp_pa
     os.mkfifo(shard)
     job = _Job(os.fspath(shard), m.shards[1].checksum, Piece(1, 0, 10), "0" * 16, 1 << 20)
     blocks = object.__new__(Blocks)  # only _load is exercised: no daemon around it
-    outcome: list[BaseException] = []
-
-    def load() -> None:
-        try:
-            blocks._load(job)
-        except BaseException as e:  # noqa: BLE001 - the test looks at it
-            outcome.append(e)
-
-    t = threading.Thread(target=load, daemon=True)
-    t.start()
-    t.join(timeout=60)
-    if t.is_alive():  # blocked in open(): let it go before failing
-        fd = os.open(shard, os.O_WRONLY | os.O_NONBLOCK)
-        os.close(fd)
-        t.join()
-        pytest.fail("the piece load blocked on a FIFO")
-    assert len(outcome) == 1, outcome
-    assert isinstance(outcome[0], StoreChangedError), outcome
-    assert "not a regular file" in str(outcome[0])
+    outcome = outcome_past_a_fifo(lambda: blocks._load(job), shard, "the piece load")
+    assert isinstance(outcome, StoreChangedError), outcome
+    assert "not a regular file" in str(outcome)
 
 
 def test_a_reader_drops_released_pieces_when_the_next_one_waits_for_their_room(

@@ -30,7 +30,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed")
 import daemon_testlib as tl
 from daemon_testlib import Daemon, as_user, public_rundir
 from remote_testlib import BUCKET, S3, SECRET, FaultProxy, remote_dataset
-from smstore_testlib import run_ranks
+from smstore_testlib import outcome_past_a_fifo, run_ranks
 
 import smstore
 from smstore import _core
@@ -41,6 +41,7 @@ from smstore.errors import (
     RemoteURLError,
     StoreClosedError,
     StoreError,
+    StoreIOError,
 )
 from smstore.remote import CacheStats, NodeCache, Retry, fetch, parse_url, publish_remote_dataset, upload
 
@@ -544,6 +545,111 @@ def test_a_part_file_of_a_dead_process_is_removed_and_a_live_ones_kept(tmp_path:
     assert cache.entries() == []
 
 
+def _plant(cache_dir: Path, where: str, victim: Path) -> Path:
+    """Give the cache directory what another user could have made of it; the directory refused."""
+    cache_dir.mkdir(mode=0o700)
+    if where in ("entries", "locks"):  # a link in a directory others may write (or the owner's own)
+        (cache_dir / where).symlink_to(victim)
+        return cache_dir / where
+    if where == "writable":
+        cache_dir.chmod(0o777)
+        return cache_dir
+    if where == "entries writable":
+        (cache_dir / "entries").mkdir()
+        (cache_dir / "entries").chmod(0o770)
+        return cache_dir / "entries"
+    os.chown(cache_dir, 65534, 65534)  # another owner: it may swap what the directory holds
+    return cache_dir
+
+
+@pytest.mark.parametrize(
+    ("where", "fault"),
+    [
+        pytest.param("entries", "a symbolic link or not a directory", id="entries-link"),
+        pytest.param("locks", "a symbolic link or not a directory", id="locks-link"),
+        pytest.param("writable", "writable by other users (mode 0777)", id="writable"),
+        pytest.param("entries writable", "writable by other users (mode 0770)", id="entries-writable"),
+        pytest.param(
+            "another owner",
+            "owned by uid 65534, not by you",
+            id="another-owner",
+            marks=pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory away"),
+        ),
+    ],
+)
+def test_a_cache_directory_another_user_controls_is_refused_and_nothing_outside_it_touched(
+    s3: S3, blob: tuple[str, bytes, str], tmp_path: Path, where: str, fault: str
+) -> None:
+    """An `entries` link planted in a cache another user controls made eviction remove the
+    owner's own *.smst files (and a restart their *.part files); a `locks` link made the cache
+    create lock files wherever its user may write. Such a directory is refused, as the socket's is."""
+    url, data, checksum = blob
+    victim = tmp_path / "mine"
+    victim.mkdir()
+    own = {"model.smst": b"the user's own blob", "upload.part": b"the user's own upload"}
+    for name, body in own.items():
+        (victim / name).write_bytes(body)
+    cache_dir = tmp_path / "cache"
+    refused = _plant(cache_dir, where, victim)
+
+    def fetch_into_it() -> None:
+        cache = NodeCache(cache_dir, len(data))  # room for one blob: a fetch evicts every other
+        cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST)
+
+    with pytest.raises(StoreIOError) as info:
+        fetch_into_it()
+    assert str(info.value).startswith(f"{refused}: {fault}"), info.value
+    assert "refusing to use it for the node cache" in str(info.value)
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == own
+
+
+def test_serve_refuses_a_cache_dir_other_users_may_write(tmp_path: Path) -> None:
+    cache_dir = tmp_path / "cache"
+    cache_dir.mkdir()
+    cache_dir.chmod(0o777)
+    sock = tmp_path / "s.sock"
+    cache_args = ["--cache-dir", os.fspath(cache_dir), "--cache-limit", "1G"]
+    res = subprocess.run(
+        [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(sock), *cache_args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert res.returncode == 1, res.stderr
+    assert (
+        f"{cache_dir}: writable by other users (mode 0777); refusing to use it for the node cache"
+        in res.stderr
+    )
+    assert "Traceback" not in res.stderr
+    assert os.listdir(cache_dir) == []
+    assert not sock.exists()
+
+
+def test_a_fifo_at_an_entrys_name_is_never_opened_but_fetched_anew(
+    s3: S3, blob: tuple[str, bytes, str], tmp_path: Path
+) -> None:
+    """Opening a FIFO planted at an entry's name waited for a writer forever: the daemon's one
+    loader thread with it, so every later load (of local files too) hung."""
+    url, data, checksum = blob
+    cache = NodeCache(tmp_path / "cache", 64 << 20)
+    entry = cache.path_of(url, checksum)
+    os.mkfifo(entry)
+    fifo = tmp_path / "fifo"
+    os.link(entry, fifo)  # to let a blocked open go once the cache removed the name
+    got = outcome_past_a_fifo(
+        lambda: cache.get(url, checksum=checksum, size=len(data), chunk_size=CHUNK, retry=FAST),
+        fifo,
+        "the node cache's get",
+    )
+    assert got == entry, got
+    assert Path(entry).read_bytes() == data
+    assert cache.stats.fetches == 1  # the FIFO was a bad entry: fetched anew
+
+
+# --- upload ---------------------------------------------------------------------------------------
+
+
 # --- upload ---------------------------------------------------------------------------------------
 
 
@@ -879,6 +985,39 @@ def test_a_checksum_mismatch_is_a_clear_error_nothing_served_nothing_cached(
         assert d.status()["segments"] == []
         if cached:
             assert NodeCache(cache_dir, 10 << 20).entries() == []
+    finally:
+        rank.close()
+
+
+def test_a_cache_entry_whose_records_rotted_is_dropped_and_fetched_again(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The cache checks an entry's header before use, not its records: an entry rotted past its
+    header failed every load of its shard, for good (counted a cache hit, the error naming
+    /proc/self/fd/N and advising a re-pack)."""
+    manifest, data, checksums = remote_dataset(s3, tmp_path, "rotted", shards=2)
+    url = json.loads(manifest.read_text())["shards"][1]["path"]
+    cache_dir = tmp_path / "cache"
+    limit = 10 << 20
+    # The entry as an earlier job left it, then one bit of a record flipped on disk.
+    entry = NodeCache(cache_dir, limit).get(url, checksum=checksums[1], size=len(data[1]), retry=FAST)
+    at = _core.read_header(entry).data_offset + 10
+    with open(entry, "r+b") as f:
+        f.seek(at)
+        f.write(bytes([data[1][at] ^ 0x10]))
+    d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(limit)), loaded=0)
+    rank, reply = hold(d.sock, manifest, [1])
+    try:
+        assert reply["ok"] is True, reply
+        m = served(d, 1)["metrics"]
+        assert segment_bytes(d) == {checksums[1]: data[1]}
+        assert (m["cache_hits"], m["cache_misses"]) == (1, 1)  # found, found bad, fetched anew
+        assert Path(entry).read_bytes() == data[1]
+        log = d.log.read_text()
+        assert f"{url}: its node cache entry {entry} is corrupt (checksum mismatch: " in log, log
+        assert "dropped, fetching it again" in log
+        assert "/proc/self/fd" not in log
+        assert "re-pack" not in log
     finally:
         rank.close()
 

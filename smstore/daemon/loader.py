@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import queue
 import socket
@@ -22,6 +23,8 @@ from smstore.remote.fetch import fetch, read_header
 from smstore.remote.urls import RemoteURL, is_remote_url, parse_url
 
 __all__ = ["AlreadyLoaded", "Failed", "LoadResult", "Loaded", "Loader"]
+
+log = logging.getLogger("smstore.daemon")
 
 # The loader thread's nice value (relative to 0): below the training processes.
 LOADER_NICENESS = 10
@@ -221,15 +224,7 @@ class Loader:
             if expected in self.segments:
                 return AlreadyLoaded(expected)
         if self.cache is not None:
-            try:
-                # The entry open, so that another process evicting it meanwhile cannot fail the load.
-                fd = self.cache.get_fd(u, checksum=expected, size=size, stop=self.halt)
-            finally:
-                self.cache_bytes = self.cache.total_bytes()
-            try:
-                return self._load_file(f"/proc/self/fd/{fd}", expected)
-            finally:
-                os.close(fd)
+            return self._load_cached(self.cache, u, expected, size)
         room = self.planner.room()
         if room is not None and pages(size) > room:
             limit, limit_from = self.planner.shm_limit, self.planner.shm_limit_from
@@ -256,6 +251,59 @@ class Loader:
             os.close(fd)
         self.fetched_bytes += result.bytes
         return Loaded(name, ro, expected, time.monotonic() - t0)
+
+    def _load_cached(
+        self, cache: NodeCache, u: RemoteURL, checksum: str, size: int
+    ) -> Loaded | AlreadyLoaded:
+        """Load the shard at `u` from its node cache entry (fetched first if not cached).
+
+        The cache checks an entry's header before handing it over; the load checks every record.
+        An entry whose records rotted on disk is dropped and fetched once more, so that one bad
+        sector does not fail every later load of the shard.
+
+        Raises:
+            StoreFormatError: The entry fetched anew is corrupt too (naming the URL and the entry).
+        """
+        result = self._load_entry(cache, u, checksum, size)
+        if isinstance(result, StoreFormatError):
+            log.warning("%s: dropped, fetching it again", result)
+            result = self._load_entry(cache, u, checksum, size)
+            if isinstance(result, StoreFormatError):
+                msg = (
+                    f"{result}, fetched anew too: check the disk under {cache.directory}, "
+                    "or publish the object again"
+                )
+                raise type(result)(msg)
+        return result
+
+    def _load_entry(
+        self, cache: NodeCache, u: RemoteURL, checksum: str, size: int
+    ) -> Loaded | AlreadyLoaded | StoreFormatError:
+        """One load from the cache entry of `u`; a corrupt entry is dropped and its fault returned.
+
+        Raises:
+            StoreFormatError: The entry is corrupt and this process cannot drop it.
+        """
+        try:
+            # The entry open, so that another process evicting it meanwhile cannot fail the load.
+            fd = cache.get_fd(u, checksum=checksum, size=size, stop=self.halt)
+        finally:
+            self.cache_bytes = cache.total_bytes()
+        label = f"/proc/self/fd/{fd}"
+        try:
+            return self._load_file(label, checksum)
+        except StoreFormatError as e:
+            # The core's message names the descriptor and advises a re-pack: only its fault holds
+            # for an entry (the cure is a fresh copy).
+            fault = str(e).removeprefix(f"{label}: ").split("; ", 1)[0]
+            bad = type(e)(f"{u}: its node cache entry {cache.path_of(u, checksum)} is corrupt ({fault})")
+            try:
+                cache.drop(u, checksum, fd)
+            except StoreError as dropping:
+                raise type(e)(f"{bad}, and cannot be dropped: {dropping}") from None
+            return bad
+        finally:
+            os.close(fd)
 
     def _describe(self, u: RemoteURL, expected: str | None) -> tuple[str, int]:
         """The checksum and size of the blob at `u`, from its header (one ranged GET of 4 KiB).
