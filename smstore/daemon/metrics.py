@@ -210,21 +210,12 @@ class Exporter:
     Args:
         address: (host, port) to serve ``GET /metrics`` on, or None.
         textfile: A file for node_exporter's textfile collector (written by rename), or None.
-        max_scrapes: Connections served at once; more are answered 503 at once.
-        scrape_seconds: The time a connection has for its request and the reply; then it is closed.
 
     Raises:
         DaemonError: The address cannot be listened on, or the textfile's directory does not exist.
     """
 
-    def __init__(
-        self,
-        address: tuple[str, int] | None,
-        textfile: Path | None,
-        *,
-        max_scrapes: int = MAX_SCRAPES,
-        scrape_seconds: float = SCRAPE_SECONDS,
-    ) -> None:
+    def __init__(self, address: tuple[str, int] | None, textfile: Path | None) -> None:
         if textfile is not None and not textfile.parent.is_dir():
             msg = f"--metrics-file {textfile}: its directory does not exist; create it or name another"
             raise DaemonError(msg)
@@ -234,11 +225,10 @@ class Exporter:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
-        self.scrape_seconds = scrape_seconds
         self._httpd: _ScrapeServer | None = None
         if address is not None:
             try:
-                self._httpd = _ScrapeServer(address, self._handler(), max_scrapes)
+                self._httpd = _ScrapeServer(address, self._handler(), MAX_SCRAPES)
             except OSError as e:
                 msg = f"--metrics {address[0]}:{address[1]}: cannot listen there ({e.strerror or e})"
                 raise DaemonError(msg) from None
@@ -293,7 +283,7 @@ class Exporter:
                 super().setup()
                 # One deadline for the whole exchange: the head is read here, by it (the parser
                 # then reads it from memory), and the reply is sent within what is left of it.
-                deadline = time.monotonic() + exporter.scrape_seconds
+                deadline = time.monotonic() + SCRAPE_SECONDS
                 self.rfile = io.BytesIO(_read_head(self.connection, deadline))
                 self.connection.settimeout(max(deadline - time.monotonic(), 0.001))
 
