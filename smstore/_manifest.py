@@ -23,7 +23,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._pack import publish_file, source_names
-from smstore._protocol import CHECKSUM_WORDING, is_checksum
+from smstore._protocol import CHECKSUM_WORDING, is_checksum, is_utf8
 from smstore.errors import StoreError, StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
 
 __all__ = [
@@ -309,6 +309,10 @@ def _parse(p: str, raw: bytes) -> Manifest:
         spath = entry.get("path")
         if not isinstance(spath, str) or not spath or "\0" in spath:
             raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
+        if not is_utf8(spath):  # a "\udcff" escape: a file name the daemon and its readers cannot pass on
+            raise _bad(
+                p, f"{where}.path {spath!r} is not valid UTF-8; rename the shard and write the manifest again"
+            )
         checksum = entry.get("checksum")
         if not is_checksum(checksum):
             raise _bad(p, f"{where}.checksum must be {CHECKSUM_WORDING}, not {checksum!r}")

@@ -45,6 +45,7 @@ __all__ = [
     "held_arg",
     "hold_arg",
     "is_checksum",
+    "is_utf8",
     "key_arg",
     "manifest_value",
     "not_served",
@@ -223,12 +224,23 @@ def path_arg(req: dict[str, Any], *, required: bool) -> str | None:
     return path_value(value)
 
 
+def is_utf8(text: str) -> bool:
+    """Whether `text` is valid UTF-8 as a name: a file name that is not reaches Python as lone
+    surrogates, which no reply, log line or the core can carry. smstore names files in UTF-8 only."""
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _is_url(value: object) -> bool:
     """A URL-shaped string (``scheme://...``, at most 4096 characters); what it may name is the reader's check."""
     return (
         isinstance(value, str)
         and len(value) <= 4096
         and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^\0]+", value) is not None
+        and is_utf8(value)
     )
 
 
@@ -270,12 +282,9 @@ def dataset_arg(req: dict[str, Any]) -> str | None:
 def path_value(value: object) -> str:
     if not isinstance(value, str) or not value.startswith("/") or "\0" in value or len(value) > 4096:
         raise ProtocolError(BAD_REQUEST, "'path' must be an absolute path (at most 4096 characters, no NUL)")
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        # A file name that is not UTF-8 reaches us as lone surrogates: refuse it here, in the request,
-        # rather than in the loader thread.
-        raise ProtocolError(BAD_REQUEST, f"'path' is not valid UTF-8: {value!r}") from None
+    if not is_utf8(value):
+        # Refused here, in the request, rather than in the loader thread.
+        raise ProtocolError(BAD_REQUEST, f"'path' is not valid UTF-8: {value!r}")
     return value
 
 

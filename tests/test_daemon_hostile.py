@@ -44,6 +44,7 @@ from smstore._manifest import read_manifest
 from smstore.client import daemon_request, open_store
 from smstore.daemon.segments import list_segments
 from smstore.daemon.state import state_path
+from smstore.errors import StoreFormatError
 
 STATUS = frame(b'{"op":"status"}')
 
@@ -391,6 +392,71 @@ def test_non_utf8_path_refused_and_later_loads_work(
     assert st["loading"] == []
     check_all(open_store(other, mode="daemon"), other_recs)
     assert_alive_and_clean(d)
+
+
+def test_a_manifest_naming_a_non_utf8_shard_is_refused_and_the_daemon_serves_on(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The old daemon took the hold, then died on its loop loading that shard (TypeError), and again
+    in its shutdown (KeyError), leaving its socket and state file behind."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"".join(b"%05d line\n" % i for i in range(1000)))
+    ds, good = tmp_path / "ds", tmp_path / "good"
+    for out in (ds, good):
+        smstore.pack_files([src], out, shard_size=4000, progress=False, durable=False)
+    doc = json.loads((ds / "manifest.json").read_text())
+    odd = os.fsdecode(b"\xffshard.smst")  # a real file by that name: the manifest is right about it
+    (ds / doc["shards"][0]["path"]).rename(ds / odd)
+    doc["shards"][0]["path"] = odd  # written as the JSON escape "\udcff"
+    (ds / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(StoreFormatError, match=r"manifest.json: .*shards\[0\]\.path .* not valid UTF-8"):
+        read_manifest(ds)
+
+    d = start_daemon(loaded=0)
+    rank = raw(d.sock)
+    try:
+        hold = {"op": "hold", "manifest": os.fspath(ds / "manifest.json"), "shards": "1,0"}
+        rank.sendall(frame(json.dumps(hold).encode()))
+        reply = read_reply(rank)
+        assert reply is not None
+        assert reply["ok"] is False, reply
+        assert "manifest.json" in reply["message"]
+        assert "shards[0].path" in reply["message"]
+        assert "UTF-8" in reply["message"]
+        # The rank's connection still open, the daemon serves on: its next hold, of a dataset
+        # it can name, is loaded.
+        rank.sendall(frame(json.dumps({**hold, "manifest": os.fspath(good / "manifest.json")}).encode()))
+        assert read_reply(rank) == {"ok": True, "resident": 0, "held": 2}
+        assert len(wait_status(d, lambda st: len(st["segments"]) == 2)["segments"]) == 2
+        assert_alive_and_clean(d)
+        # Stopped with the rank still connected: a clean exit, nothing left behind.
+        d.proc.send_signal(signal.SIGTERM)
+        assert d.proc.wait(timeout=30) == 0
+    finally:
+        rank.close()
+    log = d.log.read_text()
+    assert "Traceback" not in log, log
+    assert not d.sock.exists()
+    assert not state_path(d.sock).exists()
+
+
+def test_serve_of_a_non_utf8_file_name_is_a_clear_error(
+    blob: tuple[Path, list[bytes]], tmp_path: Path
+) -> None:
+    """The old daemon started, loaded the file, then died with a traceback registering it."""
+    path, _ = blob
+    odd = Path(os.fsdecode(os.fsencode(tmp_path) + b"/\xff.smst"))
+    shutil.copyfile(path, odd)
+    dataset = Path(os.fsdecode(os.fsencode(tmp_path) + b"/ds\xff"))  # its shards' paths too
+    smstore.pack_files([path], tmp_path / "ds", shard_size=1 << 20, progress=False, durable=False)
+    (tmp_path / "ds").rename(dataset)
+    sock = tmp_path / "run" / "smstore.sock"
+    for name in (odd, dataset):
+        res = cli("serve", os.fspath(name), sock=sock, check=False, timeout=60)
+        assert res.returncode == 1, res.stderr
+        assert "not valid UTF-8" in res.stderr, res.stderr
+        assert "Traceback" not in res.stderr, res.stderr
+        assert not sock.exists()
 
 
 # ---- 6. the state file cannot be written -------------------------------------------------------------

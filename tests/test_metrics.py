@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -12,6 +13,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from collections.abc import Callable
@@ -22,7 +24,7 @@ import pytest
 
 import smstore
 from smstore._manifest import read_manifest
-from smstore.daemon.metrics import METRICS, render
+from smstore.daemon.metrics import MAX_SCRAPES, METRICS, Exporter, render
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon
@@ -375,3 +377,90 @@ def test_label_values_are_escaped() -> None:
     text = render({"load_failures": {'a"b\\c\nd': 2}})
     ((name, labels), value) = next(iter(parse(text, set()).items()))
     assert (name, labels, value) == ("smstore_load_failures_total", (("kind", 'a"b\\c\nd'),), 2.0)
+
+
+def read_to_end(s: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a reset counts as a close)."""
+    data = b""
+    while True:
+        try:
+            chunk = s.recv(4096)
+        except ConnectionResetError:
+            return data
+        if not chunk:
+            return data
+        data += chunk
+
+
+def test_trickling_clients_of_the_endpoint_are_bounded_in_count_and_time(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """Anyone who reaches the port could hold a thread and a descriptor of the daemon per connection,
+    each for as long as it sent a byte every few seconds: the owner's requests then failed."""
+    blob = tmp_path / "b.smst"
+    smstore.pack(tl.make_records(100), blob, durable=False)
+    d = start_daemon(args=("--metrics", "127.0.0.1:0"), loaded=0)
+    url = d.status()["metrics_url"]
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    threads = len(os.listdir(f"/proc/{d.pid}/task"))
+    held: list[socket.socket] = []
+    turned: list[socket.socket] = []
+    try:
+        # Every slot is taken by a client that sends its request a byte at a time.
+        for _ in range(MAX_SCRAPES):
+            held.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+            held[-1].sendall(b"G")
+        # Then more are answered 503 at once (accepted in order: every slot is taken by then).
+        for _ in range(3 * MAX_SCRAPES):
+            turned.append(socket.create_connection(("127.0.0.1", port), timeout=30))
+            assert read_to_end(turned[-1]).startswith(b"HTTP/1.0 503 "), "not turned away"
+        assert len(os.listdir(f"/proc/{d.pid}/task")) <= threads + MAX_SCRAPES
+        # The owner is served meanwhile.
+        tl.cli("load", str(blob), sock=d.sock)
+        assert d.status()["segments"][0]["paths"] == [str(blob)]
+        # The trickling clients are cut off at their request's deadline, however often they send
+        # (bounded: the old server's timeout was per read, and never came).
+        open_ = list(held)
+        for _ in range(600):
+            if not open_:
+                break
+            for s in open_:
+                with contextlib.suppress(OSError):  # the server may have closed it: the read says
+                    s.sendall(b"E")
+            ready, _w, _x = select.select(open_, [], [], 0.05)
+            for s in ready:
+                assert read_to_end(s) == b""  # closed without a reply: no request came
+                open_.remove(s)
+        assert not open_, f"{len(open_)} trickling connection(s) still open"
+    finally:
+        for s in held + turned:
+            s.close()
+    # Their slots are free again: the endpoint serves.
+    assert "smstore_segments 1.0" in scrape(url)
+
+
+def test_the_textfile_mode_is_set_through_its_descriptor_never_a_link_at_its_name(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A symbolic link put at the temporary file's name (its directory writable by another user) made
+    the file it points to, any file of the daemon's user, world-readable (os.chmod by path)."""
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"private")
+    secret.chmod(0o600)
+    textfile_dir = tmp_path / "textfile"
+    textfile_dir.mkdir()
+    mkstemp = tempfile.mkstemp
+
+    def swapped(*args: Any, **kwargs: Any) -> tuple[int, str]:
+        fd, tmp = mkstemp(*args, **kwargs)
+        os.unlink(tmp)
+        os.symlink(secret, tmp)  # what the other user does between the creation and the chmod
+        return fd, tmp
+
+    monkeypatch.setattr(tempfile, "mkstemp", swapped)
+    exporter = Exporter(None, textfile_dir / "smstore.prom")
+    exporter.start()
+    exporter.publish({"segments": 1})
+    exporter.stop()  # writes the last figures once more
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert secret.read_bytes() == b"private"

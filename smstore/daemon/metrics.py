@@ -10,10 +10,14 @@ from __future__ import annotations
 
 import contextlib
 import http.server
+import io
 import logging
 import os
+import socket
+import sys
 import tempfile
 import threading
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +31,20 @@ log = logging.getLogger("smstore.daemon")
 
 # Seconds between two writes of the textfile at most (node_exporter reads it at its own pace).
 TEXTFILE_PERIOD = 5.0
+
+# Scrapes served at once, at most: each holds a thread and a descriptor of the daemon, and anyone
+# who can reach the port can open connections (the owner's requests need descriptors too). More are
+# answered 503 at once. A scraper asks once every few seconds.
+MAX_SCRAPES = 8
+
+# Seconds a scrape may take, its whole request and reply: a client trickling its request a byte at a
+# time holds its slot no longer (a timeout per read would let it hold the slot for ever).
+SCRAPE_SECONDS = 5.0
+
+# The longest request head served: a GET /metrics is a few hundred bytes.
+MAX_REQUEST_HEAD = 8192
+
+_TURNED_AWAY = b"HTTP/1.0 503 Service Unavailable\r\nContent-Length: 0\r\nRetry-After: 1\r\n\r\n"
 
 # The one table of metrics: key in status's ``metrics`` section -> (Prometheus name, type, label, help).
 # A value is a number, or (with a label) a mapping from the label's value to a number.
@@ -130,6 +148,62 @@ def parse_address(text: str) -> tuple[str, int]:
     return host or "127.0.0.1", number
 
 
+def _read_head(sock: socket.socket, deadline: float) -> bytes:
+    """A request's head (up to its blank line), read by `deadline`; b"" if it did not all come by then."""
+    head = b""
+    while b"\r\n\r\n" not in head and b"\n\n" not in head:
+        left = deadline - time.monotonic()
+        if left <= 0 or len(head) > MAX_REQUEST_HEAD:
+            return b""
+        sock.settimeout(left)
+        try:
+            chunk = sock.recv(4096)
+        except OSError:  # the deadline passed in the read, or the client reset
+            return b""
+        if not chunk:
+            return b""
+        head += chunk
+    return head
+
+
+class _ScrapeServer(http.server.ThreadingHTTPServer):
+    """An HTTP server of at most `max_scrapes` connections at once (each on its own thread); more are turned away."""
+
+    daemon_threads = True
+
+    def __init__(
+        self,
+        address: tuple[str, int],
+        handler: type[http.server.BaseHTTPRequestHandler],
+        max_scrapes: int,
+    ) -> None:
+        self._slots = threading.BoundedSemaphore(max_scrapes)
+        if ":" in address[0]:  # an IPv6 address ("[::1]:9464" as parse_address gives it)
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            # Answered here, on the accepting thread, without waiting: a full socket buffer (a
+            # client that reads nothing) only loses it the 503.
+            with contextlib.suppress(OSError):
+                request.setblocking(False)
+                request.send(_TURNED_AWAY)
+            self.close_request(request)
+            return
+        super().process_request(request, client_address)  # a thread that fails to start: shutdown_request
+
+    def shutdown_request(self, request: Any) -> None:
+        # Called once for every request process_request took a slot for (served, or failed).
+        # The slot is free before the close: a client that sees its connection end finds it free.
+        self._slots.release()
+        super().shutdown_request(request)
+
+    def handle_error(self, _request: Any, client_address: Any) -> None:
+        # A scraper that went away mid-reply is no traceback on the daemon's stderr.
+        log.debug("metrics request from %s failed: %s", client_address, sys.exc_info()[1])
+
+
 class Exporter:
     """Serves the last published metrics over HTTP and/or writes them to a textfile, from its own threads.
 
@@ -151,14 +225,13 @@ class Exporter:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._started = False
-        self._httpd: http.server.ThreadingHTTPServer | None = None
+        self._httpd: _ScrapeServer | None = None
         if address is not None:
             try:
-                self._httpd = http.server.ThreadingHTTPServer(address, self._handler())
+                self._httpd = _ScrapeServer(address, self._handler(), MAX_SCRAPES)
             except OSError as e:
                 msg = f"--metrics {address[0]}:{address[1]}: cannot listen there ({e.strerror or e})"
                 raise DaemonError(msg) from None
-            self._httpd.daemon_threads = True
             self._threads.append(
                 threading.Thread(target=self._httpd.serve_forever, name="smstore-metrics-http", daemon=True)
             )
@@ -173,7 +246,8 @@ class Exporter:
         if self._httpd is None:
             return None
         host, port = self._httpd.server_address[:2]
-        return f"http://{host!s}:{port}/metrics"
+        host = f"[{host!s}]" if ":" in str(host) else str(host)
+        return f"http://{host}:{port}/metrics"
 
     def start(self) -> None:
         self._started = True
@@ -205,7 +279,13 @@ class Exporter:
         exporter = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
-            timeout = 10  # a scraper that stalls holds one thread of ours for at most this long
+            def setup(self) -> None:
+                super().setup()
+                # One deadline for the whole exchange: the head is read here, by it (the parser
+                # then reads it from memory), and the reply is sent within what is left of it.
+                deadline = time.monotonic() + SCRAPE_SECONDS
+                self.rfile = io.BytesIO(_read_head(self.connection, deadline))
+                self.connection.settimeout(max(deadline - time.monotonic(), 0.001))
 
             def do_GET(self) -> None:
                 if self.path.split("?")[0] not in ("/", "/metrics"):
@@ -236,11 +316,14 @@ class Exporter:
         """Write the textfile whole: a temporary file in its directory, then a rename over it."""
         assert self.textfile is not None
         try:
+            # mkstemp opens with O_CREAT | O_EXCL | O_NOFOLLOW: a new file of ours, never a link's target.
             fd, tmp = tempfile.mkstemp(prefix=f".{self.textfile.name}.", dir=self.textfile.parent)
             try:
                 with os.fdopen(fd, "wb") as f:
+                    # Through the descriptor, never the name: whatever was put at `tmp` since (a
+                    # link to another file of the daemon's user) is not made world-readable.
+                    os.fchmod(f.fileno(), 0o644)
                     f.write(self._text)
-                os.chmod(tmp, 0o644)
                 os.replace(tmp, self.textfile)
             except BaseException:
                 with contextlib.suppress(OSError):

@@ -28,6 +28,7 @@ from smstore._protocol import (
     dataset_arg,
     held_arg,
     hold_arg,
+    is_utf8,
     load_path_arg,
     manifest_value,
     page_arg,
@@ -280,15 +281,19 @@ class Daemon(Server):
         """Unlink every segment, and the socket and state file if we made them. Clients keep their mappings."""
         self.stopping = True
         try:
-            for seg in list(self.segments.values()):
-                self.serving.drop(seg)
-            self.close_all()
-            if self.listener is not None:
-                self.listener.close()
-            if self._owns_socket:
-                self.sock_path.unlink(missing_ok=True)
-            if self._owns_state:
-                self.state.path.unlink(missing_ok=True)
+            try:
+                for seg in list(self.segments.values()):
+                    self.serving.drop(seg)
+                self.close_all()
+            finally:
+                # Whatever failed above, no client finds a socket with no daemon behind it, and no
+                # successor a state file naming segments unlinked below.
+                if self.listener is not None:
+                    self.listener.close()
+                if self._owns_socket:
+                    self.sock_path.unlink(missing_ok=True)
+                if self._owns_state:
+                    self.state.path.unlink(missing_ok=True)
             self.serving.loader.stop()
             self.blocks.stop()
             if self.exporter is not None:
@@ -433,6 +438,11 @@ class Daemon(Server):
             self.serving.loader.wake_w.send(b"x")
 
     def on_close(self, cid: int, conn: Conn) -> None:
+        if self.stopping:
+            # Every segment goes with the daemon: nothing to plan for the holds that end with their
+            # connections (a plan would queue loads, and trust a table that whatever stopped the
+            # loop may have left half-updated).
+            return
         self.serving.closed(cid, conn)
         self.blocks.closed(cid)
 
@@ -604,6 +614,11 @@ def serve(
     With `metrics` (host, port) and/or `metrics_file`, the metrics are served over HTTP and/or
     written to a textfile for node_exporter (see docs/operations.md, "Metrics").
     """
+    for f in files:
+        if not is_utf8(f):
+            # The daemon names what it serves in its replies, state file and log (in UTF-8).
+            msg = f"{f!r}: the file name is not valid UTF-8; rename it (smstore names files in UTF-8 only)"
+            raise DaemonError(msg)
     # The calling thread's policy, given back on return (a caller running the daemon in-process).
     policy = (os.sched_getscheduler(0), os.sched_getparam(0)) if background else None
     if background:
