@@ -24,6 +24,7 @@ from smstore.errors import DaemonError, StoreError
 
 __all__ = [
     "CONTAINER_SHM",
+    "DOCTOR_TIMEOUT",
     "Blob",
     "Check",
     "Probes",
@@ -38,6 +39,9 @@ CONTAINER_SHM = 64 << 20
 # Descriptors the daemon holds besides its connections and segments: listener, wake pipe, lock,
 # state file, the file and segment of a load in progress, a spare for shedding, logs.
 FD_RESERVE = 32
+# How long doctor may take, reading datasets in object storage included (a systemd unit's
+# ExecStartPre= gets 90 s by default).
+DOCTOR_TIMEOUT = 30.0
 # The fewest connections a node needs to be of use (a few ranks, each with a few workers).
 FEW_CONNECTIONS = 64
 # A cgroup v1 limit at or above this means no limit (the kernel writes 2^63 rounded down to a page).
@@ -57,8 +61,11 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
+        """The finding as doctor prints it: a path's bytes that are not UTF-8 (held as surrogate
+        escapes, as os.fsdecode gives them) shown as \\xNN, so that any terminal can print it."""
         fix = f" Fix: {self.fix}" if self.fix else ""
-        return f"{self.status.upper():<5}{self.name}: {self.message}{fix}"
+        text = f"{self.status.upper():<5}{self.name}: {self.message}{fix}"
+        return os.fsencode(text).decode("utf-8", "backslashreplace")
 
 
 @dataclass(frozen=True)
@@ -81,17 +88,20 @@ class Blob:
     checksum: str
 
 
-def dataset_blobs(path: str) -> list[Blob]:
+def dataset_blobs(path: str, *, deadline: float | None = None) -> list[Blob]:
     """The blobs of `path`: itself, or the shards its manifest lists; reads a header or a manifest only.
 
+    A URL's reads (and their retries) end by `deadline`, a ``time.monotonic()`` instant.
+
     Raises:
-        StoreError: `path` cannot be read, is no blob, or its manifest is invalid.
+        StoreError: `path` cannot be read, is no blob, or its manifest is invalid (or `deadline`
+            passed before object storage answered).
     """
     if is_manifest(path):
-        m = read_manifest(path)
+        m = read_manifest(path, deadline=deadline)
         return [Blob(m.shard_path(k), s.file_size, s.checksum) for k, s in enumerate(m.shards)]
     if is_url(path):  # one blob in object storage: its header (one ranged GET of 4 KiB)
-        header = read_remote_header(path)
+        header = read_remote_header(path, deadline=deadline)
         return [Blob(path, header.file_size, header.checksum)]
     try:
         checksum = read_checksum(path)
@@ -146,15 +156,19 @@ def wait_served(
 
     "Served" means loaded: a segment with each blob's checksum, whatever path it was loaded from.
     Polls the daemon's status, backing off from 20 ms to 0.5 s; a daemon not started yet is
-    waited for too.
+    waited for too. `timeout` counts from the call: reading a dataset in object storage (its
+    manifest or header, retried while the store fails) spends it too.
 
     Raises:
-        StoreError: A dataset cannot be read (at once), or `timeout` seconds passed; the message
-            says which blobs are missing, or why no daemon answered.
+        StoreError: A dataset cannot be read (at once, or when `timeout` passes while object
+            storage does not answer), or `timeout` seconds passed; the message says which blobs
+            are missing, or why no daemon answered.
     """
-    blobs = [b for d in datasets for b in dataset_blobs(d)]
-    check_socket_path(sock)  # a path no socket can have never gets served: fail at once
     deadline = clock() + timeout
+    # `clock` times the polls (tests give their own); the reads time themselves on time.monotonic.
+    reads_by = time.monotonic() + timeout
+    blobs = [b for d in datasets for b in dataset_blobs(d, deadline=reads_by)]
+    check_socket_path(sock)  # a path no socket can have never gets served: fail at once
     delay = 0.02
     while True:
         try:
@@ -209,7 +223,9 @@ def _cgroup_memory(probes: Probes) -> tuple[int, int | None, str] | None:
 
     None if no limit applies (or no memory controller is found).
     """
-    lines = probes.proc_cgroup.read_text().splitlines()
+    # Bytes, decoded as os.fsdecode decodes paths: a cgroup's name is any bytes but '/' and NUL,
+    # and one that is not UTF-8 still names its directory.
+    lines = [os.fsdecode(raw) for raw in probes.proc_cgroup.read_bytes().splitlines()]
     found: list[tuple[int, int | None, str]] = []
     for line in lines:
         hierarchy, _sep, rest = line.partition(":")
@@ -234,13 +250,13 @@ def _cgroup_memory(probes: Probes) -> tuple[int, int | None, str] | None:
         dirs = [base.joinpath(*parts[:k]) for k in range(len(parts), -1, -1)]
         for d in dirs:
             try:
-                text = (d / limit_file).read_text().strip()
+                text = (d / limit_file).read_bytes().strip()
             except OSError:
                 continue
-            if text == "max" or not text.isdigit() or int(text) >= NO_LIMIT:
+            if not text.isdigit() or int(text) >= NO_LIMIT:  # "max", or not a limit we can read
                 continue
             try:
-                usage: int | None = int((d / usage_file).read_text().strip())
+                usage: int | None = int((d / usage_file).read_bytes().strip())
             except (OSError, ValueError):
                 usage = None
             found.append((int(text), usage, os.fspath(d / limit_file)))
@@ -421,19 +437,23 @@ def doctor(
     *,
     probes: Probes | None = None,
     max_connections: int | None = None,
+    timeout: float = DOCTOR_TIMEOUT,
 ) -> list[Check]:
     """Inspect this node for what makes the daemon or its readers fail; one `Check` per finding.
 
     Reads the datasets' headers or manifests (never a record), /proc, /sys/fs/cgroup and the
-    daemon's status; changes nothing.
+    daemon's status; changes nothing. The datasets' reads and the daemon's status end within
+    `timeout` seconds of the call, all together: a dataset in object storage that does not answer
+    by then fails its check.
     """
+    deadline = time.monotonic() + timeout
     probes = probes or Probes()
     path = socket_path(sock)
     checks: list[Check] = []
     blobs: dict[str, Blob] = {}  # by checksum: a blob in two datasets is loaded once
     for d in datasets:
         try:
-            found = dataset_blobs(d)
+            found = dataset_blobs(d, deadline=deadline)
         except StoreError as e:
             checks.append(Check("dataset", "fail", str(e)))
             continue
@@ -444,7 +464,7 @@ def doctor(
     status: dict[str, Any] | None = None
     served: dict[str, int] = {}
     try:
-        status, served = _segments(path, timeout=2.0)
+        status, served = _segments(path, timeout=max(0.1, min(2.0, deadline - time.monotonic())))
     except DaemonError as e:
         daemon = Check("daemon", "warn", str(e))
     else:

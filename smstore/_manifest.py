@@ -196,24 +196,26 @@ def _int_field(path: str, where: str, entry: dict[str, Any], key: str, minimum: 
     return value
 
 
-def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+def read_manifest(path: str | os.PathLike[str], *, deadline: float | None = None) -> Manifest:
     """Read and validate a manifest (or the ``manifest.json`` of a dataset directory).
 
     `path` may be a URL (``s3://bucket/ds/``, meaning ``s3://bucket/ds/manifest.json``, or the URL
     of the ``.json`` manifest): it is fetched with one GET (refused if larger than
     ``MAX_MANIFEST_BYTES``, before its body is read) and validated as a local one. Its relative
     shard paths are keys under its prefix; one with ``..``, or an absolute local path, is refused,
-    and every shard URL goes through the scheme allow-list.
+    and every shard URL goes through the scheme allow-list. The GET and its retries end by
+    `deadline` (a ``time.monotonic()`` instant), if given.
 
     Raises:
         StoreNotFoundError: It does not exist (``RemoteNotFoundError`` for a URL).
         StoreFormatError: It is not a well-formed manifest; the message names the field.
         StoreVersionError: It was written by a newer smstore.
-        RemoteURLError, RemoteError: A URL smstore will not fetch, or the fetch failed.
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or the fetch failed (or
+            `deadline` passed).
     """
     p = manifest_file(path)
     if is_url(p):
-        return _read_remote(p)
+        return _read_remote(p, deadline)
     try:
         # O_NONBLOCK: a FIFO named as a manifest must not wait for a writer (the daemon reads
         # manifests on its event loop); anything but a regular file is refused below.
@@ -242,26 +244,28 @@ def hold_fields(manifest: Manifest) -> dict[str, str]:
     return fields
 
 
-def read_remote_header(url: str) -> _core.BlobHeader:
+def read_remote_header(url: str, *, deadline: float | None = None) -> _core.BlobHeader:
     """The header of the blob at `url` (its checksum, size, records): one ranged GET of its first
-    4 KiB, checked by the core's one header check.
+    4 KiB, checked by the core's one header check; the GET and its retries end by `deadline` (a
+    ``time.monotonic()`` instant), if given.
 
     Raises:
-        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed.
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed (or
+            `deadline` passed).
         StoreFormatError: Not an smstore blob.
     """
-    from smstore.remote.fetch import read_header
+    from smstore.remote.fetch import Retry, read_header
 
-    return read_header(url)
+    return read_header(url, retry=Retry(deadline=deadline))
 
 
-def _read_remote(url: str) -> Manifest:
+def _read_remote(url: str, deadline: float | None) -> Manifest:
     """The manifest at `url`, fetched (one GET) and validated, its shards checked as keys or URLs."""
-    from smstore.remote.fetch import read_object
+    from smstore.remote.fetch import Retry, read_object
     from smstore.remote.urls import parse_url
 
     u = parse_url(url)  # the allow-list, before anything is fetched
-    raw = read_object(u, max_bytes=MAX_MANIFEST_BYTES, what="the manifest")
+    raw = read_object(u, max_bytes=MAX_MANIFEST_BYTES, what="the manifest", retry=Retry(deadline=deadline))
     manifest = _parse(str(u), raw)
     for k, shard in enumerate(manifest.shards):
         where = f"shards[{k}].path {shard.path!r}"  # not a URL: no credentials to hide in it

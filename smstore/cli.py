@@ -897,12 +897,17 @@ def _positive_seconds(text: str) -> float:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from smstore._health import doctor
+    from smstore._health import DOCTOR_TIMEOUT, doctor
 
     if args.max_connections is not None and args.max_connections < 1:
         print("smstore doctor: --max-connections must be at least 1", file=sys.stderr)
         return 2
-    checks = doctor(args.datasets, args.socket, max_connections=args.max_connections)
+    checks = doctor(
+        args.datasets,
+        args.socket,
+        max_connections=args.max_connections,
+        timeout=args.timeout or DOCTOR_TIMEOUT,
+    )
     for check in checks:
         print(check.line())
     failed = sum(c.status == "fail" for c in checks)
@@ -1067,6 +1072,13 @@ def _add_daemon_commands(sub: Any) -> None:
         type=int,
         metavar="N",
         help="the daemon's --max-connections, for the open-files check (default 4096)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=_positive_seconds,
+        metavar="SECONDS",
+        help="for reading the datasets (object storage included) and asking the daemon, all together "
+        "(default 30)",
     )
     p.set_defaults(func=cmd_doctor)
 

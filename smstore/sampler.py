@@ -1077,8 +1077,9 @@ class BlockWindowSampler(GlobalShuffleSampler):
 
     **Residency.** While window ``w`` is read, the blocks of groups ``w - spread + 1 .. w`` are
     needed and group ``w + 1``'s are loading (while the memory fills, the first ``spread``
-    windows, the groups up to ``spread + 1`` are held from the start); for the first ``lag``
-    samples of a window the blocks whose records ended with the previous window stay held too.
+    windows, the groups up to ``spread + 1`` are held from the start); the blocks of every window
+    among this rank's last ``lag`` samples stay held too (the previous window's, for the first
+    ``lag`` samples of a window; more where windows are shorter, as at the epoch's end).
     The sampler holds those blocks (each a :class:`smstore._blocks.Piece` of one shard, with
     :class:`smstore._blocks.BlockResidency`), so a daemon loads each one once an epoch, in one
     sequential read, within its ``--shm-limit``, and drops it when no rank holds it. Readers read
@@ -1096,8 +1097,9 @@ class BlockWindowSampler(GlobalShuffleSampler):
         drop_last: Drop the tail that does not divide evenly instead of padding.
         residency: ``None`` (default): a :class:`~smstore._blocks.BlockResidency` when
             ``dataset`` names a manifest; ``False``: none; or one to use.
-        lag: Samples of this rank during which the block the previous window ended stays held
-            (at least ``prefetch_factor * num_workers * batch_size``).
+        lag: Samples of this rank whose blocks stay held after the sampler moved past them: at
+            least ``prefetch_factor * num_workers * batch_size``, the most a DataLoader's workers
+            read behind it (a block released under a worker still to read it is fetched again).
     """
 
     def __init__(
@@ -1216,19 +1218,22 @@ class BlockWindowSampler(GlobalShuffleSampler):
         g = start + self.rank + done * self.world_size
         at = g % self.num_records  # the padding wraps to the start of the order
         w = order.window_of(at)
-        begin = order.window_start(w)
-        draining = w >= self.spread and at - begin < self.lag * self.world_size
+        # The windows of the last `lag` samples, which workers may still read: every one of them,
+        # not only the previous (a window shorter than the lag, as at the epoch's end, would let
+        # a worker behind read a released block, which the daemon then fetched again).
+        lagged = order.window_of(max(0, at - self.lag * self.world_size))
         if self.residency is not None:
             blocks = self.held_blocks(at)
-            if draining:
-                blocks += [int(b) for b in order.group_blocks(w - self.spread) if b not in blocks]
+            for v in range(lagged, w):
+                for j in order.window_groups(v):
+                    blocks += [int(b) for b in order.group_blocks(j) if b not in blocks]
             held = tuple(self.piece(b) for b in blocks)
             if held != self._last_hold:
                 self.residency.hold(held, wait=self._last_hold is None)
                 self._last_hold = held
         nxt = order.window_start(w + 1)
-        if draining:
-            nxt = min(nxt, begin + self.lag * self.world_size)
+        if lagged < w:
+            nxt = min(nxt, order.window_start(lagged + 1) + self.lag * self.world_size)
         nxt += g - at
         return done + max(1, -(-(nxt - g) // self.world_size))
 

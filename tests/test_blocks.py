@@ -213,6 +213,47 @@ class BlockDataset:
         return i, data, self.reader.block_reads - before
 
 
+# run_rank's DataLoader: its workers read at most PREFETCH x WORKERS batches of BATCH behind its
+# sampler, the samples the sampler's lag keeps held.
+PREFETCH, WORKERS, BATCH = 2, 2, 16
+LAG = PREFETCH * WORKERS * BATCH
+
+
+class Recorded:
+    """A residency that keeps what it was last told to hold."""
+
+    held: frozenset[Piece] = frozenset()
+
+    def hold(self, pieces: list[Piece], *, wait: bool = False) -> None:
+        self.held = frozenset(pieces)
+
+
+@pytest.mark.parametrize(("sizes", "block", "spread"), [([1000] * 3, 150, 3), ([300] * 8, 40, 4)])
+def test_the_lag_keeps_every_block_a_worker_behind_the_sampler_reads_held(
+    sizes: list[int], block: int, spread: int
+) -> None:
+    """Whenever the sampler yields a sample, the blocks of its last LAG samples are held, which
+    the workers may still be reading: windows shorter than the lag (the epoch's last) included.
+    A block released before a worker read it was fetched again for that worker (the remote block
+    epoch's test saw one block's ranged GET twice under load)."""
+    starts = np.cumsum([0, *sizes]).tolist()
+
+    def piece_of(i: int) -> Piece:
+        k = int(np.searchsorted(starts, i, side="right")) - 1
+        return Piece(k, *shard_block(sizes[k], block, i - starts[k]))
+
+    for rank in range(2):
+        residency = Recorded()
+        sampler = BlockWindowSampler(
+            sizes, block=block, spread=spread, seed=9, rank=rank, world_size=2, lag=LAG, residency=residency
+        )
+        order: list[int] = []
+        for i in sampler:
+            order.append(i)
+            behind = {piece_of(x) for x in order[-LAG:]}
+            assert behind <= residency.held, (rank, len(order), sorted(behind - residency.held))
+
+
 def run_rank(out: str, rank: int, world: int, block: int, spread: int, q: Any) -> None:
     import torch
 
@@ -229,12 +270,18 @@ def run_rank(out: str, rank: int, world: int, block: int, spread: int, q: Any) -
         seed=9,
         rank=rank,
         world_size=world,
-        lag=32,
+        lag=LAG,
         residency=BlockResidency(out, mode="daemon"),
     )
     ds = BlockDataset(Path(out), block, sampler.keep)
     loader = torch.utils.data.DataLoader(
-        ds, sampler=sampler, batch_size=16, num_workers=2, collate_fn=list, multiprocessing_context="fork"
+        ds,
+        sampler=sampler,
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        prefetch_factor=PREFETCH,
+        collate_fn=list,
+        multiprocessing_context="fork",
     )
     got = [item for batch in loader for item in batch]
     sampler.close()

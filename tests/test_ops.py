@@ -170,6 +170,25 @@ def test_doctor_never_reads_a_cgroup_outside_the_root(tmp_path: Path, sock: Path
     assert os.fspath(cg / "outside" / "memory.max") in message
 
 
+def test_doctor_reads_and_reports_a_cgroup_whose_name_is_not_utf8(tmp_path: Path, sock: Path) -> None:
+    blob = tmp_path / "b.smst"
+    smstore.pack([b"x" * 10_000], blob, durable=False)
+    cg = tmp_path / "cgroup"
+    job = cg / os.fsdecode(b"job-caf\xe9")  # as os.listdir names it: surrogate escapes
+    job.mkdir(parents=True)
+    (cg / "cgroup.controllers").write_text("memory\n")
+    (job / "memory.max").write_text("8192\n")
+    (job / "memory.current").write_bytes(b"\xff\xfe\n")  # hostile: no usage, and no traceback either
+    proc = tmp_path / "proc-cgroup"
+    proc.write_bytes(b"0::/job-caf\xe9\n")
+    checks = doctor([os.fspath(blob)], sock, probes=probes(tmp_path, proc_cgroup=proc, cgroup_root=cg))
+    (check,) = [c for c in checks if c.name == "cgroup memory"]
+    assert check.status == "fail"
+    assert os.fspath(job / "memory.max") in check.message
+    # Printed, the name's bytes are escaped: a terminal of any encoding shows the line.
+    assert f"{tmp_path}/cgroup/job-caf\\xe9/memory.max" in check.line().encode("utf-8").decode()
+
+
 def test_doctor_warns_of_a_shm_dir_that_is_no_tmpfs(tmp_path: Path, sock: Path) -> None:
     shm = tmp_path / "s hm"  # mountinfo escapes the space: \040
     shm.mkdir()

@@ -631,6 +631,36 @@ def test_verify_of_a_dataset_url_streams_every_shard_and_names_a_bad_one(
     assert SECRET not in res.stderr
 
 
+@pytest.mark.parametrize("command", ["wait", "doctor"])
+def test_wait_and_doctor_of_a_url_end_by_their_timeout_while_the_store_stalls(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, command: str
+) -> None:
+    """The readiness probes' deadline counts from the start: a manifest or header read that object
+    storage never answers (nor its retries) fails the command by it."""
+    url, _records, local = bucket_dataset(s3, tmp_path, f"stalled-{command}", shards=2)
+    blob = url + read_manifest(local).shards[0].path
+    sock = tmp_path / "run" / "smstore.sock"  # no daemon: the datasets are read first
+    for target in (url, blob):
+        proxy.stalled.clear()
+        proxy.inject(*["stall"] * 50)  # every request, each until the test ends
+        # The old code read the dataset before its deadline began: a stalled GET timed out after
+        # 120 s, 8 times. The subprocess's own timeout ends the test's wait for that.
+        res = subprocess.run(
+            [sys.executable, "-m", "smstore", command, "--timeout", "2", "--socket", str(sock), target],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
+        assert proxy.stalled.is_set()  # the read did stall
+        assert res.returncode == 1, (res.stdout, res.stderr)
+        said = res.stderr if command == "wait" else res.stdout
+        assert "no answer before the deadline" in said, said
+        if command == "doctor":
+            assert "FAIL dataset: s3://" in res.stdout
+        assert SECRET not in res.stdout + res.stderr
+
+
 # --- a failed fetch is tried again after its backoff -----------------------------------------------
 
 

@@ -66,12 +66,17 @@ class Retry:
         base_delay: Seconds; the cap of the first wait.
         max_delay: Seconds; no wait is longer.
         timeout: Seconds one request may take, from connect to the last byte of its range.
+        deadline: A ``time.monotonic()`` instant by which the whole read ends, its tries, waits
+            and requests together (each request's timeout is cut to what is left of it), or
+            None. Past it the read fails with ``RemoteError``: a caller with a deadline of its own
+            (``smstore wait --timeout``) passes it here rather than timing the read itself.
     """
 
     attempts: int = 8
     base_delay: float = 0.2
     max_delay: float = 20.0
     timeout: float = 120.0
+    deadline: float | None = None
 
     def __post_init__(self) -> None:
         if self.attempts < 1 or self.base_delay < 0 or self.max_delay < 0 or self.timeout <= 0:
@@ -80,6 +85,10 @@ class Retry:
     def delay(self, failures: int, rng: random.Random) -> float:
         """The wait after `failures` failed tries of one request."""
         return rng.uniform(0.0, min(self.max_delay, self.base_delay * 2 ** (failures - 1)))
+
+    def left(self) -> float:
+        """Seconds left before the deadline (infinite without one; 0 or less once it passed)."""
+        return float("inf") if self.deadline is None else self.deadline - time.monotonic()
 
 
 @dataclass(frozen=True)
@@ -201,11 +210,36 @@ def open_store(url: RemoteURL, timeout: float) -> Any:
     return HTTPStore.from_url(f"https://{url.bucket}", client_options=client, retry_config=retry)
 
 
+class _Client:
+    """The obstore store that one read's requests go through, each request ending by the read's deadline.
+
+    obstore fixes a request's timeout when its store is made: without a deadline one store serves
+    every try; with one, each try gets a store whose timeout is what is left of the deadline (about
+    10 ms to make, against a stalled request that would outlive the deadline by `Retry.timeout`).
+    """
+
+    def __init__(self, url: RemoteURL, retry: Retry) -> None:
+        self.url, self.retry = url, retry
+        self._store: Any = None if retry.deadline is not None else open_store(url, retry.timeout)
+
+    def store(self) -> Any:
+        if self._store is not None:
+            return self._store
+        return open_store(self.url, max(0.001, min(self.retry.timeout, self.retry.left())))
+
+
+def _late(url: RemoteURL, exc: BaseException | None, tries: int) -> RemoteError:
+    why = f" after {tries} tr{'y' if tries == 1 else 'ies'}: {_why(exc)}" if exc is not None else ""
+    return RemoteError(f"{url}: no answer before the deadline{why}")
+
+
 def _with_retries(
     url: RemoteURL, retry: Retry, stop: threading.Event, counter: Callable[[], None], call: Callable[[], Any]
 ) -> Any:
     rng = random.Random()
     for tries in range(1, retry.attempts + 1):
+        if retry.left() <= 0:  # spent by what came before this read (a manifest's, another range's)
+            raise _late(url, None, 0)
         try:
             return call()
         except _Stopped:
@@ -214,6 +248,8 @@ def _with_retries(
             if not _retryable(exc) or tries == retry.attempts:
                 raise _fail(url, exc, tries) from exc
             pause = retry.delay(tries, rng)
+            if pause >= retry.left():  # the next try could not start before the deadline
+                raise _late(url, exc, tries) from exc
             log.warning("%s: %s; try %d of %d in %.2fs", url, _why(exc), tries + 1, retry.attempts, pause)
             counter()
             if stop.wait(pause):  # another range failed for good: give up quietly
@@ -227,13 +263,13 @@ def object_size(url: str | RemoteURL, *, retry: Retry | None = None) -> int:
 
     u = url if isinstance(url, RemoteURL) else parse_url(url)
     r = retry or Retry()
-    store = open_store(u, r.timeout)
-    meta = _with_retries(u, r, threading.Event(), lambda: None, lambda: obstore.head(store, u.key))
+    client = _Client(u, r)
+    meta = _with_retries(u, r, threading.Event(), lambda: None, lambda: obstore.head(client.store(), u.key))
     return int(meta["size"])
 
 
 def _stream_range(
-    store: Any,
+    client: _Client,
     u: RemoteURL,
     start: int,
     end: int,
@@ -264,7 +300,7 @@ def _stream_range(
         options: GetOptions = {"range": (pos, end)}
         if etag[0]:
             options["if_match"] = etag[0]
-        result = obstore.get(store, u.key, options=options)
+        result = obstore.get(client.store(), u.key, options=options)
         etag[0] = etag[0] or result.meta.get("e_tag")
         for piece in result.stream(min_chunk_size=PIECE):
             n = len(piece)
@@ -323,7 +359,7 @@ def read_range(
         view[pos - start : pos - start + len(piece)] = piece
 
     etag = _stream_range(
-        open_store(u, r.timeout),
+        _Client(u, r),
         u,
         start,
         end,
@@ -364,15 +400,18 @@ def parse_header(head: Buffer, file_size: int | None, label: str) -> _core.BlobH
         os.close(fd)
 
 
-def read_header(url: str | RemoteURL, *, stop: threading.Event | None = None) -> _core.BlobHeader:
+def read_header(
+    url: str | RemoteURL, *, retry: Retry | None = None, stop: threading.Event | None = None
+) -> _core.BlobHeader:
     """The header of the blob at `url`: one ranged GET of its first 4 KiB (never the whole object),
     checked by the core's one header check.
 
     Raises:
-        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed (or `stop`).
+        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed (or `stop`,
+            or `retry.deadline`).
         StoreFormatError: Not an smstore blob.
     """
-    head, _etag = read_range(url, 0, HEADER, stop=stop)
+    head, _etag = read_range(url, 0, HEADER, retry=retry, stop=stop)
     return parse_header(head, None, str(url))
 
 
@@ -399,13 +438,13 @@ def read_object(
 
     u = url if isinstance(url, RemoteURL) else parse_url(url)
     r = retry or Retry()
-    store = open_store(u, r.timeout)
+    client = _Client(u, r)
 
     def too_large(size: int | str) -> StoreFormatError:
         return StoreFormatError(f"{u}: {what} holds {size} bytes, more than the {max_bytes} it may hold")
 
     def once() -> bytes:
-        result = obstore.get(store, u.key)
+        result = obstore.get(client.store(), u.key)
         size = int(result.meta["size"])
         if size > max_bytes:
             raise too_large(size)
@@ -445,7 +484,7 @@ def verify_object(
     u = url if isinstance(url, RemoteURL) else parse_url(url)
     _check_args(u, size, checksum)
     r = retry or Retry()
-    store = open_store(u, r.timeout)
+    client = _Client(u, r)
     head = bytearray(HEADER)
     hasher = _core.BlobHasher()
 
@@ -457,8 +496,8 @@ def verify_object(
         if len(piece):
             hasher.update(piece)
 
-    etag = _check_size(u, store, size, r, stop or threading.Event(), lambda: None)
-    _stream_range(store, u, 0, size, if_match=etag, retry=r, stop=stop or threading.Event(), take=take)
+    etag = _check_size(u, client, size, r, stop or threading.Event(), lambda: None)
+    _stream_range(client, u, 0, size, if_match=etag, retry=r, stop=stop or threading.Event(), take=take)
     _check_checksum(u, hasher.finish(head), checksum, head)
     return FetchResult(size, 1, 0)
 
@@ -471,12 +510,12 @@ def _check_args(u: RemoteURL, size: int, checksum: str) -> None:
 
 
 def _check_size(
-    u: RemoteURL, store: Any, size: int, r: Retry, stop: threading.Event, count_retry: Callable[[], None]
+    u: RemoteURL, client: _Client, size: int, r: Retry, stop: threading.Event, count_retry: Callable[[], None]
 ) -> str | None:
     """One HEAD: the object must hold exactly `size` bytes. Returns its ETag (every range pins it)."""
     import obstore
 
-    meta = _with_retries(u, r, stop, count_retry, lambda: obstore.head(store, u.key))
+    meta = _with_retries(u, r, stop, count_retry, lambda: obstore.head(client.store(), u.key))
     actual = int(meta["size"])
     if actual < size:
         raise StoreTruncatedError(
@@ -627,7 +666,7 @@ def fetch(
     if chunk_size < 1 or concurrency < 1 or rate < 0:
         raise ValueError(f"{u}: chunk_size and concurrency must be positive, rate not negative")
     r = retry or Retry()
-    store = open_store(u, r.timeout)
+    client = _Client(u, r)
     ended = threading.Event()  # the ranges must end: one failed for good, or `stop` was set
     stats_lock = threading.Lock()
     retries = 0
@@ -639,7 +678,7 @@ def fetch(
 
     # Every range must come from the object whose size was checked: one replaced mid-fetch fails
     # with a precondition error instead of mixing two versions' bytes.
-    etag = _check_size(u, store, size, r, stop or ended, count_retry)
+    etag = _check_size(u, client, size, r, stop or ended, count_retry)
     chunks = (size + chunk_size - 1) // chunk_size
     # A descriptor of our own: threads abandoned by `stop` may still write through it after we return.
     sink = _Sink(os.dup(into) if isinstance(into, int) else into, size, str(u))
@@ -680,7 +719,7 @@ def fetch(
             start, end = i * chunk_size, min(size, (i + 1) * chunk_size)
             try:
                 _stream_range(
-                    store, u, start, end, if_match=etag, retry=r, stop=ended, take=take, count=count_retry
+                    client, u, start, end, if_match=etag, retry=r, stop=ended, take=take, count=count_retry
                 )
             except BaseException as exc:  # noqa: BLE001 - the caller raises it (a thread has no one else)
                 with stats_lock:
@@ -705,12 +744,13 @@ def fetch(
             # In steps, not one wait: a Ctrl-C that the kernel gives to another thread (the client
             # library's) only sets a flag, which this thread acts on when it next runs Python code.
             while not finished.wait(_STEP) and not ended.is_set():
-                if stop is not None and stop.is_set():
+                late = r.left() <= 0  # a range pacing itself would wait past it
+                if late or (stop is not None and stop.is_set()):
                     # The requests in flight are not waited for when the bytes go to a descriptor (the
                     # threads write through our duplicate); a buffer's owner may free it once we return.
                     abandoned = isinstance(into, int)
                     ended.set()
-                    raise _stopped(u)
+                    raise _late(u, None, 0) if late else _stopped(u)
         except BaseException:
             ended.set()  # interrupted: the ranges still queued are dropped, those in flight end after their GET
             raise
