@@ -2,10 +2,16 @@
 
 Each configuration runs as a job of R rank processes (LOCAL_RANK set, as torchrun would), each
 building the same N COCO-like dicts as a real training script does, wrapping them in a dataset,
-and reading one shuffled epoch with K forked workers that touch every field. With the workers
-still alive, the PSS of every process of the job (/proc/PID/smaps_rollup) is summed; the same
-harness with N empty dicts is subtracted, and the rest is given as a multiple of one serialized
-copy (the pickles of the N dicts).
+and reading one shuffled epoch with K forked workers that touch every field and allocate per
+sample (a string, a small tensor). With the workers still alive, the PSS of every process of the
+job (/proc/PID/smaps_rollup) is summed. The same job with no data (one empty dict: the same modules,
+the same processes, workers that read next to nothing) is subtracted, and the rest is given as a multiple of
+one serialized copy (the pickles of the N dicts): what the data and reading it cost, including
+the pages of the rank's heap each worker copies. (Subtracting a job of N empty dicts, as this did
+before issue 36, subtracted those copies too: its workers read as many samples.)
+
+sharedlist-unfrozen is sharedlist with each worker's inherited heap unfrozen as it starts: the
+garbage collector as it was before smstore froze the heap around a fork (smstore/_fork.py).
 
     python benchmarks/bench_objects.py > benchmarks/results/objects.md
 """
@@ -27,7 +33,7 @@ from typing import Any
 from contenders import make_dicts
 from procs import descendants, pss_bytes
 
-MODES = ("sharedlist-loader", "sharedlist", "mmengine", "list")
+MODES = ("sharedlist-loader", "sharedlist", "sharedlist-unfrozen", "mmengine", "list")
 
 
 def touch(d: dict[str, Any]) -> int:
@@ -74,8 +80,13 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
         role = lst.role
         seconds = lst.seconds
         dataset = Items(lst)
-    elif mode == "sharedlist":
+    elif mode in ("sharedlist", "sharedlist-unfrozen"):
         import smstore
+
+        if mode == "sharedlist-unfrozen":
+            import gc
+
+            os.register_at_fork(after_in_child=gc.unfreeze)  # runs after smstore's: undoes its freeze
 
         lst = smstore.SharedList(make_dicts(n, empty=empty))  # the per-rank dicts are freed on return
         role = lst.role
@@ -148,7 +159,7 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300_000)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--empty", action="store_true")
+    ap.add_argument("--empty", action="store_true", help="no data: N empty dicts (the baseline job: N=1)")
     args = ap.parse_args()
     if args.rank:
         rank_main(args.rank, args.n, args.workers, args.empty)
@@ -159,13 +170,13 @@ def main() -> None:
 
     tmp = tempfile.mkdtemp(prefix="bench-objects-")
     os.environ["BENCH_SOURCE"] = os.path.join(tmp, "ann.json")
-    os.environ["BENCH_SOURCE_EMPTY"] = os.path.join(tmp, "empty.json")
+    os.environ["BENCH_SOURCE_EMPTY"] = os.path.join(tmp, "none.json")
     dicts = make_dicts(args.n)
     copy = sum(len(pickle.dumps(d, protocol=5)) for d in dicts)
     with open(os.environ["BENCH_SOURCE"], "w") as f:
         json.dump(dicts, f)
     with open(os.environ["BENCH_SOURCE_EMPTY"], "w") as f:
-        json.dump(make_dicts(args.n, empty=True), f)
+        json.dump([{}], f)
     del dicts
     # What the loader form's builder is compared with: one json.load of the file and one pickle per object.
     start = time.perf_counter()
@@ -201,13 +212,13 @@ def main() -> None:
     )
     print()
     print(
-        "| dataset | summed PSS | same with empty dicts | difference | x one copy | processes | build s (rank 0) | rank 1 s | epoch s |"
+        "| dataset | summed PSS | same job with no data | difference | x one copy | processes | build s (rank 0) | rank 1 s | epoch s |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
     loader_ratio = "-"
     for mode in MODES:
         full = run_job(mode, args.n, args.ranks, args.workers, empty=False)
-        base = run_job(mode, args.n, args.ranks, args.workers, empty=True)
+        base = run_job(mode, 1, args.ranks, args.workers, empty=True)  # mmengine refuses 0
         diff = full["pss"] - base["pss"]
         o = full["outs"]
         if mode == "sharedlist-loader":

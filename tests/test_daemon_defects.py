@@ -935,3 +935,46 @@ def test_a_residency_never_closed_ends_its_thread_when_collected(tmp_path: Path)
     del residency
     gc.collect()
     assert ended([thread])
+
+
+def test_a_plan_sizes_each_queued_load_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A plan runs at every finished load, and it sized every load still queued again (a stat
+    each): serving N files given at start cost O(N**2) stats (4,000 one-record files took 32 s,
+    2.3 s now: benchmarks/results/load_rate.md). Each load is sized once, when queued, and its
+    pages count in the budget until it lands."""
+    from smstore.daemon import planner as planner_module
+    from smstore.daemon.planner import Planner
+    from smstore.daemon.segments import SegmentTable, pages
+
+    stats: list[str] = []
+
+    class CountingOs:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(os, name)
+
+        def stat(self, path: str) -> os.stat_result:
+            stats.append(path)
+            return os.stat(path)
+
+    monkeypatch.setattr(planner_module, "os", CountingOs())
+    n, size = 200, 5000
+    files = [os.fspath(tmp_path / f"{i}.smst") for i in range(n)]
+    for f in files:
+        Path(f).write_bytes(b"x" * size)
+    planner = Planner(
+        SegmentTable(), shm_limit=1 << 30, shm_limit_from="test", is_owner=lambda cid: True, release=lambda seg: None
+    )
+    loading: dict[str, list[int]] = {}
+    for f in files:
+        loading[f] = []
+        planner.load_started(f)
+    assert planner.loading_total == n * pages(size)
+    for k, f in enumerate(files):
+        planner.plan(loading)
+        del loading[f]
+        if k % 2:
+            planner.load_done(f, f"xxh64:{k:016x}", asked=True)
+        else:
+            planner.load_failed(f, "test")
+    assert planner.loading_total == 0
+    assert len(stats) <= n, f"{len(stats)} stats for {n} loads"

@@ -166,6 +166,11 @@ class Planner:
         self.unloaded: set[str] = set()
         # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
         self.waiting_room: set[str] = set()
+        # The pages of each load under way, taken when it was queued, and their sum: a plan runs at
+        # every finished load, and sizing every queued load there again (a stat each) made
+        # loading N queued files O(N**2): 5,000 one-record shards took minutes.
+        self.loading_pages: dict[str, int] = {}
+        self.loading_total = 0
 
     # ---- the budget -----------------------------------------------------------------------------
 
@@ -263,13 +268,10 @@ class Planner:
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
             plan.released += [self.release(self.segments[ck]) for ck in list(self.unclaimed)]
-        used = self.used()
         # A load under way fills its pages whatever the holds say now (one for a hold that moved
         # on, or one that the shards before it in the holders' order would now leave no room
         # for): it counts until it lands.
-        for path in loading:
-            with contextlib.suppress(OSError):
-                used += pages(self.size(path))
+        used = self.used() + self.loading_total
         self.waiting_room = set()
         full = False
         for checksum, path in wanted.items():
@@ -376,8 +378,19 @@ class Planner:
         if checksum in self.wanted():
             self.unloaded.add(checksum)
 
+    def load_started(self, path: str) -> None:
+        """A load of `path` is queued: its pages count in the budget until it lands (`load_done`/`load_failed`)."""
+        with contextlib.suppress(OSError):  # no size: the load fails, and counts nothing meanwhile
+            size = pages(self.size(path))
+            self.loading_pages[path] = size
+            self.loading_total += size
+
+    def _load_ended(self, path: str) -> None:
+        self.loading_total -= self.loading_pages.pop(path, 0)
+
     def load_failed(self, path: str, why: str) -> None:
         """A load of `path` failed: if a rank holds it, not loaded again until the file changes."""
+        self._load_ended(path)
         expected = self.hold_loads.pop(path, None)
         held = expected or next((ck for ck, p in self.wanted().items() if p == path), None)
         if held is not None:
@@ -391,6 +404,7 @@ class Planner:
         Held now, or loaded for a hold that moved on while it loaded (and asked for by no one
         else): the holds manage it, and the next plan drops it if none holds it.
         """
+        self._load_ended(path)
         for_hold = self.hold_loads.pop(path, None) is not None
         self.backoff.succeeded(path)
         fresh = checksum not in self.segments

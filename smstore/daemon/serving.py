@@ -137,6 +137,7 @@ class Serving:
             waiters.append(cid)
             self.server.set_busy(cid, True)
         if first:
+            self.planner.load_started(path)
             self.loader.load(path, expected)
             if not quiet:
                 log.info("loading %s", path)
