@@ -549,7 +549,7 @@ class TransformLoader:
     order). It is torchdata's ``StatefulDataLoader`` protocol.
 
     **Workers.** ``num_workers`` processes started on the first pass with
-    ``multiprocessing_context`` (``"fork"``, ``"spawn"``, ``"forkserver"`` or a context) and kept
+    ``multiprocessing_context`` (``"forkserver"`` by default, ``"fork"``, ``"spawn"`` or a context) and kept
     until :meth:`close` (a ``with`` block, or garbage collection). A transform that raises
     raises :class:`smstore.WorkerError` here with the worker's traceback and the record's index
     (chained to the original exception when it pickles); a worker that dies (a SIGKILL, the
@@ -569,7 +569,11 @@ class TransformLoader:
             loop). Shared memory is ``depth`` x one batch.
         spec: The layout of one record's output: ``(shape, dtype)``, ``{name: (shape, dtype)}``
             or a sequence of ``(shape, dtype)``; by default inferred from ``dataset[0]``.
-        multiprocessing_context: How workers start, as in DataLoader.
+        multiprocessing_context: How workers start, as in DataLoader, but by default
+            ``"forkserver"``: a process of a torch.distributed group has threads (gloo's, NCCL's)
+            that may be inside Python when it forks, and a forked child then hangs for ever
+            (docs/recipes.md). ``"fork"`` takes a transform that does not pickle (a lambda), in
+            a process with no such threads.
         copy: Yield copies of the slot instead of views.
         timeout: Seconds to wait for one batch before raising (0: no limit; dead workers are
             noticed either way).
@@ -587,7 +591,7 @@ class TransformLoader:
         num_workers: int = 2,
         depth: int | None = None,
         spec: Spec | None = None,
-        multiprocessing_context: str | Any | None = None,
+        multiprocessing_context: str | Any | None = "forkserver",
         copy: bool = False,
         timeout: float = 0.0,
         worker_init_fn: Callable[[int], None] | None = None,

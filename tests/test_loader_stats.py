@@ -119,7 +119,9 @@ def test_loader_and_transform_loader_count_every_batch_of_every_pass(tmp_path: P
         loader.close()
 
     ds = smstore.SharedStoreDataset(path, decode="bytes")
-    with smstore.TransformLoader(ds, lambda r: len(r), batch_size=25, num_workers=1) as tl:
+    with smstore.TransformLoader(
+        ds, lambda r: len(r), batch_size=25, num_workers=1, multiprocessing_context="fork"
+    ) as tl:
         sizes = [int(x) for b in tl for x in b]
         assert tl.stats().steps == 4
     assert sizes == [2 * (i % 9 + 1) for i in range(100)]

@@ -414,3 +414,33 @@ def test_shutdown_mid_epoch_leaves_nothing(numbered: Path, context: str) -> None
     del batch, it, loader
     gc.collect()
     assert resources() == (fds, shm, maps)
+
+
+def test_its_workers_never_fork_the_process_by_default(tmp_path: Path) -> None:
+    """A rank of a process group forks at its peril (gloo's thread inside Python hangs the child):
+    by default the workers start by forkserver. Run beside fork_hazard.py's thread, under which any
+    fork of the process fails, the default loader reads every record (a forked worker exited 70)."""
+    import subprocess
+    import sys
+
+    path = tmp_path / "data.smst"
+    smstore.pack([b"x" * (i % 7) for i in range(40)], path)
+    script = tmp_path / "rank.py"
+    script.write_text(
+        "import sys\n"
+        "import smstore\n"
+        "if __name__ == '__main__':\n"
+        "    ds = smstore.SharedStoreDataset(sys.argv[1], decode='bytes')\n"
+        "    with smstore.TransformLoader(ds, len, batch_size=8, num_workers=2) as loader:\n"
+        "        print(sum(int(x) for b in loader for x in b))\n"
+    )
+    hazard = Path(__file__).parent / "fork_hazard.py"
+    out = subprocess.run(
+        [sys.executable, os.fspath(hazard), os.fspath(script), os.fspath(path)],
+        capture_output=True,
+        text=True,
+        timeout=300,  # a guard only: a forked worker exits at once under the hazard
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert int(out.stdout) == sum(i % 7 for i in range(40))
