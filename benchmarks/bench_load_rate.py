@@ -43,6 +43,13 @@ sys.exit(main())
 """
 
 
+def commit(tree: str) -> str:
+    out = subprocess.run(
+        ["git", "-C", tree, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+    )
+    return out.stdout.strip() or "an unknown commit"
+
+
 def start(tree: str, sock: Path, blobs: Sequence[str], cwd: Path) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         [sys.executable, "-c", LAUNCH, tree, "serve", "--socket", os.fspath(sock), *blobs],
@@ -145,7 +152,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "ratio: the baseline's median time over the variant's (above 1.0: faster); rounds interleave the variants",
         "one-record blobs: the copy is nothing; what is timed is queueing, planning, registering, replying",
     ]
-    cmd = command_line("python benchmarks/bench_load_rate.py", argv)
+    # A variant's tree by its commit, never its path on this machine.
+    trees = {tree: f"<a tree at {commit(tree)}>" for _name, tree in variants if tree}
+    shown = []
+    for arg in sys.argv[1:] if argv is None else argv:
+        for tree, label in trees.items():
+            arg = arg.replace(tree, label)
+        shown.append(arg)
+    cmd = command_line("python benchmarks/bench_load_rate.py", shown)
     intro = [f"`{cmd}`, {time.perf_counter() - began:.0f} s."]
     write_results(args.out, "Loads per second: the daemon's fixed cost per load", intro, header, report)
     return 0

@@ -962,7 +962,11 @@ def test_a_plan_sizes_each_queued_load_once(tmp_path: Path, monkeypatch: pytest.
     for f in files:
         Path(f).write_bytes(b"x" * size)
     planner = Planner(
-        SegmentTable(), shm_limit=1 << 30, shm_limit_from="test", is_owner=lambda cid: True, release=lambda seg: None
+        SegmentTable(),
+        shm_limit=1 << 30,
+        shm_limit_from="test",
+        is_owner=lambda cid: True,
+        release=lambda seg: None,
     )
     loading: dict[str, list[int]] = {}
     for f in files:
