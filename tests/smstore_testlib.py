@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import multiprocessing
 import os
 import pickle
 import random
+import signal
 import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -203,6 +205,30 @@ class ItemsDataset:
 def report_shared_list(lst: Any, q: Any) -> None:
     """A multiprocessing child: what it sees of a SharedList it was handed."""
     q.put((lst.role, lst[7], len(lst), os.fstat(lst._fd).st_ino))
+
+
+@contextlib.contextmanager
+def child_process(
+    args: Sequence[str], *, group: bool = False, **popen: Any
+) -> Iterator[subprocess.Popen[Any]]:
+    """``subprocess.Popen(args, **popen)`` for the block: on every way out, the child is killed (by its
+    pid; with `group`, it leads a session of its own and its process group is killed) if it still
+    runs, reaped, and its pipes are closed.
+
+    A pipe left open when a test fails is freed only when pytest drops that failure's traceback (at
+    the next failure) and the collector runs: its ResourceWarning then fails whichever test is
+    running, far from the cause (issue 36).
+    """
+    # Popen's own exit closes the pipes and then waits; the kill before it makes that wait short.
+    with subprocess.Popen(args, start_new_session=group, **popen) as p:
+        try:
+            yield p
+        finally:
+            if p.poll() is None:
+                if group:
+                    os.killpg(p.pid, signal.SIGKILL)
+                else:
+                    p.kill()
 
 
 def run_cli(*args: str | os.PathLike[str], stdin: bytes | None = None) -> subprocess.CompletedProcess[bytes]:

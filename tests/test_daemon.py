@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import grp
 import logging
 import os
@@ -666,26 +667,29 @@ def test_two_jobs_share_one_segment(
 ) -> None:
     path, recs = blob
     d = start_daemon(path)
-    jobs = [
-        subprocess.Popen(
-            [sys.executable, "-c", HOLDER, os.fspath(path), recs[3].hex()],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for _ in range(2)
-    ]
-    try:
-        segs = {j.stdout.readline().strip() for j in jobs}  # type: ignore[union-attr]
-        assert len(segs) == 1
-        assert len(list_segments(d.pid)) == 1
-        checksum = smstore.open(path).checksum
-        assert d.segment(checksum)["clients"] == sorted(j.pid for j in jobs)
-        out = cli("status", sock=d.sock).stdout
-        assert all(str(j.pid) in out for j in jobs)
-    finally:
-        for j in jobs:
-            j.communicate("", timeout=30)
+    with contextlib.ExitStack() as stack:
+        jobs = [
+            stack.enter_context(
+                tl.child_process(
+                    [sys.executable, "-c", HOLDER, os.fspath(path), recs[3].hex()],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            for _ in range(2)
+        ]
+        try:
+            segs = {j.stdout.readline().strip() for j in jobs}  # type: ignore[union-attr]
+            assert len(segs) == 1
+            assert len(list_segments(d.pid)) == 1
+            checksum = smstore.open(path).checksum
+            assert d.segment(checksum)["clients"] == sorted(j.pid for j in jobs)
+            out = cli("status", sock=d.sock).stdout
+            assert all(str(j.pid) in out for j in jobs)
+        finally:
+            for j in jobs:
+                j.communicate("", timeout=30)
     assert [j.returncode for j in jobs] == [0, 0]
     # Clients that exited are no longer listed.
     assert d.segment(checksum)["clients"] == []

@@ -28,6 +28,7 @@ from smstore.daemon.metrics import MAX_SCRAPES, METRICS, Exporter, render
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon
+from .smstore_testlib import child_process
 
 parser = pytest.importorskip("prometheus_client.parser", reason="the 'test' extra installs prometheus_client")
 
@@ -283,23 +284,18 @@ def test_status_prints_the_metrics_and_watch_redraws_until_ctrl_c(
     assert "metrics:" in out
     assert "loads: 1 (loaded 1)" in out
     assert f"connections by uid: {UID} 1" in out
-    proc = subprocess.Popen(
+    with child_process(
         watch_command(d.sock),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-    )
-    try:
+    ) as proc:
         assert proc.stdout is not None
         lines = [proc.stdout.readline() for _ in range(10)]  # two views (not a tty: plain lines)
         assert sum("loads: 1 (loaded 1)" in line for line in lines) == 2
         assert all(line[:2].isdigit() and line[2] == ":" for line in lines)  # each line time-stamped
         proc.send_signal(signal.SIGINT)
         _out, err = proc.communicate(timeout=20)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 0
     assert "Traceback" not in err
 
@@ -309,25 +305,25 @@ def test_watch_on_a_terminal_redraws_in_place(
 ) -> None:
     d = start_daemon(loaded=0)
     master, slave = pty.openpty()
-    proc = subprocess.Popen(
-        watch_command(d.sock),
-        stdout=slave,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    os.close(slave)
     try:
-        out = b""
-        while out.count(b"\x1b[H\x1b[2J") < 2:  # two screens drawn (bounded by the read's select)
-            assert select.select([master], [], [], 20)[0], out
-            out += os.read(master, 4096)
-        proc.send_signal(signal.SIGINT)
-        _out, err = proc.communicate(timeout=20)
+        with child_process(
+            watch_command(d.sock),
+            stdout=slave,
+            stderr=subprocess.PIPE,
+            text=True,
+        ) as proc:
+            os.close(slave)
+            slave = -1
+            out = b""
+            while out.count(b"\x1b[H\x1b[2J") < 2:  # two screens drawn (bounded by the read's select)
+                assert select.select([master], [], [], 20)[0], out
+                out += os.read(master, 4096)
+            proc.send_signal(signal.SIGINT)
+            _out, err = proc.communicate(timeout=20)
     finally:
         os.close(master)
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        if slave >= 0:
+            os.close(slave)
     assert b"Ctrl-C to quit" in out
     assert b"loads: 0" in out
     assert proc.returncode == 0

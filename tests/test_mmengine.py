@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -10,7 +11,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from smstore_testlib import SAFE_CWD
+from smstore_testlib import SAFE_CWD, child_process
 
 RANK_SCRIPT = str(Path(__file__).with_name("mmengine_rank.py"))
 
@@ -18,23 +19,20 @@ RANK_SCRIPT = str(Path(__file__).with_name("mmengine_rank.py"))
 @pytest.mark.parametrize("method", ["fork", "spawn"])
 def test_shared_data_list_matches_mmengine_serialize_data(method: str) -> None:
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "SMSTORE_JOB_ID": f"mm-{uuid.uuid4().hex}"}
-    ranks = [
-        subprocess.Popen(
-            [sys.executable, RANK_SCRIPT, method],
-            env={**env, "LOCAL_RANK": str(r)},
-            cwd=SAFE_CWD,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in (0, 1)
-    ]
-    try:
+    with contextlib.ExitStack() as stack:
+        ranks = [
+            stack.enter_context(
+                child_process(
+                    [sys.executable, RANK_SCRIPT, method],
+                    env={**env, "LOCAL_RANK": str(r)},
+                    cwd=SAFE_CWD,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+            for r in (0, 1)
+        ]
         outs = [json.loads(p.communicate(timeout=300)[0]) for p in ranks]
-    finally:
-        for p in ranks:
-            if p.poll() is None:
-                p.kill()
-                p.wait(timeout=30)
     assert [p.returncode for p in ranks] == [0, 0]
     assert [o["role"] for o in outs] == ["builder", "waiter"]
     # load_data_list ran once per node, in neither rank (local rank 0's loading child); what it set

@@ -527,7 +527,7 @@ def test_wait_blocks_until_a_later_load(
 ) -> None:
     path, _recs = blob
     d = start_daemon()
-    waiter = subprocess.Popen(
+    with tl.child_process(
         [
             sys.executable,
             "-m",
@@ -543,14 +543,9 @@ def test_wait_blocks_until_a_later_load(
         stderr=subprocess.PIPE,
         text=True,
         cwd=tl.SAFE_CWD,
-    )
-    try:
+    ) as waiter:
         assert cli("load", path, "--socket", d.sock).returncode == 0
         out, err = waiter.communicate(timeout=60)
-    finally:
-        if waiter.poll() is None:
-            waiter.kill()
-            waiter.wait()
     assert waiter.returncode == 0, err
     assert "served (1 blob(s)" in out
 
@@ -564,7 +559,7 @@ def test_serve_require_exits_naming_the_file_that_failed(
     good, _recs = blob
     bad = tmp_path / "bad.smst"
     bad.write_bytes(b"SMST" + b"\0" * 200)
-    proc = subprocess.Popen(
+    with tl.child_process(
         [
             sys.executable,
             "-m",
@@ -579,13 +574,8 @@ def test_serve_require_exits_naming_the_file_that_failed(
         stderr=subprocess.PIPE,
         text=True,
         cwd=tl.SAFE_CWD,
-    )
-    try:
+    ) as proc:
         _out, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
     assert proc.returncode == 1, err
     (last,) = [ln for ln in err.splitlines() if ln.startswith("smstore serve: error:")]
     assert last.startswith(

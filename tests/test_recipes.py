@@ -14,14 +14,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from collections import Counter
 from pathlib import Path
 
 import pytest
-from smstore_testlib import SAFE_CWD
+from smstore_testlib import SAFE_CWD, child_process
 
 import smstore
 from smstore import GlobalShuffleSampler
@@ -65,15 +64,10 @@ def run(*args: str | Path, torchrun: int = 0, timeout: float = 300) -> None:
         cmd[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={torchrun}"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     # Its own session: launchers start ranks of their own, all killed with the group if it hangs.
-    p = subprocess.Popen(
-        cmd, cwd=SAFE_CWD, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
-    )
-    try:
+    with child_process(
+        cmd, group=True, cwd=SAFE_CWD, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    ) as p:
         out, _ = p.communicate(timeout=timeout)
-    finally:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(timeout=30)
     assert p.returncode == 0, out.decode(errors="replace")[-6000:]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -15,6 +16,7 @@ pytest.importorskip("boto3", reason="the remote extra (boto3) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
 from remote_testlib import BUCKET, S3, FaultProxy
+from smstore_testlib import child_process
 
 import smstore
 
@@ -32,16 +34,16 @@ def write_lines(path: Path, mib: float, seed: int) -> list[bytes]:
     return lines
 
 
-def cli(*args: str, tmpdir: Path) -> subprocess.Popen[bytes]:
+def cli(*args: str, tmpdir: Path) -> contextlib.AbstractContextManager[subprocess.Popen[bytes]]:
     env = dict(os.environ, TMPDIR=str(tmpdir))  # the s3 fixture set the AWS variables in os.environ
-    return subprocess.Popen(
+    return child_process(
         [sys.executable, "-m", "smstore", *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
 
 
 def run_cli(*args: str, tmpdir: Path) -> str:
-    p = cli(*args, tmpdir=tmpdir)
-    _, err = p.communicate(timeout=300)
+    with cli(*args, tmpdir=tmpdir) as p:
+        _, err = p.communicate(timeout=300)
     assert p.returncode == 0, err.decode()
     return err.decode()
 
@@ -127,8 +129,8 @@ def test_join_to_a_bucket_uploads_the_shards_then_a_manifest_naming_them(
 
 def test_pack_refuses_a_read_only_scheme_before_packing(tmp_path: Path, tmpdir_for_cli: Path) -> None:
     write_lines(tmp_path / "in.txt", 0.01, seed=4)
-    p = cli("pack", str(tmp_path / "in.txt"), "-o", "gs://bucket/x.smst", tmpdir=tmpdir_for_cli)
-    _, err = p.communicate(timeout=120)
+    with cli("pack", str(tmp_path / "in.txt"), "-o", "gs://bucket/x.smst", tmpdir=tmpdir_for_cli) as p:
+        _, err = p.communicate(timeout=120)
     assert p.returncode == 1
     assert "gs://bucket/x.smst: pack and join upload to s3:// only" in err.decode()
     assert os.listdir(tmpdir_for_cli) == []
@@ -143,21 +145,16 @@ def test_an_interrupted_pack_to_a_bucket_leaves_no_upload_and_no_manifest(
     write_lines(tmp_path / "in.txt", 40, seed=5)
     prefix = f"cli/int-{sig.name}/"
     proxy.inject("stall", matches=lambda method, path, headers: method == "PUT" and "partNumber=2" in path)
-    p = cli(
+    with cli(
         "pack", str(tmp_path / "in.txt"), "-o", s3.url(prefix), "--shard-size", "1G", tmpdir=tmpdir_for_cli
-    )
-    try:
+    ) as p:
         if not proxy.stalled.wait(240):
             pytest.fail(
-                f"the upload never reached part 2: {p.stderr.read().decode() if p.poll() is not None else ''}"
+                f"the upload never reached part 2: {p.stderr.read().decode() if p.poll() is not None else ''}"  # type: ignore[union-attr]
             )
         assert len(s3.multipart_uploads()) == 1  # the upload is under way
         p.send_signal(sig)
         _, err = p.communicate(timeout=120)
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     assert not [k for k in s3.object_keys() if k.startswith(prefix)]  # no shard, no manifest
     if sig == signal.SIGKILL:
         # Nothing can abort after kill -9: the upload stays until a lifecycle rule removes it (docs).
