@@ -691,6 +691,9 @@ def _rank_of_a_sampler_made_before_init(rank: int, store: str, out: object) -> N
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         out.put((rank, before, list(s), (s.rank, s.world_size)))  # type: ignore[attr-defined]
+        # Neither rank tears the group down while the other may still be connecting to it
+        # ("Gloo connectFullMesh failed ... Connection closed by peer", seen under load).
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
