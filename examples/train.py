@@ -93,8 +93,9 @@ def mapping_pss_kib(pid: int, name: str) -> int:
     return total
 
 
-def process_tree(root: int) -> list[int]:
-    """`root` and all its descendants (here: this rank and its DataLoader workers)."""
+def process_tree(root: int) -> tuple[list[int], list[int]]:
+    """`root` and all its descendants (here: this rank, its DataLoader workers and their start
+    helpers), and `root`'s own children among them."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -110,21 +111,34 @@ def process_tree(root: int) -> list[int]:
         pid = todo.pop()
         tree.append(pid)
         todo.extend(children.get(pid, []))
-    return tree
+    return tree, children.get(root, [])
 
 
-def memory_report(mapped: str, daemon_pid: int | None) -> tuple[int, int, int, int]:
-    """(processes, daemons, PSS of all of them, PSS of the blob's mappings), in KiB.
+def is_start_helper(pid: int) -> bool:
+    """Whether `pid` is one of multiprocessing's own processes: the forkserver, the resource tracker."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read()
+    except OSError:
+        return False
+    return b"multiprocessing.forkserver" in cmdline or b"multiprocessing.resource_tracker" in cmdline
 
-    The processes are this rank's tree (the rank and its DataLoader workers), plus the daemon
-    when `daemon_pid` is given (one rank per node passes it, so each daemon is counted once).
-    `mapped` is what the blob's pages are mapped as: the file, or the daemon's segment.
+
+def memory_report(mapped: str, daemon_pid: int | None) -> tuple[int, int, int, int, int]:
+    """(processes, start helpers, daemons, PSS of all of them, PSS of the blob's mappings), in KiB.
+
+    The processes are this rank's tree: the rank and its DataLoader workers, and apart from them
+    multiprocessing's helpers (the forkserver the workers start from, its resource tracker; a
+    forkserver's workers are its children, and their cmdline is its own, so only the rank's direct
+    children are told apart), plus the daemon when `daemon_pid` is given (one rank per node passes
+    it, so each daemon is counted once). `mapped` is what the blob's pages are mapped as: the
+    file, or the daemon's segment.
     """
-    procs = total = blob = 0
-    pids = process_tree(os.getpid())
+    procs = helpers = daemons = total = blob = 0
+    me = os.getpid()
+    pids, direct = process_tree(me)
     if daemon_pid is not None:
         pids.append(daemon_pid)
-    daemons = 0
     for pid in pids:
         try:
             total += pss_kib(pid)
@@ -133,9 +147,11 @@ def memory_report(mapped: str, daemon_pid: int | None) -> tuple[int, int, int, i
             continue
         if pid == daemon_pid:
             daemons += 1
+        elif pid in direct and is_start_helper(pid):
+            helpers += 1
         else:
             procs += 1
-    return procs, daemons, total, blob
+    return procs, helpers, daemons, total, blob
 
 
 def describe_source(store: Any, sock: str | None) -> dict[str, Any]:
@@ -349,15 +365,16 @@ def main() -> None:
     # Memory while the workers are still alive: every process of every rank, PSS summed, and the
     # daemon that serves the blob (counted by local rank 0 only: once per node).
     daemon_pid = source.get("daemon_pid") if source["local_rank"] == 0 else None
-    procs, daemons, total, blob = memory_report(source["mapped"], daemon_pid)
+    procs, helpers, daemons, total, blob = memory_report(source["mapped"], daemon_pid)
     if distributed:
-        counts = torch.tensor([procs, daemons, total, blob], dtype=torch.int64)
+        counts = torch.tensor([procs, helpers, daemons, total, blob], dtype=torch.int64)
         dist.all_reduce(counts)
-        procs, daemons, total, blob = (int(x) for x in counts)
+        procs, helpers, daemons, total, blob = (int(x) for x in counts)
     blob_kib = Path(args.data).stat().st_size / 1024
     # Blob pages are shared (page cache, or the daemon's segment): summed PSS stays within one copy
     # per node (per daemon, when several simulated nodes each run their own).
-    with_daemons = f" + {daemons} daemon{'s' if daemons != 1 else ''}" if daemons else ""
+    with_daemons = f" + {helpers} start helper{'s' if helpers != 1 else ''}" if helpers else ""
+    with_daemons += f" + {daemons} daemon{'s' if daemons != 1 else ''}" if daemons else ""
     log(
         f"memory: {procs} processes (ranks + workers){with_daemons}, PSS {total / 1024:.1f} MiB summed; "
         f"the blob's mapped pages {blob / 1024:.2f} MiB summed, for a {blob_kib / 1024:.2f} MiB blob "
