@@ -61,7 +61,12 @@ if TYPE_CHECKING:
     from smstore.loader_stats import LoaderStats
     from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
-    from smstore.sampler import GlobalShuffleSampler, ResumableLoader, WindowedShuffleSampler
+    from smstore.sampler import (
+        BlockWindowSampler,
+        GlobalShuffleSampler,
+        ResumableLoader,
+        WindowedShuffleSampler,
+    )
     from smstore.shared_list import SharedList
     from smstore.transform_loader import TransformLoader
     from smstore.views import Concat, Repeat, Subset, select
@@ -69,6 +74,7 @@ if TYPE_CHECKING:
 __version__: str = _core.__version__
 
 __all__ = [
+    "BlockWindowSampler",
     "ChecksumMismatchError",
     "CollateError",
     "Concat",
@@ -141,6 +147,7 @@ _LAZY = {
     "LoaderStats": "smstore.loader_stats",
     "GlobalShuffleSampler": "smstore.sampler",
     "WindowedShuffleSampler": "smstore.sampler",
+    "BlockWindowSampler": "smstore.sampler",
     "ResumableLoader": "smstore.sampler",
     "Mixture": "smstore.mixture",
     "MixtureDataset": "smstore.mixture",
