@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 from smstore import _core
 from smstore._ipc import connect, exchange, socket_path, wait_until_served
-from smstore._manifest import absolute, hold_fields, is_url, read_manifest
+from smstore._manifest import Manifest, absolute, hold_fields, is_url, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, warn_once
 from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, encode
 from smstore.errors import DaemonError, StoreChangedError
@@ -368,13 +368,20 @@ class BlockResidency:
         path: The manifest, or a directory holding ``manifest.json``.
         mode: ``"auto"``, ``"daemon"`` or ``"mmap"`` (never a daemon), as for every reader.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
+        manifest: The manifest at `path`, parsed already (a dataset URL's is not fetched again).
     """
 
     def __init__(
-        self, path: str | os.PathLike[str], *, mode: Mode = "auto", socket: str | None = None
+        self,
+        path: str | os.PathLike[str],
+        *,
+        mode: Mode = "auto",
+        socket: str | os.PathLike[str] | None = None,
+        manifest: Manifest | None = None,
     ) -> None:
         self.mode: Mode = check_mode(mode)
-        manifest = read_manifest(path)
+        if manifest is None:
+            manifest = read_manifest(path)
         self.path = absolute(manifest.path)
         # A dataset in object storage: its holds name the dataset, and without a daemon there is
         # no file to read instead.

@@ -1139,7 +1139,13 @@ class BlockWindowSampler(GlobalShuffleSampler):
             if path is not None:
                 from smstore._blocks import BlockResidency
 
-                residency = BlockResidency(path)
+                # The dataset's daemon, mode and parsed manifest, as residency_for gives a window's.
+                residency = BlockResidency(
+                    path,
+                    mode=getattr(dataset, "mode", "auto"),
+                    socket=getattr(dataset, "socket", None),
+                    manifest=getattr(dataset, "manifest", None),
+                )
         self.residency = residency or None
         self._last_hold: tuple[Any, ...] | None = None
         # Pieces a reader keeps mapped: the blocks held (spread + 2 groups, and a block at each

@@ -533,3 +533,15 @@ def test_the_daemon_keeps_no_shard_mapped_after_checking_a_hold(
             assert os.fspath(out / s.path) not in maps
     finally:
         residency.close()
+
+
+def test_the_samplers_residency_is_the_datasets_socket_mode_and_manifest(tmp_path: Path) -> None:
+    """BlockWindowSampler built its residency from the manifest's path alone: a dataset's custom
+    socket was ignored (it asked the default daemon), its mode too, and a URL's manifest fetched again."""
+    out, _recs = sharded(tmp_path, shards=3, per_shard=50)
+    sock = tmp_path / "run" / "custom.sock"
+    ds = smstore.SharedStoreDataset(os.fspath(out), mode="mmap", socket=os.fspath(sock))
+    sampler = BlockWindowSampler(ds, block=10, spread=2, seed=0, rank=0, world_size=1)
+    assert isinstance(sampler.residency, BlockResidency)
+    assert sampler.residency.socket == sock
+    assert sampler.residency.mode == "mmap"
