@@ -3,15 +3,27 @@
 Each configuration runs as a job of R rank processes (LOCAL_RANK set, as torchrun would), each
 building the same N COCO-like dicts as a real training script does, wrapping them in a dataset,
 and reading one shuffled epoch with K forked workers that touch every field and allocate per
-sample (a string, a small tensor). With the workers still alive, the PSS of every process of the
-job (/proc/PID/smaps_rollup) is summed. The same job with no data (one empty dict: the same modules,
-the same processes, workers that read next to nothing) is subtracted, and the rest is given as a multiple of
-one serialized copy (the pickles of the N dicts): what the data and reading it cost, including
-the pages of the rank's heap each worker copies. (Subtracting a job of N empty dicts, as this did
-before issue 36, subtracted those copies too: its workers read as many samples.)
+sample as a pipeline does (the annotation, a string, a tensor of boxes, kept until the batch is
+collated). With the workers still alive, the PSS of every process of the job
+(/proc/PID/smaps_rollup) is summed.
 
-sharedlist-unfrozen is sharedlist with each worker's inherited heap unfrozen as it starts: the
-garbage collector as it was before smstore froze the heap around a fork (smstore/_fork.py).
+What the data costs is the job minus the same job with no dataset: the same script, modules,
+ranks and workers, the same N samples read with the same per-sample work, each unpickled from one
+of 64 template pickles instead of read from a dataset (a rank that builds its dicts in the real
+job builds them there too, and frees them). The difference is given as a multiple of one
+serialized copy (the pickles of the N dicts): the shared copy, whatever the ranks keep because
+they hold a dataset, and whatever pages of the rank's heap the workers copy. It is taken over
+anonymous and shared memory (Pss_Anon + Pss_Shmem), where every dataset here lives: the PSS of
+the libraries' file pages also depends on how many other processes of the machine map them.
+The table also gives the job minus an idle job (one empty dict: workers that read next to
+nothing), which charges the pipeline's own working set to the data too, and each worker's
+private memory.
+
+sharedlist-loader-unfrozen is sharedlist-loader with each worker's inherited heap unfrozen as it
+starts: the garbage collector as it was before smstore froze the heap around a fork
+(smstore/_fork.py), measured against the no-dataset job of sharedlist-loader. (A rank that built
+a large list itself, as the sharedlist row's does, leaves its collector's count of old objects so
+high that no worker runs a full collection; a rank that did not, as the loader form's, does.)
 
     python benchmarks/bench_objects.py > benchmarks/results/objects.md
 """
@@ -31,9 +43,9 @@ from datetime import datetime, timezone
 from typing import Any
 
 from contenders import make_dicts
-from procs import descendants, pss_bytes
+from procs import descendants, rollup
 
-MODES = ("sharedlist-loader", "sharedlist", "sharedlist-unfrozen", "mmengine", "list")
+MODES = ("sharedlist-loader", "sharedlist-loader-unfrozen", "sharedlist", "mmengine", "list")
 
 
 def touch(d: dict[str, Any]) -> int:
@@ -44,7 +56,21 @@ def touch(d: dict[str, Any]) -> int:
     return total
 
 
-def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
+class Templates:
+    """N samples with no dataset behind them: each unpickled from one of 64 template pickles."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.pickles = [pickle.dumps(d, protocol=5) for d in make_dicts(64, seed=1)]
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> Any:
+        return pickle.loads(self.pickles[i % len(self.pickles)])
+
+
+def rank_main(mode: str, n: int, workers: int, empty: bool, templates: bool) -> None:
     import torch
     from torch.utils.data import DataLoader, Dataset
 
@@ -80,30 +106,32 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
     seconds = 0.0
     role = ""
     dataset: Any
-    if mode == "sharedlist-loader":
+    # The modules each form imports, and the collector as it runs, are the same with no dataset.
+    if mode.startswith("sharedlist"):
         import smstore
+    elif mode == "mmengine":
+        from mmengine.dataset import BaseDataset
+    if mode == "sharedlist-loader-unfrozen":
+        import gc
 
+        os.register_at_fork(after_in_child=gc.unfreeze)  # runs after smstore's: undoes its freeze
+    if templates:
+        if not mode.startswith("sharedlist-loader"):
+            make_dicts(n)  # what the script builds before it has a dataset, freed at once
+        dataset = Items(Templates(n))
+    elif mode.startswith("sharedlist-loader"):
         # Only a child of local rank 0 parses the file; the other rank attaches.
         source = os.environ["BENCH_SOURCE_EMPTY" if empty else "BENCH_SOURCE"]
         lst = smstore.SharedList.from_file(source, "json")
         role = lst.role
         seconds = lst.seconds
         dataset = Items(lst)
-    elif mode in ("sharedlist", "sharedlist-unfrozen"):
-        import smstore
-
-        if mode == "sharedlist-unfrozen":
-            import gc
-
-            os.register_at_fork(after_in_child=gc.unfreeze)  # runs after smstore's: undoes its freeze
-
+    elif mode.startswith("sharedlist"):
         lst = smstore.SharedList(make_dicts(n, empty=empty))  # the per-rank dicts are freed on return
         role = lst.role
         seconds = lst.seconds  # SharedList alone: the dicts were made before its clock started
         dataset = Items(lst)
     elif mode == "mmengine":
-        from mmengine.dataset import BaseDataset
-
         dicts = make_dicts(n, empty=empty)
 
         class Annotations(BaseDataset):  # type: ignore[misc]
@@ -131,12 +159,16 @@ def rank_main(mode: str, n: int, workers: int, empty: bool) -> None:
     sys.stdin.readline()  # the harness measures PSS now, with the workers alive
 
 
-def run_job(mode: str, n: int, ranks: int, workers: int, empty: bool) -> dict[str, Any]:
+def run_job(
+    mode: str, n: int, ranks: int, workers: int, empty: bool = False, templates: bool = False
+) -> dict[str, Any]:
     env = {**os.environ, "LOCAL_WORLD_SIZE": str(ranks), "SMSTORE_JOB_ID": f"bench-{uuid.uuid4().hex}"}
     env.pop("SMSTORE_SOCKET", None)
     cmd = [sys.executable, __file__, "--rank", mode, "--n", str(n), "--workers", str(workers)]
     if empty:
         cmd.append("--empty")
+    if templates:
+        cmd.append("--templates")
     procs = [
         subprocess.Popen(
             cmd, env={**env, "LOCAL_RANK": str(r)}, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
@@ -147,7 +179,16 @@ def run_job(mode: str, n: int, ranks: int, workers: int, empty: bool) -> dict[st
         outs = [json.loads(p.stdout.readline()) for p in procs]  # type: ignore[union-attr]
         time.sleep(1.0)  # let the allocators settle
         pids = descendants([p.pid for p in procs])
-        pss = sum(pss_bytes(pid) for pid in pids)
+        rolls = {pid: rollup(pid) for pid in pids}
+        pss = sum(r.get("Pss", 0) for r in rolls.values())
+        shmem = sum(r.get("Pss_Shmem", 0) for r in rolls.values())
+        memory = sum(r.get("Pss_Anon", 0) + r.get("Pss_Shmem", 0) for r in rolls.values())
+        ranks_pids = {p.pid for p in procs}
+        private = sorted(
+            r.get("Private_Dirty", 0) + r.get("Private_Clean", 0)
+            for pid, r in rolls.items()
+            if pid not in ranks_pids
+        )
         for p in procs:
             p.stdin.write("\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
@@ -158,7 +199,15 @@ def run_job(mode: str, n: int, ranks: int, workers: int, empty: bool) -> dict[st
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    return {"pss": pss, "processes": len(pids), "outs": outs}
+    worker = private[len(private) // 2] if private else 0
+    return {
+        "pss": pss,
+        "memory": memory,
+        "shmem": shmem,
+        "worker": worker,
+        "processes": len(pids),
+        "outs": outs,
+    }
 
 
 def main() -> None:
@@ -167,11 +216,14 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=300_000)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--empty", action="store_true", help="no data: N empty dicts (the baseline job: N=1)")
+    ap.add_argument("--empty", action="store_true", help="an idle job: N empty dicts (run with N=1)")
+    ap.add_argument(
+        "--templates", action="store_true", help="no dataset: N samples unpickled from 64 templates"
+    )
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES), help="the rows to run")
     args = ap.parse_args()
     if args.rank:
-        rank_main(args.rank, args.n, args.workers, args.empty)
+        rank_main(args.rank, args.n, args.workers, args.empty, args.templates)
         return
 
     load = os.getloadavg()[0]
@@ -221,14 +273,19 @@ def main() -> None:
     )
     print()
     print(
-        "| dataset | summed PSS | same job with no data | difference | x one copy | processes | build s (rank 0) | rank 1 s | epoch s |"
+        "| dataset | summed PSS | same job, no dataset | difference (anon + shmem) | x one copy | idle job | x one copy vs idle "
+        "| shared memory | worker private (median) | processes | build s (rank 0) | rank 1 s | epoch s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     loader_ratio = "-"
+    mib = 2**20
     for mode in args.modes:
-        full = run_job(mode, args.n, args.ranks, args.workers, empty=False)
-        base = run_job(mode, 1, args.ranks, args.workers, empty=True)  # mmengine refuses 0
-        diff = full["pss"] - base["pss"]
+        full = run_job(mode, args.n, args.ranks, args.workers)
+        # The unfrozen row is measured against smstore as it is: its no-dataset job freezes.
+        same = mode.replace("-unfrozen", "")
+        base = run_job(same, args.n, args.ranks, args.workers, templates=True)
+        idle = run_job(same, 1, args.ranks, args.workers, empty=True)  # mmengine refuses 0
+        diff = full["memory"] - base["memory"]
         o = full["outs"]
         if mode == "sharedlist-loader":
             loader_ratio = f"{o[0]['build_s']:.2f} s / {reference:.2f} s = {o[0]['build_s'] / reference:.2f}x"
@@ -236,8 +293,10 @@ def main() -> None:
         other = f"{o[1]['build_s']:.2f}" if mode != "list" and len(o) > 1 else "-"
         epoch = max(x["epoch_s"] for x in o)
         print(
-            f"| {mode} | {full['pss'] / 2**20:.0f} MiB | {base['pss'] / 2**20:.0f} MiB | {diff / 2**20:.0f} MiB | "
-            f"{diff / copy:.2f}x | {full['processes']} | {build} | {other} | {epoch:.1f} |",
+            f"| {mode} | {full['pss'] / mib:.0f} MiB | {base['pss'] / mib:.0f} MiB | {diff / mib:.0f} MiB | "
+            f"{diff / copy:.2f}x | {idle['pss'] / mib:.0f} MiB | {(full['memory'] - idle['memory']) / copy:.2f}x | "
+            f"{full['shmem'] / mib:.0f} MiB | {full['worker'] / mib:.1f} MiB (no dataset {base['worker'] / mib:.1f}) | "
+            f"{full['processes']} | {build} | {other} | {epoch:.1f} |",
             flush=True,
         )
     # Attaching from a pickled handle (what a spawn/forkserver worker does): O(1) in the list's size.

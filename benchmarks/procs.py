@@ -7,13 +7,20 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def rollup(pid: int) -> dict[str, int]:
+    """The fields of ``/proc/PID/smaps_rollup`` in bytes (``Pss``, ``Pss_Shmem``, ``Private_Dirty``...; empty if it is gone)."""
+    out: dict[str, int] = {}
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+            key, _, value = line.partition(":")
+            with contextlib.suppress(ValueError, IndexError):
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
 def pss_bytes(pid: int) -> int:
     """The proportional set size of one process (0 if it is gone)."""
-    with contextlib.suppress(OSError):
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    return rollup(pid).get("Pss", 0)
 
 
 def descendants(roots: Sequence[int]) -> list[int]:

@@ -18,16 +18,37 @@ itself. This is what CPython's documentation of `gc.freeze` advises for a proces
 workers (DataLoader workers, TransformLoader workers, SharedList's builder), done here so that no
 user code has to. A process that froze objects itself (`gc.get_freeze_count() > 0`) or turned
 the collector off is left as it is: it manages its collector.
+
+Third, a forked child must not inherit the heap its parent has freed. A rank that built a list
+and let it go keeps the freed memory in its C allocator: resident, shared with every worker it
+forks, and written into by each worker's first allocations, which copy those pages. So, before
+a fork, the allocator gives its free pages back to the system (glibc's ``malloc_trim``; a libc
+without it is left alone): measured in benchmarks/results/objects.md, a rank that built and freed
+200k dicts otherwise kept several MiB of them in every job's memory.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 from collections.abc import Callable
 
 _in_child: list[Callable[[], None]] = []
 _froze = False  # this fork's before-hook froze the heap, so the parent unfreezes it after
+
+
+def _find_trim() -> Callable[[int], int] | None:
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return None
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    return trim
+
+
+_trim = _find_trim()
 
 
 def in_child(fn: Callable[[], None]) -> None:
@@ -41,6 +62,8 @@ def _before() -> None:
     if _froze:
         gc.collect(1)
         gc.freeze()
+    if _trim is not None:
+        _trim(0)  # the freed heap goes back to the system, not into the child
 
 
 def _after_in_parent() -> None:
