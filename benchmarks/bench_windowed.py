@@ -84,6 +84,7 @@ from smstore.sampler import (
     BlockWindowSampler,
     GlobalShuffleSampler,
     WindowedShuffleSampler,
+    _neighbour_spread,
     block_bounds,
 )
 
@@ -235,9 +236,10 @@ def bench_quality(
         def sampler_row(b: int, what: str, memory: int) -> tuple[float, float, str] | None:
             """The block sampler itself (what a job runs) with blocks of at least `b` records and the
             widest spread the memory holds: spread + 2 groups (the window's, the next, one in the
-            lag) and the rest of a block at each end (plan()'s rule, in records)."""
+            lag) and the rest of a block at each end, narrowed where the deal could not keep source
+            neighbours apart (plan()'s rule, in records)."""
             longest = max(-(-x // max(1, x // b)) for x in sizes)
-            spread = (memory - 2 * longest) // b - 2
+            spread = _neighbour_spread((memory - 2 * longest) // b - 2, b)
             if spread < 1:
                 report.add(
                     f"memory {memory}: smstore BlockWindowSampler, {what}", "skipped: fewer than 3 blocks fit"

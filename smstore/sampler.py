@@ -823,30 +823,85 @@ class BlockWindowOrder:
 def _deal_stride(spread: int, records: int) -> int:
     """The step between the parts of consecutive records of a group of ``records``: coprime with ``spread``.
 
-    Records ``k`` apart land ``k * stride % spread`` parts (windows) apart. The step is the one
+    Records ``k`` apart land ``k * stride % spread`` parts (windows) apart. Source neighbours come
+    first: in a group they land ``stride`` or ``spread - stride`` windows apart, and a group's last
+    record and the next group's first (a block runs on across groups) ``|(records - 1) * stride %
+    spread - 1|``; the step keeps all three at least ``spread // 5`` apart wherever a step can
+    (:func:`_neighbour_gap`; the planner picks only spreads where one can). Among those, the one
     whose distance from 0 (circularly), times ``k``, is largest at its smallest over ``k = 1 ..
     K`` (``K = min(records, spread, 64) - 1``): the golden ratio's property (``k ||k phi||`` stays
-    above ``1 / sqrt(5)``) on the integers, so neighbours (``k = 1``) land far apart and records
-    a few apart not much closer; and a group's last record and the next group's first (a block
-    runs on across groups) as far apart; the closest to ``0.382 spread`` among equals.
+    above ``1 / sqrt(5)``) on the integers, so records a few apart land not much closer than
+    neighbours; the closest to ``0.382 spread`` among equals.
     """
     if spread <= 2:
         return 1
     k = np.arange(1, max(2, min(records, spread, 64)), dtype=np.int64)
     golden = spread * (3 - 5**0.5) / 2
-    a = np.arange(1, spread // 2 + 1, dtype=np.int64)
-    if len(a) > 8192:  # very wide spreads: the steps near the golden one
-        a = np.arange(max(1, int(golden) - 4096), int(golden) + 4096, dtype=np.int64)
+    # Steps a and spread - a deal records k apart as far (both ways round), but not a group's end.
+    a = np.arange(1, spread, dtype=np.int64)
+    if len(a) > 16384:  # very wide spreads: the steps near the golden one, both ways round
+        near = np.arange(max(1, int(golden) - 4096), int(golden) + 4096, dtype=np.int64)
+        a = np.concatenate([near, spread - near[::-1]])
     a = a[np.gcd(a, spread) == 1]
     steps = k[None, :] * a[:, None] % spread
     nearest = (np.minimum(steps, spread - steps) * k[None, :]).min(axis=1)
-    # A group's last record and the next group's first (one block runs on across groups) land in
-    # windows j + (records - 1) * stride % spread and j + 1: keep those apart too.
-    # (A fifth of the spread apart is far enough there: one pair a group.)
-    edge = np.abs((records - 1) * a % spread - 1)
-    nearest = np.minimum(nearest, np.maximum(edge, spread // 5))
+    edge = _edge_gap(spread, records, a)
+    # The neighbour bound is a floor, not a preference: a step that crossed it for records k
+    # apart would break the promise of docs/training.md for a pair in every group.
+    gap = np.minimum(np.minimum(a, spread - a), edge)
+    allowed = gap >= min(max(1, spread // 5), int(gap.max()))
+    # (Past a fifth of the spread the edge is far enough: one pair a group.)
+    nearest = np.where(allowed, np.minimum(nearest, np.maximum(edge, spread // 5)), -1)
     best = a[nearest == nearest.max()]
-    return int(best[np.argmin(np.abs(best - golden))])
+    # The closest to the golden step, the one below half the spread first.
+    return int(best[np.lexsort((best > spread // 2, np.abs(np.minimum(best, spread - best) - golden)))[0]])
+
+
+def plan_blocks(
+    shard_records: Sequence[int], data_bytes: int, budget: int, block_bytes: int
+) -> tuple[int, int]:
+    """:meth:`BlockWindowSampler.plan` for a dataset of ``shard_records`` and ``data_bytes`` in all."""
+    records = sum(shard_records)
+    per_record = max(1.0, data_bytes / max(1, records))
+    # 5 % over the average: a block of thousands of records strays far less from its mean.
+    block = max(1, int(np.ceil(1.05 * block_bytes / per_record)))
+    longest = max((-(-x // max(1, x // block)) for x in shard_records), default=block)
+    piece = 4096 + 8 * longest  # a piece's header and index, and its last page
+    held = int((budget - 2 * (longest * per_record + piece)) // (block * per_record + piece))
+    if held < 4:
+        msg = (
+            f"a budget of {budget} bytes holds {max(0, held)} groups of {block} records ({block_bytes} bytes) "
+            f"beside two blocks of up to {longest} records; at least 4 are needed (the window's, the next, "
+            "the previous and room for one released): raise the budget"
+        )
+        raise ValueError(msg)
+    return block, _neighbour_spread(held - 3, block)
+
+
+def _neighbour_spread(most: int, records: int) -> int:
+    """The widest spread up to ``most`` whose step keeps source neighbours ``spread // 5`` windows
+    apart, across a group's end too: where ``spread`` divides ``records - 1`` (or nearly), a
+    group's last record and the next one's first land in adjacent windows for every step."""
+    spread = most
+    while spread > 1 and _neighbour_gap(spread, records) < spread // 5:
+        spread -= 1
+    return spread
+
+
+def _edge_gap(spread: int, records: int, stride: Any) -> Any:
+    """Windows between a group's last record (part ``(records - 1) * stride % spread`` of window
+    ``j``) and the next group's first (part 0 of window ``j + 1``); ``spread`` for groups of one
+    record, whose blocks (of one record too) hold no neighbours."""
+    if records < 2:
+        return np.full(np.shape(stride), spread, dtype=np.int64)
+    return np.abs((records - 1) % spread * np.asarray(stride, dtype=np.int64) % spread - 1)
+
+
+def _neighbour_gap(spread: int, records: int) -> int:
+    """The fewest windows between two records adjacent in a block, in groups of ``records`` dealt
+    over ``spread`` windows (0: one window; docs/training.md, "The bound")."""
+    stride = _deal_stride(spread, records)
+    return int(min(stride, spread - stride, int(_edge_gap(spread, records, stride))))
 
 
 def block_bounds(
@@ -1060,7 +1115,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
 
 
 # Bumped when BlockWindowOrder yields another order for the same key: a saved state says which.
-_BLOCK_ORDER_VERSION = 2
+_BLOCK_ORDER_VERSION = 3
 
 
 class BlockWindowSampler(GlobalShuffleSampler):
@@ -1162,7 +1217,10 @@ class BlockWindowSampler(GlobalShuffleSampler):
         piece's header, index and page rounding. The room is for the block the lag released:
         its pages count until every reader has unmapped it (at its next new block), and the next
         block's load should not wait for that. The spread, and with it the shards a batch draws
-        from, grows with the budget over the block size (docs/training.md, "Block windows").
+        from, grows with the budget over the block size (docs/training.md, "Block windows"); it is
+        the widest that fits whose deal keeps source neighbours ``spread // 5`` windows apart
+        (1 to 3 narrower in about 1 % of cases), so they never share a batch of
+        ``(spread // 5 - 1) * block + 1`` positions past the fill.
 
         Raises:
             ValueError: The budget holds fewer than four groups and the blocks at the ends.
@@ -1170,22 +1228,12 @@ class BlockWindowSampler(GlobalShuffleSampler):
         from smstore._manifest import read_manifest
 
         manifest = read_manifest(getattr(dataset, "path", dataset))
-        records = sum(x.records for x in manifest.shards)
-        data = sum(x.data_bytes for x in manifest.shards)
-        per_record = max(1.0, data / max(1, records))
-        # 5 % over the average: a block of thousands of records strays far less from its mean.
-        block = max(1, int(np.ceil(1.05 * block_bytes / per_record)))
-        longest = max((-(-x.records // max(1, x.records // block)) for x in manifest.shards), default=block)
-        piece = 4096 + 8 * longest  # a piece's header and index, and its last page
-        held = int((budget - 2 * (longest * per_record + piece)) // (block * per_record + piece))
-        if held < 4:
-            msg = (
-                f"a budget of {budget} bytes holds {max(0, held)} groups of {block} records ({block_bytes} bytes) "
-                f"beside two blocks of up to {longest} records; at least 4 are needed (the window's, the next, "
-                "the previous and room for one released): raise the budget"
-            )
-            raise ValueError(msg)
-        return block, held - 3
+        return plan_blocks(
+            [x.records for x in manifest.shards],
+            sum(x.data_bytes for x in manifest.shards),
+            budget,
+            block_bytes,
+        )
 
     _max_chunk = 4096  # a window switch also holds the next block: keep each draw short
 

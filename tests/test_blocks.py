@@ -17,7 +17,7 @@ from smstore_testlib import outcome_past_a_fifo, run_ranks
 import smstore
 from smstore import _modes
 from smstore._blocks import BlockReader, BlockResidency, Piece, piece_id, shard_block
-from smstore._manifest import read_manifest
+from smstore._manifest import ShardInfo, read_manifest, write_manifest
 from smstore.errors import DaemonError, StoreChangedError
 from smstore.sampler import BlockWindowSampler, GlobalShuffleSampler, block_bounds
 
@@ -149,6 +149,53 @@ def test_plan_fits_what_is_held_and_room_for_one_released_block_in_the_budget(tm
     assert BlockWindowSampler.plan(out, 2 * budget, block_bytes=16 << 10)[1] > spread
     with pytest.raises(ValueError, match="raise the budget"):
         BlockWindowSampler.plan(out, 5 * (16 << 10), block_bytes=16 << 10)
+
+
+def test_the_planner_keeps_source_neighbours_in_a_block_out_of_a_batch(tmp_path: Path) -> None:
+    """For every (memory, batch, record size), the spread plan() picks deals two records adjacent
+    in a block at least spread // 5 windows apart, in a group and across a group's end, so past the
+    fill they are at least (spread // 5 - 1) * block + 1 positions apart and never share a batch of
+    that many (docs/training.md, "The bound"). At a spread dividing the group size less one (68
+    records a block, spread 67), a group's last record and the next one's first landed in adjacent
+    windows and shared batches."""
+    rng = np.random.default_rng(7)
+    sizes = rng.integers(1_000, 3_000, size=40).tolist()
+    n, shard_of = sum(sizes), np.repeat(np.arange(len(sizes)), sizes)
+    checked = 0
+    for record_bytes in (65536, 96 << 10, 150_000, 250_000):
+        path = tmp_path / f"ds-{record_bytes}.json"
+        shards = [
+            ShardInfo(f"s{k}.smst", x, x * record_bytes, x * record_bytes + 4096, "0" * 16)
+            for k, x in enumerate(sizes)
+        ]
+        write_manifest(path, "raw", shards, durable=False)
+        for memory in (0.02, 0.04, 0.06, 0.08, 0.12, 0.16):  # of the data
+            block, spread = BlockWindowSampler.plan(path, int(memory * n * record_bytes), block_bytes=4 << 20)
+            s = BlockWindowSampler(
+                sizes, block=block, spread=spread, seed=1, rank=0, world_size=1, residency=False
+            )
+            order = s.permutation()
+            position = np.empty(n, dtype=np.int64)
+            position[order(np.arange(n))] = np.arange(n)
+            window = np.searchsorted(order.window_starts, position, side="right") - 1
+            blocks = np.repeat(np.arange(len(order.block_first)), order.block_length)
+            pair = np.flatnonzero(blocks[:-1] == blocks[1:])  # records i and i + 1 of one block
+            lo, hi = np.minimum(window[pair], window[pair + 1]), np.maximum(window[pair], window[pair + 1])
+            assert (hi - lo).min() >= spread // 5, (record_bytes, memory, block, spread)
+            # Past the fill, before the drain, every window holds a whole group's worth: G records.
+            groups = len(order.group_starts) - 1
+            steady = (lo >= spread - 1) & (hi <= groups - 2)
+            assert steady.sum() > n // 4
+            bound = (spread // 5 - 1) * block + 1
+            apart = np.abs(position[pair + 1] - position[pair])[steady]
+            assert apart.min() >= bound, (record_bytes, memory, block, spread)
+            for batch in {max(1, bound // 2), max(1, bound)}:
+                batch_of = position // batch
+                shared = (batch_of[pair] == batch_of[pair + 1]) & steady
+                assert not shared.any(), (record_bytes, memory, batch, block, spread)
+            checked += 1
+            assert (shard_of[pair] == shard_of[pair + 1]).all()
+    assert checked == 24
 
 
 def test_blocks_stay_within_shards_and_a_reader_finds_the_block_the_sampler_holds() -> None:
