@@ -9,6 +9,7 @@ in a real DataLoader fork worker, and check that the parent's collector is left 
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import os
 import sys
@@ -86,12 +87,13 @@ def heap_resident() -> int:
     return total
 
 
-@pytest.mark.skipif(not hasattr(__import__("ctypes").CDLL(None), "malloc_trim"), reason="glibc's malloc_trim")
+@pytest.mark.skipif(not hasattr(ctypes.CDLL(None), "malloc_trim"), reason="glibc's malloc_trim")
 def test_a_forked_child_inherits_none_of_the_heap_its_parent_freed() -> None:
-    # 64 MiB of 4 KiB blocks from the C allocator (above pymalloc's 512 B), the last one kept:
+    # 94 MiB of 4 KiB blocks from the C allocator (above pymalloc's 512 B), the last one kept:
     # freed, they stay in the heap (only a free top is given back by free()), resident.
+    ctypes.CDLL(None).malloc_trim(0)  # what earlier tests freed goes first: the blocks need new pages
     base = heap_resident()
-    blocks = [bytes(4000) + i.to_bytes(8, "little") for i in range(16_000)]
+    blocks = [bytes(4000) + i.to_bytes(8, "little") for i in range(24_000)]
     keep = blocks[-1]
     freed = heap_resident() - base
     del blocks
@@ -106,8 +108,9 @@ def test_a_forked_child_inherits_none_of_the_heap_its_parent_freed() -> None:
         inherited = int.from_bytes(f.read(), "little")
     assert os.waitpid(pid, 0)[1] == 0
     assert keep
-    # Untrimmed, the child starts with the freed 64 MiB resident in its heap (measured: all of it).
-    assert freed > 60 * 2**20
+    # Untrimmed, the child starts with the freed memory resident in its heap (measured: all of it).
+    # (The heap grows by less than the blocks' size where they reuse free room it had already.)
+    assert freed > 48 * 2**20
     extra = inherited - base
     assert extra < freed / 4, (
         f"the child inherited {extra >> 20} MiB of the {freed >> 20} MiB its parent freed"
