@@ -164,18 +164,28 @@ def publish_file(path: str, chunks: Sequence[bytes], *, what: str, durable: bool
         directory, f".{os.path.basename(path)}.smstore-tmp-{os.getpid()}-{secrets.token_hex(5)}"
     )
     try:
-        with open(tmp, "xb") as f:
+        # Created here, never a link; its mode set and its identity checked through the descriptor,
+        # kept open to the rename: another user who may write the directory can swap a link in
+        # at the temporary name, which a chmod by name would follow and the rename would publish.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        with open(fd, "wb") as f:
             f.writelines(chunks)
+            f.flush()
             if durable:
-                f.flush()
                 os.fsync(f.fileno())
-        check_output(path)  # again: the path may have changed since we looked
-        if os.path.exists(path):
-            os.chmod(tmp, os.stat(path).st_mode & 0o777)
-        os.rename(tmp, path)
+            check_output(path)  # again: the path may have changed since we looked
+            if os.path.exists(path):
+                os.fchmod(f.fileno(), os.stat(path).st_mode & 0o777)
+            ours, there = os.fstat(f.fileno()), os.lstat(tmp)
+            if (ours.st_dev, ours.st_ino) != (there.st_dev, there.st_ino):
+                tmp = ""  # not ours to remove
+                msg = f"{path}: cannot write {what}: its temporary file was replaced while it was written"
+                raise StoreIOError(errno.EEXIST, msg)
+            os.rename(tmp, path)
     except OSError as e:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
+        if tmp:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
         if isinstance(e, StoreIOError):
             raise
         raise StoreIOError(e.errno or errno.EIO, f"{path}: cannot write {what}: {e.strerror}") from None

@@ -360,3 +360,39 @@ def test_the_core_writer_refuses_a_link_swapped_in_before_its_rename(tmp_path: P
 def _symlink(link: Path, target: Path) -> Path:
     link.symlink_to(target)
     return link
+
+
+def test_a_link_swapped_in_at_a_manifests_temporary_name_is_neither_chmodded_nor_published(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The manifest (and an index file) is written to a temporary name beside it, then given the
+    replaced file's mode and renamed. A link put at that name (the directory writable by another
+    user) had the mode set on whatever it pointed to (os.chmod by name), and was then published."""
+    from smstore import _pack
+
+    secret = tmp_path / "secret"
+    secret.write_bytes(b"private")
+    secret.chmod(0o600)
+    dataset = tmp_path / "ds"
+    dataset.mkdir()
+    manifest = dataset / MANIFEST_NAME
+    manifest.write_text("{}")
+    manifest.chmod(0o644)
+    checks = []
+    check_output = _pack.check_output
+
+    def swapping(path: Any, **kwargs: Any) -> None:
+        check_output(path, **kwargs)
+        checks.append(path)
+        if len(checks) == 2:  # the file is written; what the other user does before its mode is set
+            (tmp,) = [p for p in dataset.iterdir() if ".smstore-tmp-" in p.name]
+            tmp.unlink()
+            _symlink(tmp, secret)
+
+    monkeypatch.setattr(_pack, "check_output", swapping)
+    with pytest.raises(smstore.StoreIOError, match="temporary file was replaced"):
+        write_manifest(manifest, "bytes", [], durable=False)
+    assert stat.S_IMODE(secret.stat().st_mode) == 0o600
+    assert secret.read_bytes() == b"private"
+    assert not manifest.is_symlink()
+    assert manifest.read_text() == "{}"
