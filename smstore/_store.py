@@ -125,6 +125,8 @@ def explain_not_a_blob(path: str | os.PathLike[str], error: StoreFormatError) ->
         return error
     what = "text" if not fmt else f"a {suffix} file"
     output = f"{name if suffix else p}.smst"
+    if output == p:  # a text file named .smst: packing it over itself would destroy the input
+        output = f"{name}.packed.smst"
     per_line = " (one record per line)" if not fmt else ""
     msg = f"{error}; it looks like {what}: pack it into a blob first, 'smstore pack {fmt}{p} -o {output}'{per_line}, then open {output}"
     return type(error)(msg)

@@ -159,6 +159,13 @@ def test_a_directory_or_a_text_file_says_what_to_give(tmp_path: Path, mode: str)
         with pytest.raises(smstore.StoreFormatError) as e:
             open_it(rows)
         assert f"'smstore pack --format jsonl {rows} -o {tmp_path / 'rows.smst'}'" in str(e.value)
+        misnamed = (
+            tmp_path / "lines.smst"
+        )  # text under a blob's name: the advice must not pack it over itself
+        misnamed.write_text("first\nsecond\n")
+        with pytest.raises(smstore.StoreFormatError) as e:
+            open_it(misnamed)
+        assert f"'smstore pack {misnamed} -o {tmp_path / 'lines.packed.smst'}'" in str(e.value)
         with pytest.raises(smstore.StoreFormatError) as e:
             open_it(junk)  # no sign of what it is: only the fault
         assert str(e.value) == f"{junk}: not an smstore blob (bad magic bytes)"
