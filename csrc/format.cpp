@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 #include "error.hpp"
 
@@ -69,6 +70,48 @@ void validate_header(const Header& h, uint64_t actual_file_size, const std::stri
         h.meta_offset < h.index_offset + h.index_size) {
         fail(Error::Kind::Format, label, "corrupt header: sections overlap or are misaligned");
     }
+}
+
+void reject_short_blob(const unsigned char* head, size_t size, uint64_t file_size, const std::string& label) {
+    if (size >= sizeof kMagic && std::memcmp(head, kMagic, sizeof kMagic) == 0) {
+        fail(Error::Kind::Truncated, label,
+             "truncated: file is " + std::to_string(file_size) + " bytes, shorter than the " +
+                 std::to_string(kHeaderSize) + "-byte header");
+    }
+    fail(Error::Kind::Format, label,
+         std::string("not an smstore blob (") + (file_size == 0 ? "empty file" : "bad magic bytes") + ")");
+}
+
+Header parse_header(const unsigned char* bytes, size_t size, std::optional<uint64_t> file_size,
+                    const std::string& label) {
+    if (file_size && *file_size < kHeaderSize) reject_short_blob(bytes, size, *file_size, label);
+    if (size < sizeof(Header)) {
+        if (size < sizeof kMagic || std::memcmp(bytes, kMagic, sizeof kMagic) != 0) {
+            fail(Error::Kind::Format, label,
+                 std::string("not an smstore blob (") + (size == 0 ? "empty header" : "bad magic bytes") + ")");
+        }
+        fail(Error::Kind::Truncated, label, "truncated: the header could not be read in full");
+    }
+    Header h;
+    std::memcpy(&h, bytes, sizeof h);
+    if (!file_size) {
+        // No blob is larger than a file can be; a header that says so is not one.
+        if (std::memcmp(h.magic, kMagic, sizeof kMagic) == 0 &&
+            h.file_size > static_cast<uint64_t>(std::numeric_limits<int64_t>::max())) {
+            fail(Error::Kind::Format, label,
+                 "not an smstore blob (a header claiming " + std::to_string(h.file_size) + " bytes)");
+        }
+        if (h.file_size < kHeaderSize && std::memcmp(h.magic, kMagic, sizeof kMagic) == 0) {
+            reject_short_blob(bytes, size, h.file_size, label);
+        }
+    }
+    validate_header(h, file_size ? *file_size : h.file_size, label);
+    return h;
+}
+
+uint64_t blob_size(uint64_t record_count, uint64_t data_size, uint64_t meta_size) {
+    uint64_t pad = (kIndexAlign - data_size % kIndexAlign) % kIndexAlign;
+    return kHeaderSize + data_size + pad + (record_count + 1) * sizeof(uint64_t) + meta_size;
 }
 
 namespace {
@@ -161,12 +204,52 @@ void IndexChecker::finish(const std::string& label) const {
     if (prev_ != data_size_) last_offset_fault(label, prev_, data_size_);
 }
 
+std::string_view read_tail(const Header& h, const unsigned char* tail, uint64_t size, uint64_t* offsets,
+                           const std::string& label) {
+    uint64_t want = tail_end(h) - h.index_offset;
+    if (size != want) {
+        fail(size < want ? Error::Kind::Truncated : Error::Kind::Format, label,
+             "its index and metadata are " + std::to_string(want) + " bytes, " + std::to_string(size) + " were read");
+    }
+    std::memcpy(offsets, tail, h.index_size);
+    validate_index(offsets, h.record_count, h.data_size, label);
+    uint64_t meta = h.meta_offset - h.index_offset;
+    return {reinterpret_cast<const char*>(tail + meta), h.meta_size};
+}
+
 uint64_t BlobHasher::finish(const unsigned char* header) noexcept {
     unsigned char copy[kHeaderSize];
     std::memcpy(copy, header, kHeaderSize);
     std::memset(copy + kChecksumFieldOffset, 0, sizeof(uint64_t));
     xxh_.update(copy, kHeaderSize);
     return xxh_.digest();
+}
+
+void FileHasher::update(const unsigned char* data, size_t size) noexcept {
+    if (pos_ < kHeaderSize) {
+        size_t take = static_cast<size_t>(std::min<uint64_t>(size, kHeaderSize - pos_));
+        std::memcpy(header_ + pos_, data, take);
+        data += take;
+        size -= take;
+        pos_ += take;
+    }
+    hasher_.update(data, size);
+    pos_ += size;
+}
+
+uint64_t FileHasher::finish(const std::string& label) {
+    if (pos_ < kHeaderSize) {
+        fail(Error::Kind::Truncated, label,
+             "truncated: " + std::to_string(pos_) + " bytes, shorter than the " + std::to_string(kHeaderSize) +
+                 "-byte header");
+    }
+    return hasher_.finish(header_);
+}
+
+uint64_t FileHasher::stored() const noexcept {
+    uint64_t value;
+    std::memcpy(&value, header_ + kChecksumFieldOffset, sizeof value);
+    return value;
 }
 
 uint64_t blob_checksum(const unsigned char* file, uint64_t file_size) {

@@ -3,7 +3,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <string_view>
 
 #include "xxhash64.hpp"
 
@@ -39,6 +41,35 @@ inline constexpr size_t kChecksumFieldOffset = offsetof(Header, checksum);
 
 // Validates a header against the real file size; throws Error naming `label` and the fault.
 void validate_header(const Header& h, uint64_t actual_file_size, const std::string& label);
+
+// The header at the start of `bytes` (`size` of them: a blob's first kHeaderSize bytes, or fewer),
+// validated against a blob of `file_size` bytes (unknown: the size the header itself records, which
+// must fit an off_t). The one header parser: read_header_fd() and every header read as bytes (a
+// ranged GET of an object) go through it. Throws Error naming `label`: a foreign or short header
+// (reject_short_blob()'s words), then validate_header()'s faults.
+Header parse_header(const unsigned char* bytes, size_t size, std::optional<uint64_t> file_size,
+                    const std::string& label);
+
+// Throws the fault of a blob file of `file_size` bytes (less than kHeaderSize) whose first `size`
+// bytes are `head`: a truncated blob if they start with the magic, else a foreign file.
+[[noreturn]] void reject_short_blob(const unsigned char* head, size_t size, uint64_t file_size,
+                                    const std::string& label);
+
+// Bytes of the blob the writer lays out for `record_count` records of `data_size` bytes in all and
+// `meta_size` bytes of metadata: the header, the data, the aligned index, the metadata.
+uint64_t blob_size(uint64_t record_count, uint64_t data_size, uint64_t meta_size);
+
+// A blob's tail: its index and metadata, the bytes [h.index_offset, tail_end(h)) (validate_header()
+// keeps the metadata after the index).
+inline uint64_t tail_end(const Header& h) noexcept {
+    return h.meta_offset + h.meta_size;
+}
+
+// Copies the index of the blob `h` heads out of its tail (`size` bytes at `tail`) into `offsets`
+// (h.record_count + 1 entries), validated as validate_index() does, and returns its metadata (a view
+// into `tail`). Throws Error naming `label`: a tail of another length, a corrupt index.
+std::string_view read_tail(const Header& h, const unsigned char* tail, uint64_t size, uint64_t* offsets,
+                           const std::string& label);
 
 // Validates the offsets index: starts at 0, never decreases, ends at data_size. O(records).
 void validate_index(const uint64_t* offsets, uint64_t record_count, uint64_t data_size, const std::string& label);
@@ -81,6 +112,23 @@ public:
 
 private:
     Xxh64 xxh_;
+};
+
+// BlobHasher fed a blob's bytes in file order from its first byte (a download streaming the whole
+// object): it keeps the header aside and hashes it last, as the rule says.
+class FileHasher {
+public:
+    void update(const unsigned char* data, size_t size) noexcept;
+    uint64_t fed() const noexcept { return pos_; }
+    // The checksum; throws Error(Truncated) naming `label` if less than a header was fed.
+    uint64_t finish(const std::string& label);
+    // The checksum field of the header fed (0 until it was).
+    uint64_t stored() const noexcept;
+
+private:
+    BlobHasher hasher_;
+    unsigned char header_[kHeaderSize] = {};
+    uint64_t pos_ = 0;
 };
 
 // Checksum of a complete blob held in memory.

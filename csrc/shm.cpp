@@ -368,10 +368,8 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     check_shm_room(needed, available, path);
 
     // Writable by the owner only while loading; the final (read-only) mode is set at the end.
-    Fd seg{::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600)};
-    if (seg.fd < 0) throw_errno("shm_open " + name, errno);
+    Fd seg{create_segment(name)};
     SegmentGuard guard{name};
-    if (::fchmod(seg.fd, 0600) != 0) throw_errno("fchmod " + name, errno);
 
     // Every page is written, so the segment has no holes and a reader can never fault on one;
     // tmpfs allocates pages at write(), so a full /dev/shm is ENOSPC here, not SIGBUS later.
@@ -387,16 +385,34 @@ LoadedSegment load_segment(const std::string& path, const std::string& name, con
     check_checksum(h.checksum, digest.hash.finish(header), path, " (not loaded)");
     digest.index.finish(path);
 
-    if (options.gid >= 0 && ::fchown(seg.fd, static_cast<uid_t>(-1), static_cast<gid_t>(options.gid)) != 0) {
-        throw_errno("fchown " + name + " to group " + std::to_string(options.gid), errno);
-    }
-    if (::fchmod(seg.fd, options.mode) != 0) throw_errno("fchmod " + name, errno);
-    // Hand out a read-only descriptor: clients that receive it cannot map the segment writable.
-    std::string self = "/proc/self/fd/" + std::to_string(seg.fd);
-    int ro = ::open(self.c_str(), O_RDONLY | O_CLOEXEC);
-    if (ro < 0) throw_errno("reopen " + name + " read-only", errno);
+    int ro = seal_segment(seg.fd, name, options.mode, options.gid);
     guard.keep = true;
     return {ro, size, h.checksum, h.record_count};
+}
+
+int create_segment(const std::string& name) {
+    int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+    if (fd < 0) throw_errno("shm_open " + name, errno);
+    // The umask may have taken bits from 0600; the owner must be able to write until it is sealed.
+    if (::fchmod(fd, 0600) != 0) {
+        int err = errno;
+        ::close(fd);
+        ::shm_unlink(name.c_str());
+        throw_errno("fchmod " + name, err);
+    }
+    return fd;
+}
+
+int seal_segment(int fd, const std::string& name, mode_t mode, int64_t gid) {
+    if (gid >= 0 && ::fchown(fd, static_cast<uid_t>(-1), static_cast<gid_t>(gid)) != 0) {
+        throw_errno("fchown " + name + " to group " + std::to_string(gid), errno);
+    }
+    if (::fchmod(fd, mode) != 0) throw_errno("fchmod " + name, errno);
+    // Hand out a read-only descriptor: clients that receive it cannot map the segment writable.
+    std::string self = "/proc/self/fd/" + std::to_string(fd);
+    int ro = ::open(self.c_str(), O_RDONLY | O_CLOEXEC);
+    if (ro < 0) throw_errno("reopen " + name + " read-only", errno);
+    return ro;
 }
 
 bool unlink_segment(const std::string& name) {

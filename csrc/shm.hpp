@@ -47,6 +47,14 @@ struct LoadedSegment {
 // segment is unlinked and Error is thrown: nothing is left behind.
 LoadedSegment load_segment(const std::string& path, const std::string& name, const LoadOptions& options);
 
+// Creates segment `name` ("/..." as for shm_open) with O_EXCL, readable and writable by its owner
+// only until seal_segment(); returns its descriptor (the caller owns it). Throws Error.
+int create_segment(const std::string& name);
+
+// Gives the segment open at `fd` (written in full) its final `mode` and, if `gid` >= 0, that group;
+// returns a new read-only descriptor of it, the one handed to readers (the caller keeps `fd`).
+int seal_segment(int fd, const std::string& name, mode_t mode, int64_t gid);
+
 // shm_unlink(name); false if it did not exist, throws Error on any other failure.
 bool unlink_segment(const std::string& name);
 

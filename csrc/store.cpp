@@ -22,20 +22,6 @@ struct Fd {
     }
 };
 
-// A file too short to map: say whether it is foreign or a truncated blob.
-[[noreturn]] void reject_short_file(int fd, uint64_t size, const std::string& label) {
-    unsigned char head[sizeof kMagic] = {};
-    ssize_t got = ::pread(fd, head, sizeof head, 0);
-    if (got == static_cast<ssize_t>(sizeof head) && std::memcmp(head, kMagic, sizeof kMagic) == 0) {
-        throw Error(Error::Kind::Truncated, label + ": truncated: file is " + std::to_string(size) +
-                                                " bytes, shorter than the " + std::to_string(kHeaderSize) +
-                                                "-byte header");
-    }
-    throw Error(Error::Kind::Format, label + ": not an smstore blob (" +
-                                         (size == 0 ? std::string("empty file") : std::string("bad magic bytes")) +
-                                         ")");
-}
-
 // The size of the regular file at `fd`, at least a header long; the faults of every open otherwise.
 uint64_t blob_file_size(int fd, const std::string& label) {
     struct stat st;
@@ -44,7 +30,11 @@ uint64_t blob_file_size(int fd, const std::string& label) {
         throw Error(Error::Kind::Format, label + ": not a regular file");
     }
     auto size = static_cast<uint64_t>(st.st_size);
-    if (size < kHeaderSize) reject_short_file(fd, size, label);
+    if (size < kHeaderSize) {  // too short to map: say whether it is foreign or a truncated blob
+        unsigned char head[sizeof kMagic] = {};
+        ssize_t got = ::pread(fd, head, sizeof head, 0);
+        reject_short_blob(head, got > 0 ? static_cast<size_t>(got) : 0, size, label);
+    }
     return size;
 }
 
@@ -84,14 +74,11 @@ std::optional<uint64_t> peek_checksum(const std::string& path) {
 
 Header read_header_fd(int fd, const std::string& label) {
     uint64_t size = blob_file_size(fd, label);
-    Header h;
-    ssize_t got = ::pread(fd, &h, sizeof h, 0);
+    unsigned char head[sizeof(Header)];
+    ssize_t got = ::pread(fd, head, sizeof head, 0);
     if (got < 0) throw_errno(label, errno);
-    if (got != static_cast<ssize_t>(sizeof h)) {  // shrunk since fstat
-        throw Error(Error::Kind::Truncated, label + ": truncated: the header could not be read in full");
-    }
-    validate_header(h, size, label);
-    return h;
+    // A file shrunk since fstat gives a short read: parse_header() calls that truncated.
+    return parse_header(head, static_cast<size_t>(got), size, label);
 }
 
 Header read_header(const std::string& path) {

@@ -365,6 +365,35 @@ def test_core_load_leaves_nothing_behind(
     assert not _core.shm_unlink(name)
 
 
+def test_core_creates_and_seals_a_segment() -> None:
+    """shm_create/shm_seal, what shm_load does around its copy: O_EXCL, the owner's alone while
+    written, then read-only with a read-only descriptor (the daemon's pieces and fetched shards)."""
+    name = f"/smstore-test-{os.getpid()}-create"
+    old_umask = os.umask(0o077)  # the core sets the mode itself, whatever the umask
+    try:
+        fd = _core.shm_create(name)
+    finally:
+        os.umask(old_umask)
+    try:
+        assert os.fstat(fd).st_mode & 0o777 == 0o600
+        with pytest.raises(smstore.StoreIOError, match="File exists"):  # never an existing segment
+            _core.shm_create(name)
+        os.write(fd, b"written")
+        ro = _core.shm_seal(fd, name)
+        try:
+            assert os.fstat(ro).st_mode & 0o777 == 0o400
+            assert (os.O_ACCMODE & __import__("fcntl").fcntl(ro, __import__("fcntl").F_GETFL)) == os.O_RDONLY
+            assert os.pread(ro, 7, 0) == b"written"
+        finally:
+            os.close(ro)
+        ro = _core.shm_seal(fd, name, 0o440, os.getegid())
+        os.close(ro)
+        assert (SHM / name[1:]).stat().st_mode & 0o777 == 0o440
+    finally:
+        os.close(fd)
+        assert _core.shm_unlink(name)
+
+
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="a load pins its thread only with two CPUs or more"
 )

@@ -563,3 +563,140 @@ def test_read_header_fields(awkward_blob: Path, awkward_records: list[bytes]) ->
     assert h.checksum == f"{want['checksum']:016x}" == smstore.Store(awkward_blob).checksum
     with pytest.raises(TypeError):
         _core.BlobHeader()
+
+
+def test_header_from_bytes_one_wording(tmp_path: Path, awkward_blob: Path) -> None:
+    """A header read as bytes (a ranged GET of an object) is checked by the same parser, in the same
+    words, as the file it came from."""
+    from smstore import _core
+
+    for name, path in _header_faults(tmp_path, awkward_blob.read_bytes()).items():
+        if not path.is_file():
+            continue
+        p = os.fspath(path)
+        content = path.read_bytes()
+        want = _error(lambda p=p: _core.read_header(p))  # type: ignore[misc]
+        got = _error(lambda p=p, c=content: _core.parse_header(c[: _core.BLOB_HEADER_SIZE], p, len(c)))  # type: ignore[misc]
+        assert got == want, name
+    blob = awkward_blob.read_bytes()
+    h = _core.parse_header(blob[: _core.BLOB_HEADER_SIZE], "x")  # the size the header records
+    assert repr(h) == repr(_core.read_header(os.fspath(awkward_blob)))
+    assert _core.parse_header(memoryview(blob)[:200], "x").file_size == len(blob)  # the fields' bytes suffice
+    for cut, cls, words in [
+        (b"", StoreFormatError, "x: not an smstore blob (empty header)"),
+        (blob[:5], StoreFormatError, "x: not an smstore blob (bad magic bytes)"),
+        (blob[:50], StoreTruncatedError, "x: truncated: the header could not be read in full"),
+    ]:
+        with pytest.raises(cls) as ei:
+            _core.parse_header(cut, "x")
+        assert str(ei.value) == words
+    huge = tl.set_field(blob[:4096], "file_size", 2**63)
+    with pytest.raises(
+        StoreFormatError, match=r"^x: not an smstore blob \(a header claiming 9223372036854775808 bytes\)$"
+    ):
+        _core.parse_header(huge, "x")
+    small = tl.set_field(blob[:4096], "file_size", 100)
+    with pytest.raises(
+        StoreTruncatedError, match=r"^x: truncated: file is 100 bytes, shorter than the 4096-byte header$"
+    ):
+        _core.parse_header(small, "x")
+
+
+def test_header_from_random_bytes_raises_or_parses() -> None:
+    """Bounded fuzz: random, mutated and truncated header bytes give a header or a StoreError, never a crash."""
+    from smstore import _core
+
+    rng = random.Random(37)
+    base = bytearray(4096)
+    base[:8] = tl.MAGIC
+    for name, value in (
+        ("version", 1),
+        ("header_size", 4096),
+        ("file_size", 8192),
+        ("data_offset", 4096),
+        ("data_size", 8),
+        ("index_offset", 4104),
+        ("index_size", 16),
+        ("record_count", 1),
+        ("meta_offset", 4120),
+        ("meta_size", 2),
+        ("checksum_algo", 1),
+    ):
+        base = tl.set_field(base, name, value)
+    assert _core.parse_header(base, "base").record_count == 1
+    parsed = 0
+    faults: list[str] = []
+    for _ in range(3000):
+        data = bytearray(base)
+        for _flip in range(rng.randrange(4)):
+            at = rng.randrange(104)
+            data[at] = rng.randrange(256)
+        if rng.random() < 0.2:
+            data = bytearray(rng.randbytes(rng.randrange(200)))
+        data = data[: rng.choice([len(data), rng.randrange(len(data) + 1)])]
+        size = rng.choice([None, rng.randrange(1 << 14), rng.randrange(1 << 64)])
+        try:
+            h = _core.parse_header(bytes(data), "fuzz", size)
+        except StoreError as e:
+            faults.append(str(e))
+            continue
+        parsed += 1
+        assert h.data_offset + h.data_size <= h.file_size
+        assert h.index_size == 8 * (h.record_count + 1)
+        assert h.file_size == (size if size is not None else h.file_size) < 2**63
+    assert parsed  # the fuzz reached past the first checks
+    assert faults
+    assert all(f.startswith("fuzz: ") for f in faults), faults
+
+
+def test_read_tail_gives_the_checked_index_and_metadata(awkward_blob: Path) -> None:
+    from smstore import _core
+
+    blob = awkward_blob.read_bytes()
+    h = _core.parse_header(blob[:4096], "t")
+    start, end = h.tail_range
+    assert end == len(blob)
+    offsets, meta = _core.read_tail(h, blob[start:end], "t")
+    store = smstore.Store(awkward_blob)
+    assert offsets.dtype.name == "int64"
+    assert list(offsets) == list(store.offsets)
+    assert meta == store.metadata_bytes
+    with pytest.raises(StoreTruncatedError, match=r"^t: its index and metadata are"):
+        _core.read_tail(h, blob[start : end - 1], "t")
+    bad = bytearray(blob[start:end])
+    bad[8:16] = (h.data_size + 1).to_bytes(8, "little")  # record 0 ends past the data
+    with pytest.raises(StoreFormatError, match=r"^t: corrupt index"):
+        _core.read_tail(h, bytes(bad), "t")
+
+
+def test_blob_size_is_the_writers_layout(make_blob) -> None:
+    from smstore import _core
+
+    for records in ([], [b"a"], [b"abc", b"", b"defgh"], [b"x" * 8]):
+        path = make_blob(records, metadata={"k": "v"})
+        h = _core.read_header(os.fspath(path))
+        assert _core.blob_size(len(records), h.data_size, h.meta_size) == path.stat().st_size == h.file_size
+
+
+def test_file_hasher_keeps_the_header_for_last(awkward_blob: Path) -> None:
+    from smstore import _core
+
+    blob = awkward_blob.read_bytes()
+    want = smstore.Store(awkward_blob).checksum
+    rng = random.Random(5)
+    hasher = _core.FileHasher()
+    at = 0
+    while at < len(blob):  # pieces that start and end anywhere, some across the header's end
+        n = rng.randrange(1, 3000)
+        hasher.update(blob[at : at + n])
+        at += n
+    assert hasher.fed == len(blob)
+    assert hasher.finish("f") == (want, want)
+    with pytest.raises(smstore.StoreClosedError):
+        hasher.finish("f")
+    short = _core.FileHasher()
+    short.update(blob[:100])
+    with pytest.raises(
+        StoreTruncatedError, match=r"^f: truncated: 100 bytes, shorter than the 4096-byte header$"
+    ):
+        short.finish("f")

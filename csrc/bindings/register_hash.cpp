@@ -11,29 +11,42 @@ namespace py = pybind11;
 namespace smstore::bindings {
 namespace {
 
-// One BlobHasher used once: finish() ends it, so a second digest can never silently cover less.
+// One hasher used once: finish() ends it, so a second digest can never silently cover less.
 // The mutex orders update() calls made with the GIL released from different threads.
-struct PyBlobHasher {
-    BlobHasher hasher;
+template <typename Hasher>
+struct PyHasher {
+    Hasher hasher;
     uint64_t fed = 0;
     bool finished = false;
     std::mutex mu;
 
     void check_open() const {
-        if (finished) throw Error(Error::Kind::Closed, "this BlobHasher is finished; make a new one");
+        if (finished) throw Error(Error::Kind::Closed, "this hasher is finished; make a new one");
     }
 };
+using PyBlobHasher = PyHasher<BlobHasher>;
+using PyFileHasher = PyHasher<FileHasher>;
 
-void update(PyBlobHasher& h, const py::buffer& data) {
+template <typename Hasher>
+void update(PyHasher<Hasher>& h, const py::buffer& data) {
     py::buffer_info info = data.request();
     if (info.ndim != 1 || info.strides[0] != info.itemsize)
-        throw py::value_error("BlobHasher.update needs a contiguous 1-D buffer");
+        throw py::value_error("update needs a contiguous 1-D buffer");
     const size_t size = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
     py::gil_scoped_release release;  // hashing a chunk of many MiB
     std::lock_guard<std::mutex> lock(h.mu);
     h.check_open();
-    h.hasher.update(info.ptr, size);
+    h.hasher.update(static_cast<const unsigned char*>(info.ptr), size);
     h.fed += size;
+}
+
+// (checksum, the header's checksum field), both as 16 hex digits.
+py::tuple finish_file(PyFileHasher& h, const std::string& label) {
+    std::lock_guard<std::mutex> lock(h.mu);
+    h.check_open();
+    uint64_t checksum = h.hasher.finish(label);
+    h.finished = true;
+    return py::make_tuple(checksum_hex(checksum), checksum_hex(h.hasher.stored()));
 }
 
 std::string finish(PyBlobHasher& h, const py::buffer& header) {
@@ -48,7 +61,8 @@ std::string finish(PyBlobHasher& h, const py::buffer& header) {
     return checksum_hex(h.hasher.finish(static_cast<const unsigned char*>(info.ptr)));
 }
 
-uint64_t fed(PyBlobHasher& h) {
+template <typename Hasher>
+uint64_t fed(PyHasher<Hasher>& h) {
     // update() writes fed under the mutex with the GIL released: read it under the mutex too, and
     // wait for a chunk being hashed without holding the GIL.
     py::gil_scoped_release release;
@@ -64,10 +78,19 @@ void register_hash(py::module_& m) {
                              "A blob's checksum computed as its bytes stream by: update() with the bytes "
                              "after the header in file order, then finish(header).")
         .def(py::init<>())
-        .def("update", checked(&update), py::arg("data"), "Hash the next bytes after the header, in file order.")
+        .def("update", checked(&update<BlobHasher>), py::arg("data"),
+             "Hash the next bytes after the header, in file order.")
         .def("finish", checked(&finish), py::arg("header"),
              "Hash the header (its checksum field counts as zero) and return the checksum as 16 hex digits.")
-        .def_property_readonly("fed", checked(&fed), "Bytes given to update() so far.");
+        .def_property_readonly("fed", checked(&fed<BlobHasher>), "Bytes given to update() so far.");
+    py::class_<PyFileHasher>(m, "FileHasher",
+                             "A blob's checksum computed as all its bytes stream by, in file order from the "
+                             "first: update() with them, then finish(label).")
+        .def(py::init<>())
+        .def("update", checked(&update<FileHasher>), py::arg("data"), "Hash the next bytes, in file order.")
+        .def("finish", checked(&finish_file), py::arg("label"),
+             "(checksum, the header's checksum field) as 16 hex digits each; errors name `label`.")
+        .def_property_readonly("fed", checked(&fed<FileHasher>), "Bytes given to update() so far.");
 }
 
 }  // namespace smstore::bindings

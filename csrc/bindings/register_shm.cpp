@@ -40,6 +40,15 @@ void register_shm(py::module_& m) {
         py::arg("path"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1, py::arg("room_limit") = 0,
         py::arg("max_rate") = 0, py::arg("hash_thread") = true,
         "Load a blob into a new segment; returns (read-only fd, size, checksum as hex, record_count).");
+    m.def("shm_create", &create_segment, py::arg("name"),
+          "Create segment `name` (O_EXCL, writable by its owner only until shm_seal); returns its descriptor.");
+    m.def(
+        "shm_seal",
+        [](int fd, const std::string& name, unsigned mode, int64_t gid) {
+            return seal_segment(fd, name, static_cast<mode_t>(mode), gid);
+        },
+        py::arg("fd"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1,
+        "Give a written segment its final mode (and group, if gid >= 0); returns a new read-only descriptor.");
     m.def("shm_footprint", &shm_footprint, py::arg("size"),
           "Bytes of shared memory a segment of `size` bytes takes (whole pages): what --shm-limit counts.");
     m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");

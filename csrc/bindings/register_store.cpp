@@ -1,5 +1,9 @@
 // smstore.Store: the definitions; PyStore (py_store.cpp) implements them.
+#include <pybind11/numpy.h>
 #include <pybind11/stl.h>
+
+#include <cstring>
+#include <optional>
 
 #include "py_store.hpp"
 #include "register.hpp"
@@ -97,6 +101,9 @@ Args:
         .def_readonly("meta_offset", &Header::meta_offset)
         .def_readonly("meta_size", &Header::meta_size)
         .def_property_readonly("checksum", [](const Header& h) { return checksum_hex(h.checksum); })
+        .def_property_readonly(
+            "tail_range", [](const Header& h) { return py::make_tuple(h.index_offset, tail_end(h)); },
+            "(start, end): the bytes of the index and metadata, for read_tail().")
         .def("__repr__", [](const Header& h) {
             return "<BlobHeader version " + std::to_string(h.version) + ", " + std::to_string(h.record_count) +
                    " records, " + std::to_string(h.file_size) + " bytes, checksum " + checksum_hex(h.checksum) + ">";
@@ -108,6 +115,37 @@ Args:
         "The validated header of the blob at `path` (one small read; the index and records are not read).");
     m.def("read_header_fd", &read_header_fd, py::arg("fd"), py::arg("label"), py::call_guard<py::gil_scoped_release>(),
           "read_header() of an open descriptor (the caller keeps it); errors name `label`.");
+    m.def(
+        "parse_header",
+        [](const py::buffer& data, const std::string& label, std::optional<uint64_t> file_size) {
+            py::buffer_info info = data.request();
+            if (info.ndim != 1 || info.strides[0] != info.itemsize)
+                throw py::value_error("parse_header needs a contiguous 1-D buffer");
+            auto size = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+            return parse_header(static_cast<const unsigned char*>(info.ptr), size, file_size, label);
+        },
+        py::arg("data"), py::arg("label"), py::arg("file_size") = py::none(),
+        "The validated header in `data` (a blob's first bytes) of a blob of `file_size` bytes (default: the size "
+        "the header records); errors name `label`.");
+    m.def(
+        "read_tail",
+        [](const Header& h, const py::buffer& tail, const std::string& label) {
+            py::buffer_info info = tail.request();
+            if (info.ndim != 1 || info.strides[0] != info.itemsize)
+                throw py::value_error("read_tail needs a contiguous 1-D buffer");
+            auto size = static_cast<uint64_t>(info.size) * static_cast<uint64_t>(info.itemsize);
+            py::array_t<int64_t> offsets(static_cast<py::ssize_t>(h.record_count + 1));
+            // int64 and uint64 share a layout; every offset is at most data_size, below 2^63.
+            auto* out = reinterpret_cast<uint64_t*>(offsets.mutable_data());
+            std::string_view meta = read_tail(h, static_cast<const unsigned char*>(info.ptr), size, out, label);
+            return py::make_tuple(offsets, py::bytes(meta.data(), meta.size()));
+        },
+        py::arg("header"), py::arg("tail"), py::arg("label"),
+        "(index as int64 offsets, metadata bytes) of the blob `header` heads, from its bytes at header.tail_range; "
+        "the index validated; errors name `label`.");
+    m.def("blob_size", &blob_size, py::arg("record_count"), py::arg("data_size"), py::arg("meta_size") = 0,
+          "Bytes of the blob the writer makes of `record_count` records of `data_size` bytes and `meta_size` bytes "
+          "of metadata.");
     m.def(
         "wait_for_unmaps", [] { wait_for_unmaps(); }, py::call_guard<py::gil_scoped_release>(),
         "Wait until every mapping released so far is unmapped (large ones are unmapped by a background thread).");

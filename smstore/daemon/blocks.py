@@ -41,8 +41,8 @@ from smstore._blocks import Piece, piece_id, piece_path
 from smstore._manifest import is_url
 from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, ProtocolError
 from smstore.daemon.loader import LOADER_NICENESS, Failed, Loaded
-from smstore.daemon.segments import SHM_DIR, pages, unlink_quietly
-from smstore.errors import StoreChangedError, StoreError, StoreFormatError
+from smstore.daemon.segments import pages, unlink_quietly
+from smstore.errors import StoreChangedError, StoreError
 
 if TYPE_CHECKING:
     import numpy as np
@@ -53,8 +53,6 @@ __all__ = ["Blocks", "parse_pieces"]
 
 log = logging.getLogger("smstore.daemon")
 
-# The blob header and index around a piece's records (the header is one page).
-_HEADER = 4096
 # Index entries of checked shards kept (8 bytes each): beyond, the cache starts again.
 _CACHED_OFFSETS = 1 << 22
 
@@ -111,8 +109,8 @@ class _Remote(NamedTuple):
 
 
 def _piece_size(offsets: np.ndarray, p: Piece) -> int:
-    """A piece's segment: the blob header, its records' bytes and their index."""
-    return _HEADER + int(offsets[p.end] - offsets[p.first]) + 8 * (p.end - p.first + 1)
+    """A piece's segment: the blob of its records (its metadata, a few bytes, aside)."""
+    return _core.blob_size(p.end - p.first, int(offsets[p.end] - offsets[p.first]))
 
 
 class Blocks:
@@ -385,40 +383,25 @@ class Blocks:
             StoreFormatError: Its header or index is not a valid blob's.
             RemoteError: A read failed (after retries).
         """
-        import numpy as np
+        from smstore.remote.fetch import read_range
 
-        from smstore.remote.fetch import parse_header, read_range
-
-        head, etag = read_range(job.url, 0, _HEADER, stop=self.halt)
-        file_size = int.from_bytes(head[24:32], "little")
-        if file_size != job.file_size:
+        head, etag = read_range(job.url, 0, _core.BLOB_HEADER_SIZE, stop=self.halt)
+        header = _core.parse_header(head, job.url)  # the one header check (csrc/format.cpp)
+        if header.file_size != job.file_size:
             msg = (
-                f"{job.url}: its header says {file_size} bytes, but its manifest records {job.file_size}: the shard "
-                "was re-packed or replaced since its manifest was written; publish the dataset again"
+                f"{job.url}: its header says {header.file_size} bytes, but its manifest records {job.file_size}: the "
+                "shard was re-packed or replaced since its manifest was written; publish the dataset again"
             )
             raise StoreChangedError(msg)
-        header = parse_header(head, file_size, job.url)  # the one header check (csrc/store.cpp)
         if header.checksum != job.checksum:
             msg = (
                 f"{job.url}: holds checksum {header.checksum}, but its manifest records {job.checksum}: it was "
                 "re-packed or replaced since its manifest was written; publish the dataset again"
             )
             raise StoreChangedError(msg)
-        tail, _etag = read_range(
-            job.url, header.index_offset, header.meta_offset + header.meta_size, if_match=etag, stop=self.halt
-        )
-        n = header.record_count
-        offsets = np.frombuffer(bytes(tail[: header.index_size]), dtype="<u8").astype(np.int64)
-        if (
-            len(offsets) != n + 1
-            or offsets[0] != 0
-            or offsets[-1] != header.data_size
-            or (n and int(np.diff(offsets).min()) < 0)
-        ):
-            msg = f"{job.url}: its index is not {n} records within its data section (a damaged blob)"
-            raise StoreFormatError(msg)
-        meta = bytes(tail[header.meta_offset - header.index_offset :]).decode("utf-8", "replace")
-        return _Remote(header.data_offset, offsets, meta, etag)
+        tail, _etag = read_range(job.url, *header.tail_range, if_match=etag, stop=self.halt)
+        offsets, meta = _core.read_tail(header, tail, job.url)  # the index validated by the core
+        return _Remote(header.data_offset, offsets, meta.decode("utf-8", "replace"), etag)
 
     def _load(self, job: _Job) -> Loaded:
         t0 = time.monotonic()
@@ -482,19 +465,14 @@ class Blocks:
     def _write(self, job: _Job, data: bytearray, offsets: np.ndarray, meta: str, t0: float) -> Loaded:
         """The piece's segment: a blob of exactly its records (`data`, located by `offsets`), served read-only."""
         name = self.serving.loader.segment_name(job.key)
-        shm = os.fspath(SHM_DIR / name)
-        gid = self.serving.loader.gid
-        wfd = os.open(shm, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        wfd = _core.shm_create("/" + name)
         try:
             writer = _core.Writer.to_fd(wfd, job.pseudo)
             import numpy as np
 
             writer.extend_offsets(np.frombuffer(data, dtype=np.uint8), offsets - offsets[0])
             wfd = writer.finish_fd(meta)
-            if gid is not None:
-                os.fchown(wfd, -1, gid)
-            os.fchmod(wfd, 0o400 if gid is None else 0o440)
-            rfd = os.open(shm, os.O_RDONLY | os.O_CLOEXEC)
+            rfd = self.serving.loader.seal(wfd, name)
         except BaseException:
             os.close(wfd)
             unlink_quietly(name)

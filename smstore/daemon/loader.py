@@ -119,6 +119,14 @@ class Loader:
     def start(self) -> None:
         self.thread.start()
 
+    def _access(self) -> tuple[int, int]:
+        """(mode, gid) of a loaded segment: read-only, and readable by the daemon's group if it has one."""
+        return (0o400, -1) if self.gid is None else (0o440, self.gid)
+
+    def seal(self, fd: int, name: str) -> int:
+        """Give segment `name`, written in full through `fd`, its final mode and group; returns a read-only fd of it."""
+        return _core.shm_seal(fd, "/" + name, *self._access())
+
     def load(self, path: str, expected: str | None) -> None:
         """Queue a load of `path`; `expected`: the checksum a hold expects it to hold."""
         self.jobs.put((path, expected))
@@ -235,15 +243,12 @@ class Loader:
             raise SharedMemoryError(msg)
         name = self.segment_name(expected)
         t0 = time.monotonic()
-        fd = os.open(SHM_DIR / name, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fd = _core.shm_create("/" + name)
         try:
             os.ftruncate(fd, size)
             # --max-read-rate paces the fetched bytes as it paces a file's.
             result = fetch(u, fd, size=size, checksum=expected, rate=self.read_rate, stop=self.halt)
-            os.fchmod(fd, 0o400 if self.gid is None else 0o440)
-            if self.gid is not None:
-                os.fchown(fd, -1, self.gid)
-            ro = os.open(SHM_DIR / name, os.O_RDONLY | os.O_CLOEXEC)
+            ro = self.seal(fd, name)
         except BaseException:
             unlink_quietly(name)
             raise
@@ -340,12 +345,10 @@ class Loader:
         if room is not None:
             self._check_room(path, room)
         name = self.segment_name(checksum or "0" * 16)
-        mode = 0o400 if self.gid is None else 0o440
         t0 = time.monotonic()
-        gid = -1 if self.gid is None else self.gid
         limit_room = 0 if room is None else max(1, room)  # 0: no limit
         try:
-            fd, _size, ck, _n = _core.shm_load(path, "/" + name, mode, gid, limit_room, self.read_rate)
+            fd, _size, ck, _n = _core.shm_load(path, "/" + name, *self._access(), limit_room, self.read_rate)
         except StoreFormatError as e:
             raise explain_not_a_blob(path, e) from None
         if ck != checksum:  # the file was replaced between the two reads

@@ -49,8 +49,6 @@ DEFAULT_CHUNK = 16 << 20  # one ranged GET: large enough to amortise a request, 
 DEFAULT_CONCURRENCY = 8  # ranged GETs in flight for one object
 PIECE = 1 << 20  # a range's bytes are written and hashed in pieces of this size as they arrive
 _STEP = 0.2  # seconds between two looks at the ranges (and at a pending Ctrl-C)
-HEADER = _core.BLOB_HEADER_SIZE
-_CHECKSUM_FIELD = 96  # docs/format.md: the header's u64 checksum
 
 
 @dataclass(frozen=True)
@@ -372,7 +370,7 @@ def read_range(
 
 
 def parse_header(head: Buffer, file_size: int | None, label: str) -> _core.BlobHeader:
-    """The blob header in `head` (a blob's first 4096 bytes), checked by the core's one header check.
+    """The blob header in `head` (a blob's first bytes), checked by the core's one header check.
 
     Args:
         head: The header's bytes.
@@ -382,22 +380,7 @@ def parse_header(head: Buffer, file_size: int | None, label: str) -> _core.BlobH
     Raises:
         StoreFormatError: Not a valid blob header (or not one of `file_size` bytes).
     """
-    data = bytes(memoryview(head).cast("B"))
-    if file_size is None:
-        file_size = int.from_bytes(data[24:32], "little") if len(data) >= 32 else len(data)
-    # read_header_fd checks the header against its file: a sparse file of the blob's size holding it.
-    fd = os.memfd_create("smstore-header", os.MFD_CLOEXEC)
-    try:
-        os.write(fd, data)
-        try:
-            os.ftruncate(fd, max(file_size, len(data)))
-        except OSError as e:
-            raise StoreFormatError(
-                f"{label}: not an smstore blob (a header claiming {file_size} bytes)"
-            ) from e
-        return _core.read_header_fd(fd, label)
-    finally:
-        os.close(fd)
+    return _core.parse_header(memoryview(head).cast("B"), label, file_size)
 
 
 def read_header(
@@ -411,7 +394,7 @@ def read_header(
             or `retry.deadline`).
         StoreFormatError: Not an smstore blob.
     """
-    head, _etag = read_range(url, 0, HEADER, retry=retry, stop=stop)
+    head, _etag = read_range(url, 0, _core.BLOB_HEADER_SIZE, retry=retry, stop=stop)
     return parse_header(head, None, str(url))
 
 
@@ -485,28 +468,29 @@ def verify_object(
     _check_args(u, size, checksum)
     r = retry or Retry()
     client = _Client(u, r)
-    head = bytearray(HEADER)
-    hasher = _core.BlobHasher()
-
-    def take(pos: int, piece: memoryview) -> None:
-        if pos < HEADER:
-            n = min(len(piece), HEADER - pos)
-            head[pos : pos + n] = piece[:n]
-            piece = piece[n:]
-        if len(piece):
-            hasher.update(piece)
-
+    hasher = _core.FileHasher()
     etag = _check_size(u, client, size, r, stop or threading.Event(), lambda: None)
-    _stream_range(client, u, 0, size, if_match=etag, retry=r, stop=stop or threading.Event(), take=take)
-    _check_checksum(u, hasher.finish(head), checksum, head)
+    _stream_range(
+        client,
+        u,
+        0,
+        size,
+        if_match=etag,
+        retry=r,
+        stop=stop or threading.Event(),
+        take=lambda _pos, piece: hasher.update(piece),
+    )
+    _check_checksum(u, *hasher.finish(str(u)), checksum)
     return FetchResult(size, 1, 0)
 
 
 def _check_args(u: RemoteURL, size: int, checksum: str) -> None:
     if not is_checksum(checksum):
         raise ValueError(f"{u}: checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
-    if size < HEADER:
-        raise StoreTruncatedError(f"{u}: a blob has at least {HEADER} bytes; the size given is {size}")
+    if size < _core.BLOB_HEADER_SIZE:
+        raise StoreTruncatedError(
+            f"{u}: a blob has at least {_core.BLOB_HEADER_SIZE} bytes; the size given is {size}"
+        )
 
 
 def _check_size(
@@ -529,19 +513,16 @@ def _check_size(
     return str(etag) if etag else None
 
 
-def _check_checksum(u: RemoteURL, got: str, checksum: str, head: Buffer) -> None:
-    """The fetched bytes hash to `checksum`, and the header's checksum field says so too."""
+def _check_checksum(u: RemoteURL, got: str, stored: str, checksum: str) -> None:
+    """The fetched bytes hash to `checksum`, and the header's checksum field (`stored`) says so too."""
     if got != checksum:
         raise ChecksumMismatchError(
             f"{u}: checksum mismatch: the manifest says {checksum}, the fetched bytes hash to {got}; "
             "the object was replaced or corrupted, re-upload it or fix the manifest"
         )
-    stored = int.from_bytes(
-        bytes(memoryview(head).cast("B")[_CHECKSUM_FIELD : _CHECKSUM_FIELD + 8]), "little"
-    )
-    if f"{stored:016x}" != checksum:
+    if stored != checksum:
         raise ChecksumMismatchError(
-            f"{u}: its header's checksum field is {stored:016x}, its bytes hash to {checksum}"
+            f"{u}: its header's checksum field is {stored}, its bytes hash to {checksum}"
         )
 
 
@@ -580,10 +561,6 @@ class _Sink:
             raise StoreTruncatedError(f"the file written to was truncated under the fetch at offset {offset}")
         return data
 
-    @property
-    def header(self) -> Buffer:
-        return self.read(0, HEADER)
-
     def close(self) -> None:
         """Close the descriptor written through (the fetch's own duplicate)."""
         if self.fd is not None:
@@ -596,13 +573,12 @@ class _InOrderHasher:
 
     def __init__(self, sink: _Sink, size: int) -> None:
         self.sink, self.size = sink, size
-        self.hasher = _core.BlobHasher()
+        self.hasher = _core.FileHasher()  # it keeps the header aside, hashed last
         self.pending: dict[int, int] = {}  # start -> end of spans that arrived ahead of the frontier
-        self.frontier = HEADER  # every byte before it is hashed (the header is hashed last)
+        self.frontier = 0  # every byte before it is hashed
         self.lock = threading.Lock()
 
     def arrived(self, start: int, end: int) -> None:
-        start = max(start, HEADER)
         if end <= start:
             return
         with self.lock:
@@ -612,10 +588,11 @@ class _InOrderHasher:
                 self.hasher.update(self.sink.read(self.frontier, stop - self.frontier))
                 self.frontier = stop
 
-    def finish(self) -> str:
+    def finish(self, label: str) -> tuple[str, str]:
+        """(checksum, the header's checksum field)."""
         if self.frontier != self.size:
             raise AssertionError(f"hashed up to {self.frontier} of {self.size} bytes")
-        return self.hasher.finish(self.sink.read(0, HEADER))
+        return self.hasher.finish(label)
 
 
 def fetch(
@@ -761,7 +738,7 @@ def fetch(
                         t.join()
         if failures:
             raise failures[0]
-        _check_checksum(u, hasher.finish(), checksum, sink.header)
+        _check_checksum(u, *hasher.finish(str(u)), checksum)
     finally:
         if abandoned:
             with stats_lock:
