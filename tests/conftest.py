@@ -107,14 +107,14 @@ def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Ca
         env: dict[str, str] | None = None,
         loaded: int = -1,
         at: Path | None = None,
+        launcher: tuple[str, ...] = ("-m", "smstore"),
     ) -> Daemon:
         log = tmp_path / f"daemon{len(started)}.log"
         with open(log, "wb") as err:
             proc = subprocess.Popen(
                 [
                     sys.executable,
-                    "-m",
-                    "smstore",
+                    *launcher,  # an instrumented `smstore serve` for some tests (budget_daemon.py)
                     "serve",
                     "--socket",
                     os.fspath(at or sock),

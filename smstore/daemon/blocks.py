@@ -4,9 +4,9 @@ A rank's :class:`smstore.sampler.BlockWindowSampler` holds the pieces (:mod:`sms
 its order reads now and next (``hold_blocks``). Each piece is loaded as its own segment: a blob of
 exactly its records, its bytes read from the shard in one sequential read, registered in the
 daemon's one segment table under :func:`~smstore._blocks.piece_id`, so readers attach it like
-any segment and it counts in the planner's one budget (``Planner.used``/``fits``). A piece no rank
-holds any more is released through the planner (its pages count until the owner's readers unmap
-it). Loads run on this module's own thread and finish through the loader's queue, so the event
+any segment and it counts in the planner's one budget (``Planner.committed``/``fits``: its load in
+flight, then its segment). A piece no rank holds any more is released through the planner (its
+pages count until the loader thread removed it and the owner's readers unmapped it). Loads run on this module's own thread and finish through the loader's queue, so the event
 loop registers them and answers the readers waiting for them exactly as for a shard.
 
 Integrity: the whole file's XXH64 cannot be checked from a piece. A piece is loaded only from a
@@ -108,9 +108,13 @@ class _Remote(NamedTuple):
     etag: str | None
 
 
-def _piece_size(offsets: np.ndarray, p: Piece) -> int:
-    """A piece's segment: the blob of its records (its metadata, a few bytes, aside)."""
-    return _core.blob_size(p.end - p.first, int(offsets[p.end] - offsets[p.first]))
+def _piece_size(offsets: np.ndarray, p: Piece, meta: int) -> int:
+    """A piece's segment: the blob the writer makes of its records, with the shard's `meta` bytes.
+
+    Exactly what `_write` makes: the budget admits its load by this size (a page short, an epoch
+    at a small budget went over it).
+    """
+    return _core.blob_size(p.end - p.first, int(offsets[p.end] - offsets[p.first]), meta)
 
 
 class Blocks:
@@ -130,7 +134,7 @@ class Blocks:
         self.loading: dict[str, _Job] = {}  # id -> job queued or under way
         self.failed: dict[str, str] = {}  # shard path -> why its pieces cannot be loaded
         # Per shard path: (identity, index offsets) of a shard checked against its manifest.
-        self._shards: dict[str, tuple[tuple[int, int, int], np.ndarray]] = {}
+        self._shards: dict[str, tuple[tuple[int, int, int], np.ndarray, int]] = {}  # ..., metadata bytes
         # Shards named by URL: what their index read found (written by this module's thread), the
         # reads queued (event loop), and why one failed (this module's thread; the loop takes it).
         self._remote: dict[str, _Remote] = {}
@@ -169,9 +173,10 @@ class Blocks:
             size: int | None
             if is_url(path):
                 remote = self._remote_of(path, info.checksum, info.file_size)
-                size = None if remote is None else _piece_size(remote.offsets, p)
+                size = None if remote is None else _piece_size(remote.offsets, p, len(remote.meta.encode()))
             else:
-                size = _piece_size(self._checked(path, info.checksum, info.file_size), p)
+                offsets, meta = self._checked(path, info.checksum, info.file_size)
+                size = _piece_size(offsets, p, meta)
             if path in self.failed:
                 raise ProtocolError(LOAD_FAILED, f"a held block cannot be loaded: {self.failed[path]}"[:1000])
             if size is not None and not self.planner.fits(size, used=0):
@@ -184,8 +189,8 @@ class Blocks:
         self.reconcile()
         return sum(j.key in self.segments for j in jobs)
 
-    def _checked(self, path: str, checksum: str, file_size: int) -> np.ndarray:
-        """The index offsets of the shard at `path`, once its header says it is the manifest's shard.
+    def _checked(self, path: str, checksum: str, file_size: int) -> tuple[np.ndarray, int]:
+        """The index offsets and metadata size of the shard at `path`, once its header says it is the manifest's shard.
 
         Raises:
             ProtocolError: It is not (LOAD_FAILED, naming the file and what differs).
@@ -197,7 +202,7 @@ class Blocks:
             raise ProtocolError(LOAD_FAILED, f"{path}: {e.strerror}") from None
         cached = self._shards.get(path)
         if cached is not None and cached[0] == identity:
-            return cached[1]
+            return cached[1], cached[2]
         try:
             store = _core.Store(path)  # validates the header and every index entry
         except StoreError as e:
@@ -216,13 +221,14 @@ class Blocks:
             import numpy as np  # here, not at import: its thread pool would start before SCHED_BATCH is set
 
             offsets = np.array(store.offsets, dtype=np.int64)
+            meta = len(store.metadata_bytes)
         finally:
             store.close()
         self.failed.pop(path, None)
-        if sum(len(o) for _i, o in self._shards.values()) + len(offsets) > _CACHED_OFFSETS:
+        if sum(len(o) for _i, o, _m in self._shards.values()) + len(offsets) > _CACHED_OFFSETS:
             self._shards.clear()
-        self._shards[path] = (identity, offsets)
-        return offsets
+        self._shards[path] = (identity, offsets, meta)
+        return offsets, meta
 
     def _fail(self, path: str, why: str) -> None:
         """The pieces of the shard at `path` cannot be loaded: not tried again until its file changes,
@@ -318,10 +324,10 @@ class Blocks:
             if job.size is None and job.path in remote:
                 self._indexing.discard(job.path)
                 piece = Piece(0, job.first, job.end)
-                job.size = _piece_size(remote[job.path].offsets, piece)
+                job.size = _piece_size(remote[job.path].offsets, piece, len(remote[job.path].meta.encode()))
                 if not self.planner.fits(job.size, used=0):
                     self.failed[job.path] = self._too_large(job.path, piece, job.size)
-        used = self.planner.used() + sum(pages(j.size or 0) for j in self.loading.values())
+        used = self.planner.committed()  # the one count: shards' loads in flight too
         queued = []
         for key, job in wanted.items():
             if key in self.segments or key in self.loading or job.path in self.failed:
@@ -332,6 +338,7 @@ class Blocks:
             self.loading[key] = job
             self.mine.add(key)
             self.serving.loading.setdefault(job.pseudo, [])  # readers asking for it wait for it
+            self.planner.load_started(job.pseudo, job.size)  # counted until it lands (finish_loads)
             self.jobs.put(job)
             queued.append(job.pseudo)
         if released:

@@ -111,6 +111,9 @@ class Loader:
         # released segment to free, or None (stop).
         self.jobs: queue.Queue[tuple[str, str | None] | Segment | None] = queue.Queue()
         self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
+        # Names of released segments removed (unlinked and unmapped here): their pages are room
+        # only from then on (`Planner.freed`), not from their release.
+        self.freed: queue.Queue[str] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -136,14 +139,22 @@ class Loader:
         self.jobs.put(seg)
 
     def finished(self) -> Iterator[tuple[str, LoadResult]]:
-        """The loads finished since the last call (the loop calls it when woken)."""
-        with contextlib.suppress(BlockingIOError):
-            self.wake_r.recv(4096)
+        """The loads finished since the last call (the loop calls it when woken, after `removed`)."""
         while True:
             try:
                 yield self.done.get_nowait()
             except queue.Empty:
                 return
+
+    def removed(self) -> list[str]:
+        """The names of the released segments removed since the last call (the loop calls it when woken)."""
+        with contextlib.suppress(BlockingIOError):
+            self.wake_r.recv(4096)
+        names = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                names.append(self.freed.get_nowait())
+        return names
 
     def stop(self) -> None:
         """Stop the thread; free the released segments it had not freed yet."""
@@ -180,6 +191,10 @@ class Loader:
                 # loader's priority, before any load queued after it counts on the room.
                 with contextlib.suppress(OSError, StoreError):
                     job.close()
+                    _core.wait_for_unmaps()  # the daemon's own mapping too: its pages are gone now
+                self.freed.put(job.name)
+                with contextlib.suppress(OSError):
+                    self.wake_w.send(b"x")
                 time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
                 continue
             path, expected = job

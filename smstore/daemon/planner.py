@@ -4,8 +4,10 @@ A rank's windowed sampler `hold`s the shards of its window and the next; the pla
 holds of every rank into one order, plans the loads that fit, releases what no rank holds any
 more, and keeps what a dead predecessor loaded for the ranks (unclaimed) until they claim it or
 move past it. It alone decides what fits under ``--shm-limit``: :meth:`Planner.used` is the one
-count of the budget (segments in whole pages, as /dev/shm counts them, plus released segments a
-process of the owner still maps), used by loads, shares and holds alike.
+count of the budget (segments in whole pages, as /dev/shm counts them, plus released segments the
+loader thread has not removed yet or a process of the owner still maps), and with the loads in
+flight (shards' and block pieces' alike, :meth:`Planner.load_started`) it decides every admission:
+loads, shares and holds.
 """
 
 from __future__ import annotations
@@ -99,6 +101,17 @@ def _identity(path: str) -> FileIdentity | None:
 
 
 @dataclass
+class _Released:
+    """A released segment whose pages are still memory: until the loader thread has removed it
+    (`present`) and every connection of the owner that mapped it has unmapped it (`pinning`)."""
+
+    checksum: str
+    pages: int
+    pinning: set[int]
+    present: bool = True
+
+
+@dataclass
 class Plan:
     """What a change of the holds asks of the daemon: loads to queue, and what was released (for the log)."""
 
@@ -150,9 +163,10 @@ class Planner:
         # release a window (the job has moved past them).
         self.unclaimed: set[str] = set()
         self.hold_loads: dict[str, str] = {}  # paths being loaded because a rank held them -> checksum
-        # Held segments released while readers of the owner still map them (they count against
-        # --shm-limit until every such reader detaches or disconnects): checksum -> (pages, connections).
-        self.released: dict[str, tuple[int, set[int]]] = {}
+        # Released segments by name, counted against --shm-limit until the loader thread has
+        # removed them and every reader of the owner that mapped them has detached or disconnected:
+        # counted free at once, a released piece's room was loaded into while it was still memory.
+        self.released: dict[str, _Released] = {}
         self.released_pages = 0  # their total, read by the loader thread too
         # Parsed manifests by the path a hold names, with the file's identity when it was read.
         self.manifests: dict[str, tuple[FileIdentity, Manifest, list[str]]] = {}
@@ -166,17 +180,22 @@ class Planner:
         self.unloaded: set[str] = set()
         # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
         self.waiting_room: set[str] = set()
-        # The pages of each load under way, taken when it was queued, and their sum: a plan runs at
-        # every finished load, and sizing every queued load there again (a stat each) made
-        # loading N queued files O(N**2): 5,000 one-record shards took minutes.
+        # The pages of each load under way (a shard's, or a block piece's), taken when it was
+        # queued, and their sum: one count for both, or each admitted its loads beside the other's.
+        # A plan runs at every finished load, and sizing every queued load there again (a stat
+        # each) made loading N queued files O(N**2): 5,000 one-record shards took minutes.
         self.loading_pages: dict[str, int] = {}
         self.loading_total = 0
 
     # ---- the budget -----------------------------------------------------------------------------
 
     def used(self) -> int:
-        """Bytes of the budget in use: segments in whole pages, and released segments the owner still maps."""
+        """Bytes of the budget in use: segments in whole pages, and released segments still memory."""
         return self.segments.pages + self.released_pages
+
+    def committed(self) -> int:
+        """Bytes of the budget in use or promised: `used` and every load in flight (shards' and pieces')."""
+        return self.used() + self.loading_total
 
     def size(self, path: str) -> int:
         """A held shard's size: its manifest's word for a URL, else the file's (OSError if it has none)."""
@@ -188,10 +207,11 @@ class Planner:
         return max(0, self.shm_limit - self.used()) if self.shm_limit else None
 
     def fits(self, size: int, used: int | None = None) -> bool:
-        """Whether a blob of `size` bytes fits the budget, with `used` bytes of it in use (default: now)."""
+        """Whether a blob of `size` bytes fits the budget, with `used` bytes of it in use (default:
+        now, loads in flight included)."""
         if not self.shm_limit:
             return True
-        return (self.used() if used is None else used) + pages(size) <= self.shm_limit
+        return (self.committed() if used is None else used) + pages(size) <= self.shm_limit
 
     # ---- holds ----------------------------------------------------------------------------------
 
@@ -271,7 +291,7 @@ class Planner:
         # A load under way fills its pages whatever the holds say now (one for a hold that moved
         # on, or one that the shards before it in the holders' order would now leave no room
         # for): it counts until it lands.
-        used = self.used() + self.loading_total
+        used = self.committed()
         self.waiting_room = set()
         full = False
         for checksum, path in wanted.items():
@@ -283,7 +303,8 @@ class Planner:
                 size = self.size(path)
             except OSError:
                 continue  # the load would fail: the reader falls back to (and reports) the file
-            while not full and not self.fits(size, used):
+            coming = 0  # pages released here that are room once the loader thread removes them
+            while not full and not self.fits(size, used - coming):
                 # Room for a held shard comes first: the oldest unclaimed adopted segment goes,
                 # then (for a sampler's shard) the oldest that only readers hold for themselves.
                 if self.unclaimed:
@@ -293,10 +314,10 @@ class Planner:
                     self._drop_reader_holds(seg.checksum)
                 else:
                     break
-                before = self.released_pages
                 plan.released.append(self.release(seg))
-                # Its pages are room now unless a reader of the owner still maps them.
-                used -= pages(seg.size) - (self.released_pages - before)
+                if not self.released[seg.name].pinning:
+                    coming += pages(seg.size)
+            # Released pages are room only once removed (`freed`): the next plan loads it then.
             if full or not self.fits(size, used):
                 full = True  # later shards wait until earlier ones are released
                 self.waiting_room.add(path)
@@ -328,32 +349,44 @@ class Planner:
         # Only the owner's processes pin a released segment's pages in the budget: a group member
         # who keeps a segment mapped must never stall the owner's loads (docs/daemon.md, "Groups").
         pinning = {c for c in seg.clients if self._is_owner(c)}
-        if pinning:
-            self._forget_released(seg.checksum)
-            self.released[seg.checksum] = (pages(seg.size), pinning)
-            self.released_pages += pages(seg.size)
+        self.released[seg.name] = _Released(seg.checksum, pages(seg.size), pinning)
+        self.released_pages += pages(seg.size)
         self._release(seg)
         return f"{', '.join(seg.paths)} ({seg.checksum})"
 
-    def unmapped(self, cid: int, checksum: str) -> bool:
-        """Connection `cid` no longer maps `checksum`; True if a released segment's pages are free now."""
-        entry = self.released.get(checksum)
+    def unmapped(self, cid: int, checksum: str | None = None) -> bool:
+        """Connection `cid` no longer maps `checksum` (None: any); True if a released segment's pages are free now."""
+        free = False
+        for name, entry in list(self.released.items()):
+            if (checksum is None or entry.checksum == checksum) and cid in entry.pinning:
+                entry.pinning.discard(cid)
+                free = self._forget_if_free(name) or free
+        return free
+
+    def mapped_released(self) -> list[str]:
+        """The checksums of the released segments a reader of the owner still maps, sorted."""
+        return sorted({entry.checksum for entry in self.released.values() if entry.pinning})
+
+    def freed(self, name: str) -> bool:
+        """The loader thread removed the released segment `name` (its name, the daemon's mapping);
+        True if its pages are free now."""
+        entry = self.released.get(name)
         if entry is None:
             return False
-        entry[1].discard(cid)
-        if entry[1]:
-            return False
-        self._forget_released(checksum)
-        return True
+        entry.present = False
+        return self._forget_if_free(name)
 
-    def _forget_released(self, checksum: str) -> None:
-        entry = self.released.pop(checksum, None)
-        if entry is not None:
-            self.released_pages -= entry[0]
+    def _forget_if_free(self, name: str) -> bool:
+        entry = self.released[name]
+        if entry.present or entry.pinning:
+            return False
+        del self.released[name]
+        self.released_pages -= entry.pages
+        return True
 
     def disconnect(self, cid: int) -> bool:
         """Connection `cid` closed: its holds and mappings go. True if the holds must be planned again."""
-        freed = [self.unmapped(cid, checksum) for checksum in list(self.released)]
+        freed = [self.unmapped(cid)]
         held = self.holds.pop(cid, None) is not None
         held = self.reader_holds.pop(cid, None) is not None or held
         return held or any(freed)
@@ -378,12 +411,13 @@ class Planner:
         if checksum in self.wanted():
             self.unloaded.add(checksum)
 
-    def load_started(self, path: str) -> None:
-        """A load of `path` is queued: its pages count in the budget until it lands (`load_done`/`load_failed`)."""
+    def load_started(self, path: str, size: int | None = None) -> None:
+        """A load of `path` (a shard, or a block piece of `size` bytes) is queued: its pages count in
+        the budget until it lands (`load_done`/`load_failed`)."""
         with contextlib.suppress(OSError):  # no size: the load fails, and counts nothing meanwhile
-            size = pages(self.size(path))
-            self.loading_pages[path] = size
-            self.loading_total += size
+            footprint = pages(self.size(path) if size is None else size)
+            self.loading_pages[path] = footprint
+            self.loading_total += footprint
 
     def _load_ended(self, path: str) -> None:
         self.loading_total -= self.loading_pages.pop(path, 0)

@@ -532,7 +532,7 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
             "loading": len(daemon.serving.loading),
             "held": len(daemon.serving.planner.managed),
             "unclaimed": len(daemon.serving.planner.unclaimed),
-            "released": len(daemon.serving.planner.released),
+            "released": len(daemon.serving.planner.mapped_released()),
             "failed": len(failed),
             "held_requests": daemon.served_held,
             "parked": len(daemon.parked),
@@ -547,7 +547,7 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "unclaimed": sorted(daemon.serving.planner.unclaimed)[
             :STATUS_PAGE
         ],  # adopted, held by a dead predecessor, not since
-        "released": sorted(daemon.serving.planner.released)[
+        "released": daemon.serving.planner.mapped_released()[
             :STATUS_PAGE
         ],  # released held segments readers still map
         # Held shards whose load failed, not tried again until their file changes.

@@ -143,6 +143,9 @@ class Serving:
                 log.info("loading %s", path)
 
     def finish_loads(self) -> None:
+        freed = [self.planner.freed(name) for name in self.loader.removed()]  # each of them, no short cut
+        if any(freed):
+            self.reconcile()  # room a held shard may wait for (the block residency plans after this)
         for path, result in self.loader.finished():
             waiters = self.loading.pop(path, [])
             self.loads += 1
