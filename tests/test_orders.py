@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 import smstore
+
+from .daemon_testlib import Daemon
 
 SHARDS = [30, 25, 0, 40, 35, 20, 30]  # 180 records, one shard empty
 LENGTHS, WEIGHTS = [180, 120], [0.6, 0.4]
@@ -157,3 +162,44 @@ def test_every_order_holds_what_it_held_before(kind: str, world: int, rank: int)
     got = list(sampler)
     record = json.dumps([got, [r.calls for r in residencies]]).encode()
     assert hashlib.sha256(record).hexdigest()[:16] == PINNED_HOLDS[(kind, world, rank)]
+
+
+# ---- a dataset's socket reaches every residency its sampler builds ----
+
+
+def small_sharded(tmp_path: Path) -> Path:
+    out = tmp_path / "ds"
+    with smstore.ShardedWriter(f"{out}/", shard_records=40, durable=False) as w:
+        w.extend([b"%05d" % i * 8 for i in range(200)])
+    return out
+
+
+@pytest.mark.parametrize("kind", ["windowed", "windowed mixture", "blocks"])
+def test_a_custom_socket_reaches_every_residency(
+    kind: str, tmp_path: Path, start_daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Datasets opened with socket= on a daemon that is not the default one: every sampler holds
+    through that daemon (mode="daemon": a hold sent anywhere else finds no daemon and raises)."""
+    out = small_sharded(tmp_path)
+    custom = tmp_path / "run" / "custom.sock"
+    d = start_daemon(at=custom, loaded=0)
+    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "run" / "nobody.sock"))
+    ds = smstore.SharedStoreDataset(os.fspath(out), mode="daemon", socket=os.fspath(custom))
+    one: dict[str, Any] = {"seed": 1, "rank": 0, "world_size": 1, "lag": 4}
+    sampler: smstore.GlobalShuffleSampler
+    if kind == "windowed":
+        sampler = smstore.WindowedShuffleSampler(ds, window=2, **one)
+    elif kind == "blocks":
+        sampler = smstore.BlockWindowSampler(ds, block=10, spread=2, **one)
+    else:
+        other = smstore.SharedStoreDataset(os.fspath(out), mode="daemon", socket=os.fspath(custom))
+        sampler = smstore.WindowedMixtureSampler(
+            smstore.MixtureDataset([ds, other], [0.5, 0.5]), window=2, **one
+        )
+    try:
+        first = next(iter(sampler))  # the pass's first hold is waited for: a daemon answered it
+        assert 0 <= first < sampler.num_records
+        counts = d.status()["counts"]  # what the sampler holds, loading or loaded, in this daemon
+        assert counts["loading"] + counts["segments"] > 0, counts
+    finally:
+        sampler.close()
