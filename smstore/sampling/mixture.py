@@ -407,7 +407,7 @@ class WindowedMixtureOrder(MixtureOrder):
 
     The mixture decides which source position ``p`` draws from and its draw number ``k`` (as in
     :class:`MixtureOrder`); source ``s``'s own windowed order for its pass ``e = k // n_s``
-    (:class:`~smstore.sampler.WindowedOrder` over its shards, keyed by ``(seed, mixture epoch, s,
+    (:class:`~smstore.sampling.orders.WindowedOrder` over its shards, keyed by ``(seed, mixture epoch, s,
     e)``) decides which record: ``offset_s + W_{s,e}(k mod n_s)``. A source drawn past its length
     starts its next pass, with its own shard order and windows, independently of the others.
     A source without shards is one shard: its window is the whole source.

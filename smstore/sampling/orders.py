@@ -12,7 +12,6 @@ from __future__ import annotations
 import bisect
 import hashlib
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 import numpy as np
@@ -27,6 +26,7 @@ __all__ = [
     "GlobalSpec",
     "Order",
     "OrderSpec",
+    "ShardedSpec",
     "WindowedOrder",
     "WindowedSpec",
     "block_bounds",
@@ -583,14 +583,13 @@ class OrderSpec:
     ``order(seed, epoch)`` builds the epoch's order; ``describe()`` is what a sampler's state
     stores (``{"kind", "params", "data"}``, plain JSON), and a state is resumed only by a sampler
     whose spec describes itself the same. ``legacy()`` is what the states of format 1 saved
-    beside the kind's name, to translate them. ``lanes`` is the number of residencies the order
-    drives (``holds(lane, position, behind)``), 0 for an order that holds nothing.
+    beside the kind's name, to translate them. An order that holds data while it is read has
+    ``holds(lane, position, behind)``, one lane per residency it drives (a source of a mixture).
     """
 
     kind: ClassVar[str]
     error: ClassVar[type[ValueError]] = ValueError  # what refuses a state of another order
     num_records: int
-    lanes: ClassVar[int] = 0
 
     def order(self, seed: int, epoch: int) -> Order:
         raise NotImplementedError
@@ -615,30 +614,39 @@ class OrderSpec:
         return ", ".join(f"{k}={v!r}" for k, v in self.params().items())
 
 
-@dataclass(frozen=True, eq=False)
 class GlobalSpec(OrderSpec):
     """An exact global shuffle of ``num_records`` records (:class:`FeistelPermutation`)."""
 
-    num_records: int
     kind: ClassVar[str] = "global"
+
+    def __init__(self, num_records: int) -> None:
+        self.num_records = num_records
 
     def order(self, seed: int, epoch: int) -> Order:
         key = f"smstore-global-shuffle-v1:{seed}:{epoch}:{self.num_records}".encode()
         return FeistelPermutation(self.num_records, key)
 
 
-@dataclass(frozen=True, eq=False)
-class WindowedSpec(OrderSpec):
+class ShardedSpec(OrderSpec):
+    """An order over the records of shards of the given sizes: they are its data's identity."""
+
+    def __init__(self, shard_sizes: Sequence[int]) -> None:
+        self.shard_sizes = tuple(shard_sizes)
+        self.num_records = sum(self.shard_sizes)
+        self.digest = sizes_digest(self.shard_sizes)
+
+    def data(self) -> dict[str, Any]:
+        return {"records": self.num_records, "shards": self.digest}
+
+
+class WindowedSpec(ShardedSpec):
     """Shards shuffled, then records within windows of ``window`` shards (:class:`WindowedOrder`)."""
 
-    shard_sizes: tuple[int, ...]
-    window: int
     kind: ClassVar[str] = "windowed"
-    lanes: ClassVar[int] = 1
 
-    @property
-    def num_records(self) -> int:  # type: ignore[override]
-        return sum(self.shard_sizes)
+    def __init__(self, shard_sizes: Sequence[int], window: int) -> None:
+        super().__init__(shard_sizes)
+        self.window = window
 
     def order(self, seed: int, epoch: int) -> WindowedOrder:
         sizes = list(self.shard_sizes)
@@ -649,11 +657,8 @@ class WindowedSpec(OrderSpec):
     def params(self) -> dict[str, Any]:
         return {"window": self.window}
 
-    def data(self) -> dict[str, Any]:
-        return {"records": self.num_records, "shards": sizes_digest(self.shard_sizes)}
-
     def legacy(self) -> dict[str, Any]:
-        return {"window": self.window, "shard_sizes_digest": sizes_digest(self.shard_sizes)}
+        return {"window": self.window, "shard_sizes_digest": self.digest}
 
     def fields(self) -> str:
         return f"shards={len(self.shard_sizes)}, window={self.window}"
@@ -663,33 +668,24 @@ class WindowedSpec(OrderSpec):
 BLOCK_ORDER_VERSION = 3
 
 
-@dataclass(frozen=True, eq=False)
-class BlockSpec(OrderSpec):
+class BlockSpec(ShardedSpec):
     """Blocks of at least ``block`` records, each group dealt over ``spread`` windows (:class:`BlockWindowOrder`)."""
 
-    shard_sizes: tuple[int, ...]
-    block: int
-    spread: int
     kind: ClassVar[str] = "blocks"
-    lanes: ClassVar[int] = 1
 
-    @property
-    def num_records(self) -> int:  # type: ignore[override]
-        return sum(self.shard_sizes)
+    def __init__(self, shard_sizes: Sequence[int], block: int, spread: int) -> None:
+        super().__init__(shard_sizes)
+        self.block, self.spread = block, spread
 
     def order(self, seed: int, epoch: int) -> BlockWindowOrder:
-        digest = sizes_digest(self.shard_sizes)
-        key = f"smstore-block-shuffle-v2:{seed}:{epoch}:{self.block}:{self.spread}:{digest}"
+        key = f"smstore-block-shuffle-v2:{seed}:{epoch}:{self.block}:{self.spread}:{self.digest}"
         return BlockWindowOrder(self.shard_sizes, block=self.block, group=1, spread=self.spread, key=key)
 
     def params(self) -> dict[str, Any]:
         return {"block": self.block, "spread": self.spread, "version": BLOCK_ORDER_VERSION}
 
-    def data(self) -> dict[str, Any]:
-        return {"records": self.num_records, "shards": sizes_digest(self.shard_sizes)}
-
     def legacy(self) -> dict[str, Any]:
-        return {"blocks": [self.block, self.spread, sizes_digest(self.shard_sizes), BLOCK_ORDER_VERSION]}
+        return {"blocks": [self.block, self.spread, self.digest, BLOCK_ORDER_VERSION]}
 
     def fields(self) -> str:
         return f"shards={len(self.shard_sizes)}, block={self.block}, spread={self.spread}"

@@ -109,6 +109,12 @@ class GlobalShuffleSampler(_SamplerBase):
     sampler turns off when it first sees it (``len()`` or the first batch); a wrapper it cannot
     undo raises ``ValueError`` naming the fix. docs/recipes.md has a tested recipe for each.
 
+    **Every order.** This is the one sampler: WindowedShuffleSampler, BlockWindowSampler,
+    MixtureSampler and WindowedMixtureSampler are this class over another order's spec
+    (``self.spec``: :mod:`smstore.sampling.orders`), so all of the above holds for each; an order
+    that holds data while it is read (windows, blocks) drives ``self.residencies`` through
+    ``order.holds``, and :meth:`close` gives up what they hold.
+
     **Memory.** O(1) in the number of records: the permutation is computed, never stored (a
     stored permutation of 1e9 records is 8 GB per rank). The iterator holds one chunk of at most
     65536 indices (a list of ~2.5 MiB, computed in one call into C++) and the sampler a handful
@@ -180,7 +186,9 @@ class GlobalShuffleSampler(_SamplerBase):
         self.epoch = 0
         self.lag = int(lag)
         self.residencies: list[Any] = [r or None for r in residencies]
-        # A window switch also holds the next data: keep each draw short where the order holds.
+        # Indices computed at a time: the DataLoader draws them inside next(loader), so a chunk's
+        # cost (about 100 ns an index) is a wait of the training loop once per chunk; where the
+        # order holds, a window switch also holds the next data: each draw is kept shorter.
         self._max_chunk = 4096 if any(r is not None for r in self.residencies) else 65536
         self._consumed = 0  # global positions handed out in this epoch
         self._resume = False  # the next __iter__ starts at _consumed instead of 0
@@ -335,10 +343,6 @@ class GlobalShuffleSampler(_SamplerBase):
             self._pass_done, self._pass_chunk, self._pass_chunk_len = count, None, 0
             self._pass_finished = True
             self._consumed = self.num_records  # the epoch is complete (drop_last's tail included)
-
-    # Indices computed at a time: the DataLoader draws them inside next(loader), so a chunk's cost
-    # (about 100 ns an index) is a wait of the training loop once per chunk.
-    _max_chunk = 65536
 
     def _reached(self, start: int, done: int) -> int:
         """Hold what the pass needs at local step ``done``; the step the next chunk may not pass
