@@ -29,7 +29,7 @@ from pathlib import Path
 import bench_windowed as bw
 from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results
 
-from smstore.sampler import WindowedShuffleSampler
+from smstore.sampling import WindowedShuffleSampler
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -43,8 +43,13 @@ from pathlib import Path
 import numpy as np
 from bench_core import Report, command_line, log, machine_info, temp_dir, write_results, yes_no
 
-from smstore.mixture import Mixture, MixtureOrder, MixtureSampler, WindowedMixtureSampler
-from smstore.sampler import GlobalShuffleSampler
+from smstore.sampling import (
+    GlobalShuffleSampler,
+    Mixture,
+    MixtureOrder,
+    MixtureSampler,
+    WindowedMixtureSampler,
+)
 
 SOURCES = 100
 RECORDS = 10**9

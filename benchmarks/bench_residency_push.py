@@ -52,7 +52,7 @@ from bench_windowed import crc_collate, make_dataset, switch_and_steady
 import smstore
 from smstore._manifest import read_manifest
 from smstore.client import daemon_request
-from smstore.sampler import WindowedShuffleSampler
+from smstore.sampling import WindowedShuffleSampler
 
 RESULTS = Path(__file__).parent / "results"
 

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 import smstore
 from smstore import GlobalShuffleSampler, TokenCollator
-from smstore.sampler import FeistelPermutation
+from smstore.sampling import FeistelPermutation
 
 BATCH, SEQ = 256, 512
 

@@ -79,14 +79,14 @@ import smstore
 from smstore import _core
 from smstore._blocks import BlockReader, BlockResidency
 from smstore._manifest import read_manifest
-from smstore.sampler import (
+from smstore.sampling import (
     BlockWindowOrder,
     BlockWindowSampler,
     GlobalShuffleSampler,
     WindowedShuffleSampler,
-    _neighbour_spread,
     block_bounds,
 )
+from smstore.sampling.plan import neighbour_spread
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -239,7 +239,7 @@ def bench_quality(
             lag) and the rest of a block at each end, narrowed where the deal could not keep source
             neighbours apart (plan()'s rule, in records)."""
             longest = max(-(-x // max(1, x // b)) for x in sizes)
-            spread = _neighbour_spread((memory - 2 * longest) // b - 2, b)
+            spread = neighbour_spread((memory - 2 * longest) // b - 2, b)
             if spread < 1:
                 report.add(
                     f"memory {memory}: smstore BlockWindowSampler, {what}", "skipped: fewer than 3 blocks fit"
@@ -298,7 +298,7 @@ def bench_quality(
         "neighbours = global rate / ours (1.0 = source neighbours no more often together than in a global shuffle)"
     )
     report.notes.append(
-        "block schedule: smstore.sampler.BlockWindowOrder (docs/training.md, 'Block windows'); "
+        "block schedule: smstore.sampling.orders.BlockWindowOrder (docs/training.md, 'Block windows'); "
         f"blocks of {block} records, and of memory / (2 x batch) records (the design's rule); spread 1 is plain "
         "windows of blocks, the larger spreads are the most that fit; the model (shards of equal size, the "
         "epoch's first and last windows left out) is printed beside what was measured"

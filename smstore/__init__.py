@@ -59,12 +59,15 @@ if TYPE_CHECKING:
     from smstore.dataset import SharedStoreDataset
     from smstore.loader import Loader
     from smstore.loader_stats import LoaderStats
-    from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
     from smstore.residency import ShardResidency
-    from smstore.sampler import (
+    from smstore.sampling import (
         BlockWindowSampler,
         GlobalShuffleSampler,
+        Mixture,
+        MixtureDataset,
+        MixtureSampler,
         ResumableLoader,
+        WindowedMixtureSampler,
         WindowedShuffleSampler,
     )
     from smstore.shared_list import SharedList
@@ -145,14 +148,14 @@ _LAZY = {
     "TokenCollator": "smstore.collate",
     "Loader": "smstore.loader",
     "LoaderStats": "smstore.loader_stats",
-    "GlobalShuffleSampler": "smstore.sampler",
-    "WindowedShuffleSampler": "smstore.sampler",
-    "BlockWindowSampler": "smstore.sampler",
-    "ResumableLoader": "smstore.sampler",
-    "Mixture": "smstore.mixture",
-    "MixtureDataset": "smstore.mixture",
-    "MixtureSampler": "smstore.mixture",
-    "WindowedMixtureSampler": "smstore.mixture",
+    "GlobalShuffleSampler": "smstore.sampling",
+    "WindowedShuffleSampler": "smstore.sampling",
+    "BlockWindowSampler": "smstore.sampling",
+    "ResumableLoader": "smstore.sampling",
+    "Mixture": "smstore.sampling",
+    "MixtureDataset": "smstore.sampling",
+    "MixtureSampler": "smstore.sampling",
+    "WindowedMixtureSampler": "smstore.sampling",
     "ShardResidency": "smstore.residency",
     "pack_arrays": "smstore._arrays",
     "pack_npy_lines": "smstore._arrays",

@@ -165,7 +165,7 @@ class Loader:
         self._pid = os.getpid()
         batcher = _core.Batcher(self.store, self._spec, self.threads, self.depth, self._pinned)
         self._batcher = batcher
-        ours = sys.modules.get("smstore.sampler")  # not loaded: the sampler is not one of ours
+        ours = sys.modules.get("smstore.sampling.sampler")  # not loaded: the sampler is not one of ours
         if ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
             # Our samplers hand their chunks over as int64 arrays: no Python int per index.
             run = self._run(self._pass, batcher, _array_feed(batcher, self.sampler._chunks()))

@@ -25,7 +25,7 @@ from torch.utils.data import Sampler, SequentialSampler
 
 from smstore.errors import CollateError, StoreClosedError, WorkerError
 from smstore.loader_stats import LoaderStats
-from smstore.sampler import GlobalShuffleSampler
+from smstore.sampling.sampler import GlobalShuffleSampler
 
 __all__ = ["TransformLoader"]
 

@@ -2,7 +2,7 @@
 
 A view has ``len`` and ``__getitem__`` and maps each of its indices to one index of its source
 (a blob, a sharded dataset, a SharedStoreDataset, a SharedList, a MixtureDataset or another
-view), so views compose with each other and are valid :class:`~smstore.mixture.Mixture` sources,
+view), so views compose with each other and are valid :class:`~smstore.Mixture` sources,
 and any of our samplers over ``len(view)`` samples a view. A view pickles as its source (which
 pickles as a path) and its spec: ranges, an index array, or the path of an index file written
 by :func:`select` with the digest of the indices it held (a file selected again since is refused).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from smstore.sampler import BlockWindowOrder
+from smstore.sampling import BlockWindowOrder
 
 SIZES = [5, 0, 17, 3, 40, 1, 64, 9]
 

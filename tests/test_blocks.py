@@ -19,7 +19,7 @@ from smstore import _modes
 from smstore._blocks import BlockReader, BlockResidency, Piece, piece_id, shard_block
 from smstore._manifest import ShardInfo, read_manifest, write_manifest
 from smstore.errors import DaemonError, StoreChangedError
-from smstore.sampler import BlockWindowSampler, GlobalShuffleSampler, block_bounds
+from smstore.sampling import BlockWindowSampler, GlobalShuffleSampler, block_bounds
 
 from .daemon_testlib import Daemon
 

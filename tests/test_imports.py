@@ -33,8 +33,7 @@ EVERYONE_MAY_IMPORT = "smstore.errors"
 WORKER_SIDE = (
     "smstore.dataset",
     "smstore.collate",
-    "smstore.sampler",
-    "smstore.mixture",
+    "smstore.sampling",
     "smstore.views",
     "smstore.shared_list",
     "smstore.residency",
@@ -473,7 +472,7 @@ def private_reach_ins(module: str, source: str | None = None) -> list[str]:
 
 
 def test_no_private_names_of_other_modules() -> None:
-    """A module uses another's public names only: no ``_ipc._LEN``, ``from smstore.sampler import
+    """A module uses another's public names only: no ``_ipc._LEN``, ``from smstore.sampling import
     _round_keys``; what another module needs gets a name without the underscore (or a method)."""
     found = [line for module in sorted(MODULES) for line in private_reach_ins(module)]
     assert not found, "private names used from another module:\n  " + "\n  ".join(found)
@@ -485,12 +484,12 @@ def test_private_reach_ins_are_found() -> None:
     source = (
         "import smstore\n"
         "from smstore import _core, _ipc\n"
-        "from smstore.sampler import _round_keys, GlobalShuffleSampler\n"
+        "from smstore.sampling import _round_keys, GlobalShuffleSampler\n"
         "x = _ipc._LEN, smstore._core.Store._from_fd, _core._DataExport, smstore._ipc.encode\n"
     )
     found = private_reach_ins(module, source)
     assert [line.split(": ", 1)[1] for line in found] == [
-        "from smstore.sampler import _round_keys",
+        "from smstore.sampling import _round_keys",
         "smstore._ipc._LEN",
     ]
 

@@ -16,8 +16,7 @@ import pytest
 import smstore
 from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
 from smstore._pack import build_metadata
-from smstore.mixture import Mixture, WindowedMixtureSampler
-from smstore.sampler import ResumableLoader
+from smstore.sampling import Mixture, ResumableLoader, WindowedMixtureSampler
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader

@@ -11,15 +11,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smstore import MixtureError, _core
-from smstore.mixture import (
+from smstore.sampling import (
+    GlobalShuffleSampler,
     Mixture,
     MixtureDataset,
     MixtureOrder,
     MixtureSampler,
+    ResumableLoader,
     from_megatron_blend,
     parse_megatron_blend,
+    round_keys,
 )
-from smstore.sampler import GlobalShuffleSampler, ResumableLoader, round_keys
 
 from .smstore_testlib import RESUME_PLAN, interleave, loader_batches, stateful_resume
 
@@ -599,7 +601,7 @@ def test_import_smstore_stays_light() -> None:
 
     code = (
         "import smstore, sys; print('torch' in sys.modules, 'numpy' in sys.modules); "
-        "import smstore.mixture as m; print(smstore.MixtureSampler is m.MixtureSampler)"
+        "import smstore.sampling as m; print(smstore.MixtureSampler is m.MixtureSampler)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False", "True"]

@@ -18,9 +18,8 @@ import pytest
 import smstore
 from smstore import MixtureError
 from smstore._manifest import read_manifest
-from smstore.mixture import Mixture, MixtureDataset, MixtureSampler, WindowedMixtureSampler
 from smstore.residency import ShardResidency
-from smstore.sampler import ResumableLoader
+from smstore.sampling import Mixture, MixtureDataset, MixtureSampler, ResumableLoader, WindowedMixtureSampler
 
 from .daemon_testlib import Daemon
 from .smstore_testlib import interleave, loader_batches, stateful_resume

@@ -20,7 +20,7 @@ import smstore
 from smstore._blocks import BlockReader, BlockResidency, Piece
 from smstore._manifest import read_manifest
 from smstore.errors import DaemonError
-from smstore.sampler import BlockWindowSampler, block_bounds
+from smstore.sampling import BlockWindowSampler, block_bounds
 
 from .daemon_testlib import Daemon
 from .test_blocks import run_rank

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from smstore.sampler import FeistelPermutation, GlobalShuffleSampler
+from smstore.sampling import FeistelPermutation, GlobalShuffleSampler
 
 
 def rank_streams(
@@ -738,8 +738,13 @@ ORDER_LENGTHS, ORDER_WEIGHTS = [180, 120], [0.6, 0.4]
 
 def order_samplers() -> dict[str, GlobalShuffleSampler]:
     """One sampler of every kind of order, each over the same number of positions as another kind."""
-    from smstore.mixture import Mixture, MixtureSampler, WindowedMixtureSampler
-    from smstore.sampler import BlockWindowSampler, WindowedShuffleSampler
+    from smstore.sampling import (
+        BlockWindowSampler,
+        Mixture,
+        MixtureSampler,
+        WindowedMixtureSampler,
+        WindowedShuffleSampler,
+    )
 
     mix = Mixture(ORDER_LENGTHS, ORDER_WEIGHTS)
     n = sum(ORDER_SHARDS)
@@ -784,8 +789,8 @@ def test_a_state_of_another_kind_of_order_is_refused(saved: str, loaded: str, le
         next(it)
     state = source.state_dict()
     assert state["consumed"] == source.num_records // 2
-    if legacy:  # a state saved before the kind was named is told by the entries its kind saved
-        state.pop("order", None)
+    if legacy:  # a state of format 1 saved before the kind was named is told by the entries its kind saved
+        state = {k: v for k, v in state.items() if k != "order"} | source.spec.legacy() | {"version": 1}
     with pytest.raises(ValueError, match="another order cannot be resumed") as err:
         target.load_state_dict(state)
     assert type(target).__name__ in str(err.value)
@@ -803,5 +808,9 @@ def test_a_state_of_the_same_order_resumes_after_a_json_round_trip(kind: str) ->
     state = json.loads(json.dumps(saved.state_dict()))
     resumed.load_state_dict(state)
     assert list(resumed) == list(it)
-    legacy = {k: v for k, v in saved.state_dict().items() if k != "order"}
-    order_samplers()[kind].load_state_dict(legacy)  # a state saved before it named its order
+    legacy = (
+        {k: v for k, v in saved.state_dict().items() if k != "order"} | saved.spec.legacy() | {"version": 1}
+    )
+    order_samplers()[kind].load_state_dict(legacy)  # a state of format 1 saved before it named its order
+    named = legacy | {"order": saved.spec.kind}
+    order_samplers()[kind].load_state_dict(named)  # one of format 1 that named it

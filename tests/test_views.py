@@ -16,7 +16,7 @@ import smstore_testlib as tl
 
 import smstore
 from smstore import IndexFileError, IndexStaleError, StoreChangedError, StoreError
-from smstore.mixture import MixtureDataset, MixtureSampler
+from smstore.sampling import MixtureDataset, MixtureSampler
 from smstore.views import Concat, Repeat, Subset, index_path, open_selection, read_index, select
 
 N = 97

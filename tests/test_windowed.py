@@ -21,7 +21,7 @@ import smstore
 from smstore._manifest import read_manifest
 from smstore.errors import DaemonError
 from smstore.residency import ShardResidency
-from smstore.sampler import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
+from smstore.sampling import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon

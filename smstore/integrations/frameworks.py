@@ -207,7 +207,7 @@ def called_by_stateful_loader(frame: FrameType | None) -> bool:
         module = frame.f_globals.get("__name__", "")
         if module.startswith("torchdata."):
             return True
-        if module not in ("smstore.sampler", "smstore.mixture"):  # the sampler classes live there
+        if not module.startswith("smstore.sampling."):  # the sampler classes live there
             return False
         frame = frame.f_back
     return False

@@ -12,32 +12,24 @@ from __future__ import annotations
 import hashlib
 import heapq
 import math
-import sys
-import warnings
 from collections.abc import Callable, Sequence, Sized
 from fractions import Fraction
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
 from smstore import _core
 from smstore.errors import MixtureError
-from smstore.sampler import (
-    GlobalShuffleSampler,
-    WindowedOrder,
-    manifest_of,
-    map_positions,
-    residency_for,
-    round_keys,
-)
+from smstore.sampling.orders import OrderSpec, WindowedOrder, map_positions, round_keys
 
 __all__ = [
     "Mixture",
     "MixtureDataset",
     "MixtureOrder",
-    "MixtureSampler",
+    "MixtureSpec",
     "WindowedMixtureOrder",
-    "WindowedMixtureSampler",
+    "WindowedMixtureSpec",
+    "counts_digest",
     "from_megatron_blend",
     "parse_megatron_blend",
 ]
@@ -410,83 +402,12 @@ class MixtureDataset:
         return f"MixtureDataset({self.mixture!r})"
 
 
-class MixtureSampler(GlobalShuffleSampler):
-    """A mixture epoch split across ranks, resumable in O(1) with any world size.
-
-    Everything :class:`~smstore.GlobalShuffleSampler` promises holds, with the mixture's order
-    (:class:`MixtureOrder`) in place of the permutation: rank ``r`` of ``W`` yields positions
-    ``r, r + W, ...`` of the epoch's ``len(mixture)`` positions, as global indices into the
-    concatenation of the sources (:class:`MixtureDataset` reads them; :meth:`locate` splits one);
-    padding, ``drop_last``, ``set_epoch``, ``state_dict`` / ``load_state_dict`` (O(1), any world
-    size), :class:`~smstore.ResumableLoader`, ``StatefulDataLoader`` and the frameworks (it is a
-    ``DistributedSampler``) behave the same. The state adds the mixture's digest, so a state saved
-    for other sources, weights or stopping rule is refused.
-
-    Args:
-        mixture: A :class:`MixtureDataset` or a :class:`Mixture`.
-        seed: Any integer; the same on every rank.
-        rank: This rank (default: from torch.distributed or ``RANK``).
-        world_size: The number of ranks (default: found like ``rank``).
-        drop_last: Drop the tail that does not divide evenly instead of padding.
-    """
-
-    def __init__(
-        self,
-        mixture: Mixture | MixtureDataset,
-        *,
-        seed: int,
-        rank: int | None = None,
-        world_size: int | None = None,
-        drop_last: bool = False,
-    ) -> None:
-        mix = mixture.mixture if isinstance(mixture, MixtureDataset) else mixture
-        if not isinstance(mix, Mixture):
-            msg = f"MixtureSampler needs a Mixture or a MixtureDataset, not {type(mixture).__name__}"
-            raise TypeError(msg)
-        super().__init__(mix.num_samples, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
-        self.mixture = mix
-        self._order_cache: tuple[tuple[int, int], MixtureOrder] | None = None
-
-    def permutation(self, epoch: int | None = None) -> MixtureOrder:
-        """The order of ``epoch`` (default: the current one)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        cache_key = (self.seed, epoch)
-        if self._order_cache is None or self._order_cache[0] != cache_key:
-            self._order_cache = (cache_key, MixtureOrder(self.mixture, self.seed, epoch))
-        return self._order_cache[1]
-
-    def locate(self, index: int) -> tuple[int, int]:
-        """``(source, index in source)`` of a global index this sampler yielded."""
-        offsets = self.mixture.offsets
-        import bisect
-
-        s = bisect.bisect_right(offsets, index) - 1
-        if not 0 <= s < len(self.mixture.lengths):
-            msg = f"index {index} out of range for a mixture of {offsets[-1]} records"
-            raise IndexError(msg)
-        return s, index - offsets[s]
-
-    # A state of another order (another mixture: other sources, lengths, weights or stopping
-    # rule; or not a mixture's) is a MixtureError (sampler.check_order).
-    _order_kind = "mixture"
-    _state_error = MixtureError
-
-    def _order_params(self) -> dict[str, Any]:
-        return {"mixture": self.mixture.digest, "sources": len(self.mixture.lengths)}
-
-    def __repr__(self) -> str:
-        return (
-            f"MixtureSampler({self.mixture!r}, seed={self.seed}, epoch={self.epoch}, rank={self.rank}, "
-            f"world_size={self.world_size}, drop_last={self.drop_last})"
-        )
-
-
 class WindowedMixtureOrder(MixtureOrder):
     """The order of one mixture epoch whose sources are read through windows of their shards.
 
     The mixture decides which source position ``p`` draws from and its draw number ``k`` (as in
     :class:`MixtureOrder`); source ``s``'s own windowed order for its pass ``e = k // n_s``
-    (:class:`~smstore.sampler.WindowedOrder` over its shards, keyed by ``(seed, mixture epoch, s,
+    (:class:`~smstore.sampling.orders.WindowedOrder` over its shards, keyed by ``(seed, mixture epoch, s,
     e)``) decides which record: ``offset_s + W_{s,e}(k mod n_s)``. A source drawn past its length
     starts its next pass, with its own shard order and windows, independently of the others.
     A source without shards is one shard: its window is the whole source.
@@ -511,7 +432,7 @@ class WindowedMixtureOrder(MixtureOrder):
         self.shard_sizes = [np.asarray(sizes, dtype=np.int64) for sizes in shard_sizes]
         self.windows = list(windows)
         self._keys = [
-            f"smstore-mixture-windowed-v1:{seed}:{epoch}:{s}:{self.windows[s]}:{_sizes_digest(sizes)}"
+            f"smstore-mixture-windowed-v1:{seed}:{epoch}:{s}:{self.windows[s]}:{counts_digest(sizes)}"
             for s, sizes in enumerate(self.shard_sizes)
         ]
         self._passes: list[dict[int, WindowedOrder]] = [{} for _ in self.shard_sizes]
@@ -604,231 +525,65 @@ class WindowedMixtureOrder(MixtureOrder):
         return tuple(dict.fromkeys(shards)), change
 
 
-def _sizes_digest(sizes: Sequence[int] | np.ndarray[Any, Any]) -> str:
+def counts_digest(sizes: Sequence[int] | np.ndarray[Any, Any]) -> str:
     """A short key of a list of counts (O(1) Python work per call: millions of shards hash in ms)."""
     data = np.ascontiguousarray(sizes, dtype="<i8").tobytes()
     return hashlib.blake2b(data, digest_size=8).hexdigest()
 
 
-class WindowedMixtureSampler(MixtureSampler):
-    """A mixture of sharded datasets larger than memory: each source read through windows of its shards.
+class MixtureSpec(OrderSpec):
+    """A mixture epoch: which source each position draws from, then that source's own shuffle (:class:`MixtureOrder`)."""
 
-    **The order.** Which source each position draws from is the mixture's rule, unchanged (the
-    same exact proportions and bound); the record is the next of that source's own windowed
-    order (:class:`WindowedMixtureOrder`): its shards in a keyed random order, cut into windows
-    of ``window`` shards, records shuffled within each window. A source drawn past its length
-    (upsampling) starts its next pass with a new shard order, independently of the others. The
-    order is a pure function of ``(seed, epoch, weights, lengths, shard sizes, windows)``: the
-    same for every world size, split across ranks, padded and resumed in O(1) at any world size
-    exactly as :class:`MixtureSampler` does.
+    kind: ClassVar[str] = "mixture"
+    error: ClassVar[type[ValueError]] = MixtureError
 
-    **Residency.** For each source with a :class:`~smstore.ShardResidency` (by default every
-    :class:`~smstore.SharedStoreDataset` of a sharded dataset among a :class:`MixtureDataset`'s
-    sources), the sampler holds the window it reads, the next one and, for ``lag`` samples of
-    this rank after a window ends, the previous one: the daemon keeps one window per source
-    resident and loads the next ones in the background, all within its ``--shm-limit``; without a
-    daemon the files are read ahead into the page cache. Memory: with ``L_s`` the largest shard
-    of source ``s`` (in whole pages, as ``--shm-limit`` counts it), the windows held take at most
-    ``sum_s 2 * window_s * L_s`` bytes (three windows of a source during its lag);
-    :meth:`windows_for` picks windows that fit a budget.
+    def __init__(self, mixture: Mixture) -> None:
+        self.mixture = mixture
+        self.num_records = mixture.num_samples
 
-    Args:
-        mixture: A :class:`MixtureDataset` (shard sizes and residency found from its sources) or
-            a :class:`Mixture` (give ``shard_sizes``).
-        window: Shards per window: one number for every source, or one per source.
-        seed: Any integer; the same on every rank.
-        rank: This rank (default: from torch.distributed or ``RANK``).
-        world_size: The number of ranks (default: found like ``rank``).
-        drop_last: Drop the tail that does not divide evenly instead of padding.
-        shard_sizes: Per source, its shards' record counts, or ``None`` for a source without
-            shards (default: each source's ``shard_sizes``).
-        residency: ``None`` (default): a :class:`~smstore.ShardResidency` for each sharded
-            SharedStoreDataset source; ``False``: none; or one per source (``None`` for none).
-        lag: Samples of this rank during which the windows just left stay held; at least
-            ``prefetch_factor * num_workers * batch_size``.
+    def order(self, seed: int, epoch: int) -> MixtureOrder:
+        return MixtureOrder(self.mixture, seed, epoch)
 
-    Raises:
-        MixtureError: Shard sizes that do not add up to a source's length, or a window or
-            list of them that does not fit the sources.
-    """
+    def params(self) -> dict[str, Any]:
+        return {"mixture": self.mixture.digest}  # its lengths, weights and stopping rule
+
+    def data(self) -> dict[str, Any]:
+        return {"records": self.num_records, "sources": len(self.mixture.lengths)}
+
+    def legacy(self) -> dict[str, Any]:
+        return {"mixture": self.mixture.digest, "sources": len(self.mixture.lengths)}
+
+    def fields(self) -> str:
+        return f"mixture={self.mixture!r}"
+
+
+class WindowedMixtureSpec(MixtureSpec):
+    """A mixture epoch whose sources are read through windows of their shards (:class:`WindowedMixtureOrder`)."""
+
+    kind: ClassVar[str] = "windowed-mixture"
 
     def __init__(
         self,
-        mixture: Mixture | MixtureDataset,
-        *,
-        window: int | Sequence[int],
-        seed: int,
-        rank: int | None = None,
-        world_size: int | None = None,
-        drop_last: bool = False,
-        shard_sizes: Sequence[Sequence[int] | None] | None = None,
-        residency: Any = None,
-        lag: int = 8192,
+        mixture: Mixture,
+        shard_sizes: Sequence[np.ndarray[Any, np.dtype[np.int64]]],
+        windows: Sequence[int],
     ) -> None:
-        super().__init__(mixture, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
-        lengths = self.mixture.lengths
-        sources = mixture.sources if isinstance(mixture, MixtureDataset) else None
-        if shard_sizes is None:
-            shard_sizes = (
-                [getattr(x, "shard_sizes", None) for x in sources] if sources else [None] * len(lengths)
-            )
-        if len(shard_sizes) != len(lengths):
-            msg = f"{len(shard_sizes)} lists of shard sizes for {len(lengths)} sources: give one per source"
-            raise MixtureError(msg)
-        self.shard_sizes: list[np.ndarray[Any, np.dtype[np.int64]]] = []
-        for s, (given, n) in enumerate(zip(shard_sizes, lengths, strict=True)):
-            sizes = np.asarray([n] if given is None else given, dtype=np.int64).ravel()
-            if (sizes < 0).any() or int(sizes.sum()) != n:
-                msg = f"source {s}: its shard sizes add up to {int(sizes.sum())} records, but it has {n}"
-                raise MixtureError(msg)
-            self.shard_sizes.append(sizes)
-        wanted = [window] * len(lengths) if not isinstance(window, Sequence) else list(window)
-        if len(wanted) != len(lengths) or any(
-            isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1 for w in wanted
-        ):
-            msg = f"window={window!r}: give a positive number of shards, or one per source ({len(lengths)})"
-            raise MixtureError(msg)
-        self.windows = [min(int(w), len(sizes)) for w, sizes in zip(wanted, self.shard_sizes, strict=True)]
-        if lag < 0:
-            msg = f"lag must be >= 0, not {lag}"
-            raise ValueError(msg)
-        self.lag = int(lag)
-        self.residencies = self._residencies(residency, sources, len(lengths))
-        self._last_holds: list[tuple[int, ...] | None] = [None] * len(lengths)
-        # The held sources by the next position of the pass where their holds may change.
-        self._plans: list[tuple[int, int]] = []
-        self._planned_at: int | None = None  # the position the plans were made at
-        self._windowed_cache: tuple[tuple[int, int], WindowedMixtureOrder] | None = None
-        self._layout = _sizes_digest(np.concatenate([self.windows, *(self.shard_sizes)]))
-        if any(r is not None for r in self.residencies):
-            self._max_chunk = 4096  # a window switch also holds the next shards: keep each draw short
-            self._warn_of_a_long_lag()
+        super().__init__(mixture)
+        self.shard_sizes = list(shard_sizes)
+        self.windows = list(windows)
+        self.layout = counts_digest(np.concatenate([self.windows, *self.shard_sizes]))
 
-    @staticmethod
-    def _residencies(residency: Any, sources: list[Any] | None, count: int) -> list[Any]:
-        if residency is False:
-            return [None] * count
-        if residency is None:
-            return [residency_for(x) for x in sources] if sources else [None] * count
-        given = list(residency)
-        if len(given) != count:
-            msg = f"{len(given)} residencies for {count} sources: give one per source (None for none)"
-            raise MixtureError(msg)
-        return [r or None for r in given]
+    def order(self, seed: int, epoch: int) -> WindowedMixtureOrder:
+        return WindowedMixtureOrder(self.mixture, self.shard_sizes, self.windows, seed, epoch)
 
-    def _warn_of_a_long_lag(self) -> None:
-        """The windowed sampler's warning, for the shortest window (in positions) of a held source."""
-        shortest = min(
-            (
-                self.mixture.lengths[s] * w / len(sizes) / float(self.mixture.weights[s])
-                for s, (sizes, w, r) in enumerate(
-                    zip(self.shard_sizes, self.windows, self.residencies, strict=True)
-                )
-                if r is not None and len(sizes) > w
-            ),
-            default=None,
-        )
-        if shortest is not None and 2 * self.lag * self.world_size > shortest:
-            warnings.warn(
-                f"WindowedMixtureSampler: lag={self.lag} samples a rank ({self.lag * self.world_size} in all) "
-                f"is more than half of a source's average window ({shortest:.0f} positions of the mixture): "
-                "the previous window stays held through most of the next. Pass a lag of at least "
-                "prefetch_factor * num_workers * batch_size and below that, or larger windows.",
-                stacklevel=3,
-            )
+    def params(self) -> dict[str, Any]:
+        return {**super().params(), "windows": self.layout}  # windows and shard sizes
 
-    @staticmethod
-    def windows_for(dataset: MixtureDataset, budget: int) -> list[int]:
-        """Shards per window for each source so that every sharded source's window and next one fit
-        in ``budget`` bytes together: ``sum_s 2 * window_s * L_s <= budget`` (``L_s`` its largest
-        shard in whole pages of shared memory, as the daemon's ``--shm-limit`` counts it). Each
-        sharded source gets one shard a window, then the rest of the budget in proportion to the
-        weights (a source read faster gets longer windows); a source without shards gets 1.
+    def legacy(self) -> dict[str, Any]:
+        return {**super().legacy(), "windows": self.layout}
 
-        Raises:
-            ValueError: The budget cannot hold two of the largest shards of every sharded source.
-        """
-        from smstore._manifest import read_manifest
-
-        largest: dict[int, tuple[int, int]] = {}  # source -> (largest shard, shards)
-        for s, source in enumerate(dataset.sources):
-            path = manifest_of(source)
-            if path is not None:
-                sizes = [_core.shm_footprint(x.file_size) for x in read_manifest(path).shards]
-                largest[s] = (max(sizes, default=0), len(sizes))
-        need = sum(2 * big for big, _ in largest.values())
-        if budget < need:
-            msg = (
-                f"a budget of {budget} bytes cannot hold two of the largest shards of every sharded source "
-                f"({need} bytes of shared memory in whole pages, as the daemon counts them: each source's "
-                "window being read and the next): raise it, or pack smaller shards (smstore pack --shard-size)"
-            )
-            raise ValueError(msg)
-        rest = budget - need
-        weights = dataset.mixture.weights
-        total = sum(weights[s] for s in largest) or 1
-        windows = [1] * len(dataset.sources)
-        for s, (big, count) in largest.items():
-            extra = math.floor(rest * weights[s] / total / (2 * big)) if big else count
-            windows[s] = max(1, min(count, 1 + extra))
-        return windows
-
-    def permutation(self, epoch: int | None = None) -> WindowedMixtureOrder:
-        """The order of ``epoch`` (default: the current one)."""
-        epoch = self.epoch if epoch is None else int(epoch)
-        cache_key = (self.seed, epoch)
-        if self._windowed_cache is None or self._windowed_cache[0] != cache_key:
-            order = WindowedMixtureOrder(self.mixture, self.shard_sizes, self.windows, self.seed, epoch)
-            self._windowed_cache = (cache_key, order)
-        return self._windowed_cache[1]
-
-    def _reached(self, start: int, done: int) -> int:
-        """Hold what each source needs at local step ``done``; the next step where that may change."""
-        n = self.num_records
-        if n == 0 or all(r is None for r in self.residencies):
-            return sys.maxsize
-        order = self.permutation()
-        g = start + self.rank + done * self.world_size
-        at = g % n  # the padding wraps to the start of the order
-        plans = self._plans  # (position where a source's holds may change, source): a heap
-        if self._planned_at is None or at < self._planned_at:  # a new pass, or the padding wrapped
-            plans.clear()
-            due = [s for s, r in enumerate(self.residencies) if r is not None]
-        else:
-            due = []
-            while plans and plans[0][0] <= at:
-                due.append(heapq.heappop(plans)[1])
-        for s in due:  # only the sources whose windows may have moved
-            held, change = order.holds(s, at, self.lag * self.world_size)
-            heapq.heappush(plans, (change, s))
-            if held != self._last_holds[s]:
-                self.residencies[s].hold(held, wait=self._last_holds[s] is None)  # the first: errors up front
-                self._last_holds[s] = held
-        self._planned_at = at
-        nxt = min(n, plans[0][0])
-        nxt += g - at  # back in the pass's (possibly wrapped) positions
-        return done + max(1, -(-(nxt - g) // self.world_size))
-
-    def _new_pass(self) -> None:
-        self._last_holds = [None] * len(self.residencies)
-        self._planned_at = None
-
-    _order_kind = "windowed-mixture"
-
-    def _order_params(self) -> dict[str, Any]:
-        return {**super()._order_params(), "windows": self._layout}  # windows and shard sizes
-
-    def close(self) -> None:
-        """Give up the shards this rank holds (also done when the process exits)."""
-        for residency in self.residencies:
-            if residency is not None:
-                residency.close()
-
-    def __repr__(self) -> str:
-        return (
-            f"WindowedMixtureSampler({self.mixture!r}, windows={self.windows}, seed={self.seed}, "
-            f"epoch={self.epoch}, rank={self.rank}, world_size={self.world_size}, drop_last={self.drop_last})"
-        )
+    def fields(self) -> str:
+        return f"{super().fields()}, windows={self.windows}"
 
 
 def parse_megatron_blend(blend: str | Sequence[str]) -> list[tuple[float, str]]:
