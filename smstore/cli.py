@@ -71,12 +71,6 @@ def _convert(
     )
 
 
-def _remote_output(output: str) -> bool:
-    from smstore.remote.urls import is_remote_url
-
-    return is_remote_url(output)
-
-
 def _check_upload_url(url: Any) -> None:
     if url.scheme != "s3":
         raise RemoteURLError(
@@ -124,7 +118,7 @@ def _pack_then_upload(args: argparse.Namespace) -> int:
 
 
 def cmd_pack(args: argparse.Namespace) -> int:
-    if _remote_output(args.output):
+    if _remote(args.output):
         return _pack_then_upload(args)
     user = _user_meta(args.meta, "pack")
     if args.jobs < 1:
@@ -219,11 +213,11 @@ def _info(store: Any) -> dict[str, Any]:
 
 def _remote_info(url: str) -> dict[str, Any]:
     """info of a dataset in object storage (its manifest), or of one blob there (its header only)."""
-    from smstore._manifest import is_manifest, read_manifest, read_remote_header
+    from smstore._manifest import RemoteObject, is_manifest, read_manifest
 
     if is_manifest(url):
         return _manifest_info(read_manifest(url))
-    header = read_remote_header(url)
+    header = RemoteObject(url).header()
     return {
         "path": url,
         "format_version": header.version,
@@ -239,14 +233,15 @@ def _inspect(path: str) -> Any:
     return smstore.open(path, raw=True)
 
 
-def _is_url(path: str) -> bool:
-    from smstore._manifest import is_url
+def _remote(path: str) -> bool:
+    """Whether the command's argument names object storage: decided here, once, as it enters."""
+    from smstore._manifest import source_of
 
-    return is_url(path)
+    return source_of(path).remote
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    if _is_url(args.store):
+    if _remote(args.store):
         info = _remote_info(args.store)
     else:
         with _inspect(args.store) as store:
@@ -271,11 +266,11 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _verify_remote(url: str) -> int:
     """Stream every shard of the dataset at `url` (or the one blob there) through its checksum,
     keeping none of it; each bad one is named. The exit status: 1 if any is bad."""
-    from smstore._manifest import is_manifest, read_manifest, read_remote_header
+    from smstore._manifest import RemoteObject, is_manifest, read_manifest
     from smstore.remote.fetch import verify_object
 
     if not is_manifest(url):
-        header = read_remote_header(url)
+        header = RemoteObject(url).header()
         verify_object(url, size=header.file_size, checksum=header.checksum)
         print(f"{url}: OK ({header.record_count} records, xxh64:{header.checksum})")
         return 0
@@ -298,7 +293,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     status = 0
     for path in args.stores:
         try:
-            if _is_url(path):
+            if _remote(path):
                 status = max(status, _verify_remote(path))
                 continue
             with _inspect(path) as store:
@@ -344,7 +339,7 @@ def _join_then_upload(args: argparse.Namespace, user: dict[str, Any] | None) -> 
 
 def cmd_join(args: argparse.Namespace) -> int:
     user = _user_meta(args.meta, "join")
-    if _remote_output(args.output):
+    if _remote(args.output):
         return _join_then_upload(args, user)
     manifest = smstore.join(args.inputs, args.output, metadata=user, verify=args.verify)
     print(
@@ -783,15 +778,11 @@ def _blob_files(path: str) -> list[tuple[str, str | None]]:
     """The blobs behind `path` (itself, or the shards of a sharded dataset, in order) as the
     daemon is told of them: absolute paths, or objects' URLs; with the checksum its manifest
     records for a shard in object storage (the daemon refuses an object holding another)."""
-    from smstore._manifest import absolute, is_manifest, is_url, read_manifest
+    from smstore._manifest import absolute, is_manifest, read_manifest
 
     if not is_manifest(path):
         return [(absolute(path), None)]
-    m = read_manifest(path)
-    return [
-        (p, s.checksum if is_url(p) else None)
-        for p, s in ((absolute(m.shard_path(k)), s) for k, s in enumerate(m.shards))
-    ]
+    return [(src.location, src.checksum if src.remote else None) for src in read_manifest(path).sources]
 
 
 def cmd_load(args: argparse.Namespace) -> int:
@@ -822,7 +813,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    from smstore._manifest import absolute, is_manifest, is_url
+    from smstore._manifest import is_manifest, source_of
     from smstore._protocol import checksum_in
     from smstore._store import read_checksum
     from smstore.client import daemon_request
@@ -839,9 +830,10 @@ def cmd_unload(args: argparse.Namespace) -> int:
             print(f"smstore unload: {target}: {e}", file=sys.stderr)
             status = 1
     for target, known in targets:
-        msg: dict[str, Any] = {"op": "unload", "path": absolute(target)}
+        source = source_of(target)
+        msg: dict[str, Any] = {"op": "unload", "path": source.location}
         checksum = known
-        if checksum is None and not is_url(target):
+        if checksum is None and not source.remote:
             try:
                 checksum = read_checksum(target)
             except OSError:

@@ -16,19 +16,20 @@ from smstore import _core, _fork
 from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
 from smstore._manifest import (
     Manifest,
-    ShardInfo,
+    Source,
     absolute,
     hold_fields,
     is_manifest,
-    is_url,
     read_manifest,
+    source_of,
 )
 from smstore._modes import Mode, check_mode, fall_back, log_once, warn_once
 from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
 from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED, encode
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
-from smstore.errors import DaemonError, RemoteURLError, StoreChangedError, StoreFormatError
+from smstore.errors import DaemonError, StoreChangedError, StoreFormatError
+from smstore.remote.urls import needs_daemon
 
 __all__ = [
     "DaemonSession",
@@ -349,9 +350,8 @@ def open_store(
 
     Raises:
         ValueError: ``mode`` is none of ``"auto"``, ``"daemon"``, ``"mmap"``.
-        RemoteURLError: A dataset URL with ``mode="mmap"``, or a URL that names no manifest.
-        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file; or
-            a dataset URL and no daemon answers.
+        RemoteNeedsDaemonError: A URL with ``mode="mmap"``, or a URL and no daemon answers.
+        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
         StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).
     """
@@ -378,8 +378,8 @@ def open_url(
     through the daemon (which checked each object's checksum as it fetched it).
 
     Raises:
-        DaemonError: No daemon answers (only the daemon fetches from object storage), or it does
-            not serve the blob.
+        RemoteNeedsDaemonError: No daemon answers (only the daemon fetches from object storage).
+        DaemonError: The daemon does not serve the blob.
         RemoteURLError, RemoteError: A URL smstore will not fetch, or a read failed.
     """
     store: Store | ShardedStore = _open(url, "daemon", socket, raw=raw, decode_blob=not raw)
@@ -430,7 +430,9 @@ class StoreHandle:
         self.checksum: str = self._store.checksum  # every process must read these very bytes
         # A dataset in object storage pickles with its manifest: a worker fetches nothing.
         self.manifest: Manifest | None = (
-            self._store.manifest if is_url(self.path) and isinstance(self._store, ShardedStore) else None
+            self._store.manifest
+            if isinstance(self._store, ShardedStore) and self._store.manifest.remote
+            else None
         )
 
     @property
@@ -489,7 +491,7 @@ def _open(
     opens decoded (smstore.open's rule; open_store's, as for a local blob: raw)."""
     mode = check_mode(mode)
     spath = os.fspath(path)
-    if is_url(spath):
+    if source_of(spath).remote:
         return _open_remote(spath, mode, socket, manifest, raw=raw, decode_blob=decode_blob)
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
@@ -685,14 +687,6 @@ class _Preattacher:
             self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
 
-# What a reader of a dataset in object storage needs, for the errors that say it is missing.
-_THROUGH_THE_DAEMON = (
-    "a dataset in object storage is read through the node daemon: start 'smstore serve' (with "
-    "--cache-dir DIR --cache-limit SIZE to keep its shards on the node), which fetches the shards "
-    "the samplers hold"
-)
-
-
 def _open_remote(
     url: str,
     mode: Mode,
@@ -702,17 +696,21 @@ def _open_remote(
     raw: bool = False,
     decode_blob: bool = False,
 ) -> Store | ShardedStore:
-    """A sharded dataset in object storage: its manifest fetched here, its shards attached from the daemon."""
+    """A dataset (or one blob) in object storage: its manifest fetched here, its shards attached
+    from the daemon.
+
+    Raises:
+        RemoteNeedsDaemonError: ``mode="mmap"``, or no daemon answers: said now, not at the first read.
+    """
+    what = "a dataset" if is_manifest(url) else "a blob"
     if mode == "mmap":
-        raise RemoteURLError(
-            f'{url}: {_THROUGH_THE_DAEMON}; mode="mmap" cannot read it (use "daemon" or "auto")'
-        )
+        raise needs_daemon(url, what, why='mode="mmap" cannot read it (use "daemon" or "auto")')
     sock_at = socket_path(socket)
     try:
-        connect(sock_at).close()  # no daemon: said now, not at the first read
+        connect(sock_at).close()
     except DaemonError as e:
-        raise DaemonError(f"{url}: {_THROUGH_THE_DAEMON}; {e}") from None
-    if not is_manifest(url):
+        raise needs_daemon(url, what, why=str(e)) from None
+    if what == "a blob":
         return _open_remote_blob(url, sock_at, decode=decode_blob)
     return _open_sharded(
         url, "daemon", socket, manifest if manifest is not None else read_manifest(url), raw=raw
@@ -786,12 +784,15 @@ def _open_sharded(
     index = {s.checksum: k for k, s in enumerate(manifest.shards)}
     ahead = _Preattacher(session.path, manifest.path, index, is_open, release)
 
-    def opener(path: str, info: ShardInfo) -> Store:
-        ready = ahead.take(info.checksum)
+    def opener(source: Source) -> Store:
+        assert source.checksum is not None  # a manifest's sources record it
+        ready = ahead.take(source.checksum)
         if ready is not None:
             return ready
         # By the checksum the manifest records: a served shard's file is never read.
-        store = _attach(path, info.checksum, mode, session.path, session, (manifest, index[info.checksum]))
+        store = _attach(
+            source.location, source.checksum, mode, session.path, session, (manifest, index[source.checksum])
+        )
         if isinstance(store, DaemonStore):
             # Detach through the connection that never waits for a load (the daemon counts any
             # connection of this process as speaking for all of them).
@@ -890,16 +891,18 @@ def _attach(
     that no sampler holds holds it itself).
     """
     conn: socket.socket | None = None
+    # A shard in object storage has no file to fall back on: whatever the mode, the reader hears why.
+    remote = shard is not None and shard[0].sources[shard[1]].remote
     try:
         if session is not None:
             reply, fd = session.attach(checksum, spath)
-            if shard is not None and is_url(spath) and _not_yet_served(reply, fd):
+            if shard is not None and remote and _not_yet_served(reply, fd):
                 reply, fd = _fetch_for_reader(session, checksum, spath, shard)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:
-        if is_url(spath):  # no file to fall back on: whatever the mode, the reader hears why
-            raise DaemonError(f"{spath}: {e}") from None
+        if remote:
+            raise needs_daemon(spath, "a shard", why=str(e)) from None
         fall_back(mode, spath, str(e), sock_at, "file")
         return Store(spath)
     if not reply.get("ok") or fd is None:
@@ -916,7 +919,7 @@ def _attach(
             reason = f"the smstore daemon on {sock_at} does not serve this file: {reply.get('message')}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
-        if is_url(spath):
+        if remote:
             raise DaemonError(f"{spath}: {reason}")
         fall_back(mode, spath, reason, sock_at, "file")
         return Store(spath)
