@@ -382,7 +382,7 @@ def open_url(
         DaemonError: The daemon does not serve the blob.
         RemoteURLError, RemoteError: A URL smstore will not fetch, or a read failed.
     """
-    store: Store | ShardedStore = _open(url, "daemon", socket, raw=raw, decode_blob=not raw)
+    store = _open_remote(url, "daemon", socket, None, raw=raw, decode_blob=not raw)  # smstore.open decided it
     if verify:
         try:
             store.verify()
