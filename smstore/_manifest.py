@@ -124,7 +124,7 @@ class Source:
 class LocalFile(Source):
     """A blob in a local file, read by this process."""
 
-    def header(self, *, deadline: float | None = None) -> _core.BlobHeader:
+    def header(self, *, deadline: float | None = None) -> _core.BlobHeader:  # noqa: ARG002 (a file read waits on no store)
         fd = _open_blob(self.location, "blob")
         try:
             return _core.read_header_fd(fd, self.location)
@@ -206,7 +206,7 @@ class Manifest:
         key under its prefix, checked when the manifest was read), else a local file."""
         out: list[Source] = []
         for s in self.shards:
-            if is_remote_url(s.path):
+            if source_of(s.path).remote:
                 out.append(RemoteObject(s.path, s.file_size, s.checksum))
             elif self.remote:
                 out.append(RemoteObject(self.directory + s.path, s.file_size, s.checksum))
@@ -252,7 +252,7 @@ def _manifest_source(path: str | os.PathLike[str]) -> Source:
     """The source of `path`'s manifest: the file itself, or ``manifest.json`` inside a directory
     (or under a URL prefix ending in ``/``)."""
     p = os.fspath(path)
-    if is_remote_url(p):
+    if source_of(p).remote:
         return RemoteObject(p + MANIFEST_NAME if p.endswith("/") else p)
     return LocalFile(os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p)
 
