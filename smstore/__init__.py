@@ -18,7 +18,7 @@ except ImportError as err:  # pragma: no cover - only without a built extension
     ) from err
 
 from smstore import _fork  # noqa: F401 (a forked child inherits a frozen heap: smstore/_fork.py)
-from smstore._manifest import is_url
+from smstore._manifest import source_of
 from smstore._objects import ObjectStore, pack_objects
 from smstore._pack import PackStats, Writer, pack
 from smstore._packfiles import pack_files
@@ -35,6 +35,7 @@ from smstore.errors import (
     PackInputError,
     RecordIndexError,
     RemoteError,
+    RemoteNeedsDaemonError,
     RemoteNotFoundError,
     RemoteURLError,
     SharedListError,
@@ -97,6 +98,7 @@ __all__ = [
     "PackStats",
     "RecordIndexError",
     "RemoteError",
+    "RemoteNeedsDaemonError",
     "RemoteNotFoundError",
     "RemoteURLError",
     "Repeat",
@@ -205,9 +207,10 @@ def open(
     Raises:
         StoreNotFoundError: The file does not exist (``RemoteNotFoundError``: the object).
         StoreFormatError: The file is foreign, malformed, truncated, or fails ``verify``.
-        DaemonError: A URL, and no daemon answers (or it does not serve the blob).
+        RemoteNeedsDaemonError: A URL, and no daemon answers (only the daemon fetches from object storage).
+        DaemonError: The daemon does not serve the blob at a URL.
     """
-    if is_url(os.fspath(path)):
+    if source_of(path).remote:
         from smstore.client import open_url
 
         return open_url(os.fspath(path), verify=verify, raw=raw, socket=socket)

@@ -21,10 +21,11 @@ from typing import Any, NamedTuple
 
 from smstore import _core
 from smstore._ipc import connect, exchange, socket_path, wait_until_served
-from smstore._manifest import Manifest, absolute, hold_fields, is_url, read_manifest
+from smstore._manifest import Manifest, absolute, hold_fields, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, warn_once
 from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, encode
-from smstore.errors import DaemonError, StoreChangedError
+from smstore.errors import DaemonError, RemoteNeedsDaemonError, StoreChangedError
+from smstore.remote.urls import needs_daemon
 
 # How long a reader's own hold may wait for its reply (the daemon fetching a dataset's manifest
 # first): as long as a reader waits for a load (client.LOAD_WAIT).
@@ -98,6 +99,7 @@ class BlockReader:
         self.keep = max(1, int(keep))
         paths = [manifest.shard_path(k) for k in range(len(manifest.shards))]
         self.shards = [(absolute(p), s.checksum) for p, s in zip(paths, manifest.shards, strict=True)]
+        self.remote = [src.remote for src in manifest.sources]  # no file to read a piece from instead
         starts = [0]
         for s in manifest.shards:
             starts.append(starts[-1] + s.records)
@@ -139,7 +141,7 @@ class BlockReader:
             self._pieces.move_to_end(key)
             return entry[1]
         store, why = self._attach_or_why(key, piece)
-        if store is None and is_url(self.shards[piece.shard][0]):
+        if store is None and self.remote[piece.shard]:
             if why:  # its fetch failed (a hold after its backoff fetches it again)
                 path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
                 raise DaemonError(f"{path}: the smstore daemon will not serve it: {why}")
@@ -190,11 +192,7 @@ class BlockReader:
             try:
                 self._conn = connect(self.socket)
             except DaemonError:
-                msg = (
-                    f"{path}: a shard in object storage is read through the node's daemon (smstore serve), "
-                    f"and none answers on {self.socket}"
-                )
-                raise DaemonError(msg) from None
+                raise self._needs_daemon(piece) from None
         reply = self._hold_piece(piece)
         error = reply.get("error")
         if not reply.get("ok") and error not in (None, PERMISSION_DENIED):
@@ -209,6 +207,14 @@ class BlockReader:
                 # budget until detached): a hold kept would keep it resident ahead of the samplers'.
                 with contextlib.suppress(DaemonError):
                     self._hold_piece(None)
+
+    def _needs_daemon(self, piece: Piece) -> RemoteNeedsDaemonError:
+        return needs_daemon(
+            self.shards[piece.shard][0],
+            "a shard",
+            why=f"none answers on {self.socket}",
+            part=f"#records={piece.first}-{piece.end}",
+        )
 
     def _hold_piece(self, piece: Piece | None) -> dict[str, Any]:
         """Hold `piece` for this reader (None: nothing): the daemon's reply, which waits for it to
@@ -249,11 +255,7 @@ class BlockReader:
 
         def ask() -> _core.Store | None:
             if self._conn is None:
-                msg = (
-                    f"{path}: a shard in object storage is read through the node's daemon (smstore serve), "
-                    f"and none answers on {self.socket}"
-                )
-                raise DaemonError(msg)
+                raise self._needs_daemon(piece)
             store, reason = self._attach_or_why(key, piece)
             if reason:
                 raise DaemonError(f"{path}: the smstore daemon will not serve it: {reason}")
@@ -281,7 +283,7 @@ class BlockReader:
         reply, fd = self._send({"op": "attach", "checksum": key, "path": path}, reply=True)
         if fd is None:
             if reply.get("error", reply.get("code")) not in (None, NOT_SERVED):
-                if not is_url(path):  # busy, or not ours to use: the file is read instead
+                if not self.remote[piece.shard]:  # busy, or not ours to use: the file is read instead
                     if self._conn is not None:
                         self._conn.close()
                         self._conn = None

@@ -14,13 +14,14 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import check_socket_path, ensure_private_dir, process_alive, socket_path
-from smstore._manifest import is_manifest, is_url, read_manifest, read_remote_header
+from smstore._manifest import is_manifest, read_manifest, source_of
 from smstore._pack import human_bytes
 from smstore._store import read_checksum
 from smstore.client import daemon_request
 from smstore.daemon.connections import Limits
 from smstore.daemon.segments import SEGMENT_RE
 from smstore.errors import DaemonError, StoreError
+from smstore.remote.urls import needs_daemon
 
 __all__ = [
     "CONTAINER_SHM",
@@ -86,6 +87,7 @@ class Blob:
     path: str
     size: int
     checksum: str
+    remote: bool = False  # an object in object storage: only the daemon reads it
 
 
 def dataset_blobs(path: str, *, deadline: float | None = None) -> list[Blob]:
@@ -99,10 +101,14 @@ def dataset_blobs(path: str, *, deadline: float | None = None) -> list[Blob]:
     """
     if is_manifest(path):
         m = read_manifest(path, deadline=deadline)
-        return [Blob(m.shard_path(k), s.file_size, s.checksum) for k, s in enumerate(m.shards)]
-    if is_url(path):  # one blob in object storage: its header (one ranged GET of 4 KiB)
-        header = read_remote_header(path, deadline=deadline)
-        return [Blob(path, header.file_size, header.checksum)]
+        return [
+            Blob(src.location, s.file_size, s.checksum, src.remote)
+            for s, src in zip(m.shards, m.sources, strict=True)
+        ]
+    source = source_of(path)
+    if source.remote:  # one blob in object storage: its header (one ranged GET of 4 KiB)
+        header = source.header(deadline=deadline)
+        return [Blob(path, header.file_size, header.checksum, remote=True)]
     try:
         checksum = read_checksum(path)
         size = os.stat(path).st_size
@@ -181,6 +187,8 @@ def wait_served(
         now = clock()
         if now >= deadline:
             names = ", ".join(b.path for b in missing[:3]) + (" ..." if len(missing) > 3 else "")
+            if why and (remote := next((b for b in missing if b.remote), None)):
+                raise needs_daemon(remote.path, why=f"not served after {timeout:g} s: {why}")
             detail = (
                 f"no daemon answered ({why})"
                 if why

@@ -19,28 +19,33 @@ import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from functools import cached_property
+from typing import Any, ClassVar
 
 from smstore import _core
 from smstore._pack import publish_file, source_names
 from smstore._protocol import CHECKSUM_WORDING, is_checksum, is_utf8
 from smstore.errors import StoreError, StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
+from smstore.remote.urls import is_remote_url, needs_daemon
 
 __all__ = [
     "MANIFEST_FORMAT",
     "MANIFEST_NAME",
     "MANIFEST_VERSION",
     "MAX_MANIFEST_BYTES",
+    "LocalFile",
     "Manifest",
+    "RemoteObject",
     "ShardInfo",
     "ShardNames",
+    "Source",
     "absolute",
     "describe_shard",
     "is_manifest",
-    "is_url",
     "manifest_file",
     "publish_manifest",
     "read_manifest",
+    "source_of",
     "stored_path",
     "write_manifest",
 ]
@@ -80,6 +85,104 @@ class ShardInfo:
 
 
 @dataclass(frozen=True)
+class Source:
+    """Where a blob's bytes are, decided once (by :func:`source_of`, or when a manifest is read):
+    a local file or an object in object storage. Code past that point asks the source
+    (``remote``, ``header``, ``read_range``, ``require_daemon``), never the string.
+
+    Attributes:
+        location: The absolute path of the file, or the object's URL.
+        size: The blob's size, where a manifest records it (else None: its header says).
+        checksum: Its checksum, where a manifest records it (else None: its header says).
+    """
+
+    location: str
+    size: int | None = None
+    checksum: str | None = None
+    remote: ClassVar[bool] = False
+
+    def __str__(self) -> str:
+        return self.location
+
+    def header(self, *, deadline: float | None = None) -> _core.BlobHeader:
+        """The blob's header, checked by the core's one header check."""
+        raise NotImplementedError
+
+    def read_range(self, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of the blob."""
+        raise NotImplementedError
+
+    def require_daemon(self, what: str, why: str = "") -> None:
+        """Raise the one "an object needs the daemon" error if this blob can only be read through it.
+
+        Raises:
+            RemoteNeedsDaemonError: An object in object storage (`what` says which: a shard, a dataset).
+        """
+
+
+@dataclass(frozen=True)
+class LocalFile(Source):
+    """A blob in a local file, read by this process."""
+
+    def header(self, *, deadline: float | None = None) -> _core.BlobHeader:  # noqa: ARG002 (a file read waits on no store)
+        fd = _open_blob(self.location, "blob")
+        try:
+            return _core.read_header_fd(fd, self.location)
+        finally:
+            os.close(fd)
+
+    def read_range(self, start: int, end: int) -> bytes:
+        fd = _open_blob(self.location, "blob")
+        try:
+            return os.pread(fd, end - start, start)
+        except OSError as e:
+            raise StoreIOError(e.errno, f"{self.location}: {e.strerror}") from None
+        finally:
+            os.close(fd)
+
+
+@dataclass(frozen=True)
+class RemoteObject(Source):
+    """A blob in object storage: the daemon fetches it for readers; a command reads its header or a
+    range of it with a ranged GET (the ``remote`` extra)."""
+
+    remote: ClassVar[bool] = True
+
+    def header(self, *, deadline: float | None = None) -> _core.BlobHeader:
+        from smstore.remote.fetch import Retry, read_header
+
+        return read_header(self.location, retry=Retry(deadline=deadline))
+
+    def read_range(self, start: int, end: int) -> bytes:
+        from smstore.remote.fetch import read_range
+
+        data, _etag = read_range(self.location, start, end)
+        return bytes(data)
+
+    def require_daemon(self, what: str, why: str = "") -> None:
+        raise needs_daemon(self.location, what, why=why)
+
+
+def source_of(path: str | os.PathLike[str]) -> Source:
+    """What a user's `path` names: an object (a URL, as it is) or a local file (made absolute).
+
+    The one place a string given to smstore becomes a decision about storage.
+    """
+    p = os.fspath(path)
+    return RemoteObject(p) if is_remote_url(p) else LocalFile(os.path.abspath(p))
+
+
+def _open_blob(path: str, what: str) -> int:
+    """A read-only descriptor of the file at `path` (never blocking on a FIFO)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise StoreNotFoundError(2, f"{path}: no such {what}") from None
+    except OSError as e:
+        raise StoreIOError(e.errno, f"{path}: {e.strerror}") from None
+
+
+@dataclass(frozen=True)
 class Manifest:
     """A parsed, validated manifest (see :func:`read_manifest`)."""
 
@@ -87,23 +190,33 @@ class Manifest:
     encoding: str
     shards: tuple[ShardInfo, ...]
     meta: dict[str, Any]  # created, source, smstore_version, user
+    remote: bool = False  # the manifest is in object storage (its relative shard paths are keys there)
 
     @property
     def directory(self) -> str:
         """The manifest's directory; for a manifest in object storage, its prefix (ending in ``/``)."""
-        if is_url(self.path):
+        if self.remote:
             return self.path[: self.path.rindex("/") + 1]
         return os.path.dirname(os.path.abspath(self.path))
 
+    @cached_property
+    def sources(self) -> tuple[Source, ...]:
+        """Each shard's source, decided once from the manifest: an object where the manifest names
+        the shard by URL (``s3://...``) or is itself in object storage (a relative path is then a
+        key under its prefix, checked when the manifest was read), else a local file."""
+        out: list[Source] = []
+        for s in self.shards:
+            if source_of(s.path).remote:
+                out.append(RemoteObject(s.path, s.file_size, s.checksum))
+            elif self.remote:
+                out.append(RemoteObject(self.directory + s.path, s.file_size, s.checksum))
+            else:
+                out.append(LocalFile(os.path.join(self.directory, s.path), s.file_size, s.checksum))
+        return tuple(out)
+
     def shard_path(self, k: int) -> str:
-        """The absolute path of shard ``k``, or its URL where the manifest names it by URL (``s3://...``)
-        or is itself in object storage (a relative path is then a key under its prefix)."""
-        path = self.shards[k].path
-        if is_url(path):
-            return path
-        if is_url(self.path):
-            return self.directory + path  # checked when the manifest was read
-        return os.path.join(self.directory, path)
+        """The absolute path of shard ``k``, or its URL (see :attr:`sources`)."""
+        return self.sources[k].location
 
     @property
     def records(self) -> int:
@@ -130,23 +243,24 @@ class Manifest:
         return h.hexdigest()
 
 
-def is_url(path: str) -> bool:
-    """Whether a manifest's shard path is a URL (``scheme://``): the daemon checks it with ``parse_url``."""
-    return re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", path) is not None
-
-
 def absolute(path: str) -> str:
     """`path` as every process names it: a URL as it is, a local path made absolute."""
-    return path if is_url(path) else os.path.abspath(path)
+    return source_of(path).location
+
+
+def _manifest_source(path: str | os.PathLike[str]) -> Source:
+    """The source of `path`'s manifest: the file itself, or ``manifest.json`` inside a directory
+    (or under a URL prefix ending in ``/``)."""
+    p = os.fspath(path)
+    if source_of(p).remote:
+        return RemoteObject(p + MANIFEST_NAME if p.endswith("/") else p)
+    return LocalFile(os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p)
 
 
 def manifest_file(path: str | os.PathLike[str]) -> str:
     """The manifest of `path`: the file itself, or ``manifest.json`` inside a directory (or under a
     URL prefix ending in ``/``)."""
-    p = os.fspath(path)
-    if is_url(p):
-        return p + MANIFEST_NAME if p.endswith("/") else p
-    return os.path.join(p, MANIFEST_NAME) if os.path.isdir(p) else p
+    return _manifest_source(path).location
 
 
 def is_manifest(path: str | os.PathLike[str]) -> bool:
@@ -154,8 +268,9 @@ def is_manifest(path: str | os.PathLike[str]) -> bool:
 
     A URL is one by its name alone (nothing is fetched): a prefix ending in ``/`` or a ``.json`` object.
     """
-    p = manifest_file(path)
-    if is_url(p):
+    source = _manifest_source(path)
+    p = source.location
+    if source.remote:
         return p.endswith(".json")
     if p != os.fspath(path):
         return os.path.isfile(p)  # a directory with a manifest.json: read_manifest says what is wrong with it
@@ -213,8 +328,9 @@ def read_manifest(path: str | os.PathLike[str], *, deadline: float | None = None
         RemoteURLError, RemoteError: A URL smstore will not fetch, or the fetch failed (or
             `deadline` passed).
     """
-    p = manifest_file(path)
-    if is_url(p):
+    source = _manifest_source(path)
+    p = source.location
+    if source.remote:
         return _read_remote(p, deadline)
     try:
         # O_NONBLOCK: a FIFO named as a manifest must not wait for a writer (the daemon reads
@@ -239,24 +355,9 @@ def hold_fields(manifest: Manifest) -> dict[str, str]:
     and for a dataset in object storage the checksum of the manifest this reader read (the daemon's
     copy of the manifest must be that one)."""
     fields = {"manifest": absolute(manifest.path)}
-    if is_url(fields["manifest"]):
+    if manifest.remote:
         fields["dataset"] = manifest.checksum
     return fields
-
-
-def read_remote_header(url: str, *, deadline: float | None = None) -> _core.BlobHeader:
-    """The header of the blob at `url` (its checksum, size, records): one ranged GET of its first
-    4 KiB, checked by the core's one header check; the GET and its retries end by `deadline` (a
-    ``time.monotonic()`` instant), if given.
-
-    Raises:
-        RemoteURLError, RemoteError: A URL smstore will not fetch, or the read failed (or
-            `deadline` passed).
-        StoreFormatError: Not an smstore blob.
-    """
-    from smstore.remote.fetch import Retry, read_header
-
-    return read_header(url, retry=Retry(deadline=deadline))
 
 
 def _read_remote(url: str, deadline: float | None) -> Manifest:
@@ -266,10 +367,10 @@ def _read_remote(url: str, deadline: float | None) -> Manifest:
 
     u = parse_url(url)  # the allow-list, before anything is fetched
     raw = read_object(u, max_bytes=MAX_MANIFEST_BYTES, what="the manifest", retry=Retry(deadline=deadline))
-    manifest = _parse(str(u), raw)
+    manifest = _parse(str(u), raw, remote=True)
     for k, shard in enumerate(manifest.shards):
         where = f"shards[{k}].path {shard.path!r}"  # not a URL: no credentials to hide in it
-        if not is_url(shard.path):
+        if manifest.sources[k].location != shard.path:  # not named by URL: a key under the prefix
             if shard.path.startswith("/"):
                 raise _bad(
                     str(u),
@@ -285,7 +386,7 @@ def _read_remote(url: str, deadline: float | None) -> Manifest:
     return manifest
 
 
-def _parse(p: str, raw: bytes) -> Manifest:
+def _parse(p: str, raw: bytes, *, remote: bool = False) -> Manifest:
     """The manifest in `raw` (read from `p`, which every error names), validated."""
     try:
         doc = json.loads(raw)
@@ -329,7 +430,7 @@ def _parse(p: str, raw: bytes) -> Manifest:
                 checksum,
             )
         )
-    manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"})
+    manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"}, remote)
     for key in ("records", "data_bytes", "file_size"):
         total = sum(getattr(s, key) for s in shards)
         if total >= _INT_LIMIT:
@@ -386,12 +487,7 @@ def describe_shard(path: str | os.PathLike[str], *, stored_path: str | None = No
         StoreNotFoundError, StoreFormatError: Not a readable blob.
     """
     p = os.fspath(path)
-    try:
-        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)  # a FIFO must not block us
-    except FileNotFoundError:
-        raise StoreNotFoundError(2, f"{p}: no such shard") from None
-    except OSError as e:
-        raise StoreIOError(e.errno, f"{p}: {e.strerror}") from None
+    fd = _open_blob(p, "shard")
     try:
         header = _core.read_header_fd(fd, p)
         meta_raw = os.pread(fd, header.meta_size, header.meta_offset) if header.meta_size <= 1 << 30 else b""

@@ -19,9 +19,9 @@ from smstore._manifest import (
     Manifest,
     ShardInfo,
     ShardNames,
+    Source,
     describe_shard,
     is_manifest,
-    is_url,
     publish_manifest,
     read_manifest,
     stored_path,
@@ -48,22 +48,12 @@ __all__ = [
 # ----------------------------------------------------------------------------- reading
 
 
-ShardOpener = Callable[[str, ShardInfo], _core.Store]
+ShardOpener = Callable[[Source], _core.Store]
 
 
-def _map_shard(path: str, _info: ShardInfo) -> _core.Store:
-    if is_url(path):
-        raise _remote_shard(path)
-    return _core.Store(path)
-
-
-def _remote_shard(path: str) -> StoreNotFoundError:
-    """Why a shard named by URL cannot be mapped: only the daemon fetches it."""
-    return StoreNotFoundError(
-        2,
-        f"{path}: a shard in object storage is read through the node daemon: start 'smstore serve' "
-        '(with --cache-dir DIR --cache-limit SIZE to keep it on the node) and open the dataset with mode="daemon"',
-    )
+def _map_shard(source: Source) -> _core.Store:
+    source.require_daemon("a shard", 'open the dataset with mode="daemon"')
+    return _core.Store(source.location)
 
 
 class ShardedStore(_core.ShardedStore):
@@ -75,7 +65,8 @@ class ShardedStore(_core.ShardedStore):
 
     Args:
         path: The manifest, or a directory holding ``manifest.json``.
-        opener: ``opener(path, shard_info) -> Store`` opens one shard (default: a file mapping).
+        opener: ``opener(source) -> Store`` opens one shard, given its source in the manifest
+            (default: a file mapping).
         check_files: Check up front that every shard exists with the size the manifest records
             (one ``stat`` each). Off when shards are served by the daemon.
         keep_alive: Objects that live as long as the store (the daemon connection its shards are
@@ -110,10 +101,9 @@ class ShardedStore(_core.ShardedStore):
     def check_files(self) -> None:
         """Check that every shard exists with the size the manifest records (one stat each)."""
         m = self.manifest
-        for k, shard in enumerate(m.shards):
-            spath = m.shard_path(k)
-            if is_url(spath):
-                raise _remote_shard(spath)
+        for k, (shard, source) in enumerate(zip(m.shards, m.sources, strict=True)):
+            source.require_daemon("a shard", 'open the dataset with mode="daemon"')
+            spath = source.location
             try:
                 size = os.stat(spath).st_size
             except FileNotFoundError:
@@ -134,7 +124,7 @@ class ShardedStore(_core.ShardedStore):
         shard = m.shards[k]
         spath = m.shard_path(k)
         try:
-            store = self._opener(spath, shard)
+            store = self._opener(m.sources[k])
         except StoreNotFoundError:
             raise StoreNotFoundError(2, f"{m.path}: shard {k} ({spath}) is missing") from None
         if store.checksum != shard.checksum:

@@ -12,6 +12,7 @@ __all__ = [
     "PackInputError",
     "RecordIndexError",
     "RemoteError",
+    "RemoteNeedsDaemonError",
     "RemoteNotFoundError",
     "RemoteURLError",
     "SharedListError",
@@ -91,6 +92,11 @@ class CollateError(StoreError, TypeError):
 
 class DaemonError(StoreError):
     """The smstore daemon is not running, refused a request, or failed."""
+
+
+class RemoteNeedsDaemonError(DaemonError):
+    """An object in object storage reached without the node daemon, the only process that fetches
+    one: the message names the object and says to start ``smstore serve``."""
 
 
 class MixtureError(StoreError, ValueError):

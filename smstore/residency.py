@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore._ipc import connect, exchange, request, socket_path
-from smstore._manifest import Manifest, absolute, hold_fields, is_url, read_manifest
+from smstore._manifest import Manifest, absolute, hold_fields, read_manifest
 from smstore._modes import Mode, check_mode, fall_back
 from smstore._protocol import encode
 from smstore._protocol import frame as framed
@@ -73,7 +73,7 @@ class ShardResidency:
         self.shards = [(absolute(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)]
         # A dataset in object storage: only the daemon can fetch its shards (no page cache to fall
         # back to), and its holds name the dataset's checksum.
-        self.remote = is_url(self.path)
+        self.remote = manifest.remote
         self._hold_fields = hold_fields(manifest)
         self.sizes = [s.file_size for s in manifest.shards]
         self.socket = socket_path(socket)

@@ -656,7 +656,7 @@ def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_
     with 1 KB paths) it became a refusal, and every reader silently attached nothing ahead. A
     reader names the dataset it follows and hears only its shards; a list that still does not fit
     is refused with a warning on both sides, never dropped silently."""
-    from smstore.client import _Preattacher
+    from smstore.client import Preattacher as _Preattacher
 
     deep = tmp_path
     for level in range(4):
@@ -776,7 +776,8 @@ def test_a_preattacher_closed_mid_pass_keeps_no_store(
     the attach itself ends by closing it, as the dataset's finalizer may at that moment): before
     the fix the thread kept the store in `ready` after close() had emptied it (mapped until the
     process ended); now it closes it, and the session, closed for good, never connects again."""
-    from smstore.client import DaemonSession, _Preattacher
+    from smstore.client import DaemonSession
+    from smstore.client import Preattacher as _Preattacher
 
     out = dataset(tmp_path, "ds", shards=2)
     d = start_daemon(loaded=0)
@@ -901,7 +902,7 @@ def test_a_preattaching_thread_of_a_dataset_never_closed_ends_when_its_daemon_is
 
 def test_a_preattaching_thread_backs_off_from_a_daemon_that_does_not_answer(tmp_path: Path) -> None:
     """A socket left by a killed daemon: asked less and less often, not every 0.5 s forever."""
-    from smstore.client import _Preattacher
+    from smstore.client import Preattacher as _Preattacher
 
     sock = tmp_path / "dead.sock"
     listener = socket.socket(socket.AF_UNIX)

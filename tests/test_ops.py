@@ -619,7 +619,8 @@ def _quantity(text: str) -> int:
 def test_the_kubernetes_daemonset_is_valid_and_its_sizes_agree() -> None:
     yaml = pytest.importorskip("yaml")
     kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is in the test extra")
-    from smstore.cli import _size, build_parser
+    from smstore.cli import build_parser
+    from smstore.cli.common import parse_size
 
     (doc,) = list(yaml.safe_load_all((DEPLOY / "kubernetes" / "smstore-daemonset.yaml").read_text()))
     kv.validate(doc, "1.33", strict=True)
@@ -635,7 +636,7 @@ def test_the_kubernetes_daemonset_is_valid_and_its_sizes_agree() -> None:
     mounts = {m["mountPath"]: m["name"] for m in daemon["volumeMounts"]}
     shm = volumes[mounts["/dev/shm"]]["emptyDir"]
     assert shm["medium"] == "Memory"
-    assert _quantity(shm["sizeLimit"]) == args.shm_limit == _size("16G")
+    assert _quantity(shm["sizeLimit"]) == args.shm_limit == parse_size("16G")
     memory = daemon["resources"]["limits"]["memory"]
     assert args.shm_limit < _quantity(memory) <= args.shm_limit + (2 << 30)
     assert daemon["resources"]["requests"]["memory"] == memory
@@ -792,10 +793,10 @@ def test_the_systemd_unit_verifies_clean(tmp_path: Path) -> None:
     assert settings["RemoveIPC"] == "no"
     assert settings["ProtectSystem"] == "strict"
     assert settings["PrivateTmp"] == "yes"
-    from smstore.cli import _size
+    from smstore.cli.common import parse_size
 
-    shm_limit = _size(text.split("Environment=SMSTORE_SHM_LIMIT=")[1].split()[0])
-    assert shm_limit < _size(settings["MemoryMax"]) <= shm_limit + (2 << 30)
+    shm_limit = parse_size(text.split("Environment=SMSTORE_SHM_LIMIT=")[1].split()[0])
+    assert shm_limit < parse_size(settings["MemoryMax"]) <= shm_limit + (2 << 30)
 
 
 def socket_families(pid: int) -> set[str]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import subprocess
 import sys
@@ -23,7 +24,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed")
 import daemon_testlib as tl
 from daemon_testlib import Daemon
 from remote_testlib import BUCKET, S3, SECRET, FaultProxy, bucket_dataset, remote_dataset
-from smstore_testlib import run_ranks
+from smstore_testlib import run_cli, run_ranks
 from test_remote import run_rank
 
 import smstore
@@ -31,7 +32,7 @@ from smstore import _manifest
 from smstore._blocks import BlockReader, BlockResidency, Piece, shard_block
 from smstore._manifest import read_manifest
 from smstore.daemon.planner import Backoff
-from smstore.errors import DaemonError, RemoteError, RemoteURLError, StoreFormatError
+from smstore.errors import DaemonError, RemoteError, RemoteNeedsDaemonError, RemoteURLError, StoreFormatError
 from smstore.remote import fetch
 
 
@@ -166,11 +167,56 @@ def test_a_dataset_url_without_a_daemon_says_to_run_smstore_serve(
     for mode in ("auto", "daemon"):
         with pytest.raises(DaemonError, match="a dataset in object storage is read through the node daemon"):
             smstore.open_store(url, mode=mode)  # type: ignore[arg-type]
-    with pytest.raises(RemoteURLError, match='mode="mmap" cannot read it'):
+    with pytest.raises(RemoteNeedsDaemonError, match='mode="mmap" cannot read it'):
         smstore.open_store(url, mode="mmap")
     # One blob there (once loaded: 'smstore load URL') is read through the daemon too.
     with pytest.raises(DaemonError, match="read through the node daemon"):
         smstore.open_store(s3.url("nodaemon/x.smst"), mode="daemon")
+
+
+def _says_to_serve(url: str, what: str) -> str:
+    """The one message of an object reached without the daemon, as a pattern."""
+    return re.escape(
+        f"{url}: {what} in object storage is read through the node daemon: start 'smstore serve'"
+    )
+
+
+def test_every_way_to_an_object_without_a_daemon_raises_the_one_error(
+    s3: S3, proxy: FaultProxy, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """smstore.open, open_store in every mode, a dataset, a local manifest naming objects, and the
+    CLI's get and wait: each gives RemoteNeedsDaemonError naming the object and 'smstore serve'."""
+    from smstore.dataset import SharedStoreDataset
+
+    url, _records, _local = bucket_dataset(s3, tmp_path, "noserve", shards=2)
+    blob = s3.url("noserve/x.smst")
+    manifest, _data, _checksums = remote_dataset(s3, tmp_path, "noserve-local", shards=2)
+    first = json.loads(manifest.read_text())["shards"][0]["path"]
+    monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "none.sock"))
+    for mode in ("auto", "daemon", "mmap"):
+        with pytest.raises(RemoteNeedsDaemonError, match=_says_to_serve(url, "a dataset")):
+            smstore.open_store(url, mode=mode)  # type: ignore[arg-type]
+        with pytest.raises(RemoteNeedsDaemonError, match=_says_to_serve(first, "a shard")):
+            smstore.open_store(manifest, mode=mode)[0]  # type: ignore[arg-type]
+    with pytest.raises(RemoteNeedsDaemonError, match=_says_to_serve(url, "a dataset")):
+        smstore.open(url)
+    with pytest.raises(RemoteNeedsDaemonError, match=_says_to_serve(blob, "a blob")):
+        smstore.open(blob)
+    with pytest.raises(RemoteNeedsDaemonError, match=_says_to_serve(first, "a shard")):
+        smstore.open(manifest)
+    with pytest.raises(RemoteNeedsDaemonError, match=_says_to_serve(url, "a dataset")):
+        SharedStoreDataset(url)
+    for args in (("get", url, "0"), ("get", blob, "0"), ("wait", url, "--timeout", "0.1")):
+        res = run_cli(*args)
+        assert res.returncode == 1, res
+        err = res.stderr.decode()
+        assert re.search(r"in object storage is read through the node daemon: start 'smstore serve'", err), (
+            err
+        )
+    # A URL given with credentials is shown without them, as every URL error shows it.
+    with pytest.raises(RemoteNeedsDaemonError) as info:
+        smstore.open(f"s3://user:{SECRET}@{BUCKET}/noserve/")
+    assert SECRET not in str(info.value)
 
 
 def test_a_dataset_url_pickles_with_its_manifest_and_its_copy_reads_without_a_fetch(

@@ -775,3 +775,45 @@ def test_record_views_keep_their_shard_mapped(tmp_path: Path, corpus: tuple[list
     assert [v.tobytes() for v in views] == [expected[i] for i in picks]
     with pytest.raises(smstore.StoreClosedError):
         s[0]
+
+
+# --- where each shard's bytes are: decided once, when the manifest is read --------------------------
+
+
+def test_a_manifest_gives_each_shard_its_source(tmp_path: Path) -> None:
+    """Local shards are LocalFiles knowing their size, checksum, header and ranges; a shard named by
+    URL is a RemoteObject (nothing fetched to say so), and reading it without the daemon raises the
+    one error."""
+    from smstore._manifest import LocalFile, RemoteObject, source_of
+
+    src = tmp_path / "in.txt"
+    write_lines(src, 3000)
+    out = tmp_path / "ds"
+    smstore.pack_files([src], out, shard_size=src.stat().st_size // 3 + 1, progress=False, durable=False)
+    m = read_manifest(out)
+    assert not m.remote
+    assert len(m.sources) == len(m.shards) > 1
+    for k, (shard, source) in enumerate(zip(m.shards, m.sources, strict=True)):
+        assert isinstance(source, LocalFile)
+        assert not source.remote
+        assert source.location == m.shard_path(k) == os.path.join(out, shard.path)
+        assert (source.size, source.checksum) == (shard.file_size, shard.checksum)
+        header = source.header()
+        assert (header.file_size, header.checksum) == (shard.file_size, shard.checksum)
+        assert source.read_range(100, 200) == Path(source.location).read_bytes()[100:200]
+        source.require_daemon("a shard")  # a local file needs none
+    # The same shards named by URL: objects, decided from the manifest alone.
+    doc = json.loads((out / MANIFEST_NAME).read_text())
+    for entry in doc["shards"]:
+        entry["path"] = f"s3://a-bucket/ds/{entry['path']}"
+    (out / MANIFEST_NAME).write_text(json.dumps(doc))
+    m = read_manifest(out)
+    assert all(isinstance(s, RemoteObject) and s.remote for s in m.sources)
+    assert m.sources[0].location == doc["shards"][0]["path"]
+    with pytest.raises(
+        smstore.RemoteNeedsDaemonError, match=r"s3://a-bucket/ds/.*: a shard in object storage"
+    ):
+        m.sources[0].require_daemon("a shard")
+    # A user's string: a URL as it is, a path made absolute.
+    assert source_of("s3://a-bucket/x.smst") == RemoteObject("s3://a-bucket/x.smst")
+    assert source_of(os.path.relpath(src)) == LocalFile(os.fspath(src))

@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 from smstore import _core
 from smstore._blocks import Piece, piece_id, piece_path
-from smstore._manifest import is_url
 from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, ProtocolError
 from smstore.daemon.loader import LOADER_NICENESS, Failed, Loaded
 from smstore.daemon.segments import pages, unlink_quietly
 from smstore.errors import StoreChangedError, StoreError
+from smstore.remote.urls import is_remote_url
 
 if TYPE_CHECKING:
     import numpy as np
@@ -168,10 +168,10 @@ class Blocks:
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )
             path, info = paths[p.shard], manifest.shards[p.shard]
-            if path in self.failed and is_url(path) and self.planner.backoff.due(path):
+            if path in self.failed and is_remote_url(path) and self.planner.backoff.due(path):
                 self._retry(path)
             size: int | None
-            if is_url(path):
+            if is_remote_url(path):
                 remote = self._remote_of(path, info.checksum, info.file_size)
                 size = None if remote is None else _piece_size(remote.offsets, p, len(remote.meta.encode()))
             else:
@@ -234,7 +234,7 @@ class Blocks:
         """The pieces of the shard at `path` cannot be loaded: not tried again until its file changes,
         or for a shard in object storage, until a hold after its backoff (`Planner.backoff`)."""
         self.failed[path] = why
-        if is_url(path):
+        if is_remote_url(path):
             self.planner.backoff.failed(path)
 
     def _retry(self, path: str) -> None:
@@ -305,7 +305,7 @@ class Blocks:
                 why = self.serving.failures.get(job.pseudo)
                 if key not in self.segments and why is not None:
                     self._fail(job.path, why)
-                elif key in self.segments and is_url(job.path):
+                elif key in self.segments and is_remote_url(job.path):
                     self.planner.backoff.succeeded(job.path)
         released = []
         for key in list(self.mine):
@@ -412,7 +412,7 @@ class Blocks:
 
     def _load(self, job: _Job) -> Loaded:
         t0 = time.monotonic()
-        if is_url(job.path):
+        if is_remote_url(job.path):
             from smstore.remote.fetch import read_range
 
             with self._lock:

@@ -18,10 +18,11 @@ import time
 from collections.abc import Callable, Collection, Container
 from dataclasses import dataclass, field
 
-from smstore._manifest import Manifest, absolute, is_url, manifest_file, read_manifest
+from smstore._manifest import Manifest, absolute, manifest_file, read_manifest
 from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.errors import StoreError
+from smstore.remote.urls import is_remote_url
 
 __all__ = [
     "FETCH_BACKOFF",
@@ -86,7 +87,7 @@ FileIdentity = tuple[int, int, int, int]
 
 
 def _identity(path: str) -> FileIdentity | None:
-    if is_url(path):
+    if is_remote_url(path):
         return (
             0,
             0,
@@ -246,7 +247,7 @@ class Planner:
                     )
                     raise ProtocolError(NO_ROOM, msg)
         for path, checksum in shards:
-            if is_url(path) and path in self.hold_failed and self.backoff.due(path):
+            if is_remote_url(path) and path in self.hold_failed and self.backoff.due(path):
                 del self.hold_failed[path]  # its backoff is over: this hold fetches it again
             why = self.failed(path, checksum)
             if why is not None:
@@ -429,7 +430,7 @@ class Planner:
         held = expected or next((ck for ck, p in self.wanted().items() if p == path), None)
         if held is not None:
             self.hold_failed[path] = (held, _identity(path), why)
-            if is_url(path):
+            if is_remote_url(path):
                 self.backoff.failed(path)
 
     def load_done(self, path: str, checksum: str, *, asked: bool) -> None:
@@ -473,7 +474,9 @@ class Planner:
 
     def knows(self, manifest_path: str) -> bool:
         """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
-        return (manifest_file(manifest_path) if is_url(manifest_path) else manifest_path) in self.manifests
+        return (
+            manifest_file(manifest_path) if is_remote_url(manifest_path) else manifest_path
+        ) in self.manifests
 
     def checksums(self, manifest_path: str) -> frozenset[str]:
         """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
@@ -508,7 +511,7 @@ class Planner:
     def _keep(self, path: str, key: FileIdentity, manifest: Manifest) -> list[str]:
         paths = [absolute(manifest.shard_path(k)) for k in range(len(manifest.shards))]
         for p, shard in zip(paths, manifest.shards, strict=True):
-            if is_url(p):
+            if is_remote_url(p):
                 self.remote_sizes[p] = shard.file_size
         if len(self.manifests) >= MAX_MANIFESTS:
             self.manifests.clear()
@@ -526,7 +529,7 @@ class Planner:
             ManifestPending: `path` is a URL whose manifest was not fetched yet.
             StoreError: The manifest is missing or bad.
         """
-        if is_url(path):
+        if is_remote_url(path):
             remote = self.manifests.get(manifest_file(path))  # a prefix ending in '/' names its manifest.json
             if remote is None:
                 raise ManifestPending(path)

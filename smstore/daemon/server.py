@@ -18,7 +18,7 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
-from smstore._manifest import is_url, manifest_file
+from smstore._manifest import manifest_file
 from smstore._protocol import (
     BAD_REQUEST,
     PERMISSION_DENIED,
@@ -51,6 +51,7 @@ from smstore.daemon.segments import (
 from smstore.daemon.serving import Serving, describe
 from smstore.daemon.state import StateFile, state_path
 from smstore.errors import DaemonError, StoreError
+from smstore.remote.urls import is_remote_url
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
 
@@ -111,7 +112,7 @@ def claim_socket(sock_path: Path) -> None:
 
 def load_path(f: str) -> str:
     """A file given to load: its absolute path, or an object's URL as it is."""
-    return f if is_url(f) else os.fspath(Path(f).absolute())
+    return f if is_remote_url(f) else os.fspath(Path(f).absolute())
 
 
 def check_url(url: str) -> None:
@@ -342,7 +343,7 @@ class Daemon(Server):
         elif op == "load":
             path = load_path_arg(req, required=True)
             assert path is not None
-            if is_url(path):
+            if is_remote_url(path):
                 # An object, pinned like a file until 'unload': the allow-list first (the owner's
                 # word, but never a scheme we do not fetch); the checksum its manifest records, if given.
                 check_url(path)
@@ -381,7 +382,7 @@ class Daemon(Server):
                 request that is still not the dataset the reader read (replaced in the bucket).
         """
         url = manifest_value(req.get("manifest"))
-        if not is_url(url):
+        if not is_remote_url(url):
             return True
         dataset = dataset_arg(req)
         kept = self.serving.planner.remote_manifest(url)

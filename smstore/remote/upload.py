@@ -8,7 +8,6 @@ from collections.abc import Callable
 from typing import Any
 
 from smstore import _core
-from smstore._manifest import MANIFEST_NAME, read_manifest
 from smstore.errors import RemoteError, RemoteURLError, StoreChangedError, StoreIOError, StoreNotFoundError
 from smstore.remote.urls import RemoteURL, parse_url
 
@@ -148,6 +147,8 @@ def publish_remote_dataset(
         StoreFormatError: The manifest is invalid, or names a shard outside its directory.
         RemoteURLError, RemoteError: As :func:`upload`.
     """
+    from smstore._manifest import MANIFEST_NAME, read_manifest  # _manifest imports this package
+
     manifest = read_manifest(local_dir)
     prefix = url if isinstance(url, RemoteURL) else parse_url(url, prefix=True)
     if prefix.key and not prefix.key.endswith("/"):

@@ -6,9 +6,9 @@ import re
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from smstore.errors import RemoteURLError
+from smstore.errors import RemoteNeedsDaemonError, RemoteURLError
 
-__all__ = ["SCHEMES", "RemoteURL", "is_remote_url", "parse_url"]
+__all__ = ["SCHEMES", "RemoteURL", "is_remote_url", "needs_daemon", "parse_url"]
 
 # The only schemes smstore fetches from or uploads to. Everything else (file:, http:, memory:,
 # abfs:, gcs: ...) is refused, so a URL taken from a manifest cannot reach a local file or a
@@ -69,8 +69,31 @@ def _refuse(url: str, fault: str) -> RemoteURLError:
 
 
 def is_remote_url(value: object) -> bool:
-    """Whether `value` is a string that names object storage (``scheme://``): a path never does."""
+    """Whether `value` is a string that names object storage (``scheme://``): a path never does.
+
+    smstore's one "is it a URL?": asked where a user's string enters (``smstore.open``, a
+    dataset, ``read_manifest``, the command line); past that the answer travels as data (a
+    manifest's shard sources, :class:`smstore._manifest.Source`).
+    """
     return isinstance(value, str) and re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value) is not None
+
+
+def needs_daemon(
+    url: str, what: str = "an object", *, why: str = "", part: str = ""
+) -> RemoteNeedsDaemonError:
+    """The one error for object storage reached without the node daemon (only ``smstore serve`` fetches).
+
+    Args:
+        url: The object (or dataset) reached; shown redacted, as every URL error shows it.
+        what: What it is, for the message ("a dataset", "a shard", "a blob").
+        why: What stood in the way (no daemon answers on the socket, ``mode="mmap"``).
+        part: What of the object was read (a block's ``#records=a-b``), shown after it.
+    """
+    msg = (
+        f"{_redact(url)}{part}: {what} in object storage is read through the node daemon: start "
+        "'smstore serve' (with --cache-dir DIR --cache-limit SIZE to keep it on the node)"
+    )
+    return RemoteNeedsDaemonError(f"{msg}; {why}" if why else msg)
 
 
 def parse_url(url: str, *, prefix: bool = False) -> RemoteURL:

@@ -1,4 +1,6 @@
-"""open_store(): the daemon's shared-memory copy of a blob when it serves one, else a mapping of the file."""
+"""open_store(): the daemon's shared-memory copy of a blob when it serves one, else a mapping of the
+file; a dataset in object storage through the daemon only; StoreHandle, the store of a reader that
+pickles as a path."""
 
 from __future__ import annotations
 
@@ -12,302 +14,27 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from smstore import _core, _fork
 from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
 from smstore._manifest import (
     Manifest,
-    ShardInfo,
+    Source,
     absolute,
-    hold_fields,
     is_manifest,
-    is_url,
     read_manifest,
+    source_of,
 )
 from smstore._modes import Mode, check_mode, fall_back, log_once, warn_once
-from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
-from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED, encode
+from smstore._objects import OBJECT_ENCODINGS
+from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED
 from smstore._shards import ShardedStore, open_sharded
 from smstore._store import Store, open_blob, read_checksum
-from smstore.errors import DaemonError, RemoteURLError, StoreChangedError, StoreFormatError
+from smstore.client.session import DaemonObjectStore, DaemonSession, DaemonStore, keep_attached
+from smstore.errors import DaemonError, StoreChangedError
+from smstore.remote.urls import needs_daemon
 
-__all__ = [
-    "DaemonSession",
-    "DaemonStore",
-    "Mode",
-    "StoreHandle",
-    "attach_shared",
-    "daemon_request",
-    "open_store",
-    "share_with_daemon",
-]
+__all__ = ["Preattacher", "StoreHandle", "open_store", "open_url"]
 
 log = logging.getLogger("smstore")
-
-
-class DaemonStore(Store):
-    """A Store over the daemon's read-only shared-memory segment (see :func:`open_store`).
-
-    The daemon validated the blob (checksum and index) when it loaded it, and no other user can
-    write the segment, so attaching checks only the header and the index's ends: O(1), whatever
-    the blob's size. Every record access still checks its offsets against the data section.
-    """
-
-    def __init__(
-        self,
-        fd: int,
-        path: str,
-        info: dict[str, Any],
-        conn: socket.socket | None,
-        session: DaemonSession | None = None,
-    ) -> None:
-        _core.Store.__init__(self, fd, path, False)
-        self.segment: str = str(info.get("segment", ""))
-        self._conn = conn
-        self._session = session
-        keep_attached(self)
-
-    def detach_through(self, session: DaemonSession) -> None:
-        """Leave the daemon's client list through `session` when closed (not the attaching one)."""
-        self._session = session
-
-    def close(self) -> None:
-        """Unmap (once no record view is alive) and leave the daemon's client list."""
-        if not self.closed and self._session is not None:
-            self._session.detach(self.checksum)
-        super().close()
-        self._drop_connection()
-
-    def __del__(self) -> None:
-        # Dropping a Store without close() is normal use: leave quietly, no ResourceWarning.
-        self._drop_connection()
-
-    def _drop_connection(self) -> None:
-        conn = getattr(self, "_conn", None)
-        if conn is not None:
-            conn.close()
-            self._conn = None
-
-    def __repr__(self) -> str:
-        if self.closed:
-            return "<smstore.DaemonStore (closed)>"
-        return (
-            f"<smstore.DaemonStore {self.path!r} in {self.segment}: {len(self)} records, {self.nbytes} bytes>"
-        )
-
-
-# Holders of connections that keep this process listed as a client of a segment (anything with a
-# _drop_connection method); a forked child must not keep its parent's (the daemon would otherwise
-# see the parent as attached after it exited).
-_attachments: weakref.WeakSet[Any] = weakref.WeakSet()
-
-
-def keep_attached(holder: Any) -> None:
-    """Have `holder._drop_connection()` called in every forked child of this process."""
-    _attachments.add(holder)
-
-
-# How long a reader waits for the daemon to finish loading a shard it asked for.
-LOAD_WAIT = 300.0
-
-
-class DaemonObjectStore(DecodedItems, DaemonStore):
-    """The daemon's copy of a blob of objects (:func:`smstore.open` of a blob URL): items decoded
-    as :class:`smstore.ObjectStore`'s, ``raw(i)`` the record's bytes."""
-
-    _raw = _core.Store
-
-    def __init__(self, *args: Any) -> None:  # DaemonStore's
-        DaemonStore.__init__(self, *args)
-        decoder = object_decoder(self.encoding)
-        if decoder is None:  # only made for a blob of objects
-            label, encoding = self.path, self.encoding
-            self.close()
-            raise StoreFormatError(f"{label}: records are encoded as {encoding!r}, not as objects")
-        self._decode = decoder
-
-
-class DaemonSession:
-    """One connection to the daemon for many attaches: the shards of one dataset in one process.
-
-    The daemon lists this process as a client of every segment attached through the connection
-    while it stays open. A forked child drops its parent's connection and opens its own on its
-    first attach.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.conn: socket.socket | None = None
-        # One exchange (or detach) at a time on the connection. Reentrant: a finalizer that closes
-        # the session may run in the thread in the middle of an exchange.
-        self.lock = threading.RLock()
-        self.finished = False  # closed for good (`finish`): never connects again
-        keep_attached(self)
-
-    def attach(self, checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
-        """The daemon's reply to attaching the segment holding `checksum`, and its fd if it sent one.
-
-        With `path`, a shard the daemon is loading at the moment (one a rank holds: see
-        :class:`smstore.residency.ShardResidency`) is waited for, up to `LOAD_WAIT` seconds.
-
-        Raises:
-            DaemonError: No daemon answers, or the exchange failed (the connection is dropped).
-        """
-        message: dict[str, Any] = {"op": "attach", "checksum": checksum}
-        if path is not None:
-            message["path"] = absolute(path)
-        return self.ask(message, LOAD_WAIT if path is not None else 10.0)
-
-    def hold_shard(self, manifest: Manifest, index: int) -> dict[str, Any]:
-        """Hold shard `index` of `manifest` for this process (replacing what it held before): the
-        daemon's reply, once it has the manifest (fetched first, for a dataset in object storage).
-
-        Raises:
-            DaemonError: No daemon answers, or the exchange failed.
-        """
-        # "reader": apart from the samplers' holds (loaded after them, never listed to the readers
-        # that follow the holds: those unmap the shards no sampler holds).
-        message = {"op": "hold", **hold_fields(manifest), "shards": str(int(index)), "reader": True}
-        reply, fd = self.ask(message, LOAD_WAIT)
-        if fd is not None:
-            os.close(fd)
-        return reply
-
-    def ask(self, message: dict[str, Any], timeout: float) -> tuple[dict[str, Any], int | None]:
-        """The daemon's reply to `message` on the session's connection, and the fd it sent, if any.
-
-        Raises:
-            DaemonError: No daemon answers, or the exchange failed (the connection is dropped).
-        """
-        with self.lock:
-            if self.finished:
-                raise DaemonError(f"smstore: the daemon session on {self.path} is closed")
-            return self._ask(message, timeout)
-
-    def _ask(self, message: dict[str, Any], timeout: float) -> tuple[dict[str, Any], int | None]:
-        for attempt in (1, 2):
-            reused = self.conn is not None
-            if self.conn is None:  # a new connection: refused as busy, it tries again a while
-                reply, fd, self.conn = request(message, self.path, timeout=timeout)
-                return reply, fd
-            try:
-                self.conn.settimeout(timeout)
-                return exchange(self.conn, message, self.path)
-            except DaemonError:
-                self._drop_connection()
-                if not reused or attempt == 2:
-                    raise
-                # The daemon we attached earlier is gone; one that replaced it may serve us.
-            except BaseException:
-                self._drop_connection()
-                raise
-        raise AssertionError  # unreachable: the second attempt returns or raises
-
-    def detach(self, checksum: str) -> None:
-        """Tell the daemon this process unmapped the segment holding `checksum` (best effort)."""
-        with self.lock:
-            if self.finished:
-                return  # its connection closed: the daemon forgot what it attached
-            try:  # no reply to wait for: releasing a shard costs one send
-                if self.conn is None:  # the daemon takes any connection of this process
-                    self.conn = connect(self.path)
-                self.conn.sendall(encode({"op": "detach", "checksum": checksum, "noreply": True}))
-            except (OSError, DaemonError):
-                self._drop_connection()  # no daemon: it holds nothing for us any more
-
-    def close(self) -> None:
-        """Close the connection (the next attach opens another)."""
-        self._drop_connection()
-
-    def finish(self) -> None:
-        """Close the connection for good: later attaches fail and detaches do nothing."""
-        with self.lock:
-            self.finished = True
-            self._drop_connection()
-
-    def _drop_connection(self) -> None:
-        conn, self.conn = self.conn, None
-        if conn is not None:
-            conn.close()
-
-    def _after_fork_in_child(self) -> None:
-        # Another thread (the pre-attacher) may have held the lock at the fork: that thread does
-        # not exist here to release it, so the child's first attach would block forever.
-        self.lock = threading.RLock()
-        self._drop_connection()
-
-    def __del__(self) -> None:
-        self._drop_connection()
-
-
-def _after_fork_in_child() -> None:
-    for holder in list(_attachments):
-        after_fork = getattr(holder, "_after_fork_in_child", None)
-        if after_fork is not None:
-            after_fork()
-        else:
-            holder._drop_connection()
-
-
-_fork.in_child(_after_fork_in_child)
-
-
-def _refused(reply: dict[str, Any], what: str) -> DaemonError:
-    """The error for a reply that says no, in the daemon's words."""
-    return DaemonError(f"smstore daemon: {reply.get('message', reply.get('error', what))}")
-
-
-def daemon_request(
-    message: dict[str, Any], sock: str | os.PathLike[str] | None = None, *, timeout: float | None = 10.0
-) -> dict[str, Any]:
-    """Send one request to the daemon and return its reply; DaemonError if it refused or failed."""
-    reply, fd, conn = request(message, socket_path(sock), timeout=timeout)
-    conn.close()
-    if fd is not None:
-        os.close(fd)
-    if not reply.get("ok"):
-        raise _refused(reply, "request failed")
-    return reply
-
-
-def share_with_daemon(
-    fd: int, key: str, sock: str | os.PathLike[str] | None = None
-) -> tuple[dict[str, Any], socket.socket]:
-    """Hand a sealed memfd blob to the daemon, which serves it under `key` to later `attach_shared` calls.
-
-    Returns the reply and the connection: keep it open for as long as the daemon should hold the blob
-    (it drops a shared blob when no client is attached any more).
-
-    Raises:
-        DaemonError: No daemon answers, or it refused.
-    """
-    reply, got, conn = request({"op": "share", "key": key}, socket_path(sock), timeout=60.0, fd=fd)
-    if got is not None:
-        os.close(got)  # our own blob (or an identical one already served) handed back: we hold ours
-    if not reply.get("ok"):
-        conn.close()
-        raise _refused(reply, "share refused")
-    conn.settimeout(None)
-    return reply, conn
-
-
-def attach_shared(
-    key: str, sock: str | os.PathLike[str] | None = None
-) -> tuple[int, dict[str, Any], socket.socket] | None:
-    """The descriptor of a blob the daemon serves under content `key`, or None if it serves none.
-
-    Raises:
-        DaemonError: No daemon answers, or the exchange failed.
-    """
-    reply, fd, conn = request({"op": "attach", "key": key}, socket_path(sock), timeout=10.0)
-    if not reply.get("ok") or fd is None:
-        conn.close()
-        if fd is not None:
-            os.close(fd)
-        if reply.get("error") == NOT_SERVED:
-            return None
-        raise _refused(reply, "attach refused")
-    conn.settimeout(None)
-    return fd, reply, conn
 
 
 def open_store(
@@ -349,9 +76,8 @@ def open_store(
 
     Raises:
         ValueError: ``mode`` is none of ``"auto"``, ``"daemon"``, ``"mmap"``.
-        RemoteURLError: A dataset URL with ``mode="mmap"``, or a URL that names no manifest.
-        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file; or
-            a dataset URL and no daemon answers.
+        RemoteNeedsDaemonError: A URL with ``mode="mmap"``, or a URL and no daemon answers.
+        DaemonError: ``mode="daemon"`` and no daemon answers, or it does not serve this file.
         StoreChangedError: ``checksum`` is given and the blob now holds other contents.
         StoreError: The file is missing or not a valid blob (when it has to be opened).
     """
@@ -378,11 +104,11 @@ def open_url(
     through the daemon (which checked each object's checksum as it fetched it).
 
     Raises:
-        DaemonError: No daemon answers (only the daemon fetches from object storage), or it does
-            not serve the blob.
+        RemoteNeedsDaemonError: No daemon answers (only the daemon fetches from object storage).
+        DaemonError: The daemon does not serve the blob.
         RemoteURLError, RemoteError: A URL smstore will not fetch, or a read failed.
     """
-    store: Store | ShardedStore = _open(url, "daemon", socket, raw=raw, decode_blob=not raw)
+    store = _open_remote(url, "daemon", socket, None, raw=raw, decode_blob=not raw)  # smstore.open decided it
     if verify:
         try:
             store.verify()
@@ -430,7 +156,9 @@ class StoreHandle:
         self.checksum: str = self._store.checksum  # every process must read these very bytes
         # A dataset in object storage pickles with its manifest: a worker fetches nothing.
         self.manifest: Manifest | None = (
-            self._store.manifest if is_url(self.path) and isinstance(self._store, ShardedStore) else None
+            self._store.manifest
+            if isinstance(self._store, ShardedStore) and self._store.manifest.remote
+            else None
         )
 
     @property
@@ -489,7 +217,7 @@ def _open(
     opens decoded (smstore.open's rule; open_store's, as for a local blob: raw)."""
     mode = check_mode(mode)
     spath = os.fspath(path)
-    if is_url(spath):
+    if source_of(spath).remote:
         return _open_remote(spath, mode, socket, manifest, raw=raw, decode_blob=decode_blob)
     if is_manifest(spath):
         return _open_sharded(spath, mode, socket)
@@ -505,7 +233,7 @@ def _open(
     return _attach(spath, checksum, mode, socket_path(socket), None)
 
 
-class _Preattacher:
+class Preattacher:
     """Attaches, ahead of the reads, the shards of one dataset that a rank holds in the daemon,
     and unmaps those it no longer holds.
 
@@ -537,7 +265,7 @@ class _Preattacher:
     ) -> None:
         self.session = DaemonSession(sock)
         self.manifest = absolute(manifest)  # the daemon answers with this dataset's shards only
-        self._refused: str | None = None  # the daemon's last refusal, logged once
+        self.refused: str | None = None  # the daemon's last refusal, logged once
         self.checksums = checksums  # checksum -> shard index, for this dataset
         self.is_open = is_open
         self.release = release
@@ -614,13 +342,13 @@ class _Preattacher:
             # No list this time (too many held shards for one reply, a manifest gone bad): the
             # reads attach their shards themselves; what is ready stays ready.
             why = str(reply.get("message", reply.get("error")))
-            if why != self._refused:
+            if why != self.refused:
                 log.warning(
                     "smstore: %s: cannot attach held shards ahead of the reads: %s", self.manifest, why
                 )
-                self._refused = why
+                self.refused = why
             return version
-        self._refused = None
+        self.refused = None
         not_resident = set(reply.get("not_resident", ()))
         held = [(p, c) for p, c in reply.get("shards", []) if c in self.checksums]
         wanted = {c for _p, c in held}
@@ -685,14 +413,6 @@ class _Preattacher:
             self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
 
 
-# What a reader of a dataset in object storage needs, for the errors that say it is missing.
-_THROUGH_THE_DAEMON = (
-    "a dataset in object storage is read through the node daemon: start 'smstore serve' (with "
-    "--cache-dir DIR --cache-limit SIZE to keep its shards on the node), which fetches the shards "
-    "the samplers hold"
-)
-
-
 def _open_remote(
     url: str,
     mode: Mode,
@@ -702,17 +422,21 @@ def _open_remote(
     raw: bool = False,
     decode_blob: bool = False,
 ) -> Store | ShardedStore:
-    """A sharded dataset in object storage: its manifest fetched here, its shards attached from the daemon."""
+    """A dataset (or one blob) in object storage: its manifest fetched here, its shards attached
+    from the daemon.
+
+    Raises:
+        RemoteNeedsDaemonError: ``mode="mmap"``, or no daemon answers: said now, not at the first read.
+    """
+    what = "a dataset" if is_manifest(url) else "a blob"
     if mode == "mmap":
-        raise RemoteURLError(
-            f'{url}: {_THROUGH_THE_DAEMON}; mode="mmap" cannot read it (use "daemon" or "auto")'
-        )
+        raise needs_daemon(url, what, why='mode="mmap" cannot read it (use "daemon" or "auto")')
     sock_at = socket_path(socket)
     try:
-        connect(sock_at).close()  # no daemon: said now, not at the first read
+        connect(sock_at).close()
     except DaemonError as e:
-        raise DaemonError(f"{url}: {_THROUGH_THE_DAEMON}; {e}") from None
-    if not is_manifest(url):
+        raise needs_daemon(url, what, why=str(e)) from None
+    if what == "a blob":
         return _open_remote_blob(url, sock_at, decode=decode_blob)
     return _open_sharded(
         url, "daemon", socket, manifest if manifest is not None else read_manifest(url), raw=raw
@@ -784,14 +508,17 @@ def _open_sharded(
             store.release_shard(k)
 
     index = {s.checksum: k for k, s in enumerate(manifest.shards)}
-    ahead = _Preattacher(session.path, manifest.path, index, is_open, release)
+    ahead = Preattacher(session.path, manifest.path, index, is_open, release)
 
-    def opener(path: str, info: ShardInfo) -> Store:
-        ready = ahead.take(info.checksum)
+    def opener(source: Source) -> Store:
+        assert source.checksum is not None  # a manifest's sources record it
+        ready = ahead.take(source.checksum)
         if ready is not None:
             return ready
         # By the checksum the manifest records: a served shard's file is never read.
-        store = _attach(path, info.checksum, mode, session.path, session, (manifest, index[info.checksum]))
+        store = _attach(
+            source.location, source.checksum, mode, session.path, session, (manifest, index[source.checksum])
+        )
         if isinstance(store, DaemonStore):
             # Detach through the connection that never waits for a load (the daemon counts any
             # connection of this process as speaking for all of them).
@@ -890,16 +617,18 @@ def _attach(
     that no sampler holds holds it itself).
     """
     conn: socket.socket | None = None
+    # A shard in object storage has no file to fall back on: whatever the mode, the reader hears why.
+    remote = shard is not None and shard[0].sources[shard[1]].remote
     try:
         if session is not None:
             reply, fd = session.attach(checksum, spath)
-            if shard is not None and is_url(spath) and _not_yet_served(reply, fd):
+            if shard is not None and remote and _not_yet_served(reply, fd):
                 reply, fd = _fetch_for_reader(session, checksum, spath, shard)
         else:
             reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
     except DaemonError as e:
-        if is_url(spath):  # no file to fall back on: whatever the mode, the reader hears why
-            raise DaemonError(f"{spath}: {e}") from None
+        if remote:
+            raise needs_daemon(spath, "a shard", why=str(e)) from None
         fall_back(mode, spath, str(e), sock_at, "file")
         return Store(spath)
     if not reply.get("ok") or fd is None:
@@ -916,7 +645,7 @@ def _attach(
             reason = f"the smstore daemon on {sock_at} does not serve this file: {reply.get('message')}"
         else:
             reason = f"the smstore daemon on {sock_at} refused: {reply.get('message')}"
-        if is_url(spath):
+        if remote:
             raise DaemonError(f"{spath}: {reason}")
         fall_back(mode, spath, reason, sock_at, "file")
         return Store(spath)

@@ -1,0 +1,33 @@
+"""The client of the node daemon: ``open_store`` (the daemon's copy of a blob, else a mapping of
+the file), ``StoreHandle``, and the daemon connections behind them (``session.py``)."""
+
+from __future__ import annotations
+
+from smstore._modes import Mode
+from smstore.client.opening import Preattacher, StoreHandle, open_store, open_url
+from smstore.client.session import (
+    LOAD_WAIT,
+    DaemonObjectStore,
+    DaemonSession,
+    DaemonStore,
+    attach_shared,
+    daemon_request,
+    keep_attached,
+    share_with_daemon,
+)
+
+__all__ = [
+    "LOAD_WAIT",
+    "DaemonObjectStore",
+    "DaemonSession",
+    "DaemonStore",
+    "Mode",
+    "Preattacher",
+    "StoreHandle",
+    "attach_shared",
+    "daemon_request",
+    "keep_attached",
+    "open_store",
+    "open_url",
+    "share_with_daemon",
+]
