@@ -37,9 +37,8 @@ import time
 from typing import TYPE_CHECKING, NamedTuple
 
 from smstore import _core
-from smstore._blocks import Piece, piece_id, piece_path
 from smstore._manifest import is_url
-from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, ProtocolError
+from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, Piece, ProtocolError, piece_id, piece_path
 from smstore.daemon.loader import LOADER_NICENESS, Failed, Loaded
 from smstore.daemon.segments import pages, unlink_quietly
 from smstore.errors import StoreChangedError, StoreError
@@ -49,31 +48,12 @@ if TYPE_CHECKING:
 
     from smstore.daemon.serving import Serving
 
-__all__ = ["Blocks", "parse_pieces"]
+__all__ = ["Blocks"]
 
 log = logging.getLogger("smstore.daemon")
 
 # Index entries of checked shards kept (8 bytes each): beyond, the cache starts again.
 _CACHED_OFFSETS = 1 << 22
-
-
-def parse_pieces(value: object) -> list[Piece]:
-    """A 'hold_blocks' request's pieces: ``"shard:first:end,..."``.
-
-    Raises:
-        ProtocolError: Not that form.
-    """
-    if not isinstance(value, str) or len(value) > 1 << 22:
-        raise ProtocolError(BAD_REQUEST, "'pieces' must be a string of comma-separated shard:first:end")
-    try:
-        pieces = [Piece(*(int(x) for x in p.split(":"))) for p in value.split(",")] if value else []
-    except (TypeError, ValueError):
-        raise ProtocolError(
-            BAD_REQUEST, "'pieces' must be a string of comma-separated shard:first:end"
-        ) from None
-    if any(p.shard < 0 or p.first < 0 or p.end <= p.first for p in pieces):
-        raise ProtocolError(BAD_REQUEST, "each piece needs shard >= 0 and 0 <= first < end")
-    return pieces
 
 
 class _Job:
@@ -85,7 +65,7 @@ class _Job:
     __slots__ = ("checksum", "end", "first", "key", "path", "pseudo", "size")
 
     def __init__(self, path: str, checksum: str, piece: Piece, key: str, size: int | None) -> None:
-        self.path, self.checksum, self.first, self.end = path, checksum, piece.first, piece.end
+        self.path, self.checksum, self.first, self.end = path, checksum, piece.first, piece.stop
         self.key, self.size = key, size
         self.pseudo = piece_path(path, piece.first, piece.end)
 
@@ -114,7 +94,7 @@ def _piece_size(offsets: np.ndarray, p: Piece, meta: int) -> int:
     Exactly what `_write` makes: the budget admits its load by this size (a page short, an epoch
     at a small budget went over it).
     """
-    return _core.blob_size(p.end - p.first, int(offsets[p.end] - offsets[p.first]), meta)
+    return _core.blob_size(p.stop - p.first, int(offsets[p.stop] - offsets[p.first]), meta)
 
 
 class Blocks:
@@ -163,7 +143,7 @@ class Blocks:
             raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
         jobs = []
         for p in pieces:
-            if p.shard >= len(manifest.shards) or p.end > manifest.shards[p.shard].records:
+            if p.shard >= len(manifest.shards) or p.stop > manifest.shards[p.shard].records:
                 raise ProtocolError(
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )

@@ -34,7 +34,7 @@ from smstore._protocol import (
     page_arg,
     refusal,
 )
-from smstore.daemon.blocks import Blocks, parse_pieces
+from smstore.daemon.blocks import Blocks
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.manifests import ManifestFetches
 from smstore.daemon.metrics import Exporter
@@ -336,7 +336,7 @@ class Daemon(Server):
             self.reply(cid, {"ok": True, "stale": self.blocks.stale(req.get("checksums"))})
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
-        elif op in ("load", "unload", "stop", "share", "hold", "hold_blocks") and not conn.owner:
+        elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
@@ -353,18 +353,24 @@ class Daemon(Server):
             self.serving.unload(cid, checksum_arg(req), load_path_arg(req, required=False))
         elif op == "share":
             self.serving.share(cid, conn, req)
-        elif op in ("hold", "hold_blocks") and not self._manifest_ready(cid, req):
+        elif op == "hold" and not self._manifest_ready(cid, req):
             return  # served again once the daemon has fetched the manifest
         elif op == "hold":
+            manifest, pieces, reader = hold_arg(req)
+            ranges = [p for p in pieces if not p.whole]
+            resident = 0
+            if ranges or cid in self.blocks.holds:
+                # First: its refusal leaves what the connection held as it was.
+                resident = self.blocks.hold(cid, manifest, ranges)
+            shards = [p.shard for p in pieces if p.whole]
             self.serving.hold(
-                cid, *hold_arg(req), reply=req.get("noreply") is not True, reader=req.get("reader") is True
+                cid,
+                manifest,
+                shards,
+                reply=req.get("noreply") is not True,
+                reader=reader,
+                pieces=(resident, len(ranges)),
             )
-        elif op == "hold_blocks":
-            resident = self.blocks.hold(
-                cid, manifest_value(req.get("manifest")), parse_pieces(req.get("pieces"))
-            )
-            if req.get("noreply") is not True:
-                self.reply(cid, {"ok": True, "resident": resident})
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True

@@ -261,18 +261,28 @@ class Serving:
     # ---- residency: the planner decides, the server replies and queues ------------------------
 
     def hold(
-        self, cid: int, manifest_path: str, indices: list[int], *, reply: bool, reader: bool = False
+        self,
+        cid: int,
+        manifest_path: str,
+        indices: list[int],
+        *,
+        reply: bool,
+        reader: bool = False,
+        pieces: tuple[int, int] = (0, 0),
     ) -> None:
         """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
 
         The reply comes at once (none with ``"noreply": true``, unless the request is refused):
         loads run in the background, in the order given (the window being read first, then the
-        next). A shard larger than the whole --shm-limit is refused here.
+        next). A shard larger than the whole --shm-limit is refused here. `pieces`: the record
+        ranges of the same hold (held by the block residency), resident and held, for the reply.
         """
         shards = self.planner.hold(cid, manifest_path, indices, reader=reader)
         if reply:
             resident = [ck for _p, ck in shards if ck in self.segments]
-            self.server.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
+            self.server.reply(
+                cid, {"ok": True, "resident": len(resident) + pieces[0], "held": len(shards) + pieces[1]}
+            )
             self.server.flush(cid)  # the rank goes on at once; releases and loads follow
         self.reconcile()
 
