@@ -40,6 +40,7 @@ __all__ = [
     "ProtocolError",
     "checksum_arg",
     "checksum_in",
+    "checksums_arg",
     "dataset_arg",
     "decode_body",
     "encode",
@@ -273,6 +274,14 @@ def checksum_arg(req: dict[str, Any]) -> str | None:
     if not is_checksum(value):
         raise ProtocolError(BAD_REQUEST, f"'checksum' must be {CHECKSUM_WORDING}")
     return value
+
+
+def checksums_arg(req: dict[str, Any]) -> list[str]:
+    """A 'stale_blocks' request's segments a reader maps: ``"checksums"``, comma-separated."""
+    value = req.get("checksums")
+    if not isinstance(value, str) or len(value) > 17 * MAX_HOLD:
+        raise ProtocolError(BAD_REQUEST, "'checksums' must be a string of comma-separated checksums")
+    return value.split(",")
 
 
 def key_arg(req: dict[str, Any], *, required: bool) -> str | None:

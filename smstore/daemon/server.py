@@ -18,13 +18,15 @@ from typing import Any
 
 from smstore import _core
 from smstore._ipc import ensure_private_dir, process_start_time, socket_path
-from smstore._manifest import is_url, manifest_file
+from smstore._manifest import manifest_file
 from smstore._protocol import (
     BAD_REQUEST,
     PERMISSION_DENIED,
     STATUS_PAGE,
+    Piece,
     ProtocolError,
     checksum_arg,
+    checksums_arg,
     dataset_arg,
     held_arg,
     hold_arg,
@@ -34,11 +36,10 @@ from smstore._protocol import (
     page_arg,
     refusal,
 )
-from smstore.daemon.blocks import Blocks
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.manifests import ManifestFetches
 from smstore.daemon.metrics import Exporter
-from smstore.daemon.planner import FETCH_BACKOFF
+from smstore.daemon.planner import FETCH_BACKOFF, check_url
 from smstore.daemon.segments import (
     SHM_DIR,
     DaemonLock,
@@ -49,8 +50,10 @@ from smstore.daemon.segments import (
     unlink_quietly,
 )
 from smstore.daemon.serving import Serving, describe
+from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile, state_path
-from smstore.errors import DaemonError, StoreError
+from smstore.errors import DaemonError
+from smstore.remote.urls import is_remote_url
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
 
@@ -111,21 +114,7 @@ def claim_socket(sock_path: Path) -> None:
 
 def load_path(f: str) -> str:
     """A file given to load: its absolute path, or an object's URL as it is."""
-    return f if is_url(f) else os.fspath(Path(f).absolute())
-
-
-def check_url(url: str) -> None:
-    """Refuse a URL off the allow-list (the message names it, never a credential).
-
-    Raises:
-        ProtocolError: A scheme smstore does not fetch, or a malformed URL.
-    """
-    from smstore.remote.urls import parse_url
-
-    try:
-        parse_url(url)
-    except StoreError as e:
-        raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+    return f if is_remote_url(f) else os.fspath(Path(f).absolute())
 
 
 class Daemon(Server):
@@ -188,7 +177,6 @@ class Daemon(Server):
             cache_limit=cache_limit,
             fetch_backoff=fetch_backoff,
         )
-        self.blocks = Blocks(self.serving)  # pieces of shards held by block samplers
         # Manifests of datasets in object storage, fetched off the loop for the holds naming them.
         self.manifests = ManifestFetches(self._wake_loop)
         self._refetched: dict[str, Any] | None = (
@@ -245,7 +233,7 @@ class Daemon(Server):
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
         for f in files:
             path = load_path(f)
-            self.serving.queue_load(path, None, expected=(checksums or {}).get(path))
+            self.serving.queue_load(Source(path, (checksums or {}).get(path)), Piece(0), None)
 
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
@@ -260,14 +248,14 @@ class Daemon(Server):
     def _state(self) -> tuple[dict[str, Any], int]:
         """What the state file records: our segments (a memfd cannot be adopted), for a successor.
 
-        Block pieces are left out: a successor removes them as leftovers, and the ranks' next
+        Record ranges are left out: a successor removes them as leftovers, and the ranks' next
         holds load them again (a piece is a few MiB read once; adopting it would mean trusting a
         segment whose blob checksum no manifest records).
         """
         entries = [
             s.state_entry(held=self.serving.planner.is_held(s.checksum))
             for s in self.segments.values()
-            if not s.shared and s.checksum not in self.blocks.mine
+            if not s.shared and not any("#records=" in p for p in s.paths)
         ]
         state = {
             "pid": self.pid,
@@ -295,7 +283,6 @@ class Daemon(Server):
                 if self._owns_state:
                     self.state.path.unlink(missing_ok=True)
             self.serving.loader.stop()
-            self.blocks.stop()
             if self.exporter is not None:
                 self.exporter.publish(metric_values(self))
                 self.exporter.stop()
@@ -331,9 +318,9 @@ class Daemon(Server):
             self.serving.held(cid, conn, *held_arg(req))
         elif op == "detach":
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
-            self.blocks.reconcile()  # pages a reader unmapped may be the room a held piece waits for
         elif op == "stale_blocks":
-            self.reply(cid, {"ok": True, "stale": self.blocks.stale(req.get("checksums"))})
+            stale = self.serving.planner.stale(checksums_arg(req))
+            self.reply(cid, {"ok": True, "stale": stale})
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
         elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
@@ -342,13 +329,13 @@ class Daemon(Server):
         elif op == "load":
             path = load_path_arg(req, required=True)
             assert path is not None
-            if is_url(path):
+            source = Source(path)
+            if source.remote:
                 # An object, pinned like a file until 'unload': the allow-list first (the owner's
                 # word, but never a scheme we do not fetch); the checksum its manifest records, if given.
                 check_url(path)
-                self.serving.queue_load(path, cid, expected=checksum_arg(req))
-            else:
-                self.serving.queue_load(path, cid)
+                source.checksum = checksum_arg(req)
+            self.serving.queue_load(source, Piece(0), cid)
         elif op == "unload":
             self.serving.unload(cid, checksum_arg(req), load_path_arg(req, required=False))
         elif op == "share":
@@ -357,20 +344,7 @@ class Daemon(Server):
             return  # served again once the daemon has fetched the manifest
         elif op == "hold":
             manifest, pieces, reader = hold_arg(req)
-            ranges = [p for p in pieces if not p.whole]
-            resident = 0
-            if ranges or cid in self.blocks.holds:
-                # First: its refusal leaves what the connection held as it was.
-                resident = self.blocks.hold(cid, manifest, ranges)
-            shards = [p.shard for p in pieces if p.whole]
-            self.serving.hold(
-                cid,
-                manifest,
-                shards,
-                reply=req.get("noreply") is not True,
-                reader=reader,
-                pieces=(resident, len(ranges)),
-            )
+            self.serving.hold(cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader)
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
@@ -387,7 +361,7 @@ class Daemon(Server):
                 request that is still not the dataset the reader read (replaced in the bucket).
         """
         url = manifest_value(req.get("manifest"))
-        if not is_url(url):
+        if not is_remote_url(url):
             return True
         dataset = dataset_arg(req)
         kept = self.serving.planner.remote_manifest(url)
@@ -450,7 +424,6 @@ class Daemon(Server):
             # loop may have left half-updated).
             return
         self.serving.closed(cid, conn)
-        self.blocks.closed(cid)
 
     def wake(self, cid: int) -> None:
         self.serving.wake(cid)  # the only requests parked: 'held' ones
@@ -468,7 +441,6 @@ class Daemon(Server):
             elif key.data == "wake":
                 self.serving.finish_loads()
                 self.finish_manifests()
-                self.blocks.reconcile()
             else:
                 self.dispatch(key, events)
         self.expire()
@@ -569,9 +541,8 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
     """Every metric's value now (keys of `smstore.daemon.metrics.METRICS`): status's ``metrics`` section."""
     available, _total = shm if shm is not None else _core.shm_space(os.fspath(SHM_DIR))
     planner = daemon.serving.planner
-    wanted = planner.wanted(readers=False)  # what the ranks hold (a reader's own hold is no window)
+    wanted = planner.wanted(readers=False, whole=True)  # the ranks' shards (a reader's own hold is no window)
     remote = daemon.serving.loader.remote_values()
-    remote["fetched_bytes"] += daemon.blocks.fetched_bytes  # blocks of shards in object storage
     return {
         "segments": len(daemon.segments),
         "resident_bytes": sum(s.size for s in daemon.segments.values()),
