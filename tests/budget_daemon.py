@@ -26,7 +26,7 @@ from typing import Any
 
 from smstore import _core
 from smstore.cli import main
-from smstore.daemon import loader, serving
+from smstore.daemon import loader, serving, sources
 from smstore.daemon.segments import SEGMENT_RE
 
 
@@ -77,7 +77,7 @@ def run() -> int:
             os.read(gate, 1)
 
     load_one = loader.Loader._load_one
-    write_piece = loader.Loader._write_piece
+    write_piece = sources.Source.write
     reconcile = serving.Serving.reconcile
     lock = threading.Lock()
     late: list[Any] = []  # released segments not handed to the loader thread yet
@@ -118,17 +118,17 @@ def run() -> int:
             if not piece.whole:
                 hand_over(self)
 
-    def _write(self: loader.Loader, *args: Any) -> Any:
+    def _write(fd: int, *args: Any) -> int:
         before = real_pages(prefix, int(root))
-        result = write_piece(self, *args)
+        written = write_piece(fd, *args)
         # Others only shrink while the piece is written (no other write runs in a block epoch).
-        made = _core.shm_footprint(os.fstat(result.fd).st_size)
+        made = _core.shm_footprint(os.fstat(written).st_size)
         report.write(f"pages {max(before + made, real_pages(prefix, int(root)))}\n")
-        return result
+        return written
 
     loader.Loader._load_one = _load_one  # type: ignore[method-assign]
     loader.Loader.free = free  # type: ignore[method-assign]
-    loader.Loader._write_piece = _write  # type: ignore[method-assign]
+    sources.Source.write = staticmethod(_write)  # type: ignore[method-assign, assignment]
     serving.Serving.reconcile = _reconcile  # type: ignore[method-assign]
     return main(args)
 

@@ -9,9 +9,8 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 from smstore import _core
 from smstore._pack import human_bytes
@@ -121,10 +120,9 @@ class Loader:
         # Work, in order: a piece of a source to load (None: the object's index to read), a
         # released segment to free, or None (stop).
         self.jobs: queue.Queue[tuple[Source, Piece | None] | Segment | None] = queue.Queue()
-        self.done: queue.Queue[tuple[Source, Piece | None, LoadResult]] = queue.Queue()
-        # Names of released segments removed (unlinked and unmapped here): their pages are room
-        # only from then on (`Planner.freed`), not from their release.
-        self.freed: queue.Queue[str] = queue.Queue()
+        # Results, in order: a finished job, or the name of a released segment removed (unlinked
+        # and unmapped here: its pages are room only from then on, `Planner.freed`, not from its release).
+        self.done: queue.Queue[tuple[Source, Piece | None, LoadResult] | str] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -153,23 +151,21 @@ class Loader:
         """Queue a released segment to be unlinked and freed, before any load queued after it."""
         self.jobs.put(seg)
 
-    def finished(self) -> Iterator[tuple[Source, Piece | None, LoadResult]]:
-        """The loads finished since the last call (the loop calls it when woken, after `removed`)."""
-        while True:
-            try:
-                yield self.done.get_nowait()
-            except queue.Empty:
-                return
-
-    def removed(self) -> list[str]:
-        """The names of the released segments removed since the last call (the loop calls it when woken)."""
+    def results(self) -> tuple[list[str], list[tuple[Source, Piece | None, LoadResult]]]:
+        """What ended since the last call (the loop calls it when woken): the names of the released
+        segments removed, and the jobs finished."""
         with contextlib.suppress(BlockingIOError):
             self.wake_r.recv(4096)
-        names = []
+        removed: list[str] = []
+        finished: list[tuple[Source, Piece | None, LoadResult]] = []
         with contextlib.suppress(queue.Empty):
             while True:
-                names.append(self.freed.get_nowait())
-        return names
+                item = self.done.get_nowait()
+                if isinstance(item, str):
+                    removed.append(item)
+                else:
+                    finished.append(item)
+        return removed, finished
 
     def stop(self) -> None:
         """Stop the thread; free the released segments it had not freed yet."""
@@ -207,7 +203,7 @@ class Loader:
                 with contextlib.suppress(OSError, StoreError):
                     job.close()
                     _core.wait_for_unmaps()  # the daemon's own mapping too: its pages are gone now
-                self.freed.put(job.name)
+                self.done.put(job.name)
                 with contextlib.suppress(OSError):
                     self.wake_w.send(b"x")
                 time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
@@ -248,25 +244,19 @@ class Loader:
         return self._load_file(source.location, source.checksum)
 
     def _load_piece(self, source: Source, piece: Piece) -> Loaded:
-        """`source.load` of a record range, into a new segment of its own, served read-only."""
+        """`source.load` of a record range into a new segment of its own, served read-only."""
         t0 = time.monotonic()
         key = source.key(piece)
-        data, offsets, meta = source.read(piece, self.halt)
-        if source.remote:
-            self.fetched_bytes += len(data)
-        if (
-            self.read_rate
-        ):  # --max-read-rate holds for pieces too (a slow file system, a node's network share)
-            self.halt.wait(max(0.0, len(data) / self.read_rate - (time.monotonic() - t0)))
-        return self._write_piece(source, piece, key, data, offsets, meta, t0)
-
-    def _write_piece(
-        self, source: Source, piece: Piece, key: str, data: bytearray, offsets: Any, meta: bytes, t0: float
-    ) -> Loaded:
         name = self.segment_name(key)
         wfd = _core.shm_create("/" + name)
         try:
-            wfd = source.write(wfd, source.label(piece), data, offsets, meta)
+            wfd, read = source.load(piece, wfd, self.halt)
+            if source.remote:
+                self.fetched_bytes += read
+            if (
+                self.read_rate
+            ):  # --max-read-rate holds for pieces too (a slow file system, a node's network share)
+                self.halt.wait(max(0.0, read / self.read_rate - (time.monotonic() - t0)))
             rfd = self.seal(wfd, name)
         except BaseException:
             os.close(wfd)

@@ -1,7 +1,8 @@
 """The daemon's residency planner: what the ranks hold, what is loaded or released for them, and the one budget.
 
-A rank's windowed sampler `hold`s the shards of its window and the next; the planner merges the
-holds of every rank into one order, plans the loads that fit, releases what no rank holds any
+Everything held is a piece: a rank's windowed sampler `hold`s the whole shards of its window and
+the next, a block sampler record ranges of them, a reader what it reads that no sampler holds;
+the planner merges the holds of every connection into one order, plans the loads that fit, releases what no rank holds any
 more, and keeps what a dead predecessor loaded for the ranks (unclaimed) until they claim it or
 move past it. It alone decides what fits under ``--shm-limit``: :meth:`Planner.used` is the one
 count of the budget (segments in whole pages, as /dev/shm counts them, plus released segments the
@@ -15,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Collection, Container
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from smstore._manifest import Manifest, absolute, manifest_file, read_manifest
@@ -31,6 +32,7 @@ __all__ = [
     "MAX_MANIFESTS",
     "Backoff",
     "Held",
+    "Loading",
     "ManifestPending",
     "Plan",
     "Planner",
@@ -52,9 +54,26 @@ class ManifestPending(Exception):
         self.url = url
 
 
+@dataclass
+class Failure:
+    """One row of the failures table: a location whose load failed.
+
+    ``held``: (the checksum a hold expected, the file's identity then, why), while a hold's load of
+    it stays failed; ``last``: why the latest load of it failed (any load, until one succeeds);
+    ``wait``/``until``: its backoff (an object is fetched again for a hold only after it).
+    """
+
+    held: tuple[str | None, FileIdentity | None, str] | None = None
+    last: str | None = None
+    wait: float = 0.0
+    until: float = 0.0
+    failed_before: bool = False
+
+
 class Backoff:
-    """When an object whose fetch failed may be fetched again: `first` seconds after its first
-    failure, doubled at each failure in a row up to `longest`; forgotten once a fetch succeeds.
+    """The failures table, with when an object whose fetch failed may be fetched again: `first`
+    seconds after its first failure, doubled at each failure in a row up to `longest`; forgotten
+    once a fetch succeeds.
 
     Args:
         first: Seconds after a first failure (0: at once).
@@ -66,22 +85,59 @@ class Backoff:
         self, first: float, longest: float = MAX_FETCH_BACKOFF, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.first, self.longest, self.clock = first, longest, clock
-        self._entries: dict[str, tuple[float, float]] = {}  # key -> (its last wait, when it ends)
+        self.rows: dict[str, Failure] = {}  # by location (a whole shard's load: its path or URL too)
 
     def failed(self, key: str) -> float:
         """`key` failed (again): the seconds before it may be tried again."""
-        last = self._entries.get(key)
-        wait = self.first if last is None else min(self.longest, max(self.first, 2 * last[0]))
-        self._entries[key] = (wait, self.clock() + wait)
+        row = self.rows.setdefault(key, Failure())
+        wait = min(self.longest, max(self.first, 2 * row.wait)) if row.failed_before else self.first
+        row.wait, row.until, row.failed_before = wait, self.clock() + wait, True
         return wait
 
     def due(self, key: str) -> bool:
         """Whether `key` may be tried again (True if it never failed)."""
-        entry = self._entries.get(key)
-        return entry is None or self.clock() >= entry[1]
+        row = self.rows.get(key)
+        return row is None or not row.failed_before or self.clock() >= row.until
 
     def succeeded(self, key: str) -> None:
-        self._entries.pop(key, None)
+        """A load of `key` succeeded: its backoff and its failures are forgotten."""
+        self.rows.pop(key, None)
+
+    def held_failure(self, key: str) -> tuple[str | None, FileIdentity | None, str] | None:
+        row = self.rows.get(key)
+        return None if row is None else row.held
+
+    def hold_failed(self, key: str, checksum: str | None, identity: FileIdentity | None, why: str) -> None:
+        """A held load of `key` failed: refused to the holds until it changes (`clear_held`)."""
+        self.rows.setdefault(key, Failure()).held = (checksum, identity, why)
+
+    def clear_held(self, key: str) -> None:
+        """A held load of `key` may be tried again (its backoff is remembered)."""
+        row = self.rows.get(key)
+        if row is not None:
+            row.held = None
+            self._drop_if_empty(key, row)
+
+    def load_failed(self, key: str, why: str) -> None:
+        self.rows.setdefault(key, Failure()).last = why
+
+    def last_failure(self, key: str) -> str | None:
+        row = self.rows.get(key)
+        return None if row is None else row.last
+
+    def load_done(self, key: str) -> None:
+        row = self.rows.get(key)
+        if row is not None:
+            row.last = None
+            self._drop_if_empty(key, row)
+
+    def held_failures(self) -> list[tuple[str, str | None, str]]:
+        """(location, checksum, why) of every held load that stays failed (for status)."""
+        return [(k, r.held[0], r.held[2]) for k, r in self.rows.items() if r.held is not None]
+
+    def _drop_if_empty(self, key: str, row: Failure) -> None:
+        if row.held is None and row.last is None and not row.failed_before:
+            del self.rows[key]
 
 
 def check_url(url: str) -> None:
@@ -106,6 +162,23 @@ class Held:
     key: str
     source: Source
     piece: Piece
+    reader: bool = False  # a reader's hold for itself, apart from a sampler's (see `Planner.holds`)
+
+
+# What a segment's key is marked with (`Planner.marks`).
+MANAGED = "managed"  # loaded for holds: released when no connection holds it
+UNCLAIMED = "unclaimed"  # adopted from a dead predecessor that loaded it for holds, not held since
+UNLOADED = "unloaded"  # held, and unloaded by the owner: not loaded again while a hold names it
+
+
+@dataclass
+class Loading:
+    """A load under way: its pages (taken when queued), whether a plan queued it for the holds,
+    and the connections waiting for its reply."""
+
+    pages: int
+    for_hold: bool
+    waiters: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -152,26 +225,22 @@ class Planner:
         fetch_backoff: float = FETCH_BACKOFF,
     ) -> None:
         self.segments = segments
-        # When objects whose fetch failed (whole shards, or their pieces) are fetched again for a hold.
-        self.backoff = Backoff(fetch_backoff)
         self.shm_limit = shm_limit
         self.shm_limit_from = shm_limit_from
         self._is_owner = is_owner
         self._release = release
-        # What each connection (a rank's sampler) holds, in the order to load it: whole shards, or
-        # record ranges of them (a block sampler's), alike.
+        # What each connection holds, in the order to load it: whole shards, or record ranges of
+        # them (a block sampler's), alike. A rank's sampler holds its window and the next; a
+        # reader holds for itself (``Held.reader``) a shard, or a piece, in object storage no
+        # sampler held when it read it: loaded after every sampler's, released first when a
+        # sampler's piece needs room, and never listed to the readers that follow the holds
+        # ('held'), whose windows it is not part of.
         self.holds: dict[int, list[Held]] = {}
-        # What a reader holds for itself (a shard, or a piece, in object storage no sampler held
-        # when it read it): loaded after every sampler's, released first when a sampler's piece
-        # needs room, and never listed to the readers that follow the holds ('held'), whose
-        # windows it is not part of.
-        self.reader_holds: dict[int, list[Held]] = {}
-        # Segments loaded for holds (dropped when no connection holds them).
-        self.managed: set[str] = set()
-        # Adopted segments a dead predecessor had loaded for holds, not held again since: kept for
-        # the ranks to claim when they hold again, released when the holds need their room or
-        # release a window (the job has moved past them).
-        self.unclaimed: set[str] = set()
+        # Segments by key: loaded for holds (MANAGED), adopted from a dead predecessor that had
+        # loaded them for holds and not held again since (UNCLAIMED: kept for the ranks to claim,
+        # released when the holds need their room or release a window), or unloaded by the owner
+        # while held (UNLOADED: not loaded again while a hold still names them).
+        self.marks: dict[str, str] = {}
         # Released segments by name, counted against --shm-limit until the loader thread has
         # removed them and every reader of the owner that mapped them has detached or disconnected:
         # counted free at once, a released piece's room was loaded into while it was still memory.
@@ -180,19 +249,19 @@ class Planner:
         # Parsed manifests by the path a hold names, with the file's identity when it was read,
         # and their shards' sources (each decided once, here).
         self.manifests: dict[str, tuple[FileIdentity, Manifest, list[Source]]] = {}
-        # Held shards whose load (of the whole, or of a piece) failed, by location: (the checksum
-        # held, the file's identity then, why). Not loaded again (and a hold naming them is
-        # refused) until the file changes, or for an object, until a hold after its backoff.
-        self.hold_failed: dict[str, tuple[str | None, FileIdentity | None, str]] = {}
-        # Held checksums the owner unloaded: not loaded again while a hold still names them.
-        self.unloaded: set[str] = set()
-        # Held shards that wait for room under --shm-limit (a reader asking for one waits too).
-        self.waiting_room: set[str] = set()
-        # The loads under way (a shard's, or a piece's): their pages, taken when queued, and
-        # whether a hold asked for them; and the pages' sum: one count for both kinds, or each
-        # admitted its loads beside the other's. A plan runs at every finished load, and sizing
-        # every queued load there again (a stat each) made loading N queued files O(N**2).
-        self.loading: dict[str, tuple[int, bool]] = {}
+        # The one failures table, by location, with its backoff: held shards whose load (of the
+        # whole, or of a piece) failed are not loaded again (and a hold naming them is refused)
+        # until the file changes, or for an object, until a hold after its backoff; and why the
+        # latest load of a file failed (a reader, or `--require`, hears it).
+        self.failures = Backoff(fetch_backoff)
+        # Held whole shards that wait for room under --shm-limit (a reader asking for one waits
+        # too), as the latest plan found them.
+        self.waiting_room: frozenset[str] = frozenset()
+        # The loads under way (a shard's, or a piece's) by label, and their pages' sum: one count
+        # for both kinds, or each admitted its loads beside the other's. A plan runs at every
+        # finished load, and sizing every queued load there again (a stat each) made loading N
+        # queued files O(N**2).
+        self.loading: dict[str, Loading] = {}
         self.loading_total = 0
 
     # ---- the budget -----------------------------------------------------------------------------
@@ -228,10 +297,8 @@ class Planner:
     # ---- holds ----------------------------------------------------------------------------------
 
     def hold(self, cid: int, manifest_path: str, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
-        """Replace what connection `cid` holds with `pieces` of a manifest (whole shards or record
-        ranges, in the order to load them); what it holds now.
-
-        `reader`: a reader's hold for itself (see ``reader_holds``), apart from a sampler's.
+        """Replace what connection `cid` holds (as a sampler, or with `reader` for itself) with
+        `pieces` of a manifest (whole shards or record ranges, in the order to load them); what it holds now.
 
         Raises:
             ProtocolError: The manifest, a shard index or a range is bad, a piece is larger than
@@ -249,12 +316,16 @@ class Planner:
                 raise ProtocolError(
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )
-        held = [Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p) for p in pieces]
+        held = [
+            Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p, reader)
+            for p in pieces
+        ]
         for h in held:
             source = h.source
-            if source.remote and source.location in self.hold_failed and self.backoff.due(source.location):
+            failure = self.failures.held_failure(source.location)
+            if source.remote and failure is not None and self.failures.due(source.location):
                 # Its backoff is over: this hold fetches it again (its index afresh: it may have been uploaded again).
-                del self.hold_failed[source.location]
+                self.failures.clear_held(source.location)
                 source.index = None
             if not h.piece.whole and source.remote and source.index is None and not source.indexing:
                 check_url(source.location)  # the allow-list, before its index read is queued
@@ -264,7 +335,9 @@ class Planner:
                 except OSError as e:
                     raise ProtocolError(LOAD_FAILED, f"{source.location}: {e.strerror}") from None
                 except StoreError as e:
-                    self.hold_failed[source.location] = (source.checksum, source.identity(), str(e)[:1000])
+                    self.failures.hold_failed(
+                        source.location, source.checksum, source.identity(), str(e)[:1000]
+                    )
             if self.shm_limit:
                 if h.piece.whole:
                     try:
@@ -279,52 +352,62 @@ class Planner:
             if why is not None:
                 what = "shard" if h.piece.whole else "block"
                 raise ProtocolError(LOAD_FAILED, f"a held {what} cannot be loaded: {why}"[:1000])
-        holds = self.reader_holds if reader else self.holds
-        if held:
-            holds[cid] = held
+        kept = [h for h in self.holds.get(cid, ()) if h.reader != reader]
+        if kept or held:
+            self.holds[cid] = kept + held
         else:
-            holds.pop(cid, None)
+            self.holds.pop(cid, None)
         return held
 
     def wanted(self, *, readers: bool = True, whole: bool = False) -> dict[str, Held]:
         """Segment name -> piece of every held piece, in priority order (each sampler's order,
         merged; then, with `readers`, what readers hold for themselves); with `whole`, whole shards only."""
         wanted: dict[str, Held] = {}
-        for holds in (self.holds, self.reader_holds) if readers else (self.holds,):
-            lists = list(holds.values())
+        for for_reader in (False, True) if readers else (False,):
+            lists = [[h for h in hs if h.reader == for_reader] for hs in self.holds.values()]
             for depth in range(max((len(h) for h in lists), default=0)):
                 for held in lists:
                     if depth < len(held) and (not whole or held[depth].piece.whole):
                         wanted.setdefault(held[depth].key, held[depth])
         return wanted
 
-    def plan(self, loading: Collection[str]) -> Plan:
+    def marked(self, mark: str) -> list[str]:
+        """The keys of the segments marked `mark` (MANAGED, UNCLAIMED or UNLOADED)."""
+        return [key for key, m in self.marks.items() if m == mark]
+
+    def plan(self, loading: Collection[str] | None = None) -> Plan:
         """Release the held segments no connection holds any more; plan the loads of held pieces that fit.
 
-        `loading`: the labels of the loads under way (counted in the budget, not queued again).
+        `loading`: the labels of the loads under way (counted in the budget, not queued again;
+        default: those `load_started` was told of).
         """
+        if loading is None:
+            loading = self.loading
         plan = Plan()
         wanted = self.wanted()
         samplers = self.wanted(readers=False)
-        claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
-        self.unloaded &= wanted.keys()  # unloaded shards are loaded again once a hold names them anew
-        self.unclaimed -= claimed
-        self.managed |= claimed
+        for key, mark in list(self.marks.items()):
+            if key in wanted and mark == UNCLAIMED:
+                self.marks[key] = MANAGED  # held again: the holds manage it from now on
+            elif key not in wanted and mark == UNLOADED:
+                del self.marks[key]  # unloaded shards are loaded again once a hold names them anew
         plan.released = [
-            self.release(self.segments[ck]) for ck in self.managed - wanted.keys() if ck in self.segments
+            self.release(self.segments[ck])
+            for ck in self.marked(MANAGED)
+            if ck not in wanted and ck in self.segments
         ]
         if plan.released:
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
-            plan.released += [self.release(self.segments[ck]) for ck in list(self.unclaimed)]
+            plan.released += [self.release(self.segments[ck]) for ck in self.marked(UNCLAIMED)]
         # A load under way fills its pages whatever the holds say now (one for a hold that moved
         # on, or one that the pieces before it in the holders' order would now leave no room
         # for): it counts until it lands.
         used = self.committed()
-        self.waiting_room = set()
+        waiting: list[str] = []
         full = False
         for key, h in wanted.items():
-            if key in self.segments or key in self.unloaded or self.failed(h.source):
+            if key in self.segments or self.marks.get(key) == UNLOADED or self.failed(h.source):
                 continue
             if h.label in loading:
                 continue  # on its way, and counted above
@@ -338,18 +421,15 @@ class Planner:
                 full = True  # an object's index not read yet: later pieces wait for this one's
                 continue
             if not self.fits(size, used=0):  # an object's piece, sized once its index was read
-                self.hold_failed[h.source.location] = (
-                    h.source.checksum,
-                    NO_IDENTITY,
-                    self._too_large(h.label, size, h.piece),
-                )
+                why = self._too_large(h.label, size, h.piece)
+                self.failures.hold_failed(h.source.location, h.source.checksum, NO_IDENTITY, why)
                 continue
             coming = 0  # pages released here that are room once the loader thread removes them
             while not full and not self.fits(size, used - coming):
                 # Room for a held piece comes first: the oldest unclaimed adopted segment goes,
                 # then (for a sampler's piece) the oldest that only readers hold for themselves.
-                if self.unclaimed:
-                    seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
+                if unclaimed := self.marked(UNCLAIMED):
+                    seg = min((self.segments[ck] for ck in unclaimed), key=lambda s: s.loaded_at)
                 elif key in samplers and (spare := self._readers_only(samplers)):
                     seg = min(spare, key=lambda s: s.loaded_at)
                     self._drop_reader_holds(seg.checksum)
@@ -364,36 +444,36 @@ class Planner:
                 if h.piece.whole:
                     # A reader asking for it waits for it (a piece's reader reads its file meanwhile:
                     # the room it waits for may be its own mapping of a released piece).
-                    self.waiting_room.add(h.label)
+                    waiting.append(h.label)
                 continue
             used += pages(size)
             plan.loads.append((h, size))
+        self.waiting_room = frozenset(waiting)
         return plan
 
     def _readers_only(self, samplers: dict[str, Held]) -> list[Segment]:
         """The resident segments that only readers hold for themselves (no sampler holds them)."""
-        held = {h.key for holds in self.reader_holds.values() for h in holds}
+        held = {h.key for holds in self.holds.values() for h in holds if h.reader}
         return [self.segments[ck] for ck in held - samplers.keys() if ck in self.segments]
 
     def _drop_reader_holds(self, checksum: str) -> None:
         """Readers no longer hold `checksum` for themselves (released for a sampler's room: they
         map it, and one that reads it again after unmapping it holds it again)."""
-        for cid, held in list(self.reader_holds.items()):
-            kept = [h for h in held if h.key != checksum]
+        for cid, held in list(self.holds.items()):
+            kept = [h for h in held if not (h.reader and h.key == checksum)]
             if kept:
-                self.reader_holds[cid] = kept
+                self.holds[cid] = kept
             else:
-                del self.reader_holds[cid]
+                del self.holds[cid]
 
     def stale(self, keys: list[str]) -> list[str]:
         """Of the pieces a reader maps, those no connection holds any more (it should unmap them)."""
-        held = {h.key for holds in (self.holds, self.reader_holds) for hs in holds.values() for h in hs}
+        held = {h.key for hs in self.holds.values() for h in hs}
         return [key for key in keys if key and key not in held]
 
     def release(self, seg: Segment) -> str:
         """Stop serving a held segment no rank holds; its pages count until every owner's reader unmaps it."""
-        self.managed.discard(seg.checksum)
-        self.unclaimed.discard(seg.checksum)
+        self.dropped(seg.checksum)
         # Only the owner's processes pin a released segment's pages in the budget: a group member
         # who keeps a segment mapped must never stall the owner's loads (docs/daemon.md, "Groups").
         pinning = {c for c in seg.clients if self._is_owner(c)}
@@ -433,60 +513,66 @@ class Planner:
         return True
 
     def disconnect(self, cid: int) -> bool:
-        """Connection `cid` closed: its holds and mappings go. True if the holds must be planned again."""
+        """Connection `cid` closed: its holds, mappings and waits go. True if the holds must be planned again."""
         freed = [self.unmapped(cid)]
-        held = self.holds.pop(cid, None) is not None
-        held = self.reader_holds.pop(cid, None) is not None or held
-        return held or any(freed)
+        for entry in self.loading.values():
+            if cid in entry.waiters:
+                entry.waiters.remove(cid)
+        return self.holds.pop(cid, None) is not None or any(freed)
 
     # ---- segments coming and going --------------------------------------------------------------
 
     def adopted(self, checksum: str) -> None:
         """A segment adopted from a dead predecessor was loaded for its ranks' holds."""
-        self.unclaimed.add(checksum)
+        self.marks[checksum] = UNCLAIMED
 
     def is_held(self, checksum: str) -> bool:
         """Whether a segment was loaded because a rank held it (a successor releases it once they move on)."""
-        return checksum in self.managed or checksum in self.unclaimed
+        return self.marks.get(checksum) in (MANAGED, UNCLAIMED)
 
     def dropped(self, checksum: str) -> None:
-        """A segment left the table (unloaded, replaced, stopping)."""
-        self.managed.discard(checksum)
-        self.unclaimed.discard(checksum)
+        """A segment left the table (unloaded, replaced, stopping, released)."""
+        if self.is_held(checksum):
+            del self.marks[checksum]
 
     def unload(self, checksum: str) -> None:
         """The owner unloaded `checksum`: not loaded again for the holds naming it now."""
         if checksum in self.wanted():
-            self.unloaded.add(checksum)
+            self.marks[checksum] = UNLOADED
 
-    def load_started(self, label: str, size: int | None = None, *, for_hold: bool = False) -> None:
+    def load_started(self, label: str, size: int | None = None, *, for_hold: bool = False) -> Loading:
         """A load of `label` (a file, or a piece of `size` bytes) is queued: its pages count in the
         budget until it lands (`load_done`/`load_failed`); `for_hold`: a plan queued it for the holds."""
+        entry = self.loading.get(label)
+        if entry is not None:
+            return entry
+        footprint = 0
         with contextlib.suppress(OSError):  # no size: the load fails, and counts nothing meanwhile
             footprint = pages(os.stat(label).st_size if size is None else size)
-            self.loading_total += footprint - self.loading.get(label, (0, False))[0]
-            self.loading[label] = (footprint, for_hold)
-            return
-        if for_hold:
-            self.loading[label] = (0, True)
+        entry = self.loading[label] = Loading(footprint, for_hold)
+        self.loading_total += footprint
+        return entry
 
     def _load_ended(self, label: str) -> bool:
         """Its pages leave the count of loads in flight; whether a plan queued it for the holds."""
-        footprint, for_hold = self.loading.pop(label, (0, False))
-        self.loading_total -= footprint
-        return for_hold
+        entry = self.loading.pop(label, None)
+        if entry is None:
+            return False
+        self.loading_total -= entry.pages
+        return entry.for_hold
 
     def load_failed(self, label: str, why: str, source: Source | None = None) -> None:
         """A load of `label` failed: if a rank holds it, its shard is not loaded again until the
         file changes (for an object, until a hold after its backoff)."""
         for_hold = self._load_ended(label)
+        self.failures.load_failed(label, why)
         held = next((h for h in self.wanted().values() if h.label == label), None)
         if held is not None:
             source = held.source  # the checksum a hold expects of it
         if source is not None and source.checksum is not None and (for_hold or held is not None):
-            self.hold_failed[source.location] = (source.checksum, source.identity(), why)
+            self.failures.hold_failed(source.location, source.checksum, source.identity(), why)
             if source.remote:
-                self.backoff.failed(source.location)
+                self.failures.failed(source.location)
 
     def load_done(self, label: str, key: str, *, asked: bool, source: Source | None = None) -> None:
         """A load of `label` gave segment `key` (before the table has it); `asked`: a client waits for it.
@@ -495,12 +581,14 @@ class Planner:
         else): the holds manage it, and the next plan drops it if none holds it.
         """
         for_hold = self._load_ended(label)
+        self.failures.load_done(label)
         if source is not None:
-            self.backoff.succeeded(source.location)
+            self.failures.succeeded(source.location)
         fresh = key not in self.segments
-        holders = (*self.holds.values(), *self.reader_holds.values())
-        if any(h.label == label for held in holders for h in held) or (for_hold and fresh and not asked):
-            self.managed.add(key)
+        if any(h.label == label for held in self.holds.values() for h in held) or (
+            for_hold and fresh and not asked
+        ):
+            self.marks[key] = MANAGED
 
     def indexed(self, source: Source, index: object) -> None:
         """The read of an object's index ended: its pieces can be sized now, or they failed (why)."""
@@ -508,51 +596,46 @@ class Planner:
         if isinstance(index, Index):
             source.index = index
         else:  # its read failed (an exception), or gave no index
-            self.hold_failed[source.location] = (source.checksum, NO_IDENTITY, f"{index}"[:1000])
-            self.backoff.failed(source.location)
+            self.failures.hold_failed(source.location, source.checksum, NO_IDENTITY, f"{index}"[:1000])
+            self.failures.failed(source.location)
 
     # ---- questions readers ask ------------------------------------------------------------------
 
-    def on_its_way(self, label: str, key: str, loading: Container[str]) -> bool:
+    def on_its_way(self, label: str, key: str) -> bool:
         """Whether the held piece `label` (segment `key`) is loading, or held and waiting for room."""
-        if label in loading:
+        if label in self.loading:
             return True
         held = self.wanted().get(key) if label in self.waiting_room else None
         return held is not None and held.label == label
 
     def why_not_held(self, label: str, key: str) -> str | None:
         """Why a held piece is not served (its load failed, or the owner unloaded it), if it is one."""
-        if key in self.unloaded:
+        if self.marks.get(key) == UNLOADED:
             return f"{label} was unloaded ('smstore unload') while held"
-        held = next(
-            (
-                h
-                for hs in (self.holds, self.reader_holds)
-                for hl in hs.values()
-                for h in hl
-                if h.label == label
-            ),
-            None,
-        )
+        held = next((h for hl in self.holds.values() for h in hl if h.label == label), None)
         if held is not None:
             return self.failed(held.source)
         # Held by no one now: a whole shard's failure while its file is the one that failed, or a
         # piece's shard's (a reader asking for a piece of it reads the file, or hears why not).
         location, piece, _range = label.partition("#records=")
-        entry = self.hold_failed.get(location)
+        entry = self.failures.held_failure(location)
         if entry is None:
             return None
         return self.failed(Source(location, entry[0] if piece else key))
 
+    def last_failure(self, label: str) -> str | None:
+        """Why the latest load of `label` failed, if it did (until one succeeds)."""
+        return self.failures.last_failure(label)
+
     def failed(self, source: Source) -> str | None:
         """Why the held load of `source` failed, while it is still the shard that failed."""
-        entry = self.hold_failed.get(source.location)
+        entry = self.failures.held_failure(source.location)
         if entry is None:
             return None
         held, identity, why = entry
         if held == source.checksum and identity is not None and identity == source.identity():
             return why
-        del self.hold_failed[source.location]  # the file changed (or another checksum is held): try again
+        self.failures.clear_held(source.location)  # the file changed (or another checksum is held): try again
         return None
 
     def knows(self, manifest_path: str) -> bool:

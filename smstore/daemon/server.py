@@ -39,7 +39,7 @@ from smstore._protocol import (
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.manifests import ManifestFetches
 from smstore.daemon.metrics import Exporter
-from smstore.daemon.planner import FETCH_BACKOFF, check_url
+from smstore.daemon.planner import FETCH_BACKOFF, MANAGED, UNCLAIMED, check_url
 from smstore.daemon.segments import (
     SHM_DIR,
     DaemonLock,
@@ -458,7 +458,7 @@ class Daemon(Server):
         paths = [load_path(f) for f in files]
         while not self.stopping and any(p in self.serving.loading for p in paths):
             self.run_once(0.5)
-        whys = [(p, self.serving.failures[p]) for p in paths if p in self.serving.failures]
+        whys = [(p, why) for p in paths if (why := self.serving.planner.last_failure(p)) is not None]
         failed = [why if why.startswith(p) else f"{p}: {why}" for p, why in whys]
         if failed:
             msg = f"--require: {len(failed)} file(s) given at start failed to load: " + "; ".join(failed)
@@ -490,7 +490,7 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         page.append(entry)
     failed = [
         {"path": p, "checksum": ck, "message": why}
-        for p, (ck, _i, why) in daemon.serving.planner.hold_failed.items()
+        for p, ck, why in daemon.serving.planner.failures.held_failures()
     ]
     return {
         "ok": True,
@@ -508,8 +508,8 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "counts": {
             "segments": len(daemon.segments),
             "loading": len(daemon.serving.loading),
-            "held": len(daemon.serving.planner.managed),
-            "unclaimed": len(daemon.serving.planner.unclaimed),
+            "held": len(daemon.serving.planner.marked(MANAGED)),
+            "unclaimed": len(daemon.serving.planner.marked(UNCLAIMED)),
             "released": len(daemon.serving.planner.mapped_released()),
             "failed": len(failed),
             "held_requests": daemon.served_held,
@@ -519,10 +519,10 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "offset": offset,
         "next_offset": next_offset,
         "loading": sorted(daemon.serving.loading)[:STATUS_LIST],
-        "held": sorted(daemon.serving.planner.managed)[
+        "held": sorted(daemon.serving.planner.marked(MANAGED))[
             :STATUS_PAGE
         ],  # checksums loaded because a rank holds them
-        "unclaimed": sorted(daemon.serving.planner.unclaimed)[
+        "unclaimed": sorted(daemon.serving.planner.marked(UNCLAIMED))[
             :STATUS_PAGE
         ],  # adopted, held by a dead predecessor, not since
         "released": daemon.serving.planner.mapped_released()[

@@ -27,7 +27,7 @@ from smstore._protocol import (
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader
 from smstore.daemon.metrics import Counters
-from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, ManifestPending, Planner
+from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
 from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile
@@ -97,12 +97,10 @@ class Serving:
             cache_dir=cache_dir,
             cache_limit=cache_limit,
         )
-        self.loading: dict[str, list[int]] = {}  # a load's label -> connection ids waiting for it
         # Readers waiting for a held shard still on its way (connection id, checksum, since when), by path.
         self.attach_waiting: dict[str, list[tuple[int, str, float]]] = {}
         self.loads = 0  # loads finished (or failed) since the start
         self.counters = Counters()  # what the metrics count: loads, their bytes and time, readers' waits
-        self.failures: dict[str, str] = {}  # path -> why its last load failed (until it loads)
         # What readers follow (`held`): the held shards and those not resident yet, its version
         # (one more at each change), and its replies, encoded once per dataset followed (None:
         # every held shard) for every reader of that version. Recomputed only once marked stale
@@ -111,7 +109,11 @@ class Serving:
         self._held_seen: tuple[list[list[str]], list[str]] | None = None
         self._held_stale = True
         self._held_frames: dict[str | None, bytes] = {}
-        self.following: dict[int, str | None] = {}  # parked readers -> the manifest each follows
+
+    @property
+    def loading(self) -> dict[str, Loading]:
+        """The loads under way by label (the planner's one count of them), with who waits for each."""
+        return self.planner.loading
 
     def drop(self, seg: Segment) -> None:
         """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
@@ -142,28 +144,29 @@ class Serving:
         shard; or a held record range) on the loader thread; `cid` waits for it, if given."""
         label = source.label(piece)
         first = label not in self.loading
-        waiters = self.loading.setdefault(label, [])
+        entry = self.planner.load_started(label, size, for_hold=for_hold)
         if cid is not None:
-            waiters.append(cid)
+            entry.waiters.append(cid)
             self.server.set_busy(cid, True)
         if first:
-            self.planner.load_started(label, size, for_hold=for_hold)
             self.loader.load(source, piece)
             if not quiet:
                 log.info("loading %s", label)
 
     def finish_loads(self) -> None:
-        freed = [self.planner.freed(name) for name in self.loader.removed()]  # each of them, no short cut
+        removed, finished = self.loader.results()
+        freed = [self.planner.freed(name) for name in removed]  # each of them, no short cut
         if any(freed):
             self.reconcile()  # room a held piece may wait for
-        for source, piece, result in self.loader.finished():
+        for source, piece, result in finished:
             if piece is None:  # an object's index: its pieces can be sized (or fail) now
                 outcome = result.index if isinstance(result, Indexed) else result
                 self.planner.indexed(source, outcome.error if isinstance(outcome, Failed) else outcome)
                 self.reconcile()
                 continue
             path = source.label(piece)
-            waiters = self.loading.pop(path, [])
+            entry = self.loading.get(path)
+            waiters = entry.waiters if entry is not None else []
             self.loads += 1
             reply: dict[str, Any]
             failure: str | None = None
@@ -173,11 +176,9 @@ class Serving:
                 self.counters.loads["failed"] += 1
                 self.counters.load_failures[type(result.error).__name__] += 1
                 self.planner.load_failed(path, failure, source)
-                self.failures[path] = failure
                 reply = refusal(type(result.error).__name__, failure)
             else:
                 assert not isinstance(result, Indexed)
-                self.failures.pop(path, None)
                 # Marked before _register writes the state file, which records it as held.
                 self.planner.load_done(path, result.checksum, asked=bool(waiters), source=source)
                 seg = self.register(path, result)
@@ -256,7 +257,7 @@ class Serving:
             seg is None
             and path is not None
             and checksum is not None
-            and self.planner.on_its_way(path, checksum, self.loading)
+            and self.planner.on_its_way(path, checksum)
         ):
             # A held shard on its way (loading, or waiting for room): answer when its load ends.
             # No file is read for this that a rank did not ask for.
@@ -270,7 +271,7 @@ class Serving:
                 else None
             )
             if why is None and path is not None:
-                why = self.failures.get(path)  # a load of it failed
+                why = self.planner.last_failure(path)  # a load of it failed
             self.server.reply(cid, not_served(str(key or checksum or path), why))
             return
         self._attach(cid, conn, seg)
@@ -295,7 +296,7 @@ class Serving:
 
     def reconcile(self) -> None:
         """Carry out the planner's plan: queue its loads, and answer readers waiting for what will not come."""
-        plan = self.planner.plan(self.loading)
+        plan = self.planner.plan()
         self._held_stale = True  # the holds, or what of them is loaded, may have changed
         for held, size in plan.loads:
             self.queue_load(held.source, held.piece, None, quiet=True, size=size, for_hold=True)
@@ -340,13 +341,17 @@ class Serving:
             manifest = _NOTHING
         frame = self.held_frame(manifest)
         if since == self.held_version and wait and self.server.park(cid, wait):
-            self.following[cid] = manifest
+            self.server.conns[cid].following = manifest
             return
         self.server.reply(cid, frame)
 
     def wake(self, cid: int) -> None:
         """Answer the parked `held` of connection `cid` (already unparked) now."""
-        self.server.reply(cid, self._held_reply(self.following.pop(cid, None)))
+        conn = self.server.conns.get(cid)
+        manifest = conn.following if conn is not None else None
+        if conn is not None:
+            conn.following = None
+        self.server.reply(cid, self._held_reply(manifest))
 
     def held_changed(self) -> None:
         """The holds or the segments may have changed: every reader parked on `held` hears if they did."""
@@ -520,7 +525,6 @@ class Serving:
 
     def closed(self, cid: int, conn: Conn) -> None:
         """Connection `cid` closed: its holds, attachments and waits go."""
-        self.following.pop(cid, None)
         if self.planner.disconnect(cid):
             self.reconcile()
         for checksum in conn.attached:
@@ -530,9 +534,6 @@ class Serving:
                 if seg.shared and not seg.clients:
                     log.info("dropping shared blob %s: no client left", seg.key)
                     self.drop(seg)
-        for waiters in self.loading.values():
-            if cid in waiters:
-                waiters.remove(cid)
         self.held_changed()  # a shared blob dropped may have been a held shard's resident copy
 
 
