@@ -12,18 +12,17 @@ from __future__ import annotations
 
 import bisect
 import contextlib
-import hashlib
 import os
 import socket as socket_module
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 from smstore import _core
 from smstore._ipc import connect, exchange, socket_path, wait_until_served
 from smstore._manifest import Manifest, absolute, hold_fields, read_manifest
 from smstore._modes import Mode, check_mode, fall_back, warn_once
-from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, encode
+from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, Piece, encode, piece_id, piece_path, pieces_value
 from smstore.errors import DaemonError, RemoteNeedsDaemonError, StoreChangedError
 from smstore.remote.urls import needs_daemon
 
@@ -38,29 +37,11 @@ __all__ = ["BlockReader", "BlockResidency", "Piece", "piece_id", "piece_path", "
 _STALE_EVERY = 64
 
 
-class Piece(NamedTuple):
-    """Records ``[first, end)`` of shard ``shard`` (indices within the shard)."""
-
-    shard: int
-    first: int
-    end: int
-
-
-def piece_id(shard_checksum: str, first: int, end: int) -> str:
-    """The daemon's name for a piece: 16 hex digits, as a checksum is written (never a blob's own)."""
-    return hashlib.blake2b(f"block:{shard_checksum}:{first}:{end}".encode(), digest_size=8).hexdigest()
-
-
-def piece_path(shard_path: str, first: int, end: int) -> str:
-    """What the daemon's loads and logs call a piece: the shard's path (or URL) and the record range."""
-    return f"{absolute(shard_path)}#records={first}-{end}"
-
-
 def shard_block(records: int, block: int, x: int) -> tuple[int, int]:
     """The block holding record ``x`` of a shard of ``records``: its records ``[lo, hi)`` in the shard.
 
     A shard is cut into ``m = max(1, records // block)`` blocks, block ``t`` holding records
-    ``[t records // m, (t + 1) records // m)`` (``smstore.sampler.block_bounds``, which cuts every
+    ``[t records // m, (t + 1) records // m)`` (``smstore.sampling.orders.block_bounds``, which cuts every
     shard the same way): each at least ``block`` records unless the whole shard is shorter.
     """
     m = max(1, records // block)
@@ -224,9 +205,10 @@ class BlockReader:
             DaemonError: The exchange failed or timed out (the connection is dropped).
         """
         message = {
-            "op": "hold_blocks",
+            "op": "hold",
             **self._hold_fields,
-            "pieces": "" if piece is None else f"{piece.shard}:{piece.first}:{piece.end}",
+            "pieces": pieces_value(() if piece is None else (piece,)),
+            "reader": True,
         }
         if self._conn is None:
             self._conn = connect(self.socket)
@@ -295,9 +277,9 @@ class BlockReader:
             store = _core.Store._from_fd(fd, path, False)
         finally:
             os.close(fd)
-        if len(store) != piece.end - piece.first:
+        if len(store) != piece.stop - piece.first:
             store.close()
-            msg = f"{path}: the daemon's segment holds {len(store)} records, not {piece.end - piece.first}"
+            msg = f"{path}: the daemon's segment holds {len(store)} records, not {piece.stop - piece.first}"
             raise StoreChangedError(msg)
         return store, None
 
@@ -361,7 +343,7 @@ class BlockReader:
 
 
 class BlockResidency:
-    """Which pieces of a sharded dataset this rank needs now, told to the daemon (``hold_blocks``).
+    """Which pieces of a sharded dataset this rank needs now, told to the daemon (``hold``).
 
     Without a daemon (``mode="auto"``) nothing is held: readers read the shard files (a warning
     once per process says so); ``mode="daemon"`` requires one.
@@ -420,9 +402,9 @@ class BlockResidency:
         if self._pid != os.getpid():
             self._conn, self._pid = None, os.getpid()
         message = {
-            "op": "hold_blocks",
+            "op": "hold",
             **self._hold_fields,
-            "pieces": ",".join(f"{p.shard}:{p.first}:{p.end}" for p in wanted),
+            "pieces": pieces_value(wanted),
         }
         if not wait and self.kind == "daemon" and self._conn is not None and self._send_noreply(message):
             self.held = wanted

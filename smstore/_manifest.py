@@ -351,7 +351,7 @@ def read_manifest(path: str | os.PathLike[str], *, deadline: float | None = None
 
 
 def hold_fields(manifest: Manifest) -> dict[str, str]:
-    """How a hold (``hold``, ``hold_blocks``) names `manifest`'s dataset: its absolute path or URL,
+    """How a hold (``hold``) names `manifest`'s dataset: its absolute path or URL,
     and for a dataset in object storage the checksum of the manifest this reader read (the daemon's
     copy of the manifest must be that one)."""
     fields = {"manifest": absolute(manifest.path)}

@@ -10,10 +10,12 @@ fault of a file the request named, the name of its `smstore.errors` class) and `
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import struct
-from typing import Any, TypeGuard
+from collections.abc import Iterable
+from typing import Any, NamedTuple, TypeGuard
 
 from smstore.errors import DaemonError
 
@@ -34,9 +36,11 @@ __all__ = [
     "REMOTE_WAIT",
     "STATUS_PAGE",
     "TOO_LARGE",
+    "Piece",
     "ProtocolError",
     "checksum_arg",
     "checksum_in",
+    "checksums_arg",
     "dataset_arg",
     "decode_body",
     "encode",
@@ -53,6 +57,9 @@ __all__ = [
     "parse_request",
     "path_arg",
     "path_value",
+    "piece_id",
+    "piece_path",
+    "pieces_value",
     "refusal",
 ]
 
@@ -141,9 +148,70 @@ def not_served(what: str, why: str | None = None) -> dict[str, Any]:
     return refusal(NOT_SERVED, message, reason=why)
 
 
+# ---- pieces: what a hold names -------------------------------------------------------------------
+
+
+class Piece(NamedTuple):
+    """Records ``[first, end)`` of shard ``shard`` (indices within the shard); ``end`` None: the
+    whole shard, which is the piece of all its records (served as the shard's own blob)."""
+
+    shard: int
+    first: int = 0
+    end: int | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.end is None
+
+    @property
+    def stop(self) -> int:
+        """``end`` of a record range (a whole shard's end is its record count, which only its manifest knows)."""
+        if self.end is None:
+            msg = f"shard {self.shard} is held whole: its end is its manifest's record count"
+            raise ValueError(msg)
+        return self.end
+
+
+def piece_id(shard_checksum: str, first: int, end: int | None) -> str:
+    """The daemon's name for a piece: a whole shard's is its checksum; a record range's, 16 hex
+    digits, as a checksum is written (never a blob's own)."""
+    if end is None:
+        return shard_checksum
+    return hashlib.blake2b(f"block:{shard_checksum}:{first}:{end}".encode(), digest_size=8).hexdigest()
+
+
+def piece_path(shard_path: str, first: int, end: int | None) -> str:
+    """What the daemon's loads and logs call a piece: its shard's absolute path (or URL), and a
+    record range's range."""
+    if end is None:
+        return shard_path
+    return f"{shard_path}#records={first}-{end}"
+
+
+def pieces_value(pieces: Iterable[Piece | int]) -> str:
+    """A hold's ``"pieces"``: ``k`` for whole shard ``k``, ``k:first:end`` for records of it, comma-separated."""
+    return ",".join(
+        str(p) if isinstance(p, int) else str(p.shard) if p.end is None else f"{p.shard}:{p.first}:{p.end}"
+        for p in pieces
+    )
+
+
+def _piece(item: str, *, whole_only: bool) -> Piece:
+    """One piece as `pieces_value` writes it (ValueError if it is not one)."""
+    numbers = [int(x) for x in item.split(":")]
+    if numbers[0] < 0 or len(numbers) not in ((1,) if whole_only else (1, 3)):
+        raise ValueError(item)
+    if len(numbers) == 1:
+        return Piece(numbers[0])
+    shard, first, end = numbers
+    if not 0 <= first < end:
+        raise ValueError(item)
+    return Piece(shard, first, end)
+
+
 # ---- requests and their arguments ---------------------------------------------------------------
 
-# At most this many shards in one 'hold' (a window and the next of a large dataset fit many times).
+# At most this many pieces in one 'hold' (a window and the next of a large dataset fit many times).
 MAX_HOLD = 65536
 
 # The longest a 'held' request may wait for a change (seconds): a parked request never pins a
@@ -208,6 +276,14 @@ def checksum_arg(req: dict[str, Any]) -> str | None:
     return value
 
 
+def checksums_arg(req: dict[str, Any]) -> list[str]:
+    """A 'stale_blocks' request's segments a reader maps: ``"checksums"``, comma-separated."""
+    value = req.get("checksums")
+    if not isinstance(value, str) or len(value) > 17 * MAX_HOLD:
+        raise ProtocolError(BAD_REQUEST, "'checksums' must be a string of comma-separated checksums")
+    return value.split(",")
+
+
 def key_arg(req: dict[str, Any], *, required: bool) -> str | None:
     value = req.get("key")
     if value is None and not required:
@@ -234,41 +310,37 @@ def is_utf8(text: str) -> bool:
     return True
 
 
-def _is_url(value: object) -> bool:
-    """A URL-shaped string (``scheme://...``, at most 4096 characters); what it may name is the reader's check."""
-    return (
-        isinstance(value, str)
+def _url(value: object) -> str | None:
+    """`value` if it names an object (`is_remote_url`, at most 4096 characters, UTF-8, no NUL);
+    what it may name is the reader's check (``parse_url``)."""
+    # Here, not at import: the clients import this module, and smstore.remote pulls in its fetching.
+    from smstore.remote.urls import is_remote_url
+
+    if (
+        is_remote_url(value)
+        and isinstance(value, str)
         and len(value) <= 4096
-        and re.fullmatch(r"[A-Za-z][A-Za-z0-9+.-]*://[^\0]+", value) is not None
+        and "\0" not in value
         and is_utf8(value)
-    )
+    ):
+        return value
+    return None
 
 
 def attach_path_arg(req: dict[str, Any]) -> str | None:
     """An attach's 'path': a held shard's file, or its URL (only a name to wait on: nothing is read or fetched)."""
-    value = req.get("path")
-    if _is_url(value):
-        assert isinstance(value, str)
-        return value
-    return path_arg(req, required=False)
+    return _url(req.get("path")) or path_arg(req, required=False)
 
 
 def load_path_arg(req: dict[str, Any], *, required: bool) -> str | None:
     """A load's or unload's 'path': a blob's absolute path, or an object's URL (the daemon checks
     it with ``parse_url`` before it fetches anything)."""
-    value = req.get("path")
-    if _is_url(value):
-        assert isinstance(value, str)
-        return value
-    return path_arg(req, required=required)
+    return _url(req.get("path")) or path_arg(req, required=required)
 
 
 def manifest_value(value: object) -> str:
     """A request's 'manifest': an absolute path, or a dataset's URL (the daemon checks it with ``parse_url``)."""
-    if _is_url(value):
-        assert isinstance(value, str)
-        return value
-    return path_value(value)
+    return _url(value) or path_value(value)
 
 
 def dataset_arg(req: dict[str, Any]) -> str | None:
@@ -297,21 +369,26 @@ def page_arg(req: dict[str, Any]) -> tuple[int, int]:
     return offset, limit
 
 
-def hold_arg(req: dict[str, Any]) -> tuple[str, list[int]]:
-    """A 'hold' request: the manifest, and the indices of its shards in the order to load them."""
+def hold_arg(req: dict[str, Any]) -> tuple[str, list[Piece], bool]:
+    """A 'hold' request: the manifest, the pieces of its shards in the order to load them, and
+    whether a reader holds them for itself (``"reader": true``) rather than a rank's sampler.
+
+    ``"pieces"`` lists them as `pieces_value` writes them. ``"shards"``, a list of whole shards
+    only, is the same field under its former name (a client of an earlier release).
+    """
     manifest = manifest_value(req.get("manifest"))
-    value = req.get("shards")
-    if not isinstance(value, str) or len(value) > 16 * MAX_HOLD:
-        raise ProtocolError(BAD_REQUEST, "'shards' must be a string of comma-separated shard indices")
+    field = "shards" if "shards" in req and "pieces" not in req else "pieces"
+    value = req.get(field)
+    wording = f"'{field}' must be a string of comma-separated pieces (a shard index, or shard:first:end)"
+    if not isinstance(value, str) or len(value) > 64 * MAX_HOLD:
+        raise ProtocolError(BAD_REQUEST, wording)
     try:
-        shards = [int(k) for k in value.split(",")] if value else []
-    except ValueError:
-        raise ProtocolError(
-            BAD_REQUEST, "'shards' must be a string of comma-separated shard indices"
-        ) from None
-    if len(shards) > MAX_HOLD or any(k < 0 for k in shards):
-        raise ProtocolError(BAD_REQUEST, f"'shards' must hold at most {MAX_HOLD} indices, each >= 0")
-    return manifest, shards
+        pieces = [_piece(item, whole_only=field == "shards") for item in value.split(",")] if value else []
+    except (TypeError, ValueError):
+        raise ProtocolError(BAD_REQUEST, wording) from None
+    if len(pieces) > MAX_HOLD:
+        raise ProtocolError(BAD_REQUEST, f"'{field}' must hold at most {MAX_HOLD} pieces")
+    return manifest, pieces, req.get("reader") is True
 
 
 def held_arg(req: dict[str, Any]) -> tuple[int | None, float, str | None]:

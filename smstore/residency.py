@@ -24,7 +24,7 @@ from typing import Any
 from smstore._ipc import connect, exchange, request, socket_path
 from smstore._manifest import Manifest, absolute, hold_fields, read_manifest
 from smstore._modes import Mode, check_mode, fall_back
-from smstore._protocol import encode
+from smstore._protocol import encode, pieces_value
 from smstore._protocol import frame as framed
 from smstore.client import DaemonSession
 from smstore.errors import DaemonError
@@ -89,7 +89,7 @@ class ShardResidency:
         self._lock = threading.Lock()  # one hold applied at a time (the thread's, or a waited one)
         # The noreply hold's frame around its shard list, encoded once: a hold is sent inside the
         # training loop's next(), where even json.dumps of a small dict costs tens of microseconds.
-        head = encode({"op": "hold", **self._hold_fields, "noreply": True, "shards": ""})
+        head = encode({"op": "hold", **self._hold_fields, "noreply": True, "pieces": ""})
         self._frame_head, self._frame_tail = head[4:-2], b'"}'
 
     def hold(self, shards: Sequence[int], *, wait: bool = False) -> None:
@@ -180,7 +180,7 @@ class ShardResidency:
         return "daemon"
 
     def _hold_in_daemon(self, wanted: tuple[int, ...]) -> None:
-        message = {"op": "hold", **self._hold_fields, "shards": ",".join(map(str, wanted))}
+        message = {"op": "hold", **self._hold_fields, "pieces": pieces_value(wanted)}
         for attempt in (1, 2):
             reused = self._conn is not None
             try:
@@ -222,7 +222,7 @@ class ShardResidency:
             self._drop_connection()
             self._apply(wanted)
             return
-        body = b"%s%s%s" % (self._frame_head, ",".join(map(str, wanted)).encode(), self._frame_tail)
+        body = b"%s%s%s" % (self._frame_head, pieces_value(wanted).encode(), self._frame_tail)
         frame = framed(body)
         try:
             sent = os.write(fd, frame)

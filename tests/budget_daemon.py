@@ -26,7 +26,7 @@ from typing import Any
 
 from smstore import _core
 from smstore.cli import main
-from smstore.daemon import blocks, loader
+from smstore.daemon import loader, serving, sources
 from smstore.daemon.segments import SEGMENT_RE
 
 
@@ -77,13 +77,16 @@ def run() -> int:
             os.read(gate, 1)
 
     load_one = loader.Loader._load_one
-    load_piece = blocks.Blocks._load
-    write_piece = blocks.Blocks._write
-    reconcile = blocks.Blocks.reconcile
+    write_piece = sources.Source.write
+    reconcile = serving.Serving.reconcile
     lock = threading.Lock()
     late: list[Any] = []  # released segments not handed to the loader thread yet
-    residency: list[blocks.Blocks] = []
+    residency: list[serving.Serving] = []
     planning = [False]
+
+    def pieces_loading(the_serving: serving.Serving) -> bool:
+        """Whether a piece's load is queued or under way (the loop's own view)."""
+        return any("#records=" in label for label in the_serving.loading)
 
     def hand_over(the_loader: loader.Loader) -> None:
         with lock:
@@ -94,43 +97,39 @@ def run() -> int:
     def free(self: loader.Loader, seg: Any) -> None:
         with lock:
             late.append(seg)
-        if not planning[0] and not (residency and residency[0].loading):
+        if not planning[0] and not (residency and pieces_loading(residency[0])):
             hand_over(self)
 
-    def _reconcile(self: blocks.Blocks) -> None:
+    def _reconcile(self: serving.Serving) -> None:
         residency[:] = [self]
         planning[0] = True
         try:
             reconcile(self)
         finally:
             planning[0] = False
-        if not self.loading:  # no piece load queued or under way (the loop's own view)
-            hand_over(self.serving.loader)
+        if not pieces_loading(self):
+            hand_over(self.loader)
 
-    def _load_one(self: loader.Loader, path: str, expected: str | None) -> Any:
-        gated(path)
-        return load_one(self, path, expected)
-
-    def _load(self: blocks.Blocks, job: Any) -> Any:
-        gated(job.pseudo)
+    def _load_one(self: loader.Loader, source: Any, piece: Any) -> Any:
+        gated(source.label(piece))
         try:
-            return load_piece(self, job)
+            return load_one(self, source, piece)
         finally:
-            hand_over(self.serving.loader)
+            if not piece.whole:
+                hand_over(self)
 
-    def _write(self: blocks.Blocks, job: Any, *rest: Any) -> Any:
+    def _write(fd: int, *args: Any) -> int:
         before = real_pages(prefix, int(root))
-        result = write_piece(self, job, *rest)
+        written = write_piece(fd, *args)
         # Others only shrink while the piece is written (no other write runs in a block epoch).
-        made = _core.shm_footprint(os.fstat(result.fd).st_size)
+        made = _core.shm_footprint(os.fstat(written).st_size)
         report.write(f"pages {max(before + made, real_pages(prefix, int(root)))}\n")
-        return result
+        return written
 
     loader.Loader._load_one = _load_one  # type: ignore[method-assign]
     loader.Loader.free = free  # type: ignore[method-assign]
-    blocks.Blocks.reconcile = _reconcile  # type: ignore[method-assign]
-    blocks.Blocks._load = _load  # type: ignore[method-assign]
-    blocks.Blocks._write = _write  # type: ignore[method-assign]
+    sources.Source.write = staticmethod(_write)  # type: ignore[method-assign, assignment]
+    serving.Serving.reconcile = _reconcile  # type: ignore[method-assign]
     return main(args)
 
 

@@ -514,17 +514,20 @@ def test_resume_at_another_world_size_through_the_daemon_reads_the_rest_byte_exa
 
 def test_a_piece_load_refuses_a_shard_replaced_by_a_fifo_without_blocking(tmp_path: Path) -> None:
     # Between a hold (which checked the shard) and its load, the shard's file is replaced by a
-    # FIFO: the load must fail at once, not block the daemon's block thread on open() forever.
-    from smstore.daemon.blocks import Blocks, _Job
+    # FIFO: the load must fail at once, not block the daemon's loader thread on open() forever.
+    import threading
+
+    from smstore.daemon.sources import Source
 
     out, _recs = sharded(tmp_path, shards=2)
     m = read_manifest(out)
     shard = out / m.shards[1].path
     shard.unlink()
     os.mkfifo(shard)
-    job = _Job(os.fspath(shard), m.shards[1].checksum, Piece(1, 0, 10), "0" * 16, 1 << 20)
-    blocks = object.__new__(Blocks)  # only _load is exercised: no daemon around it
-    outcome = outcome_past_a_fifo(lambda: blocks._load(job), shard, "the piece load")
+    source = Source(os.fspath(shard), m.shards[1].checksum, m.shards[1].file_size)
+    outcome = outcome_past_a_fifo(
+        lambda: source.read(Piece(1, 0, 10), threading.Event()), shard, "the piece load"
+    )
     assert isinstance(outcome, StoreChangedError), outcome
     assert "not a regular file" in str(outcome)
 

@@ -930,3 +930,63 @@ def test_other_users_refused(
     assert "may not use this smstore daemon" in got, got
     assert got.endswith("no read"), got
     assert d.status()["ok"]
+
+
+def _collections_of(root: object, leave_out: tuple[object, ...] = ()) -> dict[str, object]:
+    """The mutable collections (dict, set, list, deque, Queue) held as attributes by `root` and by
+    every object of smstore.daemon reachable from it through attributes (but those of `leave_out`),
+    each once (by identity), named by the first attribute path that reaches it. A collection's
+    contents are not walked: a connection's or a segment's own fields live as long as it does,
+    not as the daemon."""
+    import collections
+    import queue
+
+    kinds = (dict, set, list, collections.deque, queue.Queue)
+    found: dict[int, tuple[str, object]] = {}
+    seen: set[int] = {id(obj) for obj in leave_out}
+    todo: list[tuple[str, object]] = [("daemon", root)]
+    while todo:
+        where, obj = todo.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        names = list(vars(obj)) if hasattr(obj, "__dict__") else []
+        for cls in type(obj).__mro__:
+            names += [n for n in getattr(cls, "__slots__", ()) if hasattr(obj, n)]
+        for name in names:
+            value = getattr(obj, name)
+            if isinstance(value, kinds):
+                found.setdefault(id(value), (f"{where}.{name}", value))
+            if type(value).__module__.startswith("smstore.daemon"):
+                todo.append((f"{where}.{name}", value))
+    return dict(found.values())
+
+
+def test_the_daemons_residency_state_is_at_most_12_collections(tmp_path: Path) -> None:
+    """Issue 37: everything held is a piece, so the residency state (holds, marks, failures with
+    their backoff, loads in flight, released segments, manifests and their sources, the loader's
+    queues, the segment table, readers waiting) is one set of tables: at most 12 collections,
+    counted in a live daemon's attribute graph from its serving side. Two residency systems
+    (shards and blocks) kept 24. Metrics' tallies (`Counters`) are not state the daemon decides by.
+
+    The daemon as a whole (with its connection layer and the manifests being fetched) must not
+    grow past the 20 it holds now either."""
+    from smstore.daemon.metrics import Counters
+    from smstore.daemon.server import Daemon
+
+    sock = tmp_path / "run" / "d.sock"
+    daemon = Daemon(sock)
+    daemon.start([])
+    try:
+        # The serving side's, without the connection layer it replies through, and the tallies.
+        residency = _collections_of(daemon.serving, leave_out=(daemon, daemon.serving.counters))
+        everything = _collections_of(daemon)
+    finally:
+        daemon.shutdown()
+        daemon.serving.loader.wake_r.close()  # the daemon's process ends here, and closes them so
+        daemon.serving.loader.wake_w.close()
+        daemon.sel.close()
+    assert isinstance(daemon.serving.counters, Counters)  # the tallies left out above
+    assert "daemon.loader.planner.holds" in residency  # the walk reaches the planner's tables
+    assert len(residency) <= 12, sorted(residency)
+    assert len(everything) <= 20, sorted(everything)

@@ -523,22 +523,26 @@ def test_no_load_starts_once_the_loader_thread_is_stopping() -> None:
     queue, making a segment the shutdown's scan of /dev/shm could miss (left behind)."""
     import threading
 
+    from smstore._protocol import Piece
     from smstore.daemon.loader import Loader
+    from smstore.daemon.sources import Source
 
     loader = Loader(None, None, str, gid=None, read_rate=0)  # type: ignore[arg-type]
     started, release = threading.Event(), threading.Event()
     calls: list[str] = []
 
-    def load_one(path: str, expected: str | None) -> Any:
-        calls.append(path)
-        if path == "a":
+    def load_one(source: Source, piece: Piece) -> Any:
+        calls.append(source.location)
+        if source.location == "a":
             started.set()
             release.wait(30)
-        raise OSError(f"{path}: cannot be read")  # a failed load: not the Loaded the old check looked at
+        raise OSError(
+            f"{source.location}: cannot be read"
+        )  # a failed load: not the Loaded the old check looked at
 
     loader._load_one = load_one  # type: ignore[method-assign]
-    loader.load("a", None)
-    loader.load("b", None)
+    loader.load(Source("a"), Piece(0))
+    loader.load(Source("b"), Piece(0))
     loader.start()
     assert started.wait(30)
     stopper = threading.Thread(target=loader.stop)

@@ -157,7 +157,7 @@ class DaemonSession:
         """
         # "reader": apart from the samplers' holds (loaded after them, never listed to the readers
         # that follow the holds: those unmap the shards no sampler holds).
-        message = {"op": "hold", **hold_fields(manifest), "shards": str(int(index)), "reader": True}
+        message = {"op": "hold", **hold_fields(manifest), "pieces": str(int(index)), "reader": True}
         reply, fd = self.ask(message, LOAD_WAIT)
         if fd is not None:
             os.close(fd)

@@ -5,8 +5,10 @@ The package stays light: importing ``smstore.daemon.segments`` (for `list_segmen
 
 - `server`: lifecycle, the segment table, the dispatch of requests, `status`, `serve`
 - `serving`: what is done with the segments for clients (loads, attach, detach, share, unload, holds)
-- `planner`: residency (holds, releases, unclaimed segments) and the one --shm-limit budget
-- `loader`: the loader thread (copies files into segments, frees released ones)
+- `planner`: residency (holds of pieces: whole shards and record ranges alike, releases, unclaimed
+  segments, the one failures table) and the one --shm-limit budget
+- `sources`: where a shard's bytes come from (a local file or an object), decided once
+- `loader`: the loader thread and its one queue (loads pieces into segments, frees released ones)
 - `connections`: accepting, framing, backpressure and timeouts of client connections
 - `segments`: segment names, listing, lock, the segment table, adoption, `gc`
 - `state`: the state file a successor adopts segments from

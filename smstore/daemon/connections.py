@@ -100,6 +100,7 @@ class Conn:
     close_after_send: bool = False
     busy: bool = False  # waiting for a load to finish: not read meanwhile, no timeout
     parked: bool = False  # its request is answered on a change or at its deadline (`Server.park`)
+    following: str | None = None  # the manifest its parked 'held' follows (None: every held shard)
     attached: set[str] = field(default_factory=set)
     events: int = 0  # what the selector watches now
     # A descriptor the client sent (at most one, for its next request; closed if that request does

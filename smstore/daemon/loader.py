@@ -9,20 +9,22 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from smstore import _core
 from smstore._pack import human_bytes
+from smstore._protocol import Piece
 from smstore._store import explain_not_a_blob, read_checksum
 from smstore.daemon.planner import Planner
 from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
+from smstore.daemon.sources import Index, Source
 from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
 from smstore.remote.cache import NodeCache
 from smstore.remote.fetch import fetch, read_header
-from smstore.remote.urls import RemoteURL, is_remote_url, parse_url
+from smstore.remote.urls import RemoteURL, parse_url
 
-__all__ = ["AlreadyLoaded", "Failed", "LoadResult", "Loaded", "Loader"]
+__all__ = ["AlreadyLoaded", "Failed", "Indexed", "LoadResult", "Loaded", "Loader"]
 
 log = logging.getLogger("smstore.daemon")
 
@@ -59,7 +61,14 @@ class Failed:
     error: Exception
 
 
-LoadResult = Loaded | AlreadyLoaded | Failed
+@dataclass(frozen=True)
+class Indexed:
+    """The index of an object was read (its pieces' sizes are known now)."""
+
+    index: Index
+
+
+LoadResult = Loaded | AlreadyLoaded | Failed | Indexed
 
 
 def _sized(size: int) -> str:
@@ -68,7 +77,8 @@ def _sized(size: int) -> str:
 
 
 class Loader:
-    """The loader thread and its two queues: work in (loads, segments to free), results out.
+    """The loader thread and its two queues: work in (`source.load(piece)`s, an object's index to
+    read, segments to free), results out.
 
     A slow file system never blocks the event loop: every file a load reads is opened here. Each
     finished load wakes the loop through `wake` (a socket the loop watches).
@@ -101,19 +111,18 @@ class Loader:
         self.gid = gid
         self.read_rate = read_rate
         self.cache = NodeCache(cache_dir, cache_limit) if cache_dir is not None else None
-        self.fetched_bytes = 0  # bytes fetched from object storage straight into segments
+        self.fetched_bytes = 0  # bytes fetched from object storage straight into segments (pieces too)
         # The cache's size, measured in this thread after each use (status never lists the directory).
         self.cache_bytes = self.cache.total_bytes() if self.cache is not None else 0
         self.stopping = False
         # Set by stop(): a fetch under way ends at once (its requests in flight are not waited for).
         self.halt = threading.Event()
-        # Work, in order: a path to load (with the checksum a hold expects of it, if any), a
+        # Work, in order: a piece of a source to load (None: the object's index to read), a
         # released segment to free, or None (stop).
-        self.jobs: queue.Queue[tuple[str, str | None] | Segment | None] = queue.Queue()
-        self.done: queue.Queue[tuple[str, LoadResult]] = queue.Queue()
-        # Names of released segments removed (unlinked and unmapped here): their pages are room
-        # only from then on (`Planner.freed`), not from their release.
-        self.freed: queue.Queue[str] = queue.Queue()
+        self.jobs: queue.Queue[tuple[Source, Piece | None] | Segment | None] = queue.Queue()
+        # Results, in order: a finished job, or the name of a released segment removed (unlinked
+        # and unmapped here: its pages are room only from then on, `Planner.freed`, not from its release).
+        self.done: queue.Queue[tuple[Source, Piece | None, LoadResult] | str] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -130,31 +139,33 @@ class Loader:
         """Give segment `name`, written in full through `fd`, its final mode and group; returns a read-only fd of it."""
         return _core.shm_seal(fd, "/" + name, *self._access())
 
-    def load(self, path: str, expected: str | None) -> None:
-        """Queue a load of `path`; `expected`: the checksum a hold expects it to hold."""
-        self.jobs.put((path, expected))
+    def load(self, source: Source, piece: Piece) -> None:
+        """Queue a load of `piece` of `source` (a whole shard's holds the checksum `source` records, if any)."""
+        self.jobs.put((source, piece))
+
+    def read_index(self, source: Source) -> None:
+        """Queue the read of an object's index (its pieces' sizes are not known before)."""
+        self.jobs.put((source, None))
 
     def free(self, seg: Segment) -> None:
         """Queue a released segment to be unlinked and freed, before any load queued after it."""
         self.jobs.put(seg)
 
-    def finished(self) -> Iterator[tuple[str, LoadResult]]:
-        """The loads finished since the last call (the loop calls it when woken, after `removed`)."""
-        while True:
-            try:
-                yield self.done.get_nowait()
-            except queue.Empty:
-                return
-
-    def removed(self) -> list[str]:
-        """The names of the released segments removed since the last call (the loop calls it when woken)."""
+    def results(self) -> tuple[list[str], list[tuple[Source, Piece | None, LoadResult]]]:
+        """What ended since the last call (the loop calls it when woken): the names of the released
+        segments removed, and the jobs finished."""
         with contextlib.suppress(BlockingIOError):
             self.wake_r.recv(4096)
-        names = []
+        removed: list[str] = []
+        finished: list[tuple[Source, Piece | None, LoadResult]] = []
         with contextlib.suppress(queue.Empty):
             while True:
-                names.append(self.freed.get_nowait())
-        return names
+                item = self.done.get_nowait()
+                if isinstance(item, str):
+                    removed.append(item)
+                else:
+                    finished.append(item)
+        return removed, finished
 
     def stop(self) -> None:
         """Stop the thread; free the released segments it had not freed yet."""
@@ -192,22 +203,26 @@ class Loader:
                 with contextlib.suppress(OSError, StoreError):
                     job.close()
                     _core.wait_for_unmaps()  # the daemon's own mapping too: its pages are gone now
-                self.freed.put(job.name)
+                self.done.put(job.name)
                 with contextlib.suppress(OSError):
                     self.wake_w.send(b"x")
                 time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
                 continue
-            path, expected = job
+            source, piece = job
             result: LoadResult
             try:
-                result = self._load_one(path, expected)
+                result = (
+                    Indexed(source.read_index(self.halt)) if piece is None else self._load_one(source, piece)
+                )
             except Exception as e:  # noqa: BLE001 - every load gets an answer (the error); none ends the thread
+                if piece is None:
+                    log.warning("%s", e)
                 result = Failed(e)
             if self.stopping and isinstance(result, Loaded):
                 unlink_quietly(result.name)
                 os.close(result.fd)
                 return
-            self.done.put((path, result))
+            self.done.put((source, piece, result))
             with contextlib.suppress(OSError):
                 self.wake_w.send(b"x")
 
@@ -221,29 +236,51 @@ class Loader:
             "cache_bytes": self.cache_bytes,
         }
 
-    def _load_one(self, path: str, expected: str | None) -> Loaded | AlreadyLoaded:
-        if is_remote_url(path):
-            return self._fetch_one(path, expected)
-        return self._load_file(path, expected)
+    def _load_one(self, source: Source, piece: Piece) -> Loaded | AlreadyLoaded:
+        if not piece.whole:
+            return self._load_piece(source, piece)
+        if source.remote:
+            return self._fetch_one(source)
+        return self._load_file(source.location, source.checksum)
 
-    def _fetch_one(self, url: str, expected: str | None) -> Loaded | AlreadyLoaded:
+    def _load_piece(self, source: Source, piece: Piece) -> Loaded:
+        """`source.load` of a record range into a new segment of its own, served read-only."""
+        t0 = time.monotonic()
+        key = source.key(piece)
+        name = self.segment_name(key)
+        wfd = _core.shm_create("/" + name)
+        try:
+            wfd, read = source.load(piece, wfd, self.halt)
+            if source.remote:
+                self.fetched_bytes += read
+            if (
+                self.read_rate
+            ):  # --max-read-rate holds for pieces too (a slow file system, a node's network share)
+                self.halt.wait(max(0.0, read / self.read_rate - (time.monotonic() - t0)))
+            rfd = self.seal(wfd, name)
+        except BaseException:
+            os.close(wfd)
+            unlink_quietly(name)
+            raise
+        os.close(wfd)
+        return Loaded(name, rfd, key, time.monotonic() - t0)
+
+    def _fetch_one(self, source: Source) -> Loaded | AlreadyLoaded:
         """Load a shard named by URL: through the node cache, or fetched straight into its segment.
 
         The bytes are verified against the manifest's checksum before the segment is served;
         on a mismatch nothing is served and nothing cached (the error names the object).
         """
-        u = parse_url(url)  # the scheme allow-list: the error names the URL, never a credential
+        u = parse_url(source.location)  # the scheme allow-list: the error names the URL, never a credential
+        expected, size = source.checksum, source.size
         if expected is not None and expected in self.segments:
             return AlreadyLoaded(expected)
-        size = self.planner.remote_sizes.get(url)
         if size is None or expected is None:
             # Named alone ('smstore load URL', or 'smstore serve URL'): no manifest the daemon read
             # gives its size, so its header does (one ranged GET); the checksum the loader names, if
             # any, must be the header's.
             expected, size = self._describe(u, expected)
-            # Counted in the budget from now on while it loads (the planner reads it on the event
-            # loop; one dict store, which no one iterates).
-            self.planner.remote_sizes[url] = size
+            source.size = size
             if expected in self.segments:
                 return AlreadyLoaded(expected)
         if self.cache is not None:

@@ -18,7 +18,7 @@ Waiting = tuple[int, dict[str, Any]]
 class ManifestFetches:
     """The manifests being fetched, and the requests that wait for each.
 
-    The owner's ``hold`` (or ``hold_blocks``) naming a dataset URL the daemon has no manifest for
+    The owner's ``hold`` naming a dataset URL the daemon has no manifest for
     queues its request here (its connection set busy, so its later requests wait in order); one
     thread per URL reads the manifest (``read_manifest``: the scheme allow-list, one GET, the full
     validation) and wakes the event loop, which keeps it and serves the waiting requests again.

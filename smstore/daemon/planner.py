@@ -1,7 +1,8 @@
 """The daemon's residency planner: what the ranks hold, what is loaded or released for them, and the one budget.
 
-A rank's windowed sampler `hold`s the shards of its window and the next; the planner merges the
-holds of every rank into one order, plans the loads that fit, releases what no rank holds any
+Everything held is a piece: a rank's windowed sampler `hold`s the whole shards of its window and
+the next, a block sampler record ranges of them, a reader what it reads that no sampler holds;
+the planner merges the holds of every connection into one order, plans the loads that fit, releases what no rank holds any
 more, and keeps what a dead predecessor loaded for the ranks (unclaimed) until they claim it or
 move past it. It alone decides what fits under ``--shm-limit``: :meth:`Planner.used` is the one
 count of the budget (segments in whole pages, as /dev/shm counts them, plus released segments the
@@ -15,12 +16,13 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Callable, Collection, Container
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
 from smstore._manifest import Manifest, absolute, manifest_file, read_manifest
-from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, ProtocolError
+from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Piece, ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
+from smstore.daemon.sources import NO_IDENTITY, FileIdentity, Index, Source
 from smstore.errors import StoreError
 from smstore.remote.urls import is_remote_url
 
@@ -29,6 +31,8 @@ __all__ = [
     "MAX_FETCH_BACKOFF",
     "MAX_MANIFESTS",
     "Backoff",
+    "Held",
+    "Loading",
     "ManifestPending",
     "Plan",
     "Planner",
@@ -50,9 +54,26 @@ class ManifestPending(Exception):
         self.url = url
 
 
+@dataclass
+class Failure:
+    """One row of the failures table: a location whose load failed.
+
+    ``held``: (the checksum a hold expected, the file's identity then, why), while a hold's load of
+    it stays failed; ``last``: why the latest load of it failed (any load, until one succeeds);
+    ``wait``/``until``: its backoff (an object is fetched again for a hold only after it).
+    """
+
+    held: tuple[str | None, FileIdentity | None, str] | None = None
+    last: str | None = None
+    wait: float = 0.0
+    until: float = 0.0
+    failed_before: bool = False
+
+
 class Backoff:
-    """When an object whose fetch failed may be fetched again: `first` seconds after its first
-    failure, doubled at each failure in a row up to `longest`; forgotten once a fetch succeeds.
+    """The failures table, with when an object whose fetch failed may be fetched again: `first`
+    seconds after its first failure, doubled at each failure in a row up to `longest`; forgotten
+    once a fetch succeeds.
 
     Args:
         first: Seconds after a first failure (0: at once).
@@ -64,41 +85,100 @@ class Backoff:
         self, first: float, longest: float = MAX_FETCH_BACKOFF, clock: Callable[[], float] = time.monotonic
     ) -> None:
         self.first, self.longest, self.clock = first, longest, clock
-        self._entries: dict[str, tuple[float, float]] = {}  # key -> (its last wait, when it ends)
+        self.rows: dict[str, Failure] = {}  # by location (a whole shard's load: its path or URL too)
 
     def failed(self, key: str) -> float:
         """`key` failed (again): the seconds before it may be tried again."""
-        last = self._entries.get(key)
-        wait = self.first if last is None else min(self.longest, max(self.first, 2 * last[0]))
-        self._entries[key] = (wait, self.clock() + wait)
+        row = self.rows.setdefault(key, Failure())
+        wait = min(self.longest, max(self.first, 2 * row.wait)) if row.failed_before else self.first
+        row.wait, row.until, row.failed_before = wait, self.clock() + wait, True
         return wait
 
     def due(self, key: str) -> bool:
         """Whether `key` may be tried again (True if it never failed)."""
-        entry = self._entries.get(key)
-        return entry is None or self.clock() >= entry[1]
+        row = self.rows.get(key)
+        return row is None or not row.failed_before or self.clock() >= row.until
 
     def succeeded(self, key: str) -> None:
-        self._entries.pop(key, None)
+        """A load of `key` succeeded: its backoff and its failures are forgotten."""
+        self.rows.pop(key, None)
+
+    def held_failure(self, key: str) -> tuple[str | None, FileIdentity | None, str] | None:
+        row = self.rows.get(key)
+        return None if row is None else row.held
+
+    def hold_failed(self, key: str, checksum: str | None, identity: FileIdentity | None, why: str) -> None:
+        """A held load of `key` failed: refused to the holds until it changes (`clear_held`)."""
+        self.rows.setdefault(key, Failure()).held = (checksum, identity, why)
+
+    def clear_held(self, key: str) -> None:
+        """A held load of `key` may be tried again (its backoff is remembered)."""
+        row = self.rows.get(key)
+        if row is not None:
+            row.held = None
+            self._drop_if_empty(key, row)
+
+    def load_failed(self, key: str, why: str) -> None:
+        self.rows.setdefault(key, Failure()).last = why
+
+    def last_failure(self, key: str) -> str | None:
+        row = self.rows.get(key)
+        return None if row is None else row.last
+
+    def load_done(self, key: str) -> None:
+        row = self.rows.get(key)
+        if row is not None:
+            row.last = None
+            self._drop_if_empty(key, row)
+
+    def held_failures(self) -> list[tuple[str, str | None, str]]:
+        """(location, checksum, why) of every held load that stays failed (for status)."""
+        return [(k, r.held[0], r.held[2]) for k, r in self.rows.items() if r.held is not None]
+
+    def _drop_if_empty(self, key: str, row: Failure) -> None:
+        if row.held is None and row.last is None and not row.failed_before:
+            del self.rows[key]
 
 
-# A file's identity as stat sees it: a failed held load is retried only once this changes.
-FileIdentity = tuple[int, int, int, int]
+def check_url(url: str) -> None:
+    """Refuse a URL off the allow-list (the message names it, never a credential).
 
+    Raises:
+        ProtocolError: A scheme smstore does not fetch, or a malformed URL.
+    """
+    from smstore.remote.urls import parse_url
 
-def _identity(path: str) -> FileIdentity | None:
-    if is_remote_url(path):
-        return (
-            0,
-            0,
-            0,
-            0,
-        )  # an object has no identity to watch: a failed fetch is tried again after `Backoff`
     try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        parse_url(url)
+    except StoreError as e:
+        raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
+
+
+@dataclass(frozen=True)
+class Held:
+    """A piece a connection holds: what loads and logs call it, its segment's name, its shard's source."""
+
+    label: str
+    key: str
+    source: Source
+    piece: Piece
+    reader: bool = False  # a reader's hold for itself, apart from a sampler's (see `Planner.holds`)
+
+
+# What a segment's key is marked with (`Planner.marks`).
+MANAGED = "managed"  # loaded for holds: released when no connection holds it
+UNCLAIMED = "unclaimed"  # adopted from a dead predecessor that loaded it for holds, not held since
+UNLOADED = "unloaded"  # held, and unloaded by the owner: not loaded again while a hold names it
+
+
+@dataclass
+class Loading:
+    """A load under way: its pages (taken when queued), whether a plan queued it for the holds,
+    and the connections waiting for its reply."""
+
+    pages: int
+    for_hold: bool
+    waiters: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -116,8 +196,9 @@ class _Released:
 class Plan:
     """What a change of the holds asks of the daemon: loads to queue, and what was released (for the log)."""
 
-    loads: list[tuple[str, str]] = field(default_factory=list)  # (path, checksum), in order
+    loads: list[tuple[Held, int]] = field(default_factory=list)  # (piece, its size), in order
     released: list[str] = field(default_factory=list)  # descriptions of the released segments
+    indexes: list[Source] = field(default_factory=list)  # objects whose index to read (their pieces wait)
 
 
 class Planner:
@@ -144,48 +225,43 @@ class Planner:
         fetch_backoff: float = FETCH_BACKOFF,
     ) -> None:
         self.segments = segments
-        # When objects whose fetch failed (shards, blocks' shards) are fetched again for a hold.
-        self.backoff = Backoff(fetch_backoff)
         self.shm_limit = shm_limit
         self.shm_limit_from = shm_limit_from
         self._is_owner = is_owner
         self._release = release
-        # What each connection (a rank's sampler) holds, in the order to load it.
-        self.holds: dict[int, list[tuple[str, str]]] = {}
-        # What a reader holds for itself (a shard in object storage no sampler held when it read
-        # it; the last one it read so): loaded after every sampler's shards, released first when a
-        # sampler's shard needs room, and never listed to the readers that follow the holds
+        # What each connection holds, in the order to load it: whole shards, or record ranges of
+        # them (a block sampler's), alike. A rank's sampler holds its window and the next; a
+        # reader holds for itself (``Held.reader``) a shard, or a piece, in object storage no
+        # sampler held when it read it: loaded after every sampler's, released first when a
+        # sampler's piece needs room, and never listed to the readers that follow the holds
         # ('held'), whose windows it is not part of.
-        self.reader_holds: dict[int, list[tuple[str, str]]] = {}
-        # Segments loaded for holds (dropped when no connection holds them).
-        self.managed: set[str] = set()
-        # Adopted segments a dead predecessor had loaded for holds, not held again since: kept for
-        # the ranks to claim when they hold again, released when the holds need their room or
-        # release a window (the job has moved past them).
-        self.unclaimed: set[str] = set()
-        self.hold_loads: dict[str, str] = {}  # paths being loaded because a rank held them -> checksum
+        self.holds: dict[int, list[Held]] = {}
+        # Segments by key: loaded for holds (MANAGED), adopted from a dead predecessor that had
+        # loaded them for holds and not held again since (UNCLAIMED: kept for the ranks to claim,
+        # released when the holds need their room or release a window), or unloaded by the owner
+        # while held (UNLOADED: not loaded again while a hold still names them).
+        self.marks: dict[str, str] = {}
         # Released segments by name, counted against --shm-limit until the loader thread has
         # removed them and every reader of the owner that mapped them has detached or disconnected:
         # counted free at once, a released piece's room was loaded into while it was still memory.
         self.released: dict[str, _Released] = {}
         self.released_pages = 0  # their total, read by the loader thread too
-        # Parsed manifests by the path a hold names, with the file's identity when it was read.
-        self.manifests: dict[str, tuple[FileIdentity, Manifest, list[str]]] = {}
-        # Shards named by URL: their sizes, as their manifests say (there is no file to stat).
-        self.remote_sizes: dict[str, int] = {}
-        # Held paths whose load failed: path -> (the checksum held, the file's identity then, why).
-        # Not loaded again (and a hold naming them is refused) until the file changes, or for an
-        # object, until a hold after its backoff.
-        self.hold_failed: dict[str, tuple[str, FileIdentity | None, str]] = {}
-        # Held checksums the owner unloaded: not loaded again while a hold still names them.
-        self.unloaded: set[str] = set()
-        # Held paths that wait for room under --shm-limit (a reader asking for one waits too).
-        self.waiting_room: set[str] = set()
-        # The pages of each load under way (a shard's, or a block piece's), taken when it was
-        # queued, and their sum: one count for both, or each admitted its loads beside the other's.
-        # A plan runs at every finished load, and sizing every queued load there again (a stat
-        # each) made loading N queued files O(N**2): 5,000 one-record shards took minutes.
-        self.loading_pages: dict[str, int] = {}
+        # Parsed manifests by the path a hold names, with the file's identity when it was read,
+        # and their shards' sources (each decided once, here).
+        self.manifests: dict[str, tuple[FileIdentity, Manifest, list[Source]]] = {}
+        # The one failures table, by location, with its backoff: held shards whose load (of the
+        # whole, or of a piece) failed are not loaded again (and a hold naming them is refused)
+        # until the file changes, or for an object, until a hold after its backoff; and why the
+        # latest load of a file failed (a reader, or `--require`, hears it).
+        self.failures = Backoff(fetch_backoff)
+        # Held whole shards that wait for room under --shm-limit (a reader asking for one waits
+        # too), as the latest plan found them.
+        self.waiting_room: frozenset[str] = frozenset()
+        # The loads under way (a shard's, or a piece's) by label, and their pages' sum: one count
+        # for both kinds, or each admitted its loads beside the other's. A plan runs at every
+        # finished load, and sizing every queued load there again (a stat each) made loading N
+        # queued files O(N**2).
+        self.loading: dict[str, Loading] = {}
         self.loading_total = 0
 
     # ---- the budget -----------------------------------------------------------------------------
@@ -198,11 +274,6 @@ class Planner:
         """Bytes of the budget in use or promised: `used` and every load in flight (shards' and pieces')."""
         return self.used() + self.loading_total
 
-    def size(self, path: str) -> int:
-        """A held shard's size: its manifest's word for a URL, else the file's (OSError if it has none)."""
-        remote = self.remote_sizes.get(path)
-        return remote if remote is not None else os.stat(path).st_size
-
     def room(self) -> int | None:
         """Bytes left under --shm-limit (None: no limit)."""
         return max(0, self.shm_limit - self.used()) if self.shm_limit else None
@@ -214,103 +285,152 @@ class Planner:
             return True
         return (self.committed() if used is None else used) + pages(size) <= self.shm_limit
 
+    def _too_large(self, label: str, size: int, piece: Piece) -> str:
+        what, cure = (
+            ("a shard", "pack smaller shards") if piece.whole else ("a block piece", "use smaller blocks")
+        )
+        return (
+            f"{label}: {what} of {size} bytes does not fit the daemon's --shm-limit of "
+            f"{self.shm_limit} bytes; raise the limit or {cure}"
+        )
+
     # ---- holds ----------------------------------------------------------------------------------
 
-    def hold(
-        self, cid: int, manifest_path: str, indices: list[int], *, reader: bool = False
-    ) -> list[tuple[str, str]]:
-        """Replace what connection `cid` holds with shards `indices` of a manifest; the (path, checksum) held.
-
-        `reader`: a reader's hold for itself (see ``reader_holds``), apart from a sampler's.
+    def hold(self, cid: int, manifest_path: str, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
+        """Replace what connection `cid` holds (as a sampler, or with `reader` for itself) with
+        `pieces` of a manifest (whole shards or record ranges, in the order to load them); what it holds now.
 
         Raises:
-            ProtocolError: The manifest or an index is bad, a shard is larger than the whole
-                budget, or a shard's load failed (every rank holding it hears so at its next hold).
+            ProtocolError: The manifest, a shard index or a range is bad, a piece is larger than
+                the whole budget, or a shard's load failed or it changed since its manifest was
+                written (every rank holding it hears so at its next hold).
         """
         try:
-            manifest, paths = self._manifest(manifest_path)
+            manifest, sources = self._manifest(manifest_path)
         except StoreError as e:
             raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
-        if any(k >= len(manifest.shards) for k in indices):
+        if any(p.shard >= len(manifest.shards) for p in pieces):
             raise ProtocolError(BAD_REQUEST, f"{manifest_path} has {len(manifest.shards)} shards")
-        shards = [(paths[k], manifest.shards[k].checksum) for k in indices]
-        if self.shm_limit:
-            for path, _checksum in shards:
+        for p in pieces:
+            if not p.whole and p.stop > manifest.shards[p.shard].records:
+                raise ProtocolError(
+                    BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
+                )
+        held = [
+            Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p, reader)
+            for p in pieces
+        ]
+        for h in held:
+            source = h.source
+            failure = self.failures.held_failure(source.location)
+            if source.remote and failure is not None and self.failures.due(source.location):
+                # Its backoff is over: this hold fetches it again (its index afresh: it may have been uploaded again).
+                self.failures.clear_held(source.location)
+                source.index = None
+            if not h.piece.whole and source.remote and source.index is None and not source.indexing:
+                check_url(source.location)  # the allow-list, before its index read is queued
+            if not h.piece.whole and not source.remote and self.failed(source) is None:
                 try:
-                    size = self.size(path)
+                    source.check()  # a range is located by its shard's index: checked against the manifest now
                 except OSError as e:
-                    raise ProtocolError(NOT_FOUND, f"{path}: {e.strerror}") from None
-                if not self.fits(size, used=0):
-                    msg = (
-                        f"{path}: a shard of {size} bytes does not fit the daemon's --shm-limit of "
-                        f"{self.shm_limit} bytes; raise the limit or pack smaller shards"
+                    raise ProtocolError(LOAD_FAILED, f"{source.location}: {e.strerror}") from None
+                except StoreError as e:
+                    self.failures.hold_failed(
+                        source.location, source.checksum, source.identity(), str(e)[:1000]
                     )
-                    raise ProtocolError(NO_ROOM, msg)
-        for path, checksum in shards:
-            if is_remote_url(path) and path in self.hold_failed and self.backoff.due(path):
-                del self.hold_failed[path]  # its backoff is over: this hold fetches it again
-            why = self.failed(path, checksum)
+            if self.shm_limit:
+                if h.piece.whole:
+                    try:
+                        size: int | None = source.current_size()
+                    except OSError as e:
+                        raise ProtocolError(NOT_FOUND, f"{source.location}: {e.strerror}") from None
+                else:
+                    size = source.piece_size(h.piece)  # None: an object's index not read yet
+                if size is not None and not self.fits(size, used=0):
+                    raise ProtocolError(NO_ROOM, self._too_large(h.label, size, h.piece))
+            why = self.failed(source)
             if why is not None:
-                raise ProtocolError(LOAD_FAILED, f"a held shard cannot be loaded: {why}")
-        holds = self.reader_holds if reader else self.holds
-        if shards:
-            holds[cid] = shards
+                what = "shard" if h.piece.whole else "block"
+                raise ProtocolError(LOAD_FAILED, f"a held {what} cannot be loaded: {why}"[:1000])
+        kept = [h for h in self.holds.get(cid, ()) if h.reader != reader]
+        if kept or held:
+            self.holds[cid] = kept + held
         else:
-            holds.pop(cid, None)
-        return shards
+            self.holds.pop(cid, None)
+        return held
 
-    def wanted(self, *, readers: bool = True) -> dict[str, str]:
-        """Checksum -> path of every held shard, in priority order (each sampler's order, merged;
-        then, with `readers`, what readers hold for themselves)."""
-        wanted: dict[str, str] = {}
-        for holds in (self.holds, self.reader_holds) if readers else (self.holds,):
-            lists = list(holds.values())
+    def wanted(self, *, readers: bool = True, whole: bool = False) -> dict[str, Held]:
+        """Segment name -> piece of every held piece, in priority order (each sampler's order,
+        merged; then, with `readers`, what readers hold for themselves); with `whole`, whole shards only."""
+        wanted: dict[str, Held] = {}
+        for for_reader in (False, True) if readers else (False,):
+            lists = [[h for h in hs if h.reader == for_reader] for hs in self.holds.values()]
             for depth in range(max((len(h) for h in lists), default=0)):
                 for held in lists:
-                    if depth < len(held):
-                        path, checksum = held[depth]
-                        wanted.setdefault(checksum, path)
+                    if depth < len(held) and (not whole or held[depth].piece.whole):
+                        wanted.setdefault(held[depth].key, held[depth])
         return wanted
 
-    def plan(self, loading: Collection[str]) -> Plan:
-        """Release the held segments no connection holds any more; plan the loads of held shards that fit.
+    def marked(self, mark: str) -> list[str]:
+        """The keys of the segments marked `mark` (MANAGED, UNCLAIMED or UNLOADED)."""
+        return [key for key, m in self.marks.items() if m == mark]
 
-        `loading`: the paths being loaded now (counted in the budget, not queued again).
+    def plan(self, loading: Collection[str] | None = None) -> Plan:
+        """Release the held segments no connection holds any more; plan the loads of held pieces that fit.
+
+        `loading`: the labels of the loads under way (counted in the budget, not queued again;
+        default: those `load_started` was told of).
         """
+        if loading is None:
+            loading = self.loading
         plan = Plan()
         wanted = self.wanted()
         samplers = self.wanted(readers=False)
-        claimed = self.unclaimed & wanted.keys()  # held again: the holds manage them from now on
-        self.unloaded &= wanted.keys()  # unloaded shards are loaded again once a hold names them anew
-        self.unclaimed -= claimed
-        self.managed |= claimed
-        plan.released = [self.release(self.segments[ck]) for ck in self.managed - wanted.keys()]
+        for key, mark in list(self.marks.items()):
+            if key in wanted and mark == UNCLAIMED:
+                self.marks[key] = MANAGED  # held again: the holds manage it from now on
+            elif key not in wanted and mark == UNLOADED:
+                del self.marks[key]  # unloaded shards are loaded again once a hold names them anew
+        plan.released = [
+            self.release(self.segments[ck])
+            for ck in self.marked(MANAGED)
+            if ck not in wanted and ck in self.segments
+        ]
         if plan.released:
             # The holds moved past a window: what a dead predecessor held that no rank claimed
             # since belongs to a window behind it.
-            plan.released += [self.release(self.segments[ck]) for ck in list(self.unclaimed)]
+            plan.released += [self.release(self.segments[ck]) for ck in self.marked(UNCLAIMED)]
         # A load under way fills its pages whatever the holds say now (one for a hold that moved
-        # on, or one that the shards before it in the holders' order would now leave no room
+        # on, or one that the pieces before it in the holders' order would now leave no room
         # for): it counts until it lands.
         used = self.committed()
-        self.waiting_room = set()
+        waiting: list[str] = []
         full = False
-        for checksum, path in wanted.items():
-            if checksum in self.segments or checksum in self.unloaded or self.failed(path, checksum):
+        for key, h in wanted.items():
+            if key in self.segments or self.marks.get(key) == UNLOADED or self.failed(h.source):
                 continue
-            if path in loading:
+            if h.label in loading:
                 continue  # on its way, and counted above
-            try:
-                size = self.size(path)
-            except OSError:
-                continue  # the load would fail: the reader falls back to (and reports) the file
+            size = h.source.piece_size(h.piece)
+            if size is None:
+                if h.piece.whole:
+                    continue  # the load would fail: the reader falls back to (and reports) the file
+                if h.source.remote and not h.source.indexing:
+                    h.source.indexing = True
+                    plan.indexes.append(h.source)
+                full = True  # an object's index not read yet: later pieces wait for this one's
+                continue
+            if not self.fits(size, used=0):  # an object's piece, sized once its index was read
+                why = self._too_large(h.label, size, h.piece)
+                self.failures.hold_failed(h.source.location, h.source.checksum, NO_IDENTITY, why)
+                continue
             coming = 0  # pages released here that are room once the loader thread removes them
             while not full and not self.fits(size, used - coming):
-                # Room for a held shard comes first: the oldest unclaimed adopted segment goes,
-                # then (for a sampler's shard) the oldest that only readers hold for themselves.
-                if self.unclaimed:
-                    seg = min((self.segments[ck] for ck in self.unclaimed), key=lambda s: s.loaded_at)
-                elif checksum in samplers and (spare := self._readers_only(samplers)):
+                # Room for a held piece comes first: the oldest unclaimed adopted segment goes,
+                # then (for a sampler's piece) the oldest that only readers hold for themselves.
+                if unclaimed := self.marked(UNCLAIMED):
+                    seg = min((self.segments[ck] for ck in unclaimed), key=lambda s: s.loaded_at)
+                elif key in samplers and (spare := self._readers_only(samplers)):
                     seg = min(spare, key=lambda s: s.loaded_at)
                     self._drop_reader_holds(seg.checksum)
                 else:
@@ -320,33 +440,40 @@ class Planner:
                     coming += pages(seg.size)
             # Released pages are room only once removed (`freed`): the next plan loads it then.
             if full or not self.fits(size, used):
-                full = True  # later shards wait until earlier ones are released
-                self.waiting_room.add(path)
+                full = True  # later pieces wait until earlier ones are released
+                if h.piece.whole:
+                    # A reader asking for it waits for it (a piece's reader reads its file meanwhile:
+                    # the room it waits for may be its own mapping of a released piece).
+                    waiting.append(h.label)
                 continue
             used += pages(size)
-            self.hold_loads[path] = checksum
-            plan.loads.append((path, checksum))
+            plan.loads.append((h, size))
+        self.waiting_room = frozenset(waiting)
         return plan
 
-    def _readers_only(self, samplers: dict[str, str]) -> list[Segment]:
+    def _readers_only(self, samplers: dict[str, Held]) -> list[Segment]:
         """The resident segments that only readers hold for themselves (no sampler holds them)."""
-        held = {ck for holds in self.reader_holds.values() for _p, ck in holds}
+        held = {h.key for holds in self.holds.values() for h in holds if h.reader}
         return [self.segments[ck] for ck in held - samplers.keys() if ck in self.segments]
 
     def _drop_reader_holds(self, checksum: str) -> None:
         """Readers no longer hold `checksum` for themselves (released for a sampler's room: they
         map it, and one that reads it again after unmapping it holds it again)."""
-        for cid, held in list(self.reader_holds.items()):
-            kept = [(p, c) for p, c in held if c != checksum]
+        for cid, held in list(self.holds.items()):
+            kept = [h for h in held if not (h.reader and h.key == checksum)]
             if kept:
-                self.reader_holds[cid] = kept
+                self.holds[cid] = kept
             else:
-                del self.reader_holds[cid]
+                del self.holds[cid]
+
+    def stale(self, keys: list[str]) -> list[str]:
+        """Of the pieces a reader maps, those no connection holds any more (it should unmap them)."""
+        held = {h.key for hs in self.holds.values() for h in hs}
+        return [key for key in keys if key and key not in held]
 
     def release(self, seg: Segment) -> str:
         """Stop serving a held segment no rank holds; its pages count until every owner's reader unmaps it."""
-        self.managed.discard(seg.checksum)
-        self.unclaimed.discard(seg.checksum)
+        self.dropped(seg.checksum)
         # Only the owner's processes pin a released segment's pages in the budget: a group member
         # who keeps a segment mapped must never stall the owner's loads (docs/daemon.md, "Groups").
         pinning = {c for c in seg.clients if self._is_owner(c)}
@@ -386,97 +513,135 @@ class Planner:
         return True
 
     def disconnect(self, cid: int) -> bool:
-        """Connection `cid` closed: its holds and mappings go. True if the holds must be planned again."""
+        """Connection `cid` closed: its holds, mappings and waits go. True if the holds must be planned again."""
         freed = [self.unmapped(cid)]
-        held = self.holds.pop(cid, None) is not None
-        held = self.reader_holds.pop(cid, None) is not None or held
-        return held or any(freed)
+        for entry in self.loading.values():
+            if cid in entry.waiters:
+                entry.waiters.remove(cid)
+        return self.holds.pop(cid, None) is not None or any(freed)
 
     # ---- segments coming and going --------------------------------------------------------------
 
     def adopted(self, checksum: str) -> None:
         """A segment adopted from a dead predecessor was loaded for its ranks' holds."""
-        self.unclaimed.add(checksum)
+        self.marks[checksum] = UNCLAIMED
 
     def is_held(self, checksum: str) -> bool:
         """Whether a segment was loaded because a rank held it (a successor releases it once they move on)."""
-        return checksum in self.managed or checksum in self.unclaimed
+        return self.marks.get(checksum) in (MANAGED, UNCLAIMED)
 
     def dropped(self, checksum: str) -> None:
-        """A segment left the table (unloaded, replaced, stopping)."""
-        self.managed.discard(checksum)
-        self.unclaimed.discard(checksum)
+        """A segment left the table (unloaded, replaced, stopping, released)."""
+        if self.is_held(checksum):
+            del self.marks[checksum]
 
     def unload(self, checksum: str) -> None:
         """The owner unloaded `checksum`: not loaded again for the holds naming it now."""
         if checksum in self.wanted():
-            self.unloaded.add(checksum)
+            self.marks[checksum] = UNLOADED
 
-    def load_started(self, path: str, size: int | None = None) -> None:
-        """A load of `path` (a shard, or a block piece of `size` bytes) is queued: its pages count in
-        the budget until it lands (`load_done`/`load_failed`)."""
+    def load_started(self, label: str, size: int | None = None, *, for_hold: bool = False) -> Loading:
+        """A load of `label` (a file, or a piece of `size` bytes) is queued: its pages count in the
+        budget until it lands (`load_done`/`load_failed`); `for_hold`: a plan queued it for the holds."""
+        entry = self.loading.get(label)
+        if entry is not None:
+            return entry
+        footprint = 0
         with contextlib.suppress(OSError):  # no size: the load fails, and counts nothing meanwhile
-            footprint = pages(self.size(path) if size is None else size)
-            self.loading_pages[path] = footprint
-            self.loading_total += footprint
+            footprint = pages(os.stat(label).st_size if size is None else size)
+        entry = self.loading[label] = Loading(footprint, for_hold)
+        self.loading_total += footprint
+        return entry
 
-    def _load_ended(self, path: str) -> None:
-        self.loading_total -= self.loading_pages.pop(path, 0)
+    def _load_ended(self, label: str) -> bool:
+        """Its pages leave the count of loads in flight; whether a plan queued it for the holds."""
+        entry = self.loading.pop(label, None)
+        if entry is None:
+            return False
+        self.loading_total -= entry.pages
+        return entry.for_hold
 
-    def load_failed(self, path: str, why: str) -> None:
-        """A load of `path` failed: if a rank holds it, not loaded again until the file changes."""
-        self._load_ended(path)
-        expected = self.hold_loads.pop(path, None)
-        held = expected or next((ck for ck, p in self.wanted().items() if p == path), None)
+    def load_failed(self, label: str, why: str, source: Source | None = None) -> None:
+        """A load of `label` failed: if a rank holds it, its shard is not loaded again until the
+        file changes (for an object, until a hold after its backoff)."""
+        for_hold = self._load_ended(label)
+        self.failures.load_failed(label, why)
+        held = next((h for h in self.wanted().values() if h.label == label), None)
         if held is not None:
-            self.hold_failed[path] = (held, _identity(path), why)
-            if is_remote_url(path):
-                self.backoff.failed(path)
+            source = held.source  # the checksum a hold expects of it
+        if source is not None and source.checksum is not None and (for_hold or held is not None):
+            self.failures.hold_failed(source.location, source.checksum, source.identity(), why)
+            if source.remote:
+                self.failures.failed(source.location)
 
-    def load_done(self, path: str, checksum: str, *, asked: bool) -> None:
-        """A load of `path` gave `checksum` (before the table has it); `asked`: a client waits for it.
+    def load_done(self, label: str, key: str, *, asked: bool, source: Source | None = None) -> None:
+        """A load of `label` gave segment `key` (before the table has it); `asked`: a client waits for it.
 
         Held now, or loaded for a hold that moved on while it loaded (and asked for by no one
         else): the holds manage it, and the next plan drops it if none holds it.
         """
-        self._load_ended(path)
-        for_hold = self.hold_loads.pop(path, None) is not None
-        self.backoff.succeeded(path)
-        fresh = checksum not in self.segments
-        holders = (*self.holds.values(), *self.reader_holds.values())
-        if any(path in (p for p, _ in held) for held in holders) or (for_hold and fresh and not asked):
-            self.managed.add(checksum)
+        for_hold = self._load_ended(label)
+        self.failures.load_done(label)
+        if source is not None:
+            self.failures.succeeded(source.location)
+        fresh = key not in self.segments
+        if any(h.label == label for held in self.holds.values() for h in held) or (
+            for_hold and fresh and not asked
+        ):
+            self.marks[key] = MANAGED
+
+    def indexed(self, source: Source, index: object) -> None:
+        """The read of an object's index ended: its pieces can be sized now, or they failed (why)."""
+        source.indexing = False
+        if isinstance(index, Index):
+            source.index = index
+        else:  # its read failed (an exception), or gave no index
+            self.failures.hold_failed(source.location, source.checksum, NO_IDENTITY, f"{index}"[:1000])
+            self.failures.failed(source.location)
 
     # ---- questions readers ask ------------------------------------------------------------------
 
-    def on_its_way(self, path: str, checksum: str, loading: Container[str]) -> bool:
-        """Whether the shard at `path` holding `checksum` is loading, or held and waiting for room."""
-        if path in loading:
+    def on_its_way(self, label: str, key: str) -> bool:
+        """Whether the held piece `label` (segment `key`) is loading, or held and waiting for room."""
+        if label in self.loading:
             return True
-        return path in self.waiting_room and self.wanted().get(checksum) == path
+        held = self.wanted().get(key) if label in self.waiting_room else None
+        return held is not None and held.label == label
 
-    def why_not_held(self, path: str, checksum: str) -> str | None:
-        """Why a held shard is not served (its load failed, or the owner unloaded it), if it is one."""
-        if checksum in self.unloaded:
-            return f"{path} was unloaded ('smstore unload') while held"
-        return self.failed(path, checksum)
+    def why_not_held(self, label: str, key: str) -> str | None:
+        """Why a held piece is not served (its load failed, or the owner unloaded it), if it is one."""
+        if self.marks.get(key) == UNLOADED:
+            return f"{label} was unloaded ('smstore unload') while held"
+        held = next((h for hl in self.holds.values() for h in hl if h.label == label), None)
+        if held is not None:
+            return self.failed(held.source)
+        # Held by no one now: a whole shard's failure while its file is the one that failed, or a
+        # piece's shard's (a reader asking for a piece of it reads the file, or hears why not).
+        location, piece, _range = label.partition("#records=")
+        entry = self.failures.held_failure(location)
+        if entry is None:
+            return None
+        return self.failed(Source(location, entry[0] if piece else key))
 
-    def failed(self, path: str, checksum: str) -> str | None:
-        """Why the held load of `path` (holding `checksum`) failed, while the file is still the one that failed."""
-        entry = self.hold_failed.get(path)
+    def last_failure(self, label: str) -> str | None:
+        """Why the latest load of `label` failed, if it did (until one succeeds)."""
+        return self.failures.last_failure(label)
+
+    def failed(self, source: Source) -> str | None:
+        """Why the held load of `source` failed, while it is still the shard that failed."""
+        entry = self.failures.held_failure(source.location)
         if entry is None:
             return None
         held, identity, why = entry
-        if held == checksum and identity is not None and identity == _identity(path):
+        if held == source.checksum and identity is not None and identity == source.identity():
             return why
-        del self.hold_failed[path]  # the file changed (or another checksum is held): try again
+        self.failures.clear_held(source.location)  # the file changed (or another checksum is held): try again
         return None
 
     def knows(self, manifest_path: str) -> bool:
         """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
-        return (
-            manifest_file(manifest_path) if is_remote_url(manifest_path) else manifest_path
-        ) in self.manifests
+        remote = is_remote_url(manifest_path)
+        return (manifest_file(manifest_path) if remote else manifest_path) in self.manifests
 
     def checksums(self, manifest_path: str) -> frozenset[str]:
         """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
@@ -484,16 +649,8 @@ class Planner:
         Raises:
             StoreError: The manifest is missing or bad.
         """
-        manifest, _paths = self._manifest(manifest_path)
+        manifest, _sources = self._manifest(manifest_path)
         return frozenset(s.checksum for s in manifest.shards)
-
-    def manifest(self, path: str) -> tuple[Manifest, list[str]]:
-        """The manifest at `path` and its shards' absolute paths (kept parsed; block holds use it too).
-
-        Raises:
-            StoreError: The manifest is missing or bad.
-        """
-        return self._manifest(path)
 
     def remote_manifest(self, url: str) -> Manifest | None:
         """The manifest fetched from `url` (by :meth:`add_remote`), if it is kept."""
@@ -503,23 +660,28 @@ class Planner:
     def add_remote(self, url: str, manifest: Manifest) -> None:
         """Keep the manifest fetched from `url`: the holds naming it use it from now on, until
         :meth:`forget` (a hold naming another dataset there: it was replaced in the bucket)."""
-        self._keep(manifest_file(url), (0, 0, 0, 0), manifest)
+        self._keep(manifest_file(url), NO_IDENTITY, manifest)
 
     def forget(self, url: str) -> None:
         self.manifests.pop(manifest_file(url), None)
 
-    def _keep(self, path: str, key: FileIdentity, manifest: Manifest) -> list[str]:
-        paths = [absolute(manifest.shard_path(k)) for k in range(len(manifest.shards))]
-        for p, shard in zip(paths, manifest.shards, strict=True):
-            if is_remote_url(p):
-                self.remote_sizes[p] = shard.file_size
+    @staticmethod
+    def _sources(manifest: Manifest) -> list[Source]:
+        """Each shard's source, decided here once (a local file or an object)."""
+        return [
+            Source(absolute(manifest.shard_path(k)), shard.checksum, shard.file_size)
+            for k, shard in enumerate(manifest.shards)
+        ]
+
+    def _keep(self, path: str, key: FileIdentity, manifest: Manifest) -> list[Source]:
+        sources = self._sources(manifest)
         if len(self.manifests) >= MAX_MANIFESTS:
             self.manifests.clear()
-        self.manifests[path] = (key, manifest, paths)
-        return paths
+        self.manifests[path] = (key, manifest, sources)
+        return sources
 
-    def _manifest(self, path: str) -> tuple[Manifest, list[str]]:
-        """The manifest at `path` and its shards' absolute paths, parsed again only if the file changed.
+    def _manifest(self, path: str) -> tuple[Manifest, list[Source]]:
+        """The manifest at `path` and its shards' sources, parsed again only if the file changed.
 
         Every rank holds at every window: parsing a manifest of thousands of shards each time
         would be milliseconds of the daemon's core at each window switch. A manifest in object
@@ -544,5 +706,5 @@ class Planner:
             return cached[1], cached[2]
         manifest = read_manifest(path)
         if key is None:
-            return manifest, [absolute(manifest.shard_path(k)) for k in range(len(manifest.shards))]
+            return manifest, self._sources(manifest)
         return manifest, self._keep(path, key, manifest)

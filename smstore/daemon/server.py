@@ -23,8 +23,10 @@ from smstore._protocol import (
     BAD_REQUEST,
     PERMISSION_DENIED,
     STATUS_PAGE,
+    Piece,
     ProtocolError,
     checksum_arg,
+    checksums_arg,
     dataset_arg,
     held_arg,
     hold_arg,
@@ -34,11 +36,10 @@ from smstore._protocol import (
     page_arg,
     refusal,
 )
-from smstore.daemon.blocks import Blocks, parse_pieces
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.manifests import ManifestFetches
 from smstore.daemon.metrics import Exporter
-from smstore.daemon.planner import FETCH_BACKOFF
+from smstore.daemon.planner import FETCH_BACKOFF, MANAGED, UNCLAIMED, check_url
 from smstore.daemon.segments import (
     SHM_DIR,
     DaemonLock,
@@ -49,8 +50,9 @@ from smstore.daemon.segments import (
     unlink_quietly,
 )
 from smstore.daemon.serving import Serving, describe
+from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile, state_path
-from smstore.errors import DaemonError, StoreError
+from smstore.errors import DaemonError
 from smstore.remote.urls import is_remote_url
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
@@ -115,20 +117,6 @@ def load_path(f: str) -> str:
     return f if is_remote_url(f) else os.fspath(Path(f).absolute())
 
 
-def check_url(url: str) -> None:
-    """Refuse a URL off the allow-list (the message names it, never a credential).
-
-    Raises:
-        ProtocolError: A scheme smstore does not fetch, or a malformed URL.
-    """
-    from smstore.remote.urls import parse_url
-
-    try:
-        parse_url(url)
-    except StoreError as e:
-        raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
-
-
 class Daemon(Server):
     """The daemon: its lifecycle, its segment table, its requests' dispatch and its event loop. See docs/daemon.md.
 
@@ -189,7 +177,6 @@ class Daemon(Server):
             cache_limit=cache_limit,
             fetch_backoff=fetch_backoff,
         )
-        self.blocks = Blocks(self.serving)  # pieces of shards held by block samplers
         # Manifests of datasets in object storage, fetched off the loop for the holds naming them.
         self.manifests = ManifestFetches(self._wake_loop)
         self._refetched: dict[str, Any] | None = (
@@ -246,7 +233,7 @@ class Daemon(Server):
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
         for f in files:
             path = load_path(f)
-            self.serving.queue_load(path, None, expected=(checksums or {}).get(path))
+            self.serving.queue_load(Source(path, (checksums or {}).get(path)), Piece(0), None)
 
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
@@ -261,14 +248,14 @@ class Daemon(Server):
     def _state(self) -> tuple[dict[str, Any], int]:
         """What the state file records: our segments (a memfd cannot be adopted), for a successor.
 
-        Block pieces are left out: a successor removes them as leftovers, and the ranks' next
+        Record ranges are left out: a successor removes them as leftovers, and the ranks' next
         holds load them again (a piece is a few MiB read once; adopting it would mean trusting a
         segment whose blob checksum no manifest records).
         """
         entries = [
             s.state_entry(held=self.serving.planner.is_held(s.checksum))
             for s in self.segments.values()
-            if not s.shared and s.checksum not in self.blocks.mine
+            if not s.shared and not any("#records=" in p for p in s.paths)
         ]
         state = {
             "pid": self.pid,
@@ -296,7 +283,6 @@ class Daemon(Server):
                 if self._owns_state:
                     self.state.path.unlink(missing_ok=True)
             self.serving.loader.stop()
-            self.blocks.stop()
             if self.exporter is not None:
                 self.exporter.publish(metric_values(self))
                 self.exporter.stop()
@@ -332,40 +318,33 @@ class Daemon(Server):
             self.serving.held(cid, conn, *held_arg(req))
         elif op == "detach":
             self.serving.detach(cid, conn, checksum_arg(req), reply=req.get("noreply") is not True)
-            self.blocks.reconcile()  # pages a reader unmapped may be the room a held piece waits for
         elif op == "stale_blocks":
-            self.reply(cid, {"ok": True, "stale": self.blocks.stale(req.get("checksums"))})
+            stale = self.serving.planner.stale(checksums_arg(req))
+            self.reply(cid, {"ok": True, "stale": stale})
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
-        elif op in ("load", "unload", "stop", "share", "hold", "hold_blocks") and not conn.owner:
+        elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
             path = load_path_arg(req, required=True)
             assert path is not None
-            if is_remote_url(path):
+            source = Source(path)
+            if source.remote:
                 # An object, pinned like a file until 'unload': the allow-list first (the owner's
                 # word, but never a scheme we do not fetch); the checksum its manifest records, if given.
                 check_url(path)
-                self.serving.queue_load(path, cid, expected=checksum_arg(req))
-            else:
-                self.serving.queue_load(path, cid)
+                source.checksum = checksum_arg(req)
+            self.serving.queue_load(source, Piece(0), cid)
         elif op == "unload":
             self.serving.unload(cid, checksum_arg(req), load_path_arg(req, required=False))
         elif op == "share":
             self.serving.share(cid, conn, req)
-        elif op in ("hold", "hold_blocks") and not self._manifest_ready(cid, req):
+        elif op == "hold" and not self._manifest_ready(cid, req):
             return  # served again once the daemon has fetched the manifest
         elif op == "hold":
-            self.serving.hold(
-                cid, *hold_arg(req), reply=req.get("noreply") is not True, reader=req.get("reader") is True
-            )
-        elif op == "hold_blocks":
-            resident = self.blocks.hold(
-                cid, manifest_value(req.get("manifest")), parse_pieces(req.get("pieces"))
-            )
-            if req.get("noreply") is not True:
-                self.reply(cid, {"ok": True, "resident": resident})
+            manifest, pieces, reader = hold_arg(req)
+            self.serving.hold(cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader)
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
@@ -445,7 +424,6 @@ class Daemon(Server):
             # loop may have left half-updated).
             return
         self.serving.closed(cid, conn)
-        self.blocks.closed(cid)
 
     def wake(self, cid: int) -> None:
         self.serving.wake(cid)  # the only requests parked: 'held' ones
@@ -463,7 +441,6 @@ class Daemon(Server):
             elif key.data == "wake":
                 self.serving.finish_loads()
                 self.finish_manifests()
-                self.blocks.reconcile()
             else:
                 self.dispatch(key, events)
         self.expire()
@@ -481,7 +458,7 @@ class Daemon(Server):
         paths = [load_path(f) for f in files]
         while not self.stopping and any(p in self.serving.loading for p in paths):
             self.run_once(0.5)
-        whys = [(p, self.serving.failures[p]) for p in paths if p in self.serving.failures]
+        whys = [(p, why) for p in paths if (why := self.serving.planner.last_failure(p)) is not None]
         failed = [why if why.startswith(p) else f"{p}: {why}" for p, why in whys]
         if failed:
             msg = f"--require: {len(failed)} file(s) given at start failed to load: " + "; ".join(failed)
@@ -513,7 +490,7 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         page.append(entry)
     failed = [
         {"path": p, "checksum": ck, "message": why}
-        for p, (ck, _i, why) in daemon.serving.planner.hold_failed.items()
+        for p, ck, why in daemon.serving.planner.failures.held_failures()
     ]
     return {
         "ok": True,
@@ -531,8 +508,8 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "counts": {
             "segments": len(daemon.segments),
             "loading": len(daemon.serving.loading),
-            "held": len(daemon.serving.planner.managed),
-            "unclaimed": len(daemon.serving.planner.unclaimed),
+            "held": len(daemon.serving.planner.marked(MANAGED)),
+            "unclaimed": len(daemon.serving.planner.marked(UNCLAIMED)),
             "released": len(daemon.serving.planner.mapped_released()),
             "failed": len(failed),
             "held_requests": daemon.served_held,
@@ -542,10 +519,10 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         "offset": offset,
         "next_offset": next_offset,
         "loading": sorted(daemon.serving.loading)[:STATUS_LIST],
-        "held": sorted(daemon.serving.planner.managed)[
+        "held": sorted(daemon.serving.planner.marked(MANAGED))[
             :STATUS_PAGE
         ],  # checksums loaded because a rank holds them
-        "unclaimed": sorted(daemon.serving.planner.unclaimed)[
+        "unclaimed": sorted(daemon.serving.planner.marked(UNCLAIMED))[
             :STATUS_PAGE
         ],  # adopted, held by a dead predecessor, not since
         "released": daemon.serving.planner.mapped_released()[
@@ -564,9 +541,8 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
     """Every metric's value now (keys of `smstore.daemon.metrics.METRICS`): status's ``metrics`` section."""
     available, _total = shm if shm is not None else _core.shm_space(os.fspath(SHM_DIR))
     planner = daemon.serving.planner
-    wanted = planner.wanted(readers=False)  # what the ranks hold (a reader's own hold is no window)
+    wanted = planner.wanted(readers=False, whole=True)  # the ranks' shards (a reader's own hold is no window)
     remote = daemon.serving.loader.remote_values()
-    remote["fetched_bytes"] += daemon.blocks.fetched_bytes  # blocks of shards in object storage
     return {
         "segments": len(daemon.segments),
         "resident_bytes": sum(s.size for s in daemon.segments.values()),

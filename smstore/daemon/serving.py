@@ -15,6 +15,7 @@ from smstore import _core
 from smstore._protocol import (
     BAD_REQUEST,
     NO_ROOM,
+    Piece,
     ProtocolError,
     attach_path_arg,
     checksum_arg,
@@ -24,10 +25,11 @@ from smstore._protocol import (
     refusal,
 )
 from smstore.daemon.connections import Conn, Server
-from smstore.daemon.loader import AlreadyLoaded, Failed, Loaded, Loader
+from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader
 from smstore.daemon.metrics import Counters
-from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, ManifestPending, Planner
+from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
+from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile
 from smstore.errors import DaemonError, StoreError
 
@@ -78,8 +80,6 @@ class Serving:
         self.server = server
         self.segments = segments
         self.state = state
-        # Why a block piece (``PATH#records=A-B``) will not be served: set by the block residency.
-        self.piece_failure: Callable[[str], str | None] = lambda _path: None
         self.planner = Planner(
             segments,
             shm_limit=shm_limit,
@@ -97,12 +97,10 @@ class Serving:
             cache_dir=cache_dir,
             cache_limit=cache_limit,
         )
-        self.loading: dict[str, list[int]] = {}  # path -> connection ids waiting for it
         # Readers waiting for a held shard still on its way (connection id, checksum, since when), by path.
         self.attach_waiting: dict[str, list[tuple[int, str, float]]] = {}
         self.loads = 0  # loads finished (or failed) since the start
         self.counters = Counters()  # what the metrics count: loads, their bytes and time, readers' waits
-        self.failures: dict[str, str] = {}  # path -> why its last load failed (until it loads)
         # What readers follow (`held`): the held shards and those not resident yet, its version
         # (one more at each change), and its replies, encoded once per dataset followed (None:
         # every held shard) for every reader of that version. Recomputed only once marked stale
@@ -111,7 +109,11 @@ class Serving:
         self._held_seen: tuple[list[list[str]], list[str]] | None = None
         self._held_stale = True
         self._held_frames: dict[str | None, bytes] = {}
-        self.following: dict[int, str | None] = {}  # parked readers -> the manifest each follows
+
+    @property
+    def loading(self) -> dict[str, Loading]:
+        """The loads under way by label (the planner's one count of them), with who waits for each."""
+        return self.planner.loading
 
     def drop(self, seg: Segment) -> None:
         """Stop serving a segment now (unloaded, replaced, stopping): clients keep their mappings."""
@@ -129,25 +131,42 @@ class Serving:
     # ---- loading (a thread, so that a slow filesystem never blocks attaching clients) -----------
 
     def queue_load(
-        self, path: str, cid: int | None, *, quiet: bool = False, expected: str | None = None
+        self,
+        source: Source,
+        piece: Piece,
+        cid: int | None,
+        *,
+        quiet: bool = False,
+        size: int | None = None,
+        for_hold: bool = False,
     ) -> None:
-        first = path not in self.loading
-        waiters = self.loading.setdefault(path, [])
+        """Load `piece` of `source` (a whole shard: a file or an object given to load, or a held
+        shard; or a held record range) on the loader thread; `cid` waits for it, if given."""
+        label = source.label(piece)
+        first = label not in self.loading
+        entry = self.planner.load_started(label, size, for_hold=for_hold)
         if cid is not None:
-            waiters.append(cid)
+            entry.waiters.append(cid)
             self.server.set_busy(cid, True)
         if first:
-            self.planner.load_started(path)
-            self.loader.load(path, expected)
+            self.loader.load(source, piece)
             if not quiet:
-                log.info("loading %s", path)
+                log.info("loading %s", label)
 
     def finish_loads(self) -> None:
-        freed = [self.planner.freed(name) for name in self.loader.removed()]  # each of them, no short cut
+        removed, finished = self.loader.results()
+        freed = [self.planner.freed(name) for name in removed]  # each of them, no short cut
         if any(freed):
-            self.reconcile()  # room a held shard may wait for (the block residency plans after this)
-        for path, result in self.loader.finished():
-            waiters = self.loading.pop(path, [])
+            self.reconcile()  # room a held piece may wait for
+        for source, piece, result in finished:
+            if piece is None:  # an object's index: its pieces can be sized (or fail) now
+                outcome = result.index if isinstance(result, Indexed) else result
+                self.planner.indexed(source, outcome.error if isinstance(outcome, Failed) else outcome)
+                self.reconcile()
+                continue
+            path = source.label(piece)
+            entry = self.loading.get(path)
+            waiters = entry.waiters if entry is not None else []
             self.loads += 1
             reply: dict[str, Any]
             failure: str | None = None
@@ -156,13 +175,12 @@ class Serving:
                 failure = str(result.error)[:1000]
                 self.counters.loads["failed"] += 1
                 self.counters.load_failures[type(result.error).__name__] += 1
-                self.planner.load_failed(path, failure)
-                self.failures[path] = failure
+                self.planner.load_failed(path, failure, source)
                 reply = refusal(type(result.error).__name__, failure)
             else:
-                self.failures.pop(path, None)
+                assert not isinstance(result, Indexed)
                 # Marked before _register writes the state file, which records it as held.
-                self.planner.load_done(path, result.checksum, asked=bool(waiters))
+                self.planner.load_done(path, result.checksum, asked=bool(waiters), source=source)
                 seg = self.register(path, result)
                 reply = {"ok": True, **describe(seg)}
                 if isinstance(result, Loaded):
@@ -239,7 +257,7 @@ class Serving:
             seg is None
             and path is not None
             and checksum is not None
-            and self.planner.on_its_way(path, checksum, self.loading)
+            and self.planner.on_its_way(path, checksum)
         ):
             # A held shard on its way (loading, or waiting for room): answer when its load ends.
             # No file is read for this that a rank did not ask for.
@@ -253,7 +271,7 @@ class Serving:
                 else None
             )
             if why is None and path is not None:
-                why = self.piece_failure(path) or self.failures.get(path)  # a block piece's
+                why = self.planner.last_failure(path)  # a load of it failed
             self.server.reply(cid, not_served(str(key or checksum or path), why))
             return
         self._attach(cid, conn, seg)
@@ -261,27 +279,29 @@ class Serving:
     # ---- residency: the planner decides, the server replies and queues ------------------------
 
     def hold(
-        self, cid: int, manifest_path: str, indices: list[int], *, reply: bool, reader: bool = False
+        self, cid: int, manifest_path: str, pieces: list[Piece], *, reply: bool, reader: bool = False
     ) -> None:
         """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
 
         The reply comes at once (none with ``"noreply": true``, unless the request is refused):
         loads run in the background, in the order given (the window being read first, then the
-        next). A shard larger than the whole --shm-limit is refused here.
+        next). A piece larger than the whole --shm-limit is refused here.
         """
-        shards = self.planner.hold(cid, manifest_path, indices, reader=reader)
+        held = self.planner.hold(cid, manifest_path, pieces, reader=reader)
         if reply:
-            resident = [ck for _p, ck in shards if ck in self.segments]
-            self.server.reply(cid, {"ok": True, "resident": len(resident), "held": len(shards)})
+            resident = sum(h.key in self.segments for h in held)
+            self.server.reply(cid, {"ok": True, "resident": resident, "held": len(held)})
             self.server.flush(cid)  # the rank goes on at once; releases and loads follow
         self.reconcile()
 
     def reconcile(self) -> None:
         """Carry out the planner's plan: queue its loads, and answer readers waiting for what will not come."""
-        plan = self.planner.plan(self.loading)
+        plan = self.planner.plan()
         self._held_stale = True  # the holds, or what of them is loaded, may have changed
-        for path, checksum in plan.loads:
-            self.queue_load(path, None, quiet=True, expected=checksum)
+        for held, size in plan.loads:
+            self.queue_load(held.source, held.piece, None, quiet=True, size=size, for_hold=True)
+        for source in plan.indexes:
+            self.loader.read_index(source)
         for path in list(self.attach_waiting):
             if path not in self.loading and path not in self.planner.waiting_room:
                 # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
@@ -296,10 +316,12 @@ class Serving:
         # One log line for each kind of change, however many shards: a window switch releases and
         # loads a window's worth on the daemon's loop, inside the switch (a line costs ~35 us).
         if plan.released:
-            log.info("releasing %d shard(s) no rank holds: %s", len(plan.released), "; ".join(plan.released))
+            log.info("releasing %d piece(s) no rank holds: %s", len(plan.released), "; ".join(plan.released))
             self.state.changed()
         if plan.loads:
-            log.info("loading %d held shard(s): %s", len(plan.loads), ", ".join(p for p, _ in plan.loads))
+            log.info(
+                "loading %d held piece(s): %s", len(plan.loads), ", ".join(h.label for h, _ in plan.loads)
+            )
         self.held_changed()
 
     # ---- what readers follow: the held shards, sent at once or at their next change -------------
@@ -319,13 +341,17 @@ class Serving:
             manifest = _NOTHING
         frame = self.held_frame(manifest)
         if since == self.held_version and wait and self.server.park(cid, wait):
-            self.following[cid] = manifest
+            self.server.conns[cid].following = manifest
             return
         self.server.reply(cid, frame)
 
     def wake(self, cid: int) -> None:
         """Answer the parked `held` of connection `cid` (already unparked) now."""
-        self.server.reply(cid, self._held_reply(self.following.pop(cid, None)))
+        conn = self.server.conns.get(cid)
+        manifest = conn.following if conn is not None else None
+        if conn is not None:
+            conn.following = None
+        self.server.reply(cid, self._held_reply(manifest))
 
     def held_changed(self) -> None:
         """The holds or the segments may have changed: every reader parked on `held` hears if they did."""
@@ -343,8 +369,9 @@ class Serving:
         if not self._held_stale:
             return
         self._held_stale = False
-        wanted = self.planner.wanted(readers=False)  # a reader's own hold is no window to follow
-        seen = ([[p, c] for c, p in wanted.items()], [c for c in wanted if c not in self.segments])
+        # A reader's own hold is no window to follow, and a record range is read through its own reader.
+        wanted = self.planner.wanted(readers=False, whole=True)
+        seen = ([[h.label, c] for c, h in wanted.items()], [c for c in wanted if c not in self.segments])
         if seen != self._held_seen:
             self._held_seen = seen
             self.held_version += 1
@@ -498,7 +525,6 @@ class Serving:
 
     def closed(self, cid: int, conn: Conn) -> None:
         """Connection `cid` closed: its holds, attachments and waits go."""
-        self.following.pop(cid, None)
         if self.planner.disconnect(cid):
             self.reconcile()
         for checksum in conn.attached:
@@ -508,9 +534,6 @@ class Serving:
                 if seg.shared and not seg.clients:
                     log.info("dropping shared blob %s: no client left", seg.key)
                     self.drop(seg)
-        for waiters in self.loading.values():
-            if cid in waiters:
-                waiters.remove(cid)
         self.held_changed()  # a shared blob dropped may have been a held shard's resident copy
 
 
