@@ -24,7 +24,7 @@ from bench_core import portable
 from contenders import daemon
 
 import smstore
-from smstore.client import daemon_request, open_store
+from smstore.wire.client import daemon_request, open_store
 
 SHM = Path("/dev/shm")
 

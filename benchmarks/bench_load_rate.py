@@ -26,7 +26,7 @@ from pathlib import Path
 from bench_core import Report, command_line, log, machine_info, temp_dir, write_results
 
 import smstore
-from smstore.client import daemon_request
+from smstore.wire.client import daemon_request
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

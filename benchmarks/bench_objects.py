@@ -21,7 +21,7 @@ private memory.
 
 sharedlist-loader-unfrozen is sharedlist-loader with each worker's inherited heap unfrozen as it
 starts: the garbage collector as it was before smstore froze the heap around a fork
-(smstore/_fork.py), measured against the no-dataset job of sharedlist-loader. (A rank that built
+(smstore/wire/fork.py), measured against the no-dataset job of sharedlist-loader. (A rank that built
 a large list itself, as the sharedlist row's does, leaves its collector's count of old objects so
 high that no worker runs a full collection; a rank that did not, as the loader form's, does.)
 

@@ -43,7 +43,7 @@ from bench_core import Report, command_line, log, machine_info, temp_dir, write_
 from bench_windowed import RESULTS, make_dataset, rank_child, run_epoch, switch_and_steady
 
 from smstore import WindowedShuffleSampler
-from smstore._manifest import read_manifest
+from smstore.format.manifest import read_manifest
 
 MiB = 1 << 20
 BUCKET = "smstore-bench"

@@ -4,7 +4,7 @@
     python benchmarks/bench_residency_push.py --variant before=DIR --variant after=DIR2 \
         --out benchmarks/results/residency_push.md
 
-Each reading process of a windowed sampler runs a thread (``_Preattacher`` in smstore/client.py)
+Each reading process of a windowed sampler runs a thread (``_Preattacher`` in smstore/wire/client.py)
 that follows what the ranks hold in the daemon: it attaches a held shard of its dataset once the
 daemon has loaded it and unmaps the shards no longer held. Every variant (a directory put first on
 ``PYTHONPATH`` of the daemon and of every rank, reader and worker: an older checkout's ``smstore/``
@@ -50,9 +50,9 @@ from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, w
 from bench_windowed import crc_collate, make_dataset, switch_and_steady
 
 import smstore
-from smstore._manifest import read_manifest
-from smstore.client import daemon_request
+from smstore.format.manifest import read_manifest
 from smstore.sampling import WindowedShuffleSampler
+from smstore.wire.client import daemon_request
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -150,7 +150,7 @@ def wait_line(proc: subprocess.Popen[bytes]) -> None:
 
 def holder_child(args: argparse.Namespace) -> None:
     """A rank holding every shard of the dataset until its stdin closes."""
-    from smstore.residency import ShardResidency
+    from smstore.wire.residency import ShardResidency
 
     residency = ShardResidency(args.dataset, mode="daemon")
     residency.hold(range(len(read_manifest(args.dataset).shards)), wait=True)
@@ -161,7 +161,7 @@ def holder_child(args: argparse.Namespace) -> None:
 
 def reader_child(args: argparse.Namespace) -> None:
     """A reading process that opened the dataset and read one record, until its stdin closes."""
-    from smstore.client import open_store
+    from smstore.wire.client import open_store
 
     store = open_store(args.dataset, mode="daemon")
     bytes(store[0])  # the first read starts the pre-attaching thread
@@ -241,7 +241,7 @@ def rank_child(args: argparse.Namespace) -> None:
 
     warnings.filterwarnings("ignore", message="This DataLoader will create")
 
-    from smstore import client
+    from smstore.wire import client
 
     events_dir = Path(args.result).parent
 

@@ -77,8 +77,7 @@ from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, w
 
 import smstore
 from smstore import _core
-from smstore._blocks import BlockReader, BlockResidency
-from smstore._manifest import read_manifest
+from smstore.format.manifest import read_manifest
 from smstore.sampling import (
     BlockWindowOrder,
     BlockWindowSampler,
@@ -87,6 +86,7 @@ from smstore.sampling import (
     block_bounds,
 )
 from smstore.sampling.plan import neighbour_spread
+from smstore.wire.blocks import BlockReader, BlockResidency
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -863,7 +863,7 @@ def bench_epoch_blocks(report: Report, tmp: Path, args: argparse.Namespace) -> N
         f"records at least, spread {spread} (spread + 2 groups of {block} records held: the window's, the next, one "
         f"in the lag; and the rest of a block at each end), lag {lag} samples, over {data_bytes / MiB:.0f} MiB in "
         f"{len(manifest.shards)} shards; the daemon loads each block as its own segment (smstore/daemon/blocks.py), "
-        "readers read through smstore._blocks.BlockReader; a window is about one block of positions, so the 'first "
+        "readers read through smstore.wire.blocks.BlockReader; a window is about one block of positions, so the 'first "
         f"{args.switch_batches} batches of a window' are a third of all; the first {spread} windows are the fill "
         "(the memory filling: each draws from fewer blocks than it holds, and goes by faster than a block loads), "
         "counted as the start of the epoch, as the window sampler's first window is"

@@ -162,7 +162,7 @@ class AfterFork(Reader):
 
 class SmstoreReader(Reader):
     def __init__(self, path: Path, mode: str, socket: Path | None) -> None:
-        from smstore.client import open_store
+        from smstore.wire.client import open_store
 
         self.store = open_store(path, mode, socket)  # type: ignore[arg-type]
         self.get = self.store.__getitem__  # type: ignore[method-assign]
@@ -722,7 +722,7 @@ def dir_bytes(path: Path) -> int:
 @contextlib.contextmanager
 def daemon(sock: Path, *blobs: Path) -> Iterator[subprocess.Popen[bytes]]:
     """``smstore serve`` on its own socket, serving ``blobs``, until the block ends (stopped by its pid)."""
-    from smstore.client import daemon_request
+    from smstore.wire.client import daemon_request
 
     proc = subprocess.Popen(
         [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(sock), *map(os.fspath, blobs)],

@@ -50,7 +50,7 @@ std::string temp_name_for(const std::string& path) {
 // The permission bits of the file at `path` that publishing would replace, or -1 if there is none.
 // rename() would swap a FIFO, device or socket for a regular file: refuse anything but a regular file.
 // lstat, not stat: the rename in finish() replaces a symbolic link itself, not its target, so a link
-// is refused as smstore._pack.check_output refuses it (the one rule for outputs, docs/format.md).
+// is refused as smstore.write.pack.check_output refuses it (the one rule for outputs, docs/format.md).
 int replaced_mode(const std::string& path) {
     struct stat st;
     if (::lstat(path.c_str(), &st) != 0) return -1;

@@ -17,14 +17,6 @@ except ImportError as err:  # pragma: no cover - only without a built extension
         "source checkout, install the package first (pip install .) and run outside the source tree."
     ) from err
 
-from smstore import _fork  # noqa: F401 (a forked child inherits a frozen heap: smstore/_fork.py)
-from smstore._manifest import source_of
-from smstore._objects import ObjectStore, pack_objects
-from smstore._pack import PackStats, Writer, pack
-from smstore._packfiles import pack_files
-from smstore._shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
-from smstore._store import Store
-from smstore._store import open as _open_local
 from smstore.errors import (
     ChecksumMismatchError,
     CollateError,
@@ -51,16 +43,24 @@ from smstore.errors import (
     StoreVersionError,
     WorkerError,
 )
+from smstore.format.manifest import source_of
+from smstore.format.objects import ObjectStore, pack_objects
+from smstore.read.shards import ShardedObjectStore, ShardedStore, ShardedWriter, join
+from smstore.read.store import Store
+from smstore.read.store import open as _open_local
+from smstore.wire import fork as _fork  # noqa: F401 (a forked child inherits a frozen heap: smstore/wire/fork.py)
+from smstore.write.pack import PackStats, Writer, pack
+from smstore.write.packfiles import pack_files
 
 if TYPE_CHECKING:
-    from smstore._arrays import pack_arrays, pack_npy_lines
-    from smstore.client import DaemonStore, daemon_request, open_store
-    from smstore.collate import TokenCollator
     from smstore.daemon.segments import collect_garbage, list_segments
-    from smstore.dataset import SharedStoreDataset
-    from smstore.loader import Loader
-    from smstore.loader_stats import LoaderStats
-    from smstore.residency import ShardResidency
+    from smstore.loading.collate import TokenCollator
+    from smstore.loading.loader import Loader
+    from smstore.loading.stats import LoaderStats
+    from smstore.loading.transform_loader import TransformLoader
+    from smstore.read.dataset import SharedStoreDataset
+    from smstore.read.shared_list import SharedList
+    from smstore.read.views import Concat, Repeat, Subset, select
     from smstore.sampling import (
         BlockWindowSampler,
         GlobalShuffleSampler,
@@ -71,9 +71,9 @@ if TYPE_CHECKING:
         WindowedMixtureSampler,
         WindowedShuffleSampler,
     )
-    from smstore.shared_list import SharedList
-    from smstore.transform_loader import TransformLoader
-    from smstore.views import Concat, Repeat, Subset, select
+    from smstore.wire.client import DaemonStore, daemon_request, open_store
+    from smstore.wire.residency import ShardResidency
+    from smstore.write.arrays import pack_arrays, pack_npy_lines
 
 __version__: str = _core.__version__
 
@@ -146,10 +146,10 @@ __all__ = [
 # These load on first use: `import smstore` (the CLI, the daemon) never imports torch, and numpy
 # only when something needs it, so that commands start fast; nor does a reader import the daemon.
 _LAZY = {
-    "SharedStoreDataset": "smstore.dataset",
-    "TokenCollator": "smstore.collate",
-    "Loader": "smstore.loader",
-    "LoaderStats": "smstore.loader_stats",
+    "SharedStoreDataset": "smstore.read.dataset",
+    "TokenCollator": "smstore.loading.collate",
+    "Loader": "smstore.loading.loader",
+    "LoaderStats": "smstore.loading.stats",
     "GlobalShuffleSampler": "smstore.sampling",
     "WindowedShuffleSampler": "smstore.sampling",
     "BlockWindowSampler": "smstore.sampling",
@@ -158,20 +158,20 @@ _LAZY = {
     "MixtureDataset": "smstore.sampling",
     "MixtureSampler": "smstore.sampling",
     "WindowedMixtureSampler": "smstore.sampling",
-    "ShardResidency": "smstore.residency",
-    "pack_arrays": "smstore._arrays",
-    "pack_npy_lines": "smstore._arrays",
-    "open_store": "smstore.client",
-    "DaemonStore": "smstore.client",
-    "daemon_request": "smstore.client",
+    "ShardResidency": "smstore.wire.residency",
+    "pack_arrays": "smstore.write.arrays",
+    "pack_npy_lines": "smstore.write.arrays",
+    "open_store": "smstore.wire.client",
+    "DaemonStore": "smstore.wire.client",
+    "daemon_request": "smstore.wire.client",
     "collect_garbage": "smstore.daemon.segments",
     "list_segments": "smstore.daemon.segments",
-    "SharedList": "smstore.shared_list",
-    "Subset": "smstore.views",
-    "Repeat": "smstore.views",
-    "Concat": "smstore.views",
-    "select": "smstore.views",
-    "TransformLoader": "smstore.transform_loader",
+    "SharedList": "smstore.read.shared_list",
+    "Subset": "smstore.read.views",
+    "Repeat": "smstore.read.views",
+    "Concat": "smstore.read.views",
+    "select": "smstore.read.views",
+    "TransformLoader": "smstore.loading.transform_loader",
 }
 
 
@@ -184,7 +184,7 @@ def open(
 ) -> Store | ShardedStore:
     """Open a blob or a sharded dataset, on disk or in object storage, and validate its structure.
 
-    A local file maps read-only (see :func:`smstore._store.open`): a blob of objects (see
+    A local file maps read-only (see :func:`smstore.read.store.open`): a blob of objects (see
     :func:`smstore.pack_objects`) opens as an :class:`ObjectStore`, whose items are decoded
     objects (unpickling a pickle record runs code from the file); with ``raw``, or through
     ``smstore.Store(path)``, its records are raw bytes. A sharded dataset (a manifest, or a
@@ -194,7 +194,7 @@ def open(
 
     A URL (``s3://bucket/ds/``, ``gs://``, ``az://``, ``https://``) is read through the node's
     daemon (``smstore serve``), the only process that fetches from object storage
-    (:func:`smstore.client.open_url`): a dataset's shards as samplers hold them (or for this
+    (:func:`smstore.wire.client.open_url`): a dataset's shards as samplers hold them (or for this
     reader), one blob once loaded (``smstore load URL``).
 
     Args:
@@ -211,7 +211,7 @@ def open(
         DaemonError: The daemon does not serve the blob at a URL.
     """
     if source_of(path).remote:
-        from smstore.client import open_url
+        from smstore.wire.client import open_url
 
         return open_url(os.fspath(path), verify=verify, raw=raw, socket=socket)
     return _open_local(path, verify=verify, raw=raw)

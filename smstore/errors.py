@@ -104,7 +104,7 @@ class MixtureError(StoreError, ValueError):
 
 
 class IndexFileError(StoreFormatError):
-    """A view's index file (see smstore.views.select) is malformed: truncated, foreign or out of range."""
+    """A view's index file (see smstore.read.views.select) is malformed: truncated, foreign or out of range."""
 
 
 class IndexStaleError(StoreChangedError):

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import smstore
-from smstore.client import daemon_request
 from smstore.errors import DaemonError
+from smstore.wire.client import daemon_request
 
 SHM = Path("/dev/shm")
 IS_ROOT = os.geteuid() == 0

@@ -13,7 +13,7 @@ from mmengine.dataset import BaseDataset
 from smstore_testlib import annotation, identity_collate
 
 from smstore.integrations.mmengine import SharedDataListMixin
-from smstore.shared_list import SharedList
+from smstore.read.shared_list import SharedList
 
 N = int(os.environ.get("MM_N", "400"))
 

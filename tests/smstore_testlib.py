@@ -295,7 +295,7 @@ MODE_USERS = ("dataset", "collator", "residency", "shared_list")
 def use_in_mode(user: str, mode: str, blob: str, manifest: str, sock: str | None) -> Any:
     """Read through one of the four users of ``mode=`` and return what it read (bytes, or the held shards)."""
     import smstore
-    from smstore.residency import ShardResidency
+    from smstore.wire.residency import ShardResidency
 
     if user == "dataset":
         ds = smstore.SharedStoreDataset(blob, decode="bytes", mode=mode, socket=sock)  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ import pytest
 
 import smstore
 from smstore import PackInputError, StoreFormatError
-from smstore._pack import build_metadata
+from smstore.write.pack import build_metadata
 
 SMSTORE = [sys.executable, "-m", "smstore"]
 

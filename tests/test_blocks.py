@@ -15,11 +15,11 @@ import pytest
 from smstore_testlib import outcome_past_a_fifo, run_ranks
 
 import smstore
-from smstore import _modes
-from smstore._blocks import BlockReader, BlockResidency, Piece, piece_id, shard_block
-from smstore._manifest import ShardInfo, read_manifest, write_manifest
 from smstore.errors import DaemonError, StoreChangedError
+from smstore.format.manifest import ShardInfo, read_manifest, write_manifest
+from smstore.read import modes as _modes
 from smstore.sampling import BlockWindowSampler, GlobalShuffleSampler, block_bounds
+from smstore.wire.blocks import BlockReader, BlockResidency, Piece, piece_id, shard_block
 
 from .daemon_testlib import Daemon
 
@@ -660,7 +660,7 @@ def test_a_shard_load_and_a_piece_load_in_flight_together_never_exceed_the_budge
     """Issue 37: the shard planner and the block residency each counted only their own loads in
     flight, so a held shard and a held piece loaded at once into a budget that fits either alone.
     Every load waits at a gate this test opens: what is in flight is what the daemon admitted."""
-    from smstore.residency import ShardResidency
+    from smstore.wire.residency import ShardResidency
 
     out, _recs = sharded(tmp_path, shards=2)
     m = read_manifest(out)

@@ -20,7 +20,7 @@ import pytest
 import smstore_testlib as tl
 
 import smstore
-from smstore._manifest import read_manifest
+from smstore.format.manifest import read_manifest
 
 LINES = tl.AWKWARD[:-1]  # the records of the awkward corpus, as a text file (last line unterminated)
 

@@ -10,8 +10,8 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler
-from smstore._pack import build_metadata
-from smstore.collate import TokenCollator, pinned_memory_available
+from smstore.loading.collate import TokenCollator, pinned_memory_available
+from smstore.write.pack import build_metadata
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader

@@ -27,12 +27,12 @@ from hypothesis import strategies as st
 
 import smstore
 from smstore import PackInputError
-from smstore._manifest import read_manifest
-from smstore._objects import PICKLE_PROTOCOL
-from smstore._shards import ShardedWriter
 from smstore.convert import convert_json_list, convert_megatron
 from smstore.convert import json_list as jl
 from smstore.convert._common import Progress, Spans, _write, write_records
+from smstore.format.manifest import read_manifest
+from smstore.format.objects import PICKLE_PROTOCOL
+from smstore.read.shards import ShardedWriter
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -28,9 +28,9 @@ import smstore_testlib as tl
 
 import smstore
 from smstore import PackInputError
-from smstore._samples import encode_sample
 from smstore.convert import convert_webdataset
 from smstore.convert.webdataset import iter_samples
+from smstore.format.samples import encode_sample
 
 wds = pytest.importorskip("webdataset")
 

@@ -34,10 +34,11 @@ from daemon_testlib import (
 )
 
 import smstore
-from smstore import _core, _modes
-from smstore.client import DaemonStore, daemon_request, open_store
+from smstore import _core
 from smstore.daemon.segments import list_segments
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
+from smstore.read import modes as _modes
+from smstore.wire.client import DaemonStore, daemon_request, open_store
 
 # ---- basics -----------------------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ def test_modes(
 def test_collator_reads_through_the_daemon(
     blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
 ) -> None:
-    from smstore.collate import TokenCollator
+    from smstore.loading.collate import TokenCollator
 
     path, recs = blob
     with pytest.raises(DaemonError, match="cannot reach an smstore daemon"):
@@ -203,7 +204,7 @@ def test_readers_do_not_import_the_daemon(
 
 def test_daemon_does_not_import_torch() -> None:
     code = (
-        "import sys, smstore.cli, smstore.daemon, smstore.client\n"
+        "import sys, smstore.cli, smstore.daemon, smstore.wire.client\n"
         "smstore.daemon.serve  # the server, loaded on first use\n"
         "print('smstore.daemon.server' in sys.modules, 'torch' in sys.modules)"
     )
@@ -683,7 +684,7 @@ def test_unload_while_mapped(blob: tuple[Path, list[bytes]], start_daemon: Calla
 
 HOLDER = """
 import sys, os
-from smstore.client import open_store
+from smstore.wire.client import open_store
 s = open_store(sys.argv[1], mode="daemon")
 print(s.segment, flush=True)
 sys.stdin.read()

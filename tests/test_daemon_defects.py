@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 
 import smstore
-from smstore._shards import read_manifest
 from smstore.errors import DaemonError
-from smstore.residency import ShardResidency
+from smstore.read.shards import read_manifest
+from smstore.wire.residency import ShardResidency
 
 from . import daemon_testlib as tl
 from .daemon_testlib import IS_ROOT, Daemon
@@ -277,7 +277,7 @@ def test_loading_many_blobs_writes_the_state_file_rarely_and_status_pages_them(
     seen: list[str] = []
     offset: int | None = 0
     while offset is not None:
-        page = smstore.client.daemon_request({"op": "status", "offset": offset}, d.sock)
+        page = smstore.wire.client.daemon_request({"op": "status", "offset": offset}, d.sock)
         seen += [s["checksum"] for s in page["segments"]]
         offset = page["next_offset"]
     assert sorted(seen) == sorted(s.checksum for s in m.shards)
@@ -366,7 +366,7 @@ def test_an_owner_refused_as_busy_tries_again_until_stalled_connections_are_drop
     try:
         assert d.status()["connections"] == 8  # the seven and this one
         hogs.append(tl.raw(d.sock))  # all eight in use: the next connection is refused
-        status = smstore.client.daemon_request({"op": "status"}, d.sock)
+        status = smstore.wire.client.daemon_request({"op": "status"}, d.sock)
         assert status["ok"] is True
         assert "refused connection from pid" in d.log.read_text()  # it was refused, then got through
         assert all(h.recv(10) == b"" for h in hogs)  # the silent ones were dropped
@@ -381,8 +381,8 @@ def test_a_load_or_share_counts_the_budget_as_the_holds_do(
 ) -> None:
     """Loads and shares counted raw segment sizes, holds page-rounded sizes plus released segments
     a reader of the owner still maps: a load or share overshot the --shm-limit the holds kept."""
-    from smstore._ipc import request, socket_path
-    from smstore.client import share_with_daemon
+    from smstore.wire.client import share_with_daemon
+    from smstore.wire.ipc import request, socket_path
 
     out = dataset(tmp_path)
     m = read_manifest(out)
@@ -473,8 +473,8 @@ def test_a_busy_reply_with_a_bad_retry_figure_is_not_retried(tmp_path: Path, ret
     hostile or broken daemon kept a client retrying forever. Only a finite positive figure counts."""
     import threading
 
-    from smstore import _ipc
-    from smstore._protocol import BUSY, encode
+    from smstore.wire import ipc as _ipc
+    from smstore.wire.protocol import BUSY, encode
 
     path = str(tmp_path / "busy.sock")
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -523,9 +523,9 @@ def test_no_load_starts_once_the_loader_thread_is_stopping() -> None:
     queue, making a segment the shutdown's scan of /dev/shm could miss (left behind)."""
     import threading
 
-    from smstore._protocol import Piece
     from smstore.daemon.loader import Loader
     from smstore.daemon.sources import Source
+    from smstore.wire.protocol import Piece
 
     loader = Loader(None, None, str, gid=None, read_rate=0)  # type: ignore[arg-type]
     started, release = threading.Event(), threading.Event()
@@ -574,8 +574,9 @@ def test_one_checksum_format_checked_one_way(tmp_path: Path, start_daemon: Calla
     """A checksum was checked four ways (a request's argument, a manifest's entry, a segment's name,
     `smstore unload`'s argument), each with its own code: now each takes _protocol's one check, so
     they accept and refuse the same strings; no other module spells the format."""
-    from smstore._protocol import CHECKSUM, checksum_in, is_checksum
     from smstore.daemon.segments import SEGMENT_RE
+    from smstore.wire import protocol
+    from smstore.wire.protocol import CHECKSUM, checksum_in, is_checksum
 
     out = dataset(tmp_path, shards=2)
     manifest = out / "manifest.json"
@@ -606,7 +607,7 @@ def test_one_checksum_format_checked_one_way(tmp_path: Path, start_daemon: Calla
     spelled = [
         p.name
         for p in Path(smstore.__file__).parent.rglob("*.py")
-        if p.name != "_protocol.py" and ("{16}" in p.read_text() or "== 16" in p.read_text())
+        if p != Path(protocol.__file__) and ("{16}" in p.read_text() or "== 16" in p.read_text())
     ]
     assert spelled == [], f"the checksum format spelled outside _protocol.CHECKSUM ({CHECKSUM}): {spelled}"
 
@@ -617,7 +618,7 @@ def test_a_fork_while_another_thread_holds_a_session_lock_leaves_the_child_able_
     """The pre-attaching thread holds `DaemonSession.lock` during its attaches: a process forked
     meanwhile (a DataLoader worker) got a lock no thread of its would ever release, and its first
     attach blocked forever (here: killed by its own alarm)."""
-    from smstore.client import DaemonSession
+    from smstore.wire.client import DaemonSession
 
     path = tmp_path / "b.smst"
     smstore.pack([b"a", b"bc"], path)
@@ -660,7 +661,7 @@ def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_
     with 1 KB paths) it became a refusal, and every reader silently attached nothing ahead. A
     reader names the dataset it follows and hears only its shards; a list that still does not fit
     is refused with a warning on both sides, never dropped silently."""
-    from smstore.client import Preattacher as _Preattacher
+    from smstore.wire.client import Preattacher as _Preattacher
 
     deep = tmp_path
     for level in range(4):
@@ -719,7 +720,7 @@ def test_a_share_or_a_dropped_shared_blob_wakes_every_parked_reader(
     """A blob shared with the contents of a held shard makes it resident, and its drop makes it not
     resident again: both change what readers follow, and every parked reader hears at once (before
     the fix, only the next reader to ask saw the change)."""
-    from smstore.client import share_with_daemon
+    from smstore.wire.client import share_with_daemon
 
     out = dataset(tmp_path, "ds", shards=2)
     path0, ck0 = shard(out, 0)
@@ -780,8 +781,8 @@ def test_a_preattacher_closed_mid_pass_keeps_no_store(
     the attach itself ends by closing it, as the dataset's finalizer may at that moment): before
     the fix the thread kept the store in `ready` after close() had emptied it (mapped until the
     process ended); now it closes it, and the session, closed for good, never connects again."""
-    from smstore.client import DaemonSession
-    from smstore.client import Preattacher as _Preattacher
+    from smstore.wire.client import DaemonSession
+    from smstore.wire.client import Preattacher as _Preattacher
 
     out = dataset(tmp_path, "ds", shards=2)
     d = start_daemon(loaded=0)
@@ -888,7 +889,7 @@ def test_a_preattaching_thread_of_a_dataset_never_closed_ends_when_its_daemon_is
 ) -> None:
     """Before the fix the thread asked a stopped daemon again every 0.5 s for as long as the
     process lived; now it ends once the socket is gone."""
-    from smstore.client import open_store
+    from smstore.wire.client import open_store
 
     out = dataset(tmp_path, "ds", shards=2)
     before = preattach_threads()
@@ -906,7 +907,7 @@ def test_a_preattaching_thread_of_a_dataset_never_closed_ends_when_its_daemon_is
 
 def test_a_preattaching_thread_backs_off_from_a_daemon_that_does_not_answer(tmp_path: Path) -> None:
     """A socket left by a killed daemon: asked less and less often, not every 0.5 s forever."""
-    from smstore.client import Preattacher as _Preattacher
+    from smstore.wire.client import Preattacher as _Preattacher
 
     sock = tmp_path / "dead.sock"
     listener = socket.socket(socket.AF_UNIX)

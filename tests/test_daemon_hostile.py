@@ -40,11 +40,11 @@ from daemon_testlib import (
 
 import smstore
 from smstore import _core
-from smstore._manifest import read_manifest
-from smstore.client import daemon_request, open_store
 from smstore.daemon.segments import list_segments
 from smstore.daemon.state import state_path
 from smstore.errors import StoreFormatError
+from smstore.format.manifest import read_manifest
+from smstore.wire.client import daemon_request, open_store
 
 STATUS = frame(b'{"op":"status"}')
 

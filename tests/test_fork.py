@@ -2,7 +2,7 @@
 
 The cyclic garbage collector of a child writes a field of every object it walks; a full
 collection in a worker, set off by its own allocations, would copy every page of the rank's
-heap. smstore freezes the heap around every fork (smstore/_fork.py): these tests measure the
+heap. smstore freezes the heap around every fork (smstore/wire/fork.py): these tests measure the
 pages a child really copies (Private_Dirty in /proc/self/smaps_rollup) after a full collection,
 in a real DataLoader fork worker, and check that the parent's collector is left as it was.
 """

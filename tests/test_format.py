@@ -522,7 +522,7 @@ def test_one_header_parser_one_wording(tmp_path: Path, awkward_blob: Path) -> No
     """A bad header gives the same class and message through the reader, the core's read_header
     (path and fd), a shard's description for a manifest, and join: one parser, in C++."""
     from smstore import _core
-    from smstore._manifest import describe_shard
+    from smstore.format.manifest import describe_shard
 
     for name, path in _header_faults(tmp_path, awkward_blob.read_bytes()).items():
         p = os.fspath(path)

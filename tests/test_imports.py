@@ -31,16 +31,16 @@ CONTRIBUTING = ROOT / "CONTRIBUTING.md"
 EVERYONE_MAY_IMPORT = "smstore.errors"
 # What a DataLoader worker (or a rank's training loop) imports: readers, samplers, views, lists.
 WORKER_SIDE = (
-    "smstore.dataset",
-    "smstore.collate",
+    "smstore.read.dataset",
+    "smstore.loading.collate",
     "smstore.sampling",
-    "smstore.views",
-    "smstore.shared_list",
-    "smstore.residency",
-    "smstore.client",
-    "smstore._store",
+    "smstore.read.views",
+    "smstore.read.shared_list",
+    "smstore.wire.residency",
+    "smstore.wire.client",
+    "smstore.read.store",
     "smstore.integrations.mmengine",
-    "smstore.transform_loader",  # its workers run _worker_main
+    "smstore.loading.transform_loader",  # its workers run _worker_main
 )
 # The daemon, its segment and connection bookkeeping, and the command line: never reached by a worker.
 SERVER_SIDE_PREFIXES = ("smstore.daemon", "smstore.cli")
@@ -157,8 +157,8 @@ class _ImportVisitor(ast.NodeVisitor):
         else:
             base = node.module or ""
         for alias in node.names:
-            # `from smstore import _core` imports the module smstore._core; `from smstore._pack
-            # import Writer` imports smstore._pack.
+            # `from smstore import _core` imports the module smstore._core; `from smstore.write.pack
+            # import Writer` imports smstore.write.pack.
             submodule = f"{base}.{alias.name}"
             self._add(submodule if submodule in MODULES else base, node.lineno)
 
@@ -299,7 +299,7 @@ def layering_table() -> list[Room]:
     """The rows of CONTRIBUTING's "Where things live" that hold modules of smstore.
 
     A room is a list of paths: ``smstore/...`` starts one, and a bare file name after it is in the
-    same folder (```smstore/_store.py`, `_decode.py```). The "may import" column names modules
+    same folder (```smstore/read/store.py`, `_decode.py```). The "may import" column names modules
     relative to ``smstore/`` in backquotes; the rest of its text (libraries) is prose.
     """
     text = CONTRIBUTING.read_text()
@@ -338,7 +338,11 @@ def layering_table() -> list[Room]:
 def test_the_parser_sees_every_kind_of_import() -> None:
     """The graph is only as good as its parser: each way this package imports itself is found."""
     kinds = {(e.src, e.dst, e.how) for e in EDGES}
-    assert ("smstore.dataset", "smstore.client", "module") in kinds  # from smstore.client import ...
+    assert (
+        "smstore.read.dataset",
+        "smstore.wire.client",
+        "module",
+    ) in kinds  # from smstore.wire.client import ...
     assert any(  # inside `serve` (smstore.daemon, a module or a package)
         src == "smstore.cli.node"
         and _server_side(dst)
@@ -346,26 +350,26 @@ def test_the_parser_sees_every_kind_of_import() -> None:
         and how == "function"
         for src, dst, how in kinds
     )
-    assert ("smstore", "smstore.dataset", "lazy") in kinds  # the _LAZY table
-    assert ("smstore", "smstore.dataset", "type-checking") in kinds  # if TYPE_CHECKING:
+    assert ("smstore", "smstore.read.dataset", "lazy") in kinds  # the _LAZY table
+    assert ("smstore", "smstore.read.dataset", "type-checking") in kinds  # if TYPE_CHECKING:
     assert ("smstore.convert", "smstore.convert.arrow", "lazy") in kinds
-    assert ("smstore._store", "smstore._core", "module") in kinds  # from smstore import _core
+    assert ("smstore.read.store", "smstore._core", "module") in kinds  # from smstore import _core
     assert ("smstore.cli.data", "smstore.convert", "function") in kinds  # from smstore import convert
     assert ("smstore.cli", "smstore", "module") in kinds  # import smstore
-    visitor = _ImportVisitor("smstore.views")
+    visitor = _ImportVisitor("smstore.read.views")
     visitor.visit(
         ast.parse(
             "import importlib\n"
-            "from . import _pack\n"
-            "from ._shards import MANIFEST_NAME\n"
+            "from . import store\n"
+            "from .shards import MANIFEST_NAME\n"
             "def f():\n"
             "    importlib.import_module('smstore.daemon')\n"
-            "    from .convert import arrow\n"
+            "    from ..convert import arrow\n"
         )
     )
     assert [(e.dst, e.how) for e in visitor.edges] == [
-        ("smstore._pack", "module"),
-        ("smstore._shards", "module"),
+        ("smstore.read.store", "module"),
+        ("smstore.read.shards", "module"),
         ("smstore.daemon", "function"),
         ("smstore.convert.arrow", "function"),
     ]
@@ -380,14 +384,14 @@ def test_no_import_loops() -> None:
 
 def test_find_cycle_reports_the_loop() -> None:
     edges = [
-        Edge("smstore._pack", "smstore._shards", 1, "function"),
-        Edge("smstore._shards", "smstore._objects", 2, "module"),
-        Edge("smstore._objects", "smstore._pack", 3, "module"),
-        Edge("smstore.views", "smstore._pack", 4, "module"),
+        Edge("smstore.write.pack", "smstore.read.shards", 1, "function"),
+        Edge("smstore.read.shards", "smstore.format.objects", 2, "module"),
+        Edge("smstore.format.objects", "smstore.write.pack", 3, "module"),
+        Edge("smstore.read.views", "smstore.write.pack", 4, "module"),
     ]
     cycle = find_cycle(edges)
     assert cycle is not None
-    assert [e.src for e in cycle] == ["smstore._objects", "smstore._pack", "smstore._shards"]
+    assert [e.src for e in cycle] == ["smstore.format.objects", "smstore.write.pack", "smstore.read.shards"]
     assert find_cycle(edges[1:]) is None
 
 
@@ -482,18 +486,19 @@ def test_no_private_names_of_other_modules() -> None:
 
 
 def test_private_reach_ins_are_found() -> None:
-    assert private_reach_ins("smstore.dataset") == []
-    module = "smstore.views"
+    assert private_reach_ins("smstore.read.dataset") == []
+    module = "smstore.read.views"
     source = (
         "import smstore\n"
-        "from smstore import _core, _ipc\n"
+        "from smstore import _core\n"
+        "from smstore.wire import ipc as _ipc\n"
         "from smstore.sampling import _round_keys, GlobalShuffleSampler\n"
-        "x = _ipc._LEN, smstore._core.Store._from_fd, _core._DataExport, smstore._ipc.encode\n"
+        "x = _ipc._LEN, smstore._core.Store._from_fd, _core._DataExport, smstore.wire.ipc.encode\n"
     )
     found = private_reach_ins(module, source)
     assert [line.split(": ", 1)[1] for line in found] == [
         "from smstore.sampling import _round_keys",
-        "smstore._ipc._LEN",
+        "smstore.wire.ipc._LEN",
     ]
 
 
@@ -548,14 +553,14 @@ def test_a_worker_reading_a_record_has_not_loaded_the_daemon(tmp_path: Path) -> 
     smstore.pack([b"first", b"second"], blob, durable=False)
     code = (
         "import sys\n"
-        "from smstore.dataset import SharedStoreDataset\n"
+        "from smstore.read.dataset import SharedStoreDataset\n"
         "ds = SharedStoreDataset(sys.argv[1], mode='mmap')\n"
         "print(bytes(ds[1]).decode())\n"
         "print(' '.join(sorted(m for m in sys.modules if m.startswith('smstore'))))\n"
     )
     record, loaded = _python(code, os.fspath(blob)).splitlines()
     assert record == "second"
-    assert "smstore.dataset" in loaded.split()
+    assert "smstore.read.dataset" in loaded.split()
     assert [m for m in loaded.split() if _server_side(m)] == []
 
 

@@ -15,8 +15,8 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
-from smstore._pack import build_metadata
 from smstore.sampling import Mixture, ResumableLoader, WindowedMixtureSampler
+from smstore.write.pack import build_metadata
 
 torch = pytest.importorskip("torch")
 from torch.utils.data import DataLoader

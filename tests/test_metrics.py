@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 
 import smstore
-from smstore._manifest import read_manifest
 from smstore.daemon.metrics import MAX_SCRAPES, METRICS, Exporter, render
+from smstore.format.manifest import read_manifest
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon

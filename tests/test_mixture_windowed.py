@@ -17,9 +17,9 @@ import pytest
 
 import smstore
 from smstore import MixtureError
-from smstore._manifest import read_manifest
-from smstore.residency import ShardResidency
+from smstore.format.manifest import read_manifest
 from smstore.sampling import Mixture, MixtureDataset, MixtureSampler, ResumableLoader, WindowedMixtureSampler
+from smstore.wire.residency import ShardResidency
 
 from .daemon_testlib import Daemon
 from .smstore_testlib import interleave, loader_batches, stateful_resume

@@ -18,10 +18,10 @@ import smstore_testlib as tl
 from daemon_testlib import Daemon, make_records
 
 import smstore
-from smstore import _modes
-from smstore.client import DaemonStore, open_store
 from smstore.daemon.segments import list_segments
-from smstore.residency import ShardResidency
+from smstore.read import modes as _modes
+from smstore.wire.client import DaemonStore, open_store
+from smstore.wire.residency import ShardResidency
 
 OBJECTS = [f"object {i}" for i in range(50)]
 
@@ -173,7 +173,7 @@ def test_a_socket_path_too_long_is_a_daemon_error_and_auto_falls_back(
 def test_connect_maps_every_os_error_to_a_daemon_error_naming_the_socket(
     full_listener: Path, tmp_path: Path
 ) -> None:
-    from smstore._ipc import connect
+    from smstore.wire.ipc import connect
 
     with pytest.raises(smstore.DaemonError, match="busy"):
         connect(full_listener)

@@ -135,7 +135,7 @@ def test_other_blobs_keep_memoryviews_by_default(awkward_blob: Path) -> None:
 
 
 def test_unknown_encoding_is_refused_at_the_call(tmp_path: Path) -> None:
-    from smstore._objects import encode_objects
+    from smstore.format.objects import encode_objects
 
     def never_read() -> Iterator[Any]:
         raise AssertionError("the objects were read before the encoding was checked")

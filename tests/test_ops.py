@@ -21,13 +21,13 @@ from daemon_testlib import Daemon, make_records
 
 import smstore
 from smstore import _core
-from smstore._health import Check, Probes, _mount_of, doctor, wait_served
-from smstore._ipc import process_start_time
-from smstore._manifest import read_manifest
-from smstore._store import read_checksum
-from smstore.client import daemon_request
+from smstore.cli.health import Check, Probes, _mount_of, doctor, wait_served
 from smstore.daemon.segments import list_segments
 from smstore.errors import DaemonError
+from smstore.format.manifest import read_manifest
+from smstore.read.store import read_checksum
+from smstore.wire.client import daemon_request
+from smstore.wire.ipc import process_start_time
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -725,7 +725,7 @@ def test_the_slurm_prolog_serves_and_the_epilog_stops_and_collects(
     assert f"smstore-prolog[job 4242]: serving {path} {sharded} on {sock}" in res.stderr
     st = daemon_request({"op": "status"}, sock)
     assert st["counts"]["segments"] == 5
-    with smstore.client.open_store(path, mode="daemon", socket=sock) as store:
+    with smstore.wire.client.open_store(path, mode="daemon", socket=sock) as store:
         assert bytes(store[7]) == recs[7]
     # The next job: the daemon stays, and serves a dataset of the job's without a restart.
     res = _script("smstore-epilog.sh", slurm_env)

@@ -16,7 +16,7 @@ import pytest
 import smstore_testlib as tl
 
 import smstore
-from smstore._manifest import MANIFEST_NAME, ShardInfo, describe_shard, read_manifest, write_manifest
+from smstore.format.manifest import MANIFEST_NAME, ShardInfo, describe_shard, read_manifest, write_manifest
 
 LINES = [b"first", b"", b"third \xff", b"fourth"]
 
@@ -351,7 +351,7 @@ def test_the_core_writer_refuses_a_link_swapped_in_before_its_rename(tmp_path: P
     w.append(b"record")
     _symlink(out, target)  # swapped in after the constructor looked
     with pytest.raises(smstore.StoreIOError, match="symbolic link"):
-        w.finish(smstore._pack.build_metadata("bytes"))
+        w.finish(smstore.write.pack.build_metadata("bytes"))
     assert out.is_symlink()
     assert target.read_bytes() == b"the user's file"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["elsewhere.txt", "link.smst", "out.smst"]
@@ -368,7 +368,7 @@ def test_a_link_swapped_in_at_a_manifests_temporary_name_is_neither_chmodded_nor
     """The manifest (and an index file) is written to a temporary name beside it, then given the
     replaced file's mode and renamed. A link put at that name (the directory writable by another
     user) had the mode set on whatever it pointed to (os.chmod by name), and was then published."""
-    from smstore import _pack
+    from smstore.write import pack as _pack
 
     secret = tmp_path / "secret"
     secret.write_bytes(b"private")

@@ -15,7 +15,7 @@ import pytest
 from smstore_testlib import SAFE_CWD, random_records
 
 import smstore
-from smstore._manifest import read_manifest
+from smstore.format.manifest import read_manifest
 
 # ----------------------------------------------------------------------------- records
 

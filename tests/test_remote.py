@@ -1187,7 +1187,7 @@ def test_a_reader_of_a_url_shard_ahead_of_its_samplers_hold_holds_it_itself_and_
     file; one in object storage has none: the reader holds it itself (seen under load in the
     windowed epoch above: first "does not serve this file", then a reader waiting for a hold its
     sampler's lag had already released), and the sampler's hold arriving after finds it loaded."""
-    monkeypatch.setattr(smstore._ipc, "REMOTE_WAIT", 20.0)  # a reader that waits gives up, not hangs
+    monkeypatch.setattr(smstore.wire.ipc, "REMOTE_WAIT", 20.0)  # a reader that waits gives up, not hangs
     manifest, data, _checksums = remote_dataset(s3, tmp_path, "early", shards=2)
     local = smstore.open(tmp_path / "early-local")
     first, second = bytes(local[0]), bytes(local[1])

@@ -17,10 +17,10 @@ from remote_testlib import S3, SECRET, FaultProxy, remote_dataset
 from smstore_testlib import run_ranks
 
 import smstore
-from smstore._blocks import BlockReader, BlockResidency, Piece
-from smstore._manifest import read_manifest
 from smstore.errors import DaemonError
+from smstore.format.manifest import read_manifest
 from smstore.sampling import BlockWindowSampler, block_bounds
+from smstore.wire.blocks import BlockReader, BlockResidency, Piece
 
 from .daemon_testlib import Daemon
 from .test_blocks import run_rank

@@ -28,12 +28,12 @@ from smstore_testlib import run_cli, run_ranks
 from test_remote import run_rank
 
 import smstore
-from smstore import _manifest
-from smstore._blocks import BlockReader, BlockResidency, Piece, shard_block
-from smstore._manifest import read_manifest
 from smstore.daemon.planner import Backoff
 from smstore.errors import DaemonError, RemoteError, RemoteNeedsDaemonError, RemoteURLError, StoreFormatError
+from smstore.format import manifest as _manifest
+from smstore.format.manifest import read_manifest
 from smstore.remote import fetch
+from smstore.wire.blocks import BlockReader, BlockResidency, Piece, shard_block
 
 
 def gets(proxy: FaultProxy, key: str) -> list[str | None]:
@@ -186,7 +186,7 @@ def test_every_way_to_an_object_without_a_daemon_raises_the_one_error(
 ) -> None:
     """smstore.open, open_store in every mode, a dataset, a local manifest naming objects, and the
     CLI's get and wait: each gives RemoteNeedsDaemonError naming the object and 'smstore serve'."""
-    from smstore.dataset import SharedStoreDataset
+    from smstore.read.dataset import SharedStoreDataset
 
     url, _records, _local = bucket_dataset(s3, tmp_path, "noserve", shards=2)
     blob = s3.url("noserve/x.smst")
@@ -321,7 +321,7 @@ def test_block_residency_and_reader_over_a_dataset_url(
 @pytest.fixture
 def short_remote_wait(monkeypatch: pytest.MonkeyPatch) -> None:
     """A reader that waits for a hold gives up after 20 s, not 600 (the old code failed so, not hung)."""
-    monkeypatch.setattr(smstore._ipc, "REMOTE_WAIT", 20.0)
+    monkeypatch.setattr(smstore.wire.ipc, "REMOTE_WAIT", 20.0)
 
 
 def test_a_reader_of_a_dataset_url_no_sampler_holds_gets_every_record_fetched_for_it(

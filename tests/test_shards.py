@@ -32,8 +32,8 @@ from smstore import (
     StoreTruncatedError,
     StoreVersionError,
 )
-from smstore._manifest import MANIFEST_NAME, read_manifest
-from smstore._packfiles import plan_parts
+from smstore.format.manifest import MANIFEST_NAME, read_manifest
+from smstore.write.packfiles import plan_parts
 
 
 def write_lines(path: Path, n: int, seed: int = 0, *, trailing_newline: bool = True) -> bytes:
@@ -784,7 +784,7 @@ def test_a_manifest_gives_each_shard_its_source(tmp_path: Path) -> None:
     """Local shards are LocalFiles knowing their size, checksum, header and ranges; a shard named by
     URL is a RemoteObject (nothing fetched to say so), and reading it without the daemon raises the
     one error."""
-    from smstore._manifest import LocalFile, RemoteObject, source_of
+    from smstore.format.manifest import LocalFile, RemoteObject, source_of
 
     src = tmp_path / "in.txt"
     write_lines(src, 3000)

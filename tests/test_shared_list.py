@@ -24,7 +24,7 @@ from smstore_testlib import SAFE_CWD, ItemsDataset, annotation, identity_collate
 from squatter import Squatter, python_for_nobody
 
 import smstore
-import smstore._localjob
+import smstore.read.localjob
 from smstore import SharedList
 
 RANK_SCRIPT = str(Path(__file__).with_name("shared_list_rank.py"))
@@ -287,7 +287,7 @@ def test_builder_killed_mid_build_makes_waiters_raise(
     name = f"killed-{uuid.uuid4().hex[:8]}"
     j = job(SL_NAME=name)
     monkeypatch.setenv("SMSTORE_JOB_ID", j.env["SMSTORE_JOB_ID"])
-    address = smstore._localjob.address_for(name)
+    address = smstore.read.localjob.address_for(name)
     r0 = j.start(0, "slow", n=100_000)  # about 1000 s at 10 ms per object
     r1 = j.start(1, "slow", n=100_000)
     deadline = time.monotonic() + 60
@@ -332,7 +332,7 @@ def test_another_user_cannot_make_a_job_fail_or_wait(
     name = f"squat-{uuid.uuid4().hex[:8]}"
     j = job(SL_NAME=name, SL_TIMEOUT="600")
     monkeypatch.setenv("SMSTORE_JOB_ID", j.env["SMSTORE_JOB_ID"])
-    address = smstore._localjob.address_for(name)
+    address = smstore.read.localjob.address_for(name)
     guesses = [address + b"-" + (f"{k:x}" * 32)[:32].encode() for k in range(16)]
     runtime = tmp_path / "runtime"
     runtime.mkdir()
@@ -366,7 +366,7 @@ def test_another_user_cannot_make_a_job_fail_or_wait(
 def test_a_process_of_this_user_is_found_on_either_name(monkeypatch: pytest.MonkeyPatch) -> None:
     """What the election of ranks without LOCAL_RANK relies on: a second server of the user is refused."""
     monkeypatch.setenv("SMSTORE_JOB_ID", f"test-{uuid.uuid4().hex}")
-    lj = smstore._localjob
+    lj = smstore.read.localjob
     address = lj.address_for("elect")
     squatter = Squatter(listen=[address], accept=True)
     try:
@@ -483,7 +483,7 @@ def test_rank_0_killed_while_loading_makes_waiters_raise(
     os.mkfifo(gate)  # never opened for writing: the loading child waits there until killed
     j = job(SL_NAME=name, SL_GATE=os.fspath(gate))
     monkeypatch.setenv("SMSTORE_JOB_ID", j.env["SMSTORE_JOB_ID"])
-    address = smstore._localjob.address_for(name)
+    address = smstore.read.localjob.address_for(name)
     r0 = j.start(0, "loader-block", n=100)
     r1 = j.start(1, "loader-block", n=100)
     assert j.read(r0)["event"] == "start"

@@ -20,9 +20,9 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler, _core
-from smstore.client import daemon_request
 from smstore.daemon.segments import list_segments
 from smstore.errors import DaemonError
+from smstore.wire.client import daemon_request
 
 pytest.importorskip("torch")
 

@@ -16,8 +16,8 @@ import smstore_testlib as tl
 
 import smstore
 from smstore import IndexFileError, IndexStaleError, StoreChangedError, StoreError
+from smstore.read.views import Concat, Repeat, Subset, index_path, open_selection, read_index, select
 from smstore.sampling import MixtureDataset, MixtureSampler
-from smstore.views import Concat, Repeat, Subset, index_path, open_selection, read_index, select
 
 N = 97
 
@@ -402,7 +402,7 @@ def test_import_stays_light() -> None:
 
     code = (
         "import smstore, sys; print('torch' in sys.modules, 'numpy' in sys.modules); "
-        "import smstore.views as v; print(smstore.Subset is v.Subset, smstore.select is v.select); "
+        "import smstore.read.views as v; print(smstore.Subset is v.Subset, smstore.select is v.select); "
         "print('torch' in sys.modules)"
     )
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}

@@ -18,10 +18,10 @@ import numpy as np
 import pytest
 
 import smstore
-from smstore._manifest import read_manifest
 from smstore.errors import DaemonError
-from smstore.residency import ShardResidency
+from smstore.format.manifest import read_manifest
 from smstore.sampling import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
+from smstore.wire.residency import ShardResidency
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon

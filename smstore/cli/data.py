@@ -204,7 +204,7 @@ def _info(store: Any) -> dict[str, Any]:
 
 def _remote_info(url: str) -> dict[str, Any]:
     """info of a dataset in object storage (its manifest), or of one blob there (its header only)."""
-    from smstore._manifest import RemoteObject, is_manifest, read_manifest
+    from smstore.format.manifest import RemoteObject, is_manifest, read_manifest
 
     if is_manifest(url):
         return _manifest_info(read_manifest(url))
@@ -226,7 +226,7 @@ def _inspect(path: str) -> Any:
 
 def _remote(path: str) -> bool:
     """Whether the command's argument names object storage: decided here, once, as it enters."""
-    from smstore._manifest import source_of
+    from smstore.format.manifest import source_of
 
     return source_of(path).remote
 
@@ -257,7 +257,7 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _verify_remote(url: str) -> int:
     """Stream every shard of the dataset at `url` (or the one blob there) through its checksum,
     keeping none of it; each bad one is named. The exit status: 1 if any is bad."""
-    from smstore._manifest import RemoteObject, is_manifest, read_manifest
+    from smstore.format.manifest import RemoteObject, is_manifest, read_manifest
     from smstore.remote.fetch import verify_object
 
     if not is_manifest(url):
@@ -306,7 +306,7 @@ def _join_then_upload(args: argparse.Namespace, user: dict[str, Any] | None) -> 
 
     The shards are linked (not copied) into a temp directory, so the manifest names them beside it.
     """
-    from smstore._shards import shard_files
+    from smstore.read.shards import shard_files
     from smstore.remote import parse_url, publish_remote_dataset
 
     prefix = parse_url(args.output, prefix=True)  # a bad URL fails before anything is read
@@ -343,7 +343,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 def _decoder(encoding: str, unpickle: bool) -> Callable[[memoryview], bytes] | str:
     """`get --decode`'s record -> output line, or why it refuses the encoding."""
-    from smstore._objects import OBJECT_ENCODINGS, object_decoder
+    from smstore.format.objects import OBJECT_ENCODINGS, object_decoder
 
     decode = object_decoder(encoding)
     if decode is None:

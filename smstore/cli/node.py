@@ -163,7 +163,7 @@ def _metrics_lines(reply: dict[str, Any]) -> list[str]:
 
 def _watch(args: argparse.Namespace) -> int:
     """`status --watch`: the metrics redrawn every `args.interval` seconds until Ctrl-C."""
-    from smstore.client import daemon_request
+    from smstore.wire.client import daemon_request
 
     tty = sys.stdout.isatty()
     try:
@@ -186,7 +186,7 @@ def _watch(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    from smstore.client import daemon_request
+    from smstore.wire.client import daemon_request
 
     if args.watch:
         return _watch(args)
@@ -244,7 +244,7 @@ def _blob_files(path: str) -> list[tuple[str, str | None]]:
     """The blobs behind `path` (itself, or the shards of a sharded dataset, in order) as the
     daemon is told of them: absolute paths, or objects' URLs; with the checksum its manifest
     records for a shard in object storage (the daemon refuses an object holding another)."""
-    from smstore._manifest import absolute, is_manifest, read_manifest
+    from smstore.format.manifest import absolute, is_manifest, read_manifest
 
     if not is_manifest(path):
         return [(absolute(path), None)]
@@ -252,7 +252,7 @@ def _blob_files(path: str) -> list[tuple[str, str | None]]:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from smstore.client import daemon_request
+    from smstore.wire.client import daemon_request
 
     status = 0
     for path in args.files:
@@ -279,10 +279,10 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    from smstore._manifest import is_manifest, source_of
-    from smstore._protocol import checksum_in
-    from smstore._store import read_checksum
-    from smstore.client import daemon_request
+    from smstore.format.manifest import is_manifest, source_of
+    from smstore.read.store import read_checksum
+    from smstore.wire.client import daemon_request
+    from smstore.wire.protocol import checksum_in
 
     status = 0
     targets: list[tuple[str, str | None]] = []
@@ -319,8 +319,8 @@ def cmd_unload(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from smstore._ipc import process_start_time
-    from smstore.client import daemon_request
+    from smstore.wire.client import daemon_request
+    from smstore.wire.ipc import process_start_time
 
     reply = daemon_request({"op": "stop"}, args.socket)
     pid = int(reply["pid"])
@@ -355,7 +355,7 @@ def _positive_seconds(text: str) -> float:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from smstore._health import DOCTOR_TIMEOUT, doctor
+    from smstore.cli.health import DOCTOR_TIMEOUT, doctor
 
     if args.max_connections is not None and args.max_connections < 1:
         print("smstore doctor: --max-connections must be at least 1", file=sys.stderr)
@@ -375,8 +375,8 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_wait(args: argparse.Namespace) -> int:
-    from smstore._health import wait_served
-    from smstore._ipc import socket_path
+    from smstore.cli.health import wait_served
+    from smstore.wire.ipc import socket_path
 
     start = time.monotonic()
     blobs = wait_served(args.datasets, socket_path(args.socket), args.timeout)

@@ -8,9 +8,9 @@ import time
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
-from smstore._pack import PackStats, Writer, byte_bar, dataset_output
-from smstore._shards import ShardedWriter
 from smstore.errors import PackInputError
+from smstore.read.shards import ShardedWriter
+from smstore.write.pack import PackStats, Writer, byte_bar, dataset_output
 
 __all__ = ["Spans", "write_records"]
 
@@ -106,7 +106,7 @@ def write_records(
     bar: Progress,
 ) -> PackStats:
     """Stream `records` into `output` (a blob; a dataset directory with `shard_size` or as
-    :func:`smstore._pack.dataset_output` says); atomic either way.
+    :func:`smstore.write.pack.dataset_output` says); atomic either way.
 
     `bar` is the progress bar the records generator updates; it is closed here, however this ends.
     """

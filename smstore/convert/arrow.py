@@ -16,10 +16,10 @@ import pyarrow as pa
 import pyarrow.ipc
 import pyarrow.parquet as pq
 
-from smstore._objects import OBJECT_ENCODINGS, encode_objects
-from smstore._pack import PackStats
 from smstore.convert._common import Progress, Spans, write_records
 from smstore.errors import PackInputError
+from smstore.format.objects import OBJECT_ENCODINGS, encode_objects
+from smstore.write.pack import PackStats
 
 __all__ = ["arrow_sources", "convert_arrow", "iter_batches", "read_schema"]
 

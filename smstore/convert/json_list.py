@@ -22,10 +22,10 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from smstore._objects import OBJECT_ENCODINGS, encode_objects
-from smstore._pack import PackStats
 from smstore.convert._common import Progress, write_records
 from smstore.errors import PackInputError
+from smstore.format.objects import OBJECT_ENCODINGS, encode_objects
+from smstore.write.pack import PackStats
 
 __all__ = ["MAX_DEPTH", "convert_json_list", "iter_json_list"]
 

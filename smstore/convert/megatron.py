@@ -22,9 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from smstore._pack import PackStats
 from smstore.convert._common import Progress, Spans, write_records
 from smstore.errors import PackInputError
+from smstore.write.pack import PackStats
 
 __all__ = ["DTYPES", "convert_megatron", "read_index"]
 

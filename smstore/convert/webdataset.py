@@ -21,10 +21,10 @@ import tarfile
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from smstore._pack import PackStats
-from smstore._samples import encode_sample
 from smstore.convert._common import Progress, write_records
 from smstore.errors import PackInputError
+from smstore.format.samples import encode_sample
+from smstore.write.pack import PackStats
 
 __all__ = ["convert_webdataset", "iter_samples"]
 
@@ -34,7 +34,7 @@ _BASE_PLUS_EXT = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _SKIP_META = re.compile(r"__[^/]*__($|/)")
 # Keys group_by_keys sets itself: a member with one of these extensions collides with them there.
 _RESERVED = frozenset({"__key__", "__url__", "__local_path__"})
-_MAX_NAME = 0xFFFF  # a wds record's member names are at most this many bytes (smstore/_samples.py)
+_MAX_NAME = 0xFFFF  # a wds record's member names are at most this many bytes (smstore/format/samples.py)
 # Extended headers (pax, GNU long names) are read whole: 64 KiB holds any real name, and one longer
 # than a record can name.
 _MAX_HEADER = 1 << 16
@@ -393,7 +393,7 @@ def convert_webdataset(
     """Convert WebDataset tar shards (read in order) into a blob of ``wds`` records.
 
     ``smstore.open()`` and ``SharedStoreDataset`` decode each record to ``{ext: bytes}`` (with
-    ``__key__``); ``Store(path)[i]`` is the raw record (format: smstore/_samples.py).
+    ``__key__``); ``Store(path)[i]`` is the raw record (format: smstore/format/samples.py).
     """
     paths = [os.fspath(p) for p in sources]
     if not paths:

@@ -29,7 +29,8 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from smstore._protocol import (
+from smstore.errors import DaemonError, StoreError
+from smstore.wire.protocol import (
     BUSY,
     PERMISSION_DENIED,
     TOO_LARGE,
@@ -39,7 +40,6 @@ from smstore._protocol import (
     parse_request,
     refusal,
 )
-from smstore.errors import DaemonError, StoreError
 
 __all__ = ["Conn", "Limits", "Server"]
 

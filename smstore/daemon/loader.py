@@ -13,16 +13,16 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from smstore import _core
-from smstore._pack import human_bytes
-from smstore._protocol import Piece
-from smstore._store import explain_not_a_blob, read_checksum
 from smstore.daemon.planner import Planner
 from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
 from smstore.daemon.sources import Index, Source
 from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
+from smstore.read.store import explain_not_a_blob, read_checksum
 from smstore.remote.cache import NodeCache
 from smstore.remote.fetch import fetch, read_header
 from smstore.remote.urls import RemoteURL, parse_url
+from smstore.wire.protocol import Piece
+from smstore.write.pack import human_bytes
 
 __all__ = ["AlreadyLoaded", "Failed", "Indexed", "LoadResult", "Loaded", "Loader"]
 

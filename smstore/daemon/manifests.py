@@ -7,7 +7,7 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from smstore._manifest import Manifest, read_manifest
+from smstore.format.manifest import Manifest, read_manifest
 
 __all__ = ["ManifestFetches"]
 

@@ -19,12 +19,12 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from smstore._manifest import Manifest, absolute, manifest_file, read_manifest
-from smstore._protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Piece, ProtocolError
 from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.daemon.sources import NO_IDENTITY, FileIdentity, Index, Source
 from smstore.errors import StoreError
+from smstore.format.manifest import Manifest, absolute, manifest_file, read_manifest
 from smstore.remote.urls import is_remote_url
+from smstore.wire.protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Piece, ProtocolError
 
 __all__ = [
     "FETCH_BACKOFF",

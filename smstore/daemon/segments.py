@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import process_alive, socket_path
-from smstore._protocol import CHECKSUM
 from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
+from smstore.wire.ipc import process_alive, socket_path
+from smstore.wire.protocol import CHECKSUM
 
 log = logging.getLogger("smstore.daemon")
 

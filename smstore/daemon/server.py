@@ -17,25 +17,6 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import ensure_private_dir, process_start_time, socket_path
-from smstore._manifest import manifest_file
-from smstore._protocol import (
-    BAD_REQUEST,
-    PERMISSION_DENIED,
-    STATUS_PAGE,
-    Piece,
-    ProtocolError,
-    checksum_arg,
-    checksums_arg,
-    dataset_arg,
-    held_arg,
-    hold_arg,
-    is_utf8,
-    load_path_arg,
-    manifest_value,
-    page_arg,
-    refusal,
-)
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.manifests import ManifestFetches
 from smstore.daemon.metrics import Exporter
@@ -53,7 +34,26 @@ from smstore.daemon.serving import Serving, describe
 from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile, state_path
 from smstore.errors import DaemonError
+from smstore.format.manifest import manifest_file
 from smstore.remote.urls import is_remote_url
+from smstore.wire.ipc import ensure_private_dir, process_start_time, socket_path
+from smstore.wire.protocol import (
+    BAD_REQUEST,
+    PERMISSION_DENIED,
+    STATUS_PAGE,
+    Piece,
+    ProtocolError,
+    checksum_arg,
+    checksums_arg,
+    dataset_arg,
+    held_arg,
+    hold_arg,
+    is_utf8,
+    load_path_arg,
+    manifest_value,
+    page_arg,
+    refusal,
+)
 
 __all__ = ["Daemon", "Limits", "serve", "set_background_scheduling"]
 

@@ -12,7 +12,15 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._protocol import (
+from smstore.daemon.connections import Conn, Server
+from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader
+from smstore.daemon.metrics import Counters
+from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
+from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
+from smstore.daemon.sources import Source
+from smstore.daemon.state import StateFile
+from smstore.errors import DaemonError, StoreError
+from smstore.wire.protocol import (
     BAD_REQUEST,
     NO_ROOM,
     Piece,
@@ -24,14 +32,6 @@ from smstore._protocol import (
     not_served,
     refusal,
 )
-from smstore.daemon.connections import Conn, Server
-from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader
-from smstore.daemon.metrics import Counters
-from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
-from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
-from smstore.daemon.sources import Source
-from smstore.daemon.state import StateFile
-from smstore.errors import DaemonError, StoreError
 
 __all__ = ["Serving", "describe"]
 

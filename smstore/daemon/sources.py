@@ -25,9 +25,9 @@ import threading
 from typing import TYPE_CHECKING, NamedTuple
 
 from smstore import _core
-from smstore._protocol import Piece, piece_id, piece_path
 from smstore.errors import StoreChangedError
 from smstore.remote.urls import is_remote_url
+from smstore.wire.protocol import Piece, piece_id, piece_path
 
 if TYPE_CHECKING:
     import numpy as np

@@ -33,8 +33,8 @@ _AHEAD = (
     _SHARD_LOADER,
     ("lightning.pytorch.loops.fetchers", "_DataFetcher"),
     ("pytorch_lightning.loops.fetchers", "_DataFetcher"),
-    ("smstore.loader", "Loader"),  # prefetches depth batches; its state_dict() counts those received
-    ("smstore.transform_loader", "TransformLoader"),  # its workers fill slots ahead of the loop
+    ("smstore.loading.loader", "Loader"),  # prefetches depth batches; its state_dict() counts those received
+    ("smstore.loading.transform_loader", "TransformLoader"),  # its workers fill slots ahead of the loop
 )
 # Lightning's replacement for a sampler that is not a DistributedSampler: it lists the sampler's
 # whole pass and splits it again. GlobalShuffleSampler never gets there with Lightning's defaults;

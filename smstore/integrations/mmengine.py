@@ -17,8 +17,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from smstore._sources import file_key
-from smstore.shared_list import SharedList
+from smstore.read.shared_list import SharedList
+from smstore.read.sources import file_key
 
 __all__ = ["SharedDataListMixin"]
 

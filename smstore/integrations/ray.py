@@ -28,10 +28,10 @@ from typing import Any
 from ray.data import Datasink
 from ray.data.block import Block, BlockAccessor
 
-from smstore._manifest import MANIFEST_NAME, ShardNames, describe_shard, publish_manifest
-from smstore._objects import encode_objects
-from smstore._pack import Writer
-from smstore._shards import dataset_dir
+from smstore.format.manifest import MANIFEST_NAME, ShardNames, describe_shard, publish_manifest
+from smstore.format.objects import encode_objects
+from smstore.read.shards import dataset_dir
+from smstore.write.pack import Writer
 
 __all__ = ["SmstoreDatasink"]
 

@@ -15,11 +15,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 from smstore import _core
-from smstore._ipc import untrusted_dir_fault
-from smstore._protocol import CHECKSUM_WORDING, is_checksum
 from smstore.errors import StoreError, StoreFormatError, StoreIOError
 from smstore.remote.fetch import DEFAULT_CHUNK, DEFAULT_CONCURRENCY, FetchResult, Retry, fetch
 from smstore.remote.urls import RemoteURL, parse_url
+from smstore.wire.ipc import untrusted_dir_fault
+from smstore.wire.protocol import CHECKSUM_WORDING, is_checksum
 
 __all__ = ["CacheEntry", "CacheStats", "NodeCache"]
 

@@ -15,7 +15,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from smstore import _core
-from smstore._protocol import CHECKSUM_WORDING, is_checksum
 from smstore.errors import (
     ChecksumMismatchError,
     RemoteError,
@@ -24,6 +23,7 @@ from smstore.errors import (
     StoreTruncatedError,
 )
 from smstore.remote.urls import RemoteURL, parse_url
+from smstore.wire.protocol import CHECKSUM_WORDING, is_checksum
 
 if TYPE_CHECKING:
     from obstore import GetOptions

@@ -147,7 +147,7 @@ def publish_remote_dataset(
         StoreFormatError: The manifest is invalid, or names a shard outside its directory.
         RemoteURLError, RemoteError: As :func:`upload`.
     """
-    from smstore._manifest import MANIFEST_NAME, read_manifest  # _manifest imports this package
+    from smstore.format.manifest import MANIFEST_NAME, read_manifest  # _manifest imports this package
 
     manifest = read_manifest(local_dir)
     prefix = url if isinstance(url, RemoteURL) else parse_url(url, prefix=True)

@@ -73,7 +73,7 @@ def is_remote_url(value: object) -> bool:
 
     smstore's one "is it a URL?": asked where a user's string enters (``smstore.open``, a
     dataset, ``read_manifest``, the command line); past that the answer travels as data (a
-    manifest's shard sources, :class:`smstore._manifest.Source`).
+    manifest's shard sources, :class:`smstore.format.manifest.Source`).
     """
     return isinstance(value, str) and re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value) is not None
 

@@ -623,7 +623,7 @@ def from_megatron_blend(
     same proportions here, exactly, with no blend index built.
     """
     if open_source is None:
-        from smstore.dataset import SharedStoreDataset
+        from smstore.read.dataset import SharedStoreDataset
 
         open_source = SharedStoreDataset
     pairs = parse_megatron_blend(blend)

@@ -17,7 +17,7 @@ from typing import Any, ClassVar, Protocol
 import numpy as np
 
 from smstore import _core
-from smstore._blocks import Piece
+from smstore.wire.blocks import Piece
 
 __all__ = [
     "BlockSpec",
@@ -540,7 +540,7 @@ def block_bounds(
     Shard ``k`` of ``n`` records is cut into ``m = max(1, n // block)`` blocks (none if empty),
     block ``t`` of it holding its records ``[t n // m, (t + 1) n // m)``: every block lies in one
     shard and holds at least ``block`` records (fewer only where the whole shard does), at most
-    ``2 block - 1``. ``smstore._blocks.shard_block`` finds a record's block the same way.
+    ``2 block - 1``. ``smstore.wire.blocks.shard_block`` finds a record's block the same way.
     """
     sizes = np.asarray(shard_sizes, dtype=np.int64)
     m = np.where(sizes > 0, np.maximum(1, sizes // block), 0)

@@ -18,7 +18,7 @@ from smstore import _core
 from smstore.sampling.orders import deal_stride, edge_gap
 
 if TYPE_CHECKING:
-    from smstore._manifest import Manifest
+    from smstore.format.manifest import Manifest
 
 __all__ = ["fit", "manifest_of", "plan_blocks", "plan_window", "plan_windows", "sharded_manifest"]
 
@@ -46,7 +46,7 @@ def manifest_of(dataset: Any) -> str | None:
     path = getattr(dataset, "path", None)
     if not isinstance(path, str) or getattr(dataset, "shard_sizes", None) is None:
         return None
-    from smstore._manifest import is_manifest
+    from smstore.format.manifest import is_manifest
 
     return path if is_manifest(path) else None
 
@@ -54,7 +54,7 @@ def manifest_of(dataset: Any) -> str | None:
 def sharded_manifest(dataset: Any) -> Manifest:
     """The manifest of a sharded dataset: the one it keeps parsed (a dataset URL's: not fetched
     again), else read at its path; ``dataset`` may be the path itself."""
-    from smstore._manifest import read_manifest
+    from smstore.format.manifest import read_manifest
 
     kept = getattr(dataset, "manifest", None)
     return kept if kept is not None else read_manifest(getattr(dataset, "path", dataset))

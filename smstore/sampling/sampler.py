@@ -562,14 +562,14 @@ def _residency(dataset: Any, make: Any) -> Any:
 
 def shard_residency(dataset: Any) -> Any:
     """A :class:`~smstore.ShardResidency` for a SharedStoreDataset of a sharded dataset, else None."""
-    from smstore.residency import ShardResidency
+    from smstore.wire.residency import ShardResidency
 
     return _residency(dataset, ShardResidency)
 
 
 def piece_residency(dataset: Any) -> Any:
-    """A :class:`~smstore._blocks.BlockResidency` (pieces of shards) for a SharedStoreDataset of a
+    """A :class:`~smstore.wire.blocks.BlockResidency` (pieces of shards) for a SharedStoreDataset of a
     sharded dataset, else None."""
-    from smstore._blocks import BlockResidency
+    from smstore.wire.blocks import BlockResidency
 
     return _residency(dataset, BlockResidency)

@@ -13,12 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from smstore._blocks import Piece
 from smstore.errors import MixtureError
 from smstore.sampling.mixture import Mixture, MixtureDataset, MixtureSpec, WindowedMixtureSpec
 from smstore.sampling.orders import BlockSpec, BlockWindowOrder, WindowedSpec
 from smstore.sampling.plan import plan_blocks, plan_window, plan_windows
 from smstore.sampling.sampler import GlobalShuffleSampler, piece_residency, shard_residency
+from smstore.wire.blocks import Piece
 
 __all__ = ["BlockWindowSampler", "MixtureSampler", "WindowedMixtureSampler", "WindowedShuffleSampler"]
 
@@ -131,10 +131,10 @@ class BlockWindowSampler(GlobalShuffleSampler):
     windows, the groups up to ``spread + 1`` are held from the start); the blocks of every window
     among this rank's last ``lag`` samples stay held too (the previous window's, for the first
     ``lag`` samples of a window; more where windows are shorter, as at the epoch's end).
-    The sampler holds those blocks (each a :class:`smstore._blocks.Piece` of one shard, with
-    :class:`smstore._blocks.BlockResidency`), so a daemon loads each one once an epoch, in one
+    The sampler holds those blocks (each a :class:`smstore.wire.blocks.Piece` of one shard, with
+    :class:`smstore.wire.blocks.BlockResidency`), so a daemon loads each one once an epoch, in one
     sequential read, within its ``--shm-limit``, and drops it when no rank holds it. Readers read
-    records through :class:`smstore._blocks.BlockReader` (``keep=sampler.keep``).
+    records through :class:`smstore.wire.blocks.BlockReader` (``keep=sampler.keep``).
 
     Args:
         dataset: A SharedStoreDataset of a sharded dataset (or anything with ``shard_sizes`` and
@@ -146,7 +146,7 @@ class BlockWindowSampler(GlobalShuffleSampler):
         rank: This rank (default: from torch.distributed or ``RANK``).
         world_size: The number of ranks (default: found like ``rank``).
         drop_last: Drop the tail that does not divide evenly instead of padding.
-        residency: ``None`` (default): a :class:`~smstore._blocks.BlockResidency` when
+        residency: ``None`` (default): a :class:`~smstore.wire.blocks.BlockResidency` when
             ``dataset`` names a manifest; ``False``: none; or one to use.
         lag: Samples of this rank whose blocks stay held after the sampler moved past them: at
             least ``prefetch_factor * num_workers * batch_size``, the most a DataLoader's workers
@@ -215,7 +215,7 @@ class BlockWindowSampler(GlobalShuffleSampler):
         return order.held_blocks(position)
 
     def piece(self, b: int) -> Piece:
-        """Block ``b`` as the daemon holds it: a :class:`smstore._blocks.Piece` of its shard."""
+        """Block ``b`` as the daemon holds it: a :class:`smstore.wire.blocks.Piece` of its shard."""
         order: BlockWindowOrder = self.permutation()
         return order.piece(b)
 

@@ -16,10 +16,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, BinaryIO
 
 from smstore import _core
-from smstore._manifest import MANIFEST_NAME, Manifest, ShardNames, describe_shard, publish_manifest
-from smstore._pack import PackStats, build_metadata, byte_bar, check_output, dataset_output
-from smstore._shards import dataset_dir
 from smstore.errors import PackInputError, StoreIOError, StoreNotFoundError
+from smstore.format.manifest import MANIFEST_NAME, Manifest, ShardNames, describe_shard, publish_manifest
+from smstore.read.shards import dataset_dir
+from smstore.write.pack import PackStats, build_metadata, byte_bar, check_output, dataset_output
 
 __all__ = ["PackRun", "Part", "pack_files", "pack_parts", "pack_text_inputs", "plan_parts"]
 

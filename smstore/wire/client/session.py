@@ -10,17 +10,18 @@ import weakref
 from pathlib import Path
 from typing import Any
 
-from smstore import _core, _fork
-from smstore._ipc import connect, exchange, request, socket_path
-from smstore._manifest import (
+from smstore import _core
+from smstore.errors import DaemonError, StoreFormatError
+from smstore.format.manifest import (
     Manifest,
     absolute,
     hold_fields,
 )
-from smstore._objects import DecodedItems, object_decoder
-from smstore._protocol import NOT_SERVED, encode
-from smstore._store import Store
-from smstore.errors import DaemonError, StoreFormatError
+from smstore.format.objects import DecodedItems, object_decoder
+from smstore.read.store import Store
+from smstore.wire import fork as _fork
+from smstore.wire.ipc import connect, exchange, request, socket_path
+from smstore.wire.protocol import NOT_SERVED, encode
 
 __all__ = [
     "LOAD_WAIT",
@@ -138,7 +139,7 @@ class DaemonSession:
         """The daemon's reply to attaching the segment holding `checksum`, and its fd if it sent one.
 
         With `path`, a shard the daemon is loading at the moment (one a rank holds: see
-        :class:`smstore.residency.ShardResidency`) is waited for, up to `LOAD_WAIT` seconds.
+        :class:`smstore.wire.residency.ShardResidency`) is waited for, up to `LOAD_WAIT` seconds.
 
         Raises:
             DaemonError: No daemon answers, or the exchange failed (the connection is dropped).

@@ -10,9 +10,9 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from smstore import _core
-from smstore._pack import Writer
-from smstore._samples import decode_sample, encode_sample
 from smstore.errors import PackInputError, StoreFormatError
+from smstore.format.samples import decode_sample, encode_sample
+from smstore.write.pack import Writer
 
 __all__ = [
     "OBJECT_ENCODINGS",
@@ -43,7 +43,7 @@ def _load_json(view: memoryview) -> Any:
 
 # encoding -> (encode one object, decode one record). "pickle" rebuilds any picklable object but
 # runs code while loading; "json" only builds dicts, lists, str, numbers, bools and None.
-# "wds" holds one WebDataset sample, {extension: bytes} (smstore/_samples.py).
+# "wds" holds one WebDataset sample, {extension: bytes} (smstore/format/samples.py).
 _CODECS: dict[str, tuple[Callable[[Any], bytes], Callable[[memoryview], Any]]] = {
     "pickle": (_dump_pickle, pickle.loads),
     "json": (_dump_json, _load_json),

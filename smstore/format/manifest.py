@@ -23,10 +23,10 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 from smstore import _core
-from smstore._pack import publish_file, source_names
-from smstore._protocol import CHECKSUM_WORDING, is_checksum, is_utf8
 from smstore.errors import StoreError, StoreFormatError, StoreIOError, StoreNotFoundError, StoreVersionError
 from smstore.remote.urls import is_remote_url, needs_daemon
+from smstore.wire.protocol import CHECKSUM_WORDING, is_checksum, is_utf8
+from smstore.write.pack import publish_file, source_names
 
 __all__ = [
     "MANIFEST_FORMAT",

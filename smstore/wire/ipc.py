@@ -12,8 +12,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from smstore._protocol import BUSY, MAX_MESSAGE, REMOTE_WAIT, decode_body, encode, frame_length
 from smstore.errors import DaemonError
+from smstore.wire.protocol import BUSY, MAX_MESSAGE, REMOTE_WAIT, decode_body, encode, frame_length
 
 __all__ = [
     "check_default_dir",

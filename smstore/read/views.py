@@ -26,9 +26,6 @@ from typing import Any
 import numpy as np
 
 from smstore import _core
-from smstore._decode import Decoder, make_decoder
-from smstore._manifest import MANIFEST_NAME
-from smstore._pack import check_output, publish_file
 from smstore.errors import (
     IndexFileError,
     IndexStaleError,
@@ -36,6 +33,9 @@ from smstore.errors import (
     StoreIOError,
     StoreNotFoundError,
 )
+from smstore.format.decode import Decoder, make_decoder
+from smstore.format.manifest import MANIFEST_NAME
+from smstore.write.pack import check_output, publish_file
 
 __all__ = ["Concat", "Repeat", "Subset", "View", "index_path", "open_selection", "read_index", "select"]
 
@@ -49,7 +49,7 @@ def _portable(source: Any) -> Any:
     pickled) becomes its path and checksum; anything else pickles as itself (a
     SharedStoreDataset as its path, a SharedList by handing its segment over)."""
     if isinstance(source, (_core.Store, _core.ShardedStore)):
-        from smstore._objects import DecodedItems
+        from smstore.format.objects import DecodedItems
 
         path, checksum = getattr(source, "path", None), getattr(source, "checksum", None)
         return _StoreRef(str(path), str(checksum), not isinstance(source, DecodedItems))
@@ -63,7 +63,7 @@ class _StoreRef:
         self.path, self.checksum, self.raw = path, checksum, raw
 
     def open(self) -> Any:
-        from smstore._store import open as open_path
+        from smstore.read.store import open as open_path
 
         store = open_path(self.path, raw=self.raw)
         if store.checksum != self.checksum:
@@ -630,14 +630,14 @@ def select(
         StoreIOError: The index file's path is a symbolic link, directory or special file.
     """
     if isinstance(source, (str, os.PathLike)):
-        from smstore._store import open as open_path
+        from smstore.read.store import open as open_path
 
         source = open_path(source)
     data, checksum, records = _data_identity(source)
     path = index_path(data, name)
     if not rebuild and os.path.lexists(path):
         return open_selection(source, name)
-    from smstore._store import open as open_path
+    from smstore.read.store import open as open_path
 
     with open_path(data, raw=True) as raw:
         if raw.checksum != checksum:

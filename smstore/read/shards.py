@@ -1,7 +1,7 @@
 """Sharded datasets: several blobs under one global index, listed in a small JSON manifest.
 
 A sharded dataset is a directory holding ``manifest.json`` and its shards (or a manifest anywhere
-that names shards anywhere, built by :func:`join`); :mod:`smstore._manifest` owns the manifest.
+that names shards anywhere, built by :func:`join`); :mod:`smstore.format.manifest` owns the manifest.
 Record ``i`` of the dataset is record ``i - starts[k]`` of the shard ``k`` whose range holds it.
 """
 
@@ -14,7 +14,14 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 from smstore import _core
-from smstore._manifest import (
+from smstore.errors import (
+    PackInputError,
+    StoreChangedError,
+    StoreFormatError,
+    StoreIOError,
+    StoreNotFoundError,
+)
+from smstore.format.manifest import (
     MANIFEST_NAME,
     Manifest,
     ShardInfo,
@@ -26,15 +33,8 @@ from smstore._manifest import (
     read_manifest,
     stored_path,
 )
-from smstore._objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
-from smstore._pack import Transaction, build_metadata, check_output, dataset_output, item_size
-from smstore.errors import (
-    PackInputError,
-    StoreChangedError,
-    StoreFormatError,
-    StoreIOError,
-    StoreNotFoundError,
-)
+from smstore.format.objects import OBJECT_ENCODINGS, DecodedItems, object_decoder
+from smstore.write.pack import Transaction, build_metadata, check_output, dataset_output, item_size
 
 __all__ = [
     "ShardedObjectStore",
@@ -223,7 +223,7 @@ def open_sharded(
 
 
 def dataset_dir(output: str | os.PathLike[str]) -> str:
-    """The directory of a sharded output, created if missing (:func:`smstore._pack.check_output`)."""
+    """The directory of a sharded output, created if missing (:func:`smstore.write.pack.check_output`)."""
     d = os.fspath(output)
     check_output(d, directory=True)
     try:

@@ -3,9 +3,9 @@ the file), ``StoreHandle``, and the daemon connections behind them (``session.py
 
 from __future__ import annotations
 
-from smstore._modes import Mode
-from smstore.client.opening import Preattacher, StoreHandle, open_store, open_url
-from smstore.client.session import (
+from smstore.read.modes import Mode
+from smstore.wire.client.opening import Preattacher, StoreHandle, open_store, open_url
+from smstore.wire.client.session import (
     LOAD_WAIT,
     DaemonObjectStore,
     DaemonSession,

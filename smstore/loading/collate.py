@@ -9,11 +9,11 @@ from typing import Any, Literal
 import numpy as np
 
 from smstore import _core
-from smstore._decode import partial_items_error, torch_dtype
-from smstore._modes import check_mode
-from smstore._pack import numpy_dtype
-from smstore._store import ShardedStore, Store
-from smstore.client import Mode, StoreHandle
+from smstore.format.decode import partial_items_error, torch_dtype
+from smstore.read.modes import check_mode
+from smstore.read.store import ShardedStore, Store
+from smstore.wire.client import Mode, StoreHandle
+from smstore.write.pack import numpy_dtype
 
 __all__ = ["TokenCollator", "batch_tensors", "pinned_memory_available"]
 
@@ -48,7 +48,7 @@ class TokenCollator:
 
     ``range(n)`` maps each index to itself, so the worker hands the list of indices to the
     collator, which gathers. Given a path, the collator pickles as its path and options and
-    attaches in each worker on first use through the same :class:`smstore.client.StoreHandle` as
+    attaches in each worker on first use through the same :class:`smstore.wire.client.StoreHandle` as
     ``SharedStoreDataset`` (same ``mode`` and ``socket``, and the same ``StoreChangedError`` if
     the file was re-packed since the collator was created); given a ``SharedStoreDataset``, it
     goes through whatever that dataset attaches to.

@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any, Literal, overload
 
 from smstore import _core
-from smstore._localjob import Peer, Server, address_for, connect, topology
-from smstore._modes import Mode, check_mode, fall_back
-from smstore._objects import ContentHash, ObjectStore, encode_objects
-from smstore._pack import build_metadata, human_bytes
-from smstore._sources import daemon_key, file_key, file_loader
 from smstore.errors import DaemonError, SharedListError, SharedListMismatchError, SharedMemoryError
+from smstore.format.objects import ContentHash, ObjectStore, encode_objects
+from smstore.read.localjob import Peer, Server, address_for, connect, topology
+from smstore.read.modes import Mode, check_mode, fall_back
+from smstore.read.sources import daemon_key, file_key, file_loader
+from smstore.write.pack import build_metadata, human_bytes
 
 __all__ = ["SharedList"]
 
@@ -519,7 +519,7 @@ class SharedList(Sequence[Any]):
         sock: str | os.PathLike[str] | None,
     ) -> tuple[int, dict[str, Any]]:
         """Local rank 0 of the loader form: the daemon's copy under the key, else a child loads it."""
-        from smstore.client import attach_shared, keep_attached
+        from smstore.wire.client import attach_shared, keep_attached
 
         load, key, state = loader
         daemon = mode != "mmap" and self._daemon_answers(mode, sock)
@@ -552,7 +552,7 @@ class SharedList(Sequence[Any]):
         sock: str | os.PathLike[str] | None,
     ) -> tuple[int, dict[str, Any]]:
         """Local rank 0: a copy the daemon already serves, else a new one (handed to the daemon if any)."""
-        from smstore.client import attach_shared, keep_attached
+        from smstore.wire.client import attach_shared, keep_attached
 
         if mode == "mmap" or not self._daemon_answers(mode, sock):
             return _build(objects, self.name, encoding, room_limit)
@@ -572,7 +572,7 @@ class SharedList(Sequence[Any]):
 
     def _daemon_answers(self, mode: Mode, sock: str | os.PathLike[str] | None) -> bool:
         """Whether a daemon answers (one round trip); without one, mode "daemon" raises."""
-        from smstore.client import daemon_request
+        from smstore.wire.client import daemon_request
 
         try:
             daemon_request({"op": "status"}, sock, timeout=5.0)
@@ -583,7 +583,7 @@ class SharedList(Sequence[Any]):
 
     def _share(self, fd: int, key: str, mode: Mode, sock: str | os.PathLike[str] | None) -> None:
         """Hand the copy at ``fd`` to the daemon under ``key``; if it refuses, mode "daemon" raises."""
-        from smstore.client import keep_attached, share_with_daemon
+        from smstore.wire.client import keep_attached, share_with_daemon
 
         try:
             _reply, self._conn = share_with_daemon(fd, key, sock)

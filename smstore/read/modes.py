@@ -6,8 +6,8 @@ import logging
 import os
 from typing import Literal
 
-from smstore._ipc import default_socket_path, socket_path
 from smstore.errors import DaemonError
+from smstore.wire.ipc import default_socket_path, socket_path
 
 __all__ = ["MODES", "Instead", "Mode", "check_mode", "fall_back", "log_once", "warn_once"]
 

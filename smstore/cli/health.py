@@ -13,15 +13,15 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import check_socket_path, ensure_private_dir, process_alive, socket_path
-from smstore._manifest import is_manifest, read_manifest, source_of
-from smstore._pack import human_bytes
-from smstore._store import read_checksum
-from smstore.client import daemon_request
 from smstore.daemon.connections import Limits
 from smstore.daemon.segments import SEGMENT_RE
 from smstore.errors import DaemonError, StoreError
+from smstore.format.manifest import is_manifest, read_manifest, source_of
+from smstore.read.store import read_checksum
 from smstore.remote.urls import needs_daemon
+from smstore.wire.client import daemon_request
+from smstore.wire.ipc import check_socket_path, ensure_private_dir, process_alive, socket_path
+from smstore.write.pack import human_bytes
 
 __all__ = [
     "CONTAINER_SHM",

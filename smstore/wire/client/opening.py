@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import connect, exchange, request, socket_path, wait_until_served
-from smstore._manifest import (
+from smstore.errors import DaemonError, StoreChangedError
+from smstore.format.manifest import (
     Manifest,
     Source,
     absolute,
@@ -23,14 +23,14 @@ from smstore._manifest import (
     read_manifest,
     source_of,
 )
-from smstore._modes import Mode, check_mode, fall_back, log_once, warn_once
-from smstore._objects import OBJECT_ENCODINGS
-from smstore._protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED
-from smstore._shards import ShardedStore, open_sharded
-from smstore._store import Store, open_blob, read_checksum
-from smstore.client.session import DaemonObjectStore, DaemonSession, DaemonStore, keep_attached
-from smstore.errors import DaemonError, StoreChangedError
+from smstore.format.objects import OBJECT_ENCODINGS
+from smstore.read.modes import Mode, check_mode, fall_back, log_once, warn_once
+from smstore.read.shards import ShardedStore, open_sharded
+from smstore.read.store import Store, open_blob, read_checksum
 from smstore.remote.urls import needs_daemon
+from smstore.wire.client.session import DaemonObjectStore, DaemonSession, DaemonStore, keep_attached
+from smstore.wire.ipc import connect, exchange, request, socket_path, wait_until_served
+from smstore.wire.protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED
 
 __all__ = ["Preattacher", "StoreHandle", "open_store", "open_url"]
 
@@ -65,7 +65,7 @@ def open_store(
         path: The ``.smst`` file, or a sharded dataset.
         mode: ``"auto"`` uses the daemon's copy if it serves this file, else maps the file (and
             logs once, on the ``smstore`` logger, which it chose; falling back warns as every
-            reader does: :func:`smstore._modes.fall_back`); ``"daemon"`` requires the daemon;
+            reader does: :func:`smstore.read.modes.fall_back`); ``"daemon"`` requires the daemon;
             ``"mmap"`` never asks it.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET`` or the per-user default).
         checksum: The contents this process must read (the checksum another process saw when it
@@ -238,7 +238,7 @@ class Preattacher:
     and unmaps those it no longer holds.
 
     A windowed sampler makes the daemon hold the window being read and the next (see
-    :class:`smstore.residency.ShardResidency`). A thread of each reading process follows what is
+    :class:`smstore.wire.residency.ShardResidency`). A thread of each reading process follows what is
     held: it asks the daemon (``held``), attaches the held shards of its dataset that are resident
     and not opened yet, and keeps them ready, so that the first read of a new window finds its
     shards attached instead of making a round trip to the daemon per shard on the critical path.

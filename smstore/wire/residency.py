@@ -21,13 +21,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from smstore._ipc import connect, exchange, request, socket_path
-from smstore._manifest import Manifest, absolute, hold_fields, read_manifest
-from smstore._modes import Mode, check_mode, fall_back
-from smstore._protocol import encode, pieces_value
-from smstore._protocol import frame as framed
-from smstore.client import DaemonSession
 from smstore.errors import DaemonError
+from smstore.format.manifest import Manifest, absolute, hold_fields, read_manifest
+from smstore.read.modes import Mode, check_mode, fall_back
+from smstore.wire.client import DaemonSession
+from smstore.wire.ipc import connect, exchange, request, socket_path
+from smstore.wire.protocol import encode, pieces_value
+from smstore.wire.protocol import frame as framed
 
 __all__ = ["ShardResidency"]
 
@@ -45,7 +45,7 @@ class ShardResidency:
         path: The manifest, or a directory holding ``manifest.json``.
         mode: ``"auto"``: the daemon if one answers on ``socket``, else the page cache (and,
             also when the daemon dies later, says so as every reader does: a warning once per
-            process, see :func:`smstore._modes.fall_back`); ``"daemon"``: require it (a
+            process, see :func:`smstore.read.modes.fall_back`); ``"daemon"``: require it (a
             :class:`DaemonError` naming the socket); ``"mmap"``: the page cache only, never a
             daemon.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).

@@ -8,10 +8,10 @@ import stat
 
 from smstore import _core
 from smstore._core import Store
-from smstore._manifest import MANIFEST_NAME, is_manifest
-from smstore._objects import OBJECT_ENCODINGS, ObjectStore
-from smstore._shards import ShardedStore, open_sharded
 from smstore.errors import StoreFormatError
+from smstore.format.manifest import MANIFEST_NAME, is_manifest
+from smstore.format.objects import OBJECT_ENCODINGS, ObjectStore
+from smstore.read.shards import ShardedStore, open_sharded
 
 __all__ = ["ShardedStore", "Store", "explain_not_a_blob", "open", "open_blob", "read_checksum"]
 

@@ -19,12 +19,20 @@ from collections.abc import Sequence
 from typing import Any
 
 from smstore import _core
-from smstore._ipc import connect, exchange, socket_path, wait_until_served
-from smstore._manifest import Manifest, absolute, hold_fields, read_manifest
-from smstore._modes import Mode, check_mode, fall_back, warn_once
-from smstore._protocol import NOT_SERVED, PERMISSION_DENIED, Piece, encode, piece_id, piece_path, pieces_value
 from smstore.errors import DaemonError, RemoteNeedsDaemonError, StoreChangedError
+from smstore.format.manifest import Manifest, absolute, hold_fields, read_manifest
+from smstore.read.modes import Mode, check_mode, fall_back, warn_once
 from smstore.remote.urls import needs_daemon
+from smstore.wire.ipc import connect, exchange, socket_path, wait_until_served
+from smstore.wire.protocol import (
+    NOT_SERVED,
+    PERMISSION_DENIED,
+    Piece,
+    encode,
+    piece_id,
+    piece_path,
+    pieces_value,
+)
 
 # How long a reader's own hold may wait for its reply (the daemon fetching a dataset's manifest
 # first): as long as a reader waits for a load (client.LOAD_WAIT).

@@ -12,11 +12,11 @@ from torch.utils.data import Dataset
 from torch.utils.data._utils import collate as torch_collate
 
 from smstore._core import RecordReader, _DataExport
-from smstore._decode import Decoder, make_decoder
-from smstore._manifest import Manifest
-from smstore._store import ShardedStore, Store
-from smstore.client import Mode, StoreHandle
 from smstore.errors import CollateError
+from smstore.format.decode import Decoder, make_decoder
+from smstore.format.manifest import Manifest
+from smstore.read.store import ShardedStore, Store
+from smstore.wire.client import Mode, StoreHandle
 
 __all__ = ["SharedStoreDataset"]
 
@@ -102,7 +102,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
     The blob is mapped read-only; every process that reads it (DataLoader workers, local ranks)
     shares the same physical pages, so memory does not grow with the number of processes. The
     dataset pickles as its path and options only and attaches lazily in each process (through a
-    :class:`smstore.client.StoreHandle`, as ``TokenCollator`` does), so it works with the
+    :class:`smstore.wire.client.StoreHandle`, as ``TokenCollator`` does), so it works with the
     ``fork``, ``spawn`` and ``forkserver`` start methods. ``ds[i]`` runs in C (see
     ``smstore._core.RecordReader``).
 
@@ -118,7 +118,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         mode: ``"auto"``: the ``smstore serve`` daemon's shared-memory copy if it serves this
             file, else a mapping of the file (saying so as every reader does: docs/daemon.md,
             "Modes"); ``"daemon"``: require the daemon; ``"mmap"``: never use it. See
-            :func:`smstore.client.open_store`.
+            :func:`smstore.wire.client.open_store`.
         socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
             Every process the dataset is pickled to uses the same one.
 
@@ -127,7 +127,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
         DaemonError: ``mode="daemon"`` and no daemon serves the file.
         StoreError: The file is missing or not a valid blob. In a process the dataset was
             pickled to, :class:`smstore.StoreChangedError` on first access if the file was
-            re-packed since (see :class:`smstore.client.StoreHandle`).
+            re-packed since (see :class:`smstore.wire.client.StoreHandle`).
 
     Note:
         memoryviews cannot be pickled, so with ``num_workers > 0`` decode them (or collate them
@@ -179,7 +179,7 @@ class SharedStoreDataset(RecordReader, Dataset[Any]):
 
     @property
     def mode(self) -> Mode:
-        """``"auto"``, ``"daemon"`` or ``"mmap"`` (see :func:`smstore.client.open_store`)."""
+        """``"auto"``, ``"daemon"`` or ``"mmap"`` (see :func:`smstore.wire.client.open_store`)."""
         return self._handle.mode
 
     @property

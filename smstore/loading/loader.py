@@ -10,10 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from smstore import _core, _fork
-from smstore.collate import TokenCollator
+from smstore import _core
 from smstore.errors import StoreChangedError, StoreClosedError
-from smstore.loader_stats import LoaderStats
+from smstore.loading.collate import TokenCollator
+from smstore.loading.stats import LoaderStats
+from smstore.wire import fork as _fork
 
 __all__ = ["Loader"]
 

@@ -10,9 +10,9 @@ import numpy as np
 import numpy.typing as npt
 
 from smstore import _core
-from smstore._pack import PackStats, Writer
-from smstore._packfiles import pack_text_inputs
 from smstore.errors import PackInputError
+from smstore.write.pack import PackStats, Writer
+from smstore.write.packfiles import pack_text_inputs
 
 __all__ = ["array_encoding", "pack_arrays", "pack_npy_lines"]
 

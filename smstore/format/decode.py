@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from smstore._objects import object_decoder
-from smstore._pack import numpy_dtype
 from smstore.errors import StoreFormatError
+from smstore.format.objects import object_decoder
+from smstore.write.pack import numpy_dtype
 
 __all__ = ["Decoder", "make_decoder", "partial_items_error", "torch_dtype"]
 

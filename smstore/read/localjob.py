@@ -34,8 +34,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from smstore import _fork
 from smstore.errors import SharedListError
+from smstore.wire import fork as _fork
 
 __all__ = ["Peer", "Server", "Topology", "address_for", "bind_listener", "connect", "job_key", "topology"]
 

@@ -24,7 +24,7 @@ import torch
 from torch.utils.data import Sampler, SequentialSampler
 
 from smstore.errors import CollateError, StoreClosedError, WorkerError
-from smstore.loader_stats import LoaderStats
+from smstore.loading.stats import LoaderStats
 from smstore.sampling.sampler import GlobalShuffleSampler
 
 __all__ = ["TransformLoader"]

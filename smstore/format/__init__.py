@@ -1,0 +1,1 @@
+"""What a blob, a manifest and a record encoding are: the formats every side reads."""

@@ -1,0 +1,1 @@
+"""Batches for a training loop: collators and loaders."""

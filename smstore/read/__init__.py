@@ -1,0 +1,1 @@
+"""Reading blobs and datasets in a process: open, datasets, views, SharedList."""

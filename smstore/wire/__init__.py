@@ -1,0 +1,1 @@
+"""What a process says to the node's daemon, and how: protocol, transport, client, residency."""

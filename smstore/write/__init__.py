@@ -1,0 +1,1 @@
+"""Writing blobs and sharded datasets."""
