@@ -415,6 +415,30 @@ int seal_segment(int fd, const std::string& name, mode_t mode, int64_t gid) {
     return ro;
 }
 
+namespace {
+constexpr int kSeals = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK;
+}  // namespace
+
+int create_memfd(const std::string& name) {
+    int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (fd < 0) throw Error(Error::Kind::Shm, name + ": memfd_create failed: " + std::strerror(errno), errno);
+    return fd;
+}
+
+int seal_memfd(int fd, const std::string& name) {
+    // F_SEAL_SEAL last: nobody may remove or add a seal after these.
+    if (::fcntl(fd, F_ADD_SEALS, kSeals | F_SEAL_SEAL) != 0) throw_errno("seal " + name, errno);
+    std::string self = "/proc/self/fd/" + std::to_string(fd);
+    int ro = ::open(self.c_str(), O_RDONLY | O_CLOEXEC);
+    if (ro < 0) throw_errno("reopen " + name + " read-only", errno);
+    return ro;
+}
+
+bool memfd_sealed(int fd) {
+    int seals = ::fcntl(fd, F_GET_SEALS);
+    return seals >= 0 && (seals & kSeals) == kSeals;
+}
+
 bool unlink_segment(const std::string& name) {
     if (::shm_unlink(name.c_str()) == 0) return true;
     if (errno == ENOENT) return false;

@@ -55,6 +55,18 @@ int create_segment(const std::string& name);
 // returns a new read-only descriptor of it, the one handed to readers (the caller keeps `fd`).
 int seal_segment(int fd, const std::string& name, mode_t mode, int64_t gid);
 
+// Creates an anonymous segment (a memfd, shown as `name` in /proc/PID/fd and maps) that can be
+// sealed; returns its descriptor (the caller owns it). Throws Error(Shm).
+int create_memfd(const std::string& name);
+
+// Seals the memfd at `fd` (written in full) against writes, growth and shrinking, for good;
+// returns a new read-only descriptor of it, the one handed to readers (the caller keeps `fd`).
+int seal_memfd(int fd, const std::string& name);
+
+// Whether `fd` is a memfd sealed against writes, growth and shrinking: its bytes never change, so
+// a reader may trust what it checked once. False for anything else (a file, a pipe, a bad fd).
+bool memfd_sealed(int fd);
+
 // shm_unlink(name); false if it did not exist, throws Error on any other failure.
 bool unlink_segment(const std::string& name);
 

@@ -395,6 +395,40 @@ def test_core_creates_and_seals_a_segment() -> None:
         assert _core.shm_unlink(name)
 
 
+def test_core_creates_and_seals_a_memfd_and_tells_a_sealed_one(tmp_path: Path) -> None:
+    """memfd_create/memfd_seal/memfd_sealed: SharedList's segments and the daemon's check of a shared
+    blob, one rule for "its bytes never change" (write, grow and shrink sealed)."""
+    fd = _core.memfd_create("smstore-test-memfd")
+    try:
+        assert os.readlink(f"/proc/self/fd/{fd}") == "/memfd:smstore-test-memfd (deleted)"
+        os.write(fd, b"written")
+        assert not _core.memfd_sealed(fd)  # writable yet
+        ro = _core.memfd_seal(fd, "smstore-test-memfd")
+        try:
+            assert _core.memfd_sealed(fd)
+            assert _core.memfd_sealed(ro)
+            with pytest.raises(PermissionError):  # sealed: not even the creator's descriptor writes
+                os.write(fd, b"again")
+            with pytest.raises(OSError, match="Bad file descriptor"):
+                os.write(ro, b"again")  # and the readers' descriptor is read-only
+            assert os.pread(ro, 7, 0) == b"written"
+        finally:
+            os.close(ro)
+    finally:
+        os.close(fd)
+    plain = tmp_path / "plain"
+    plain.write_bytes(b"x")
+    r, w = os.pipe()
+    with plain.open("rb") as f:
+        try:
+            assert not _core.memfd_sealed(f.fileno())  # a file, a pipe, a closed descriptor: never sealed
+            assert not _core.memfd_sealed(r)
+        finally:
+            os.close(r)
+            os.close(w)
+    assert not _core.memfd_sealed(r)
+
+
 @pytest.mark.skipif(
     len(os.sched_getaffinity(0)) < 2, reason="a load pins its thread only with two CPUs or more"
 )

@@ -567,3 +567,21 @@ def test_a_worker_reading_a_record_has_not_loaded_the_daemon(tmp_path: Path) -> 
 def test_importing_the_cli_imports_no_torch() -> None:
     code = "import sys, smstore.cli; print('torch' in sys.modules, 'smstore.daemon' in sys.modules)"
     assert _python(code).split() == ["False", "False"]
+
+
+def test_no_python_module_creates_or_seals_a_segment() -> None:
+    """Segments are the core's (issue 37): shm_create/shm_seal for the daemon's, memfd_create/memfd_seal
+    for SharedList's, memfd_sealed for the one "never changes" check; no module of the package
+    creates, seals or reads the seals of one with os or fcntl."""
+    found = []
+    for module, path in sorted(MODULES.items()):
+        if path.suffix != ".py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                owner, attr = node.value.id, node.attr
+                if (owner == "os" and attr in ("memfd_create", "shm_open")) or (
+                    owner == "fcntl" and "SEAL" in attr
+                ):
+                    found.append(f"{module}:{node.lineno}: {owner}.{attr}")
+    assert not found, "segments made in Python, not by the core:\n  " + "\n  ".join(found)

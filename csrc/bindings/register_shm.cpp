@@ -49,6 +49,12 @@ void register_shm(py::module_& m) {
         },
         py::arg("fd"), py::arg("name"), py::arg("mode") = 0400, py::arg("gid") = -1,
         "Give a written segment its final mode (and group, if gid >= 0); returns a new read-only descriptor.");
+    m.def("memfd_create", &create_memfd, py::arg("name"),
+          "Create an anonymous segment that can be sealed (shown as `name` in /proc); returns its descriptor.");
+    m.def("memfd_seal", &seal_memfd, py::arg("fd"), py::arg("name"),
+          "Seal a written memfd against writes, growth and shrinking; returns a new read-only descriptor.");
+    m.def("memfd_sealed", &memfd_sealed, py::arg("fd"),
+          "Whether `fd` is a memfd sealed against writes, growth and shrinking (its bytes never change).");
     m.def("shm_footprint", &shm_footprint, py::arg("size"),
           "Bytes of shared memory a segment of `size` bytes takes (whole pages): what --shm-limit counts.");
     m.def("shm_unlink", &unlink_segment, py::arg("name"), "shm_unlink(name); False if it did not exist.");

@@ -17,6 +17,7 @@ from smstore.daemon.connections import Limits
 from smstore.daemon.segments import SEGMENT_RE
 from smstore.errors import DaemonError, StoreError
 from smstore.format.manifest import is_manifest, read_manifest, source_of
+from smstore.read.memory import CgroupLimit, cgroup_limits
 from smstore.read.store import read_checksum
 from smstore.remote.urls import needs_daemon
 from smstore.wire.client import daemon_request
@@ -45,8 +46,6 @@ FD_RESERVE = 32
 DOCTOR_TIMEOUT = 30.0
 # The fewest connections a node needs to be of use (a few ranks, each with a few workers).
 FEW_CONNECTIONS = 64
-# A cgroup v1 limit at or above this means no limit (the kernel writes 2^63 rounded down to a page).
-NO_LIMIT = 1 << 62
 PAGE = os.sysconf("SC_PAGE_SIZE")
 # mountinfo writes a space, tab, newline or backslash in a path as an octal escape (\040).
 _OCTAL = re.compile(rb"\\([0-7]{3})")
@@ -226,49 +225,10 @@ def _mount_of(path: Path, mountinfo: Path) -> tuple[str, str, str] | None:
     return best
 
 
-def _cgroup_memory(probes: Probes) -> tuple[int, int | None, str] | None:
-    """(limit, usage or None, where) of this process's memory cgroup, the tightest of its ancestors.
-
-    None if no limit applies (or no memory controller is found).
-    """
-    # Bytes, decoded as os.fsdecode decodes paths: a cgroup's name is any bytes but '/' and NUL,
-    # and one that is not UTF-8 still names its directory.
-    lines = [os.fsdecode(raw) for raw in probes.proc_cgroup.read_bytes().splitlines()]
-    found: list[tuple[int, int | None, str]] = []
-    for line in lines:
-        hierarchy, _sep, rest = line.partition(":")
-        controllers, _sep, rel = rest.partition(":")
-        if hierarchy == "0" and controllers == "":  # v2
-            base, limit_file, usage_file = probes.cgroup_root, "memory.max", "memory.current"
-            if not (base / "cgroup.controllers").exists():
-                base = probes.cgroup_root / "unified"
-        elif "memory" in controllers.split(","):  # v1
-            base, limit_file, usage_file = (
-                probes.cgroup_root / "memory",
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-            )
-        else:
-            continue
-        # Inside a cgroup namespace, or a container that mounts only its own cgroup at the root,
-        # the path /proc names is not under the mount: the mount's root is then our cgroup.
-        # A cgroup outside the namespace's root reads as /../outside: '.' and '..' are dropped, so
-        # no path read here leaves the mount.
-        parts = [p for p in rel.split("/") if p not in ("", ".", "..")]
-        dirs = [base.joinpath(*parts[:k]) for k in range(len(parts), -1, -1)]
-        for d in dirs:
-            try:
-                text = (d / limit_file).read_bytes().strip()
-            except OSError:
-                continue
-            if not text.isdigit() or int(text) >= NO_LIMIT:  # "max", or not a limit we can read
-                continue
-            try:
-                usage: int | None = int((d / usage_file).read_bytes().strip())
-            except (OSError, ValueError):
-                usage = None
-            found.append((int(text), usage, os.fspath(d / limit_file)))
-    return min(found, key=lambda f: f[0]) if found else None
+def _cgroup_memory(probes: Probes) -> CgroupLimit | None:
+    """The tightest memory limit of this process's cgroup and its ancestors; None if none applies."""
+    found = cgroup_limits(probes.proc_cgroup, probes.cgroup_root)
+    return min(found, key=lambda f: f.limit) if found else None
 
 
 def _left_in_shm(shm: Path, checksums: set[str]) -> dict[str, int]:

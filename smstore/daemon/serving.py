@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import stat
@@ -37,7 +36,6 @@ __all__ = ["Serving", "describe"]
 
 log = logging.getLogger("smstore.daemon")
 
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK
 
 # What `held` follows for another user's reader naming a manifest no hold named (never a path).
 _NOTHING = ""
@@ -471,11 +469,7 @@ class Serving:
             raise ProtocolError(BAD_REQUEST, "'share' needs the blob's descriptor sent with the request")
         try:
             st = os.fstat(fd)
-            try:
-                seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-            except OSError:  # EINVAL: a file that cannot be sealed at all
-                seals = 0
-            if not stat.S_ISREG(st.st_mode) or seals & _SEALS != _SEALS:
+            if not stat.S_ISREG(st.st_mode) or not _core.memfd_sealed(fd):
                 raise ProtocolError(
                     BAD_REQUEST, "'share' takes a sealed memfd (write, grow and shrink seals)"
                 )

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import fcntl
 import gc
 import itertools
 import os
@@ -13,21 +12,19 @@ import signal
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from pathlib import Path
 from typing import Any, Literal, overload
 
 from smstore import _core
 from smstore.errors import DaemonError, SharedListError, SharedListMismatchError, SharedMemoryError
 from smstore.format.objects import ContentHash, ObjectStore, encode_objects
 from smstore.read.localjob import Peer, Server, address_for, connect, topology
+from smstore.read.memory import available_memory
 from smstore.read.modes import Mode, check_mode, fall_back
 from smstore.read.sources import daemon_key, file_key, file_loader
 from smstore.write.pack import build_metadata, human_bytes
 
 __all__ = ["SharedList"]
 
-# A sealed memfd can never change again: readers trust its bytes after an O(1) header check.
-_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_SEAL
 _MEMFD_PREFIX = "smstore-list:"  # how the segment shows in /proc/PID/fd and /proc/PID/maps
 # Room is checked after the first objects and then every this many bytes (reading /proc/meminfo
 # and the cgroup's files costs tens of microseconds).
@@ -43,53 +40,6 @@ _PR_SET_PDEATHSIG = 1  # prctl(2)
 _CHILD_GC_THRESHOLD = 100_000
 
 _sequence = itertools.count()
-
-
-def _read_int(path: Path) -> int | None:
-    try:
-        text = path.read_text().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def available_memory() -> tuple[int, str]:
-    """Bytes this process may still fill with shared memory, and where that figure comes from.
-
-    The least of the kernel's MemAvailable and the room under each memory limit of this process's
-    cgroups (v2 ``memory.max``, v1 ``memory.limit_in_bytes``): a memfd's pages are charged there.
-    """
-    candidates: list[tuple[int, str]] = []
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                candidates.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
-    except OSError:
-        pass
-    try:
-        cgroups = Path("/proc/self/cgroup").read_text().splitlines()
-    except OSError:
-        cgroups = []
-    for line in cgroups:
-        _id, controllers, rel = line.split(":", 2)
-        if controllers == "":  # cgroup v2: every ancestor's limit applies
-            node = Path("/sys/fs/cgroup") / rel.lstrip("/")
-            while True:
-                limit, used = _read_int(node / "memory.max"), _read_int(node / "memory.current")
-                if limit is not None and used is not None:
-                    candidates.append((max(0, limit - used), f"the memory limit of cgroup {node}"))
-                if node == Path("/sys/fs/cgroup"):
-                    break
-                node = node.parent
-        elif "memory" in controllers.split(","):
-            node = Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
-            limit = _read_int(node / "memory.limit_in_bytes")
-            used = _read_int(node / "memory.usage_in_bytes")
-            if limit is not None and used is not None and limit < 1 << 60:
-                candidates.append((max(0, limit - used), f"the memory limit of cgroup {node}"))
-    if not candidates:
-        return 1 << 62, "no limit found"
-    return min(candidates)
 
 
 class _RoomCheck:
@@ -134,11 +84,8 @@ class _RoomCheck:
 
 
 def _new_memfd(name: str) -> int:
-    try:
-        return os.memfd_create(_MEMFD_PREFIX + name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-    except OSError as e:
-        msg = f"SharedList {name!r}: memfd_create failed: {e}"
-        raise SharedMemoryError(msg) from None
+    # A sealed memfd can never change again: readers trust its bytes after an O(1) header check.
+    return _core.memfd_create(_MEMFD_PREFIX + name)
 
 
 def _write(
@@ -175,12 +122,11 @@ def _write(
     return info
 
 
-def _seal(fd: int) -> int:
+def _seal(fd: int, name: str) -> int:
     """Seal the memfd ``fd`` and close it; returns a read-only descriptor of it."""
     try:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
         # Readers get a read-only open of it: no descriptor that could write exists past this point.
-        return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC)
+        return _core.memfd_seal(fd, _MEMFD_PREFIX + name)
     finally:
         os.close(fd)
 
@@ -193,7 +139,7 @@ def _build(objects: Iterable[Any], name: str, encoding: str, room_limit: int) ->
     except BaseException:
         os.close(fd)
         raise
-    return _seal(fd), info
+    return _seal(fd, name), info
 
 
 def _die_with_parent() -> None:
@@ -283,16 +229,12 @@ def _build_in_child(
     except BaseException:
         os.close(fd)
         raise
-    return _seal(fd), info, loaded_state
+    return _seal(fd, name), info, loaded_state
 
 
 def _store_over(fd: int, name: str) -> ObjectStore:
     """Map a received descriptor: O(1) if it is sealed (nobody can change it), else fully validated."""
-    try:
-        sealed = fcntl.fcntl(fd, fcntl.F_GET_SEALS) & _SEALS == _SEALS
-    except OSError:
-        sealed = False
-    return ObjectStore(fd, f"SharedList {name!r}", not sealed)
+    return ObjectStore(fd, f"SharedList {name!r}", not _core.memfd_sealed(fd))
 
 
 class SharedList(Sequence[Any]):
