@@ -12,17 +12,24 @@ whatever the size of what is skipped.
 
 from __future__ import annotations
 
-import codecs
 import json
 import os
 import re
 import sys
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, BinaryIO
-
-import numpy as np
+from typing import Any
 
 from smstore.convert._common import Progress, write_records
+from smstore.convert.json_text import (
+    NUMBER,
+    Open,
+    Scan,
+    Text,
+    count_digits,
+    escape_boundary,
+    run_end,
+    squeeze,
+)
 from smstore.errors import PackInputError
 from smstore.format.objects import OBJECT_ENCODINGS, encode_objects
 from smstore.write.pack import PackStats
@@ -39,287 +46,15 @@ _FIRST_WINDOW, _LAST_WINDOW = 1 << 12, 1 << 18
 # The most characters of a value not selected decoded in one call (to check them): the objects
 # they make are built and dropped together, so this bounds their memory.
 _PIECE = 1 << 18
-_WS = re.compile(r"[ \t\n\r]*")
 _SCALAR = re.compile(r'[^ \t\n\r,:\[\]{}"]*')  # a number or literal runs until one of these
-_LONG_DIGITS = re.compile(r"[0-9]{3,}")
-_NUMBER = re.compile(r"[0-9+\-.eE]*")  # what a number may hold
-_HEX = frozenset("0123456789abcdefABCDEF")
-_OPEN, _CLOSE, _QUOTE, _BACKSLASH, _COMMA = ord("{"), ord("}"), ord('"'), ord("\\"), ord(",")
 _CLOSER = {"[": "]", "{": "}"}
 _scanstring: Callable[[str, int, bool], tuple[str, int]] = json.decoder.scanstring  # type: ignore[attr-defined]
-
-
-def _run_end(run: re.Pattern[str], text: str, pos: int) -> int:
-    """Where a run of `run` (a pattern that matches the empty string too) starting at `pos` ends."""
-    m = run.match(text, pos)
-    return m.end() if m else pos
-
-
-def _escape_boundary(s: str) -> int:
-    """Where string content `s` (starting where an escape may start) can be cut without cutting an
-    escape: before an escape it ends in the middle of, else its end."""
-    k = s.rfind("\\", max(0, len(s) - 6))
-    if k < 0:
-        return len(s)
-    j = len(s[:k].rstrip("\\"))  # where the run of backslashes ending at k starts
-    rest = s[k + 1 :]
-    if (k + 1 - j) % 2 and (not rest or (rest[0] == "u" and len(rest) < 5 and _HEX.issuperset(rest[1:]))):
-        return k  # an odd run's last backslash starts an escape, and the escape goes on
-    return len(s)
-
-
-def _squeeze(number: str) -> str:
-    """`number` with each run of digits cut to its first two: as valid as `number`, and short."""
-    return _LONG_DIGITS.sub(lambda m: m.group()[:2], number)
-
-
-def _digits(number: str) -> int:
-    """How many digits `number` (of the characters `_NUMBER` takes) holds."""
-    return len(number) - sum(number.count(c) for c in "+-.eE")
-
-
-class _Text:
-    """The file's text, decoded a chunk at a time: ``text[pos]`` is character ``base + pos``."""
-
-    def __init__(self, f: BinaryIO, path: str, on_progress: Callable[[int], None] | None) -> None:
-        self.f = f
-        self.path = path
-        self.on_progress = on_progress
-        head = f.read(max(CHUNK, 4))
-        # The encodings json.loads accepts for bytes (UTF-8 with or without a BOM, UTF-16, UTF-32).
-        self.encoding = json.detect_encoding(head)
-        skip = 0
-        if self.encoding == "utf-8-sig":
-            self.encoding, skip = "utf-8", len(codecs.BOM_UTF8)
-        self.decoder = codecs.getincrementaldecoder(self.encoding)("surrogatepass")
-        self.fed = skip  # bytes handed to the decoder so far
-        self.text = ""
-        self.pos = 0
-        self.base = 0
-        self.eof = False
-        self._codes: np.ndarray[Any, Any] | None = None
-        self._index: _Index | None = None
-        self._append(head[skip:])
-
-    def _decode(self, data: bytes, final: bool) -> str:
-        held = len(self.decoder.getstate()[0])  # bytes of a character the last chunk cut in two
-        try:
-            text: str = self.decoder.decode(data, final)
-        except UnicodeDecodeError as e:
-            at = self.fed - held + e.start
-            raise PackInputError(f"{self.path}: byte {at}: invalid {self.encoding}: {e.reason}") from None
-        self.fed += len(data)
-        return text
-
-    def _append(self, data: bytes) -> bool:
-        while True:
-            if not data:
-                self.eof = True
-            more = self._decode(data, final=self.eof)
-            if more:
-                self.base += len(self.text)
-                self.text, self.pos, self._codes, self._index = more, 0, None, None
-                return True
-            if self.eof:
-                return False
-            data = self.f.read(CHUNK)
-
-    def advance(self) -> bool:
-        """Drop the current chunk for the next one; False (nothing changed) at the end of the file."""
-        if self.eof or not self._append(self.f.read(CHUNK)):
-            return False
-        if self.on_progress is not None:
-            self.on_progress(self.base)
-        return True
-
-    def skip_ws(self) -> str:
-        """The next character that is not JSON whitespace ("" at the end), moving `pos` to it."""
-        while True:
-            self.pos = _run_end(_WS, self.text, self.pos)
-            if self.pos < len(self.text) or not self.advance():
-                return self.text[self.pos : self.pos + 1]
-
-    def codes(self) -> np.ndarray[Any, Any]:
-        """The chunk's characters as integers (computed once per chunk)."""
-        if self._codes is None:
-            try:  # one byte a character where they all fit (a copy); four otherwise
-                self._codes = np.frombuffer(self.text.encode("latin-1"), np.uint8)
-            except UnicodeEncodeError:
-                self._codes = np.frombuffer(self.text.encode("utf-32-le", "surrogatepass"), "<u4")
-        return self._codes
-
-    def index(self, pos: int) -> _Index:
-        """The chunk's :class:`_Index` from `pos` (outside any string) or from an earlier place."""
-        if self._index is None or self._index.start > pos:
-            self._index = _Index(self.codes(), pos)
-        return self._index
-
-    def error(self, pos: int, what: str) -> PackInputError:
-        return PackInputError(f"{self.path}: character {self.base + pos}: {what}")
-
-
-def _unescaped_quotes(a: np.ndarray[Any, Any]) -> np.ndarray[Any, Any]:
-    """Where the quotes of `a` (starting outside any escape) are that no backslash escapes."""
-    quotes = np.flatnonzero(a == _QUOTE)
-    if not quotes.size:
-        return quotes
-    bs = a == _BACKSLASH
-    after = np.flatnonzero(bs[quotes - 1] & (quotes > 0))  # quotes just after a backslash
-    if not after.size:
-        return quotes
-    runs = np.flatnonzero(bs & ~np.concatenate(([False], bs[:-1])))  # first backslash of each run
-    q = quotes[after]
-    escaped = np.zeros(quotes.size, bool)
-    escaped[after] = (q - runs[np.searchsorted(runs, q - 1, "right") - 1]) % 2 == 1
-    return quotes[~escaped]
-
-
-class _Index:
-    """The brackets and commas of a chunk that lie outside strings, from `start` (outside any string).
-
-    It tells where a list or object ends within the chunk and where its members are separated, so a
-    run of members can be decoded by one call without cutting a member in two. It is exact for
-    valid JSON; where the text is not, the decoder that reads what it points to refuses it.
-    """
-
-    def __init__(self, codes: np.ndarray[Any, Any], start: int) -> None:
-        a = codes[start:]
-        quotes = _unescaped_quotes(a)
-        folded = a | 32  # '[' -> '{', ']' -> '}': one comparison finds both kinds
-        b = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
-        c = np.flatnonzero(a == _COMMA)
-        if quotes.size:  # outside strings: after an even number of quotes
-            b = b[np.searchsorted(quotes, b) % 2 == 0]
-            c = c[np.searchsorted(quotes, c) % 2 == 0]
-        opens = folded[b] == _OPEN
-        depth = np.cumsum(np.where(opens, 1, -1))  # after each bracket, `start` at 0
-        # A bracket that opens and the one that closes it share a key (the depth between them), and
-        # no bracket of that key lies between them: in key order they are neighbours.
-        key = np.where(opens, depth, depth + 1)
-        order = np.argsort(key, kind="stable")
-        first, second = order[:-1], order[1:]
-        pair = (key[first] == key[second]) & opens[first] & ~opens[second]
-        self.match = np.full(b.size, -1, np.int64)
-        self.match[first[pair]] = second[pair]
-        self.start = start
-        self.brackets = b + start
-        self.depth = depth
-        self._depth_before = np.concatenate(([0], depth))
-        # How far below `start`'s depth the text has been, up to each bracket (never decreasing).
-        self._fallen = -np.minimum.accumulate(depth) if depth.size else depth
-        comma_depth = self._depth_before[np.searchsorted(b, c)]
-        by_depth = np.argsort(comma_depth, kind="stable")
-        self._comma_depth = comma_depth[by_depth]
-        self._commas = c[by_depth] + start  # by depth, then by place
-
-    def depth_at(self, pos: int) -> int:
-        """The depth of the text at `pos` (not a bracket) relative to `start`."""
-        return int(self._depth_before[np.searchsorted(self.brackets, pos)])
-
-    def close(self, pos: int) -> int:
-        """Where the list or object opening at `pos` ends (its closing bracket), or -1: not here."""
-        i = int(np.searchsorted(self.brackets, pos))
-        if i == self.brackets.size or self.brackets[i] != pos or self.match[i] < 0:
-            return -1
-        return int(self.brackets[self.match[i]])
-
-    def close_around(self, pos: int) -> int:
-        """Where the list or object holding `pos`, opened before `start`, ends, or -1: not here."""
-        j = int(np.searchsorted(self._fallen, -self.depth_at(pos), "right"))
-        return int(self.brackets[j]) if j < self.brackets.size else -1
-
-    def last_comma(self, depth: int, lo: int, hi: int) -> int:
-        """The last comma at `depth` after `lo` and before `hi`, or -1."""
-        g0, g1 = np.searchsorted(self._comma_depth, [depth, depth + 1])
-        k = int(g0 + np.searchsorted(self._commas[g0:g1], hi)) - 1
-        return int(self._commas[k]) if k >= g0 and self._commas[k] > lo else -1
-
-    def deepest(self, lo: int, hi: int) -> int:
-        """The greatest depth reached by a bracket from `lo` to before `hi` (-1 if none is there)."""
-        i, j = np.searchsorted(self.brackets, [lo, hi])
-        return int(self.depth[i:j].max()) if j > i else -1
-
-
-class _Scan:
-    """Finds where a list, object or string ends, window by window, carrying its state between them.
-
-    Brackets inside strings do not count; a quote is escaped after an odd run of backslashes. Only
-    the structure is checked here (what lies between is left to the decoder).
-    """
-
-    def __init__(self, string: bool, depth_limit: int) -> None:
-        self.string = string  # a string value: it ends at the first unescaped quote
-        self.in_string = string
-        self.odd = False  # the window before ended in an odd run of backslashes
-        self.depth = 0
-        self.limit = depth_limit
-
-    def feed(self, a: np.ndarray[Any, Any]) -> tuple[int, int]:
-        """(index just after the value's end in `a`, or -1; index of a bracket nesting too deep, or -1)."""
-        n = len(a)
-        quotes = np.flatnonzero(a == _QUOTE)
-        bs = a == _BACKSLASH
-        odd = False
-        if self.odd or bs[-1] or (quotes.size and bool(bs.any())):
-            runs = np.flatnonzero(bs & ~np.concatenate(([False], bs[:-1])))  # first backslash of each run
-            carry = int(self.odd)
-            after = np.flatnonzero(bs[quotes - 1] & (quotes > 0))  # quotes just after a backslash
-            if after.size:
-                q = quotes[after]
-                start = runs[np.searchsorted(runs, q - 1, "right") - 1]
-                escaped = np.zeros(quotes.size, bool)
-                escaped[after] = (q - start + np.where(start == 0, carry, 0)) % 2 == 1
-                quotes = quotes[~escaped]
-            if carry and quotes.size and quotes[0] == 0:
-                quotes = quotes[1:]
-            if bs[-1]:
-                odd = bool((n - runs[-1] + (carry if runs[-1] == 0 else 0)) % 2)
-        self.odd = odd
-        if self.string:
-            if quotes.size:
-                return int(quotes[0]) + 1, -1
-            return -1, -1
-        folded = a | 32  # '[' -> '{', ']' -> '}': one comparison finds both kinds
-        brackets = np.flatnonzero((folded == _OPEN) | (folded == _CLOSE))
-        if brackets.size and quotes.size:
-            outside = (np.searchsorted(quotes, brackets) + self.in_string) % 2 == 0
-            brackets = brackets[outside]
-        elif self.in_string:
-            brackets = brackets[:0]
-        self.in_string = bool((self.in_string + quotes.size) % 2)
-        if not brackets.size:
-            return -1, -1
-        depth = self.depth + np.cumsum(np.where(folded[brackets] == _OPEN, 1, -1))
-        closed = np.flatnonzero(depth == 0)
-        upto = int(closed[0]) if closed.size else len(depth)
-        deep = np.flatnonzero(depth[:upto] > self.limit)
-        if deep.size:
-            return -1, int(brackets[deep[0]])
-        if closed.size:
-            return int(brackets[upto]) + 1, -1
-        self.depth = int(depth[-1])
-        return -1, -1
-
-
-class _Open:
-    """A list or object a skipped value has entered: its closing bracket, and where it opened."""
-
-    __slots__ = ("at", "closer", "index", "pos")
-
-    def __init__(self, closer: str, t: _Text) -> None:
-        self.closer = closer
-        self.pos = t.pos
-        self.at = t.base + t.pos
-        self.index = t.index(t.pos)  # the chunk's index it opened under: none other knows `pos`
-
-    def unclosed(self, t: _Text, what: str) -> PackInputError:
-        return PackInputError(f"{t.path}: character {self.at}: {what}: the list or object is not closed")
 
 
 class _Reader:
     """Walks a JSON text: elements decoded once each, other values checked without being built."""
 
-    def __init__(self, t: _Text, max_element: int) -> None:
+    def __init__(self, t: Text, max_element: int) -> None:
         self.t = t
         self.max_element = max_element
         self.decoder = json.JSONDecoder()
@@ -340,13 +75,13 @@ class _Reader:
                 return t.text[start : q + 1]
         pieces: list[str] = []
         kept = 0  # characters of the value in the chunks before this one
-        scan = None if first not in '{["' else _Scan(first == '"', MAX_DEPTH - depth)
+        scan = None if first not in '{["' else Scan(first == '"', MAX_DEPTH - depth)
         p = start + 1 if first == '"' else start
         window = _FIRST_WINDOW
         while True:
             end = -1
             if scan is None:
-                end = _run_end(_SCALAR, t.text, p)
+                end = run_end(_SCALAR, t.text, p)
                 if end == start and kept == 0:
                     raise t.error(start, f"{what}: expected a value")
                 if end == len(t.text) and not t.eof:
@@ -411,7 +146,7 @@ class _Reader:
         and literals decoded. So memory holds a chunk, however large the value.
         """
         t = self.t
-        stack: list[_Open] = []
+        stack: list[Open] = []
         at_value = True  # t.pos is at a value; else just after one
         while True:
             if at_value:
@@ -420,7 +155,7 @@ class _Reader:
                     if not self._whole(what, depth + len(stack)):
                         if depth + len(stack) >= MAX_DEPTH:
                             raise t.error(t.pos, f"{what}: lists and objects nested deeper than {MAX_DEPTH}")
-                        stack.append(_Open(_CLOSER[c], t))
+                        stack.append(Open(_CLOSER[c], t))
                         t.pos += 1
                         at_value = self._member(stack, what, depth, first=True)
                         continue
@@ -444,7 +179,7 @@ class _Reader:
             else:
                 raise top.unclosed(t, what)
 
-    def _member(self, stack: list[_Open], what: str, depth: int, *, first: bool) -> bool:
+    def _member(self, stack: list[Open], what: str, depth: int, *, first: bool) -> bool:
         """Move to the next member of the list or object entered last (after its opening bracket
         or a comma): past a run of members checked at once, the list or object itself if it ends
         (False: after a value), or to the member's value (True)."""
@@ -484,7 +219,7 @@ class _Reader:
         t.pos = self.decode(t.text, pos, t.base, what)[1]
         return True
 
-    def _run(self, top: _Open, what: str, level: int) -> bool:
+    def _run(self, top: Open, what: str, level: int) -> bool:
         """Decode in one call the members of `top` (nested `level` deep) from ``t.pos`` to the last
         comma before ``_PIECE`` characters, or to its end if that comes first, if they lie in the
         chunk; leaves ``t.pos`` at that comma or closing bracket."""
@@ -530,7 +265,7 @@ class _Reader:
         kept: list[str] | None = ['"'] if keep else None
         size = 1
         while True:
-            cut = len(seg) if t.eof else _escape_boundary(seg)
+            cut = len(seg) if t.eof else escape_boundary(seg)
             piece = seg[:cut] + '"'
             try:
                 _, end = _scanstring(piece, 0, True)
@@ -562,27 +297,27 @@ class _Reader:
         and Infinity too, an integer of more digits than ``int()`` takes refused)."""
         t = self.t
         start = t.pos
-        end = _run_end(_SCALAR, t.text, start)
+        end = run_end(_SCALAR, t.text, start)
         if end == start:
             raise t.error(start, f"{what}: expected a value")
         if end < len(t.text) or t.eof:
             t.pos = self.decode(t.text, start, t.base, what)[1]
             return
         # It goes on in the next chunk. Beyond _PIECE characters only a number is valid: its digits
-        # are counted and its text squeezed (see _squeeze), so memory stays small.
+        # are counted and its text squeezed (see squeeze), so memory stays small.
         begin = t.base + start
         text, size, digits, integer = t.text[start:], end - start, -1, True
         while t.advance():
-            end = _run_end(_SCALAR, t.text, 0)
+            end = run_end(_SCALAR, t.text, 0)
             piece = t.text[:end]
             size += end
             if size > max(_PIECE, 16):  # longer than any literal ("-Infinity")
                 new = piece if digits >= 0 else text + piece  # what is not counted yet
-                if _run_end(_NUMBER, new, 0) < len(new):
+                if run_end(NUMBER, new, 0) < len(new):
                     raise PackInputError(f"{t.path}: character {begin}: {what}: expected a value")
-                digits = max(digits, 0) + _digits(new)
+                digits = max(digits, 0) + count_digits(new)
                 integer = integer and not ("." in new or "e" in new or "E" in new)
-                text = _squeeze(text + piece)
+                text = squeeze(text + piece)
                 if len(text) > 64:  # a number squeezed is a dozen characters: this is none
                     raise PackInputError(f"{t.path}: character {begin}: {what}: not a valid number")
             else:
@@ -763,7 +498,7 @@ def _located(
     except OSError as e:
         raise PackInputError(f"{path}: cannot read: {e.strerror}") from None
     with f:
-        t = _Text(f, path, on_progress)
+        t = Text(f, path, on_progress, chunk=CHUNK)
         r = _Reader(t, max_element)
         found = 0
         if key is None:
