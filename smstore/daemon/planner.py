@@ -23,8 +23,7 @@ from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.daemon.sources import NO_IDENTITY, FileIdentity, Index, Source
 from smstore.errors import StoreError
 from smstore.format.manifest import Manifest, absolute, manifest_file, read_manifest
-from smstore.remote.urls import is_remote_url
-from smstore.wire.protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Piece, ProtocolError
+from smstore.wire.protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Location, Piece, ProtocolError
 
 __all__ = [
     "FETCH_BACKOFF",
@@ -296,7 +295,7 @@ class Planner:
 
     # ---- holds ----------------------------------------------------------------------------------
 
-    def hold(self, cid: int, manifest_path: str, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
+    def hold(self, cid: int, named: Location, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
         """Replace what connection `cid` holds (as a sampler, or with `reader` for itself) with
         `pieces` of a manifest (whole shards or record ranges, in the order to load them); what it holds now.
 
@@ -305,8 +304,9 @@ class Planner:
                 the whole budget, or a shard's load failed or it changed since its manifest was
                 written (every rank holding it hears so at its next hold).
         """
+        manifest_path = named.name
         try:
-            manifest, sources = self._manifest(manifest_path)
+            manifest, sources = self._manifest(named)
         except StoreError as e:
             raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
         if any(p.shard >= len(manifest.shards) for p in pieces):
@@ -638,18 +638,17 @@ class Planner:
         self.failures.clear_held(source.location)  # the file changed (or another checksum is held): try again
         return None
 
-    def knows(self, manifest_path: str) -> bool:
-        """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
-        remote = is_remote_url(manifest_path)
-        return (manifest_file(manifest_path) if remote else manifest_path) in self.manifests
+    def knows(self, named: Location) -> bool:
+        """Whether a hold named the manifest `named` (it is kept parsed)."""
+        return (manifest_file(named.name) if named.remote else named.name) in self.manifests
 
-    def checksums(self, manifest_path: str) -> frozenset[str]:
-        """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
+    def checksums(self, named: Location) -> frozenset[str]:
+        """The checksums of the shards of the manifest `named` (what a reader follows).
 
         Raises:
             StoreError: The manifest is missing or bad.
         """
-        manifest, _sources = self._manifest(manifest_path)
+        manifest, _sources = self._manifest(named)
         return frozenset(s.checksum for s in manifest.shards)
 
     def remote_manifest(self, url: str) -> Manifest | None:
@@ -680,18 +679,19 @@ class Planner:
         self.manifests[path] = (key, manifest, sources)
         return sources
 
-    def _manifest(self, path: str) -> tuple[Manifest, list[Source]]:
-        """The manifest at `path` and its shards' sources, parsed again only if the file changed.
+    def _manifest(self, named: Location) -> tuple[Manifest, list[Source]]:
+        """The manifest `named` and its shards' sources, parsed again only if the file changed.
 
         Every rank holds at every window: parsing a manifest of thousands of shards each time
         would be milliseconds of the daemon's core at each window switch. A manifest in object
         storage is never fetched here (on the event loop): the daemon fetches it on a thread first.
 
         Raises:
-            ManifestPending: `path` is a URL whose manifest was not fetched yet.
+            ManifestPending: `named` is a URL whose manifest was not fetched yet.
             StoreError: The manifest is missing or bad.
         """
-        if is_remote_url(path):
+        path = named.name
+        if named.remote:
             remote = self.manifests.get(manifest_file(path))  # a prefix ending in '/' names its manifest.json
             if remote is None:
                 raise ManifestPending(path)
