@@ -177,9 +177,8 @@ class Serving:
                 reply = refusal(type(result.error).__name__, failure)
             else:
                 assert not isinstance(result, Indexed)
-                # Marked before _register writes the state file, which records it as held.
-                self.planner.load_done(path, result.checksum, asked=bool(waiters), source=source)
-                seg = self.register(path, result)
+                managed = self.planner.load_done(path, result.checksum, asked=bool(waiters), source=source)
+                seg = self.register(path, result, managed=managed)
                 reply = {"ok": True, **describe(seg)}
                 if isinstance(result, Loaded):
                     self.counters.add("loads", label="loaded")
@@ -205,7 +204,8 @@ class Serving:
             self.reconcile()
         return manifests
 
-    def register(self, path: str, result: Loaded | AlreadyLoaded) -> Segment:
+    def register(self, path: str, result: Loaded | AlreadyLoaded, *, managed: bool = False) -> Segment:
+        """Serve what a load of `path` gave; `managed`: the holds manage it (`Planner.load_done`)."""
         # The generation this path held before (if other contents): no longer served by this path.
         previous = self.segments.serving(path)
         if isinstance(result, AlreadyLoaded):
@@ -236,6 +236,8 @@ class Serving:
             if not previous.paths:
                 log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
                 self.drop(previous)
+        if managed:  # marked before the state file may be written: it records the segment as held
+            self.planner.manage(seg)
         self._held_stale = True
         self.state.changed()
         return seg
