@@ -34,6 +34,7 @@ from smstore.wire.protocol import (
     BUSY,
     PERMISSION_DENIED,
     TOO_LARGE,
+    Location,
     ProtocolError,
     encode,
     frame_length,
@@ -99,8 +100,15 @@ class Conn:
     served: bool = False  # completed at least one request
     close_after_send: bool = False
     busy: bool = False  # waiting for a load to finish: not read meanwhile, no timeout
-    parked: bool = False  # its request is answered on a change or at its deadline (`Server.park`)
-    following: str | None = None  # the manifest its parked 'held' follows (None: every held shard)
+    # When its parked request is answered at the latest (`Server.park`; None: none parked): a
+    # change answers it sooner.
+    parked_until: float | None = None
+    following: Location | None = None  # the manifest its parked 'held' follows (None: every held shard)
+    # What its busy request waits for: the manifest being fetched at a URL (the request is served
+    # again once it is in), or a held piece on its way (its label, the checksum a reader's attach
+    # asked for, since when: answered when its load ends or it is no longer coming).
+    waits_manifest: tuple[str, dict[str, Any]] | None = None
+    waits_load: tuple[str, str, float] | None = None
     attached: set[str] = field(default_factory=set)
     events: int = 0  # what the selector watches now
     # A descriptor the client sent (at most one, for its next request; closed if that request does
@@ -119,7 +127,7 @@ class Conn:
 
     def deadline(self, timeout: float) -> float | None:
         """When this connection is dropped unless it makes progress (None: it may idle)."""
-        if self.busy or self.parked:
+        if self.busy or self.parked_until is not None:
             return None
         if self.out:
             return self.out_since + timeout
@@ -141,10 +149,9 @@ class Server:
     def __init__(self, uid: int, limits: Limits) -> None:
         self.uid = uid
         self.limits = limits
+        # Every connection's state is on its `Conn` (its parked request, what it waits for): one table.
         self.conns: dict[int, Conn] = {}
-        self.parked: dict[int, float] = {}  # connection id -> when its parked request is answered
-        self.per_uid: dict[int, int] = {}
-        self.refusals: Counter[str] = Counter()  # refusing replies sent, by their error code
+        self.parked = 0  # connections with a parked request
         self.ids = itertools.count(1)  # connection ids are never reused, unlike fd numbers
         self.sel = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
@@ -165,6 +172,9 @@ class Server:
     def on_close(self, cid: int, conn: Conn) -> None:
         """Forget what `conn` held."""
 
+    def refused(self, code: str) -> None:
+        """A refusing reply with error `code` was queued (the metrics count them)."""
+
     def wake(self, cid: int) -> None:
         """Answer a parked request now: its deadline passed, or its client sent more."""
         raise NotImplementedError
@@ -180,21 +190,32 @@ class Server:
         """
         conn = self.conns[cid]
         lim = self.limits
-        if conn.parked or cid in self.parked:  # one parked request per connection, never replaced
+        if conn.parked_until is not None:  # one parked request per connection, never replaced
             return False
-        if len(self.parked) >= lim.max_parked - (0 if conn.owner else lim.parked_reserve):
+        if self.parked >= lim.max_parked - (0 if conn.owner else lim.parked_reserve):
             return False
-        conn.parked = True
-        self.parked[cid] = time.monotonic() + seconds
+        conn.parked_until = time.monotonic() + seconds
+        self.parked += 1
         return True
 
     def unpark(self, cid: int) -> bool:
         """Take `cid` off the parked requests; True if it was parked (its reply is the caller's to send)."""
         conn = self.conns.get(cid)
-        if self.parked.pop(cid, None) is None or conn is None:
+        if conn is None or conn.parked_until is None:
             return False
-        conn.parked = False
+        conn.parked_until = None
+        self.parked -= 1
         return True
+
+    def parked_ids(self) -> list[int]:
+        """The connections with a parked request."""
+        return (
+            [cid for cid, conn in self.conns.items() if conn.parked_until is not None] if self.parked else []
+        )
+
+    def per_uid(self) -> Counter[int]:
+        """Open connections by the peer's uid."""
+        return Counter(conn.uid for conn in self.conns.values())
 
     # ---- accepting ------------------------------------------------------------------------------
 
@@ -234,7 +255,6 @@ class Server:
         cid = next(self.ids)
         conn = Conn(sock, pid, uid, gid, uid in (self.uid, 0), time.monotonic())
         self.conns[cid] = conn
-        self.per_uid[uid] = self.per_uid.get(uid, 0) + 1
         self._watch(cid, conn)
         why = self._over_limits(conn)
         if why is not None:
@@ -261,7 +281,7 @@ class Server:
             return None
         if total > lim.max_connections - lim.owner_reserve:
             return f"too many connections ({lim.max_connections - lim.owner_reserve} for other users)"
-        if self.per_uid[conn.uid] > lim.max_per_uid:
+        if sum(other.uid == conn.uid for other in self.conns.values()) > lim.max_per_uid:
             return f"too many connections from uid {conn.uid} ({lim.max_per_uid})"
         return None
 
@@ -292,7 +312,7 @@ class Server:
         """Serve the complete requests in the input buffer, one at a time: never while a reply is pending."""
         conn = self.conns.get(cid)
         while conn is not None and not (conn.busy or conn.out or conn.close_after_send):
-            if conn.parked:
+            if conn.parked_until is not None:
                 # One request at a time: a parked request ends the loop until it is answered, and
                 # more input from its client answers it now, before the next request is read.
                 if not conn.inbuf or not self.unpark(cid):
@@ -348,7 +368,7 @@ class Server:
         if conn is None:
             return
         if isinstance(msg, dict) and msg.get("ok") is False:
-            self.refusals[str(msg.get("error"))[:100]] += 1
+            self.refused(str(msg.get("error"))[:100])
         try:
             data = msg if isinstance(msg, bytes) else encode(msg)
         except (DaemonError, TypeError, ValueError) as e:
@@ -425,10 +445,8 @@ class Server:
         conn = self.conns.pop(cid, None)
         if conn is None:
             return
-        self.parked.pop(cid, None)
-        self.per_uid[conn.uid] -= 1
-        if not self.per_uid[conn.uid]:
-            del self.per_uid[conn.uid]
+        if conn.parked_until is not None:
+            self.parked -= 1
         for _data, fds in conn.out:
             for fd in fds:
                 os.close(fd)
@@ -443,7 +461,10 @@ class Server:
     def expire(self) -> None:
         """Answer the parked requests whose deadline passed; drop connections that stalled past the I/O timeout."""
         now = time.monotonic()
-        for cid in [c for c, until in self.parked.items() if until <= now]:
+        due = [
+            c for c, conn in self.conns.items() if conn.parked_until is not None and conn.parked_until <= now
+        ]
+        for cid in due:
             if self.unpark(cid):
                 self.wake(cid)
         timeout = self.limits.io_timeout

@@ -1,4 +1,8 @@
-"""The daemon's loader thread: copies files into shared-memory segments and frees released ones, off the event loop."""
+"""The daemon's loader thread: copies files into shared-memory segments and frees released ones, off the event loop.
+
+The manifests of datasets in object storage are read off the loop too, each on a thread of its own
+(a GET never waits behind the loads, nor they behind it); their results come out with the loads'.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from smstore.daemon.planner import Planner
 from smstore.daemon.segments import SHM_DIR, Segment, SegmentTable, pages, unlink_quietly
 from smstore.daemon.sources import Index, Source
 from smstore.errors import DaemonError, SharedMemoryError, StoreChangedError, StoreError, StoreFormatError
+from smstore.format.manifest import Manifest, read_manifest
 from smstore.read.store import explain_not_a_blob, read_checksum
 from smstore.remote.cache import NodeCache
 from smstore.remote.fetch import fetch, read_header
@@ -24,7 +29,7 @@ from smstore.remote.urls import RemoteURL, parse_url
 from smstore.wire.protocol import Piece
 from smstore.write.pack import human_bytes
 
-__all__ = ["AlreadyLoaded", "Failed", "Indexed", "LoadResult", "Loaded", "Loader"]
+__all__ = ["AlreadyLoaded", "Failed", "Indexed", "LoadResult", "Loaded", "Loader", "ManifestRead"]
 
 log = logging.getLogger("smstore.daemon")
 
@@ -69,6 +74,14 @@ class Indexed:
 
 
 LoadResult = Loaded | AlreadyLoaded | Failed | Indexed
+
+
+@dataclass(frozen=True)
+class ManifestRead:
+    """The read of the manifest at `url` ended: the manifest, or why not (`read_manifest`'s error)."""
+
+    url: str
+    result: Manifest | Exception
 
 
 def _sized(size: int) -> str:
@@ -120,9 +133,10 @@ class Loader:
         # Work, in order: a piece of a source to load (None: the object's index to read), a
         # released segment to free, or None (stop).
         self.jobs: queue.Queue[tuple[Source, Piece | None] | Segment | None] = queue.Queue()
-        # Results, in order: a finished job, or the name of a released segment removed (unlinked
-        # and unmapped here: its pages are room only from then on, `Planner.freed`, not from its release).
-        self.done: queue.Queue[tuple[Source, Piece | None, LoadResult] | str] = queue.Queue()
+        # Results, in order: a finished job, the name of a released segment removed (unlinked and
+        # unmapped here: its pages are room only from then on, `Planner.freed`, not from its
+        # release), or a manifest read (`fetch_manifest`).
+        self.done: queue.Queue[tuple[Source, Piece | None, LoadResult] | str | ManifestRead] = queue.Queue()
         self.wake_r, self.wake_w = socket.socketpair()
         self.wake_r.setblocking(False)
         self.wake_w.setblocking(False)
@@ -151,21 +165,44 @@ class Loader:
         """Queue a released segment to be unlinked and freed, before any load queued after it."""
         self.jobs.put(seg)
 
-    def results(self) -> tuple[list[str], list[tuple[Source, Piece | None, LoadResult]]]:
+    def fetch_manifest(self, url: str) -> None:
+        """Read the manifest at `url` (``read_manifest``: the scheme allow-list, one GET, the full
+        validation) on a thread of its own; its `ManifestRead` comes out of `results`."""
+        threading.Thread(
+            target=self._read_manifest, args=(url,), name="smstore-manifest", daemon=True
+        ).start()
+
+    def _read_manifest(self, url: str) -> None:
+        result: Manifest | Exception
+        try:
+            result = read_manifest(url)
+        except Exception as e:  # noqa: BLE001 - every read gets an answer: the waiting requests hear it
+            result = e
+        self._put(ManifestRead(url, result))
+
+    def _put(self, result: tuple[Source, Piece | None, LoadResult] | str | ManifestRead) -> None:
+        self.done.put(result)
+        with contextlib.suppress(OSError):
+            self.wake_w.send(b"x")
+
+    def results(self) -> tuple[list[str], list[tuple[Source, Piece | None, LoadResult]], list[ManifestRead]]:
         """What ended since the last call (the loop calls it when woken): the names of the released
-        segments removed, and the jobs finished."""
+        segments removed, the jobs finished, and the manifests read."""
         with contextlib.suppress(BlockingIOError):
             self.wake_r.recv(4096)
         removed: list[str] = []
         finished: list[tuple[Source, Piece | None, LoadResult]] = []
+        manifests: list[ManifestRead] = []
         with contextlib.suppress(queue.Empty):
             while True:
                 item = self.done.get_nowait()
                 if isinstance(item, str):
                     removed.append(item)
+                elif isinstance(item, ManifestRead):
+                    manifests.append(item)
                 else:
                     finished.append(item)
-        return removed, finished
+        return removed, finished, manifests
 
     def stop(self) -> None:
         """Stop the thread; free the released segments it had not freed yet."""
@@ -203,9 +240,7 @@ class Loader:
                 with contextlib.suppress(OSError, StoreError):
                     job.close()
                     _core.wait_for_unmaps()  # the daemon's own mapping too: its pages are gone now
-                self.done.put(job.name)
-                with contextlib.suppress(OSError):
-                    self.wake_w.send(b"x")
+                self._put(job.name)
                 time.sleep(FREE_PAUSE)  # one segment's pages at a time: spread over a busy node's CPUs
                 continue
             source, piece = job
@@ -222,9 +257,7 @@ class Loader:
                 unlink_quietly(result.name)
                 os.close(result.fd)
                 return
-            self.done.put((source, piece, result))
-            with contextlib.suppress(OSError):
-                self.wake_w.send(b"x")
+            self._put((source, piece, result))
 
     def remote_values(self) -> dict[str, int]:
         """What object storage cost, for status's metrics: bytes fetched, cache hits and misses, cache bytes."""

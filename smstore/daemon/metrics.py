@@ -18,14 +18,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from smstore.errors import DaemonError
 
-__all__ = ["METRICS", "Counters", "Exporter", "parse_address", "render"]
+__all__ = ["COUNTED", "METRICS", "Counters", "Exporter", "parse_address", "render"]
 
 log = logging.getLogger("smstore.daemon")
 
@@ -87,26 +86,38 @@ METRICS: dict[str, tuple[str, str, str | None, str]] = {
 }
 
 
+# What the event loop counts (`Counters`), with each one's value before its first count.
+COUNTED: dict[str, Any] = {
+    "loads": {},
+    "load_bytes": 0,
+    "load_seconds": 0.0,
+    "load_failures": {},
+    "attach_waits": 0,
+    "attach_wait_seconds": 0.0,
+    "refusals": {},
+}
+
+
 @dataclass
 class Counters:
-    """What the event loop counts as it serves (the gauges are read from its state when published)."""
+    """What the event loop counts as it serves (the gauges are read from its state when published):
+    one table, by (key of `COUNTED`, the label's value, or "" for a metric without one)."""
 
-    loads: Counter[str] = field(default_factory=Counter)
-    load_bytes: int = 0
-    load_seconds: float = 0.0
-    load_failures: Counter[str] = field(default_factory=Counter)
-    attach_waits: int = 0
-    attach_wait_seconds: float = 0.0
+    table: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def add(self, key: str, amount: float = 1, label: str = "") -> None:
+        self.table[key, label] = self.table.get((key, label), 0) + amount
 
     def values(self) -> dict[str, Any]:
-        return {
-            "loads": dict(self.loads),
-            "load_bytes": self.load_bytes,
-            "load_seconds": self.load_seconds,
-            "load_failures": dict(self.load_failures),
-            "attach_waits": self.attach_waits,
-            "attach_wait_seconds": self.attach_wait_seconds,
+        out: dict[str, Any] = {
+            key: dict(value) if isinstance(value, dict) else value for key, value in COUNTED.items()
         }
+        for (key, label), n in self.table.items():
+            if label:
+                out[key][label] = n
+            else:
+                out[key] += n
+        return out
 
 
 def _escape(value: str) -> str:

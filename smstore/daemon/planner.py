@@ -23,8 +23,7 @@ from smstore.daemon.segments import Segment, SegmentTable, pages
 from smstore.daemon.sources import NO_IDENTITY, FileIdentity, Index, Source
 from smstore.errors import StoreError
 from smstore.format.manifest import Manifest, absolute, manifest_file, read_manifest
-from smstore.remote.urls import is_remote_url
-from smstore.wire.protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Piece, ProtocolError
+from smstore.wire.protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Location, Piece, ProtocolError
 
 __all__ = [
     "FETCH_BACKOFF",
@@ -60,7 +59,9 @@ class Failure:
 
     ``held``: (the checksum a hold expected, the file's identity then, why), while a hold's load of
     it stays failed; ``last``: why the latest load of it failed (any load, until one succeeds);
-    ``wait``/``until``: its backoff (an object is fetched again for a hold only after it).
+    ``wait``/``until``: its backoff (an object is fetched again for a hold only after it);
+    ``unloaded``: the owner unloaded it while held (a row of a held piece's label: not loaded
+    again while a hold names it).
     """
 
     held: tuple[str | None, FileIdentity | None, str] | None = None
@@ -68,6 +69,7 @@ class Failure:
     wait: float = 0.0
     until: float = 0.0
     failed_before: bool = False
+    unloaded: bool = False
 
 
 class Backoff:
@@ -135,8 +137,23 @@ class Backoff:
         """(location, checksum, why) of every held load that stays failed (for status)."""
         return [(k, r.held[0], r.held[2]) for k, r in self.rows.items() if r.held is not None]
 
+    def unload(self, key: str) -> None:
+        """The owner unloaded the held piece `key` (its label): not loaded while a hold names it."""
+        self.rows.setdefault(key, Failure()).unloaded = True
+
+    def unloaded(self, key: str) -> bool:
+        row = self.rows.get(key)
+        return row is not None and row.unloaded
+
+    def held_again(self, wanted: Collection[str]) -> None:
+        """Unloaded pieces no hold names now (not in `wanted`, labels) are loaded again once one does."""
+        for key, row in list(self.rows.items()):
+            if row.unloaded and key not in wanted:
+                row.unloaded = False
+                self._drop_if_empty(key, row)
+
     def _drop_if_empty(self, key: str, row: Failure) -> None:
-        if row.held is None and row.last is None and not row.failed_before:
+        if row.held is None and row.last is None and not row.failed_before and not row.unloaded:
             del self.rows[key]
 
 
@@ -165,10 +182,9 @@ class Held:
     reader: bool = False  # a reader's hold for itself, apart from a sampler's (see `Planner.holds`)
 
 
-# What a segment's key is marked with (`Planner.marks`).
+# What a segment is marked with (`Segment.mark`).
 MANAGED = "managed"  # loaded for holds: released when no connection holds it
 UNCLAIMED = "unclaimed"  # adopted from a dead predecessor that loaded it for holds, not held since
-UNLOADED = "unloaded"  # held, and unloaded by the owner: not loaded again while a hold names it
 
 
 @dataclass
@@ -236,11 +252,10 @@ class Planner:
         # sampler's piece needs room, and never listed to the readers that follow the holds
         # ('held'), whose windows it is not part of.
         self.holds: dict[int, list[Held]] = {}
-        # Segments by key: loaded for holds (MANAGED), adopted from a dead predecessor that had
-        # loaded them for holds and not held again since (UNCLAIMED: kept for the ranks to claim,
-        # released when the holds need their room or release a window), or unloaded by the owner
-        # while held (UNLOADED: not loaded again while a hold still names them).
-        self.marks: dict[str, str] = {}
+        # Each segment's mark (`Segment.mark`): loaded for holds (MANAGED), or adopted from a dead
+        # predecessor that had loaded it for holds and not held again since (UNCLAIMED: kept for
+        # the ranks to claim, released when the holds need their room or release a window). A held
+        # piece the owner unloaded is a row of the failures table (not loaded while a hold names it).
         # Released segments by name, counted against --shm-limit until the loader thread has
         # removed them and every reader of the owner that mapped them has detached or disconnected:
         # counted free at once, a released piece's room was loaded into while it was still memory.
@@ -296,7 +311,7 @@ class Planner:
 
     # ---- holds ----------------------------------------------------------------------------------
 
-    def hold(self, cid: int, manifest_path: str, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
+    def hold(self, cid: int, named: Location, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
         """Replace what connection `cid` holds (as a sampler, or with `reader` for itself) with
         `pieces` of a manifest (whole shards or record ranges, in the order to load them); what it holds now.
 
@@ -305,8 +320,9 @@ class Planner:
                 the whole budget, or a shard's load failed or it changed since its manifest was
                 written (every rank holding it hears so at its next hold).
         """
+        manifest_path = named.name
         try:
-            manifest, sources = self._manifest(manifest_path)
+            manifest, sources = self._manifest(named)
         except StoreError as e:
             raise ProtocolError(BAD_REQUEST, str(e)[:1000]) from None
         if any(p.shard >= len(manifest.shards) for p in pieces):
@@ -372,8 +388,8 @@ class Planner:
         return wanted
 
     def marked(self, mark: str) -> list[str]:
-        """The keys of the segments marked `mark` (MANAGED, UNCLAIMED or UNLOADED)."""
-        return [key for key, m in self.marks.items() if m == mark]
+        """The keys of the segments marked `mark` (MANAGED or UNCLAIMED)."""
+        return [key for key, seg in self.segments.items() if seg.mark == mark]
 
     def plan(self, loading: Collection[str] | None = None) -> Plan:
         """Release the held segments no connection holds any more; plan the loads of held pieces that fit.
@@ -386,11 +402,10 @@ class Planner:
         plan = Plan()
         wanted = self.wanted()
         samplers = self.wanted(readers=False)
-        for key, mark in list(self.marks.items()):
-            if key in wanted and mark == UNCLAIMED:
-                self.marks[key] = MANAGED  # held again: the holds manage it from now on
-            elif key not in wanted and mark == UNLOADED:
-                del self.marks[key]  # unloaded shards are loaded again once a hold names them anew
+        for key in self.marked(UNCLAIMED):
+            if key in wanted:
+                self.segments[key].mark = MANAGED  # held again: the holds manage it from now on
+        self.failures.held_again({h.label for h in wanted.values()})
         plan.released = [
             self.release(self.segments[ck])
             for ck in self.marked(MANAGED)
@@ -407,7 +422,7 @@ class Planner:
         waiting: list[str] = []
         full = False
         for key, h in wanted.items():
-            if key in self.segments or self.marks.get(key) == UNLOADED or self.failed(h.source):
+            if key in self.segments or self.failures.unloaded(h.label) or self.failed(h.source):
                 continue
             if h.label in loading:
                 continue  # on its way, and counted above
@@ -524,21 +539,24 @@ class Planner:
 
     def adopted(self, checksum: str) -> None:
         """A segment adopted from a dead predecessor was loaded for its ranks' holds."""
-        self.marks[checksum] = UNCLAIMED
+        self.segments[checksum].mark = UNCLAIMED
 
     def is_held(self, checksum: str) -> bool:
         """Whether a segment was loaded because a rank held it (a successor releases it once they move on)."""
-        return self.marks.get(checksum) in (MANAGED, UNCLAIMED)
+        seg = self.segments.get(checksum)
+        return seg is not None and seg.mark in (MANAGED, UNCLAIMED)
 
     def dropped(self, checksum: str) -> None:
-        """A segment left the table (unloaded, replaced, stopping, released)."""
-        if self.is_held(checksum):
-            del self.marks[checksum]
+        """A segment left the table (unloaded, replaced, stopping, released): its mark goes with it."""
+        seg = self.segments.get(checksum)
+        if seg is not None:
+            seg.mark = None
 
     def unload(self, checksum: str) -> None:
         """The owner unloaded `checksum`: not loaded again for the holds naming it now."""
-        if checksum in self.wanted():
-            self.marks[checksum] = UNLOADED
+        held = self.wanted().get(checksum)
+        if held is not None:
+            self.failures.unload(held.label)
 
     def load_started(self, label: str, size: int | None = None, *, for_hold: bool = False) -> Loading:
         """A load of `label` (a file, or a piece of `size` bytes) is queued: its pages count in the
@@ -574,8 +592,9 @@ class Planner:
             if source.remote:
                 self.failures.failed(source.location)
 
-    def load_done(self, label: str, key: str, *, asked: bool, source: Source | None = None) -> None:
-        """A load of `label` gave segment `key` (before the table has it); `asked`: a client waits for it.
+    def load_done(self, label: str, key: str, *, asked: bool, source: Source | None = None) -> bool:
+        """A load of `label` gave segment `key` (before the table has it); `asked`: a client waits
+        for it. True if the holds manage it (`manage` it once it is in the table).
 
         Held now, or loaded for a hold that moved on while it loaded (and asked for by no one
         else): the holds manage it, and the next plan drops it if none holds it.
@@ -585,10 +604,14 @@ class Planner:
         if source is not None:
             self.failures.succeeded(source.location)
         fresh = key not in self.segments
-        if any(h.label == label for held in self.holds.values() for h in held) or (
+        return any(h.label == label for held in self.holds.values() for h in held) or (
             for_hold and fresh and not asked
-        ):
-            self.marks[key] = MANAGED
+        )
+
+    @staticmethod
+    def manage(seg: Segment) -> None:
+        """The holds manage `seg` (`load_done` said so): released when no connection holds it."""
+        seg.mark = MANAGED
 
     def indexed(self, source: Source, index: object) -> None:
         """The read of an object's index ended: its pieces can be sized now, or they failed (why)."""
@@ -610,7 +633,7 @@ class Planner:
 
     def why_not_held(self, label: str, key: str) -> str | None:
         """Why a held piece is not served (its load failed, or the owner unloaded it), if it is one."""
-        if self.marks.get(key) == UNLOADED:
+        if self.failures.unloaded(label):
             return f"{label} was unloaded ('smstore unload') while held"
         held = next((h for hl in self.holds.values() for h in hl if h.label == label), None)
         if held is not None:
@@ -638,18 +661,17 @@ class Planner:
         self.failures.clear_held(source.location)  # the file changed (or another checksum is held): try again
         return None
 
-    def knows(self, manifest_path: str) -> bool:
-        """Whether a hold named the manifest at `manifest_path` (it is kept parsed)."""
-        remote = is_remote_url(manifest_path)
-        return (manifest_file(manifest_path) if remote else manifest_path) in self.manifests
+    def knows(self, named: Location) -> bool:
+        """Whether a hold named the manifest `named` (it is kept parsed)."""
+        return (manifest_file(named.name) if named.remote else named.name) in self.manifests
 
-    def checksums(self, manifest_path: str) -> frozenset[str]:
-        """The checksums of the shards of the manifest at `manifest_path` (what a reader follows).
+    def checksums(self, named: Location) -> frozenset[str]:
+        """The checksums of the shards of the manifest `named` (what a reader follows).
 
         Raises:
             StoreError: The manifest is missing or bad.
         """
-        manifest, _sources = self._manifest(manifest_path)
+        manifest, _sources = self._manifest(named)
         return frozenset(s.checksum for s in manifest.shards)
 
     def remote_manifest(self, url: str) -> Manifest | None:
@@ -680,18 +702,19 @@ class Planner:
         self.manifests[path] = (key, manifest, sources)
         return sources
 
-    def _manifest(self, path: str) -> tuple[Manifest, list[Source]]:
-        """The manifest at `path` and its shards' sources, parsed again only if the file changed.
+    def _manifest(self, named: Location) -> tuple[Manifest, list[Source]]:
+        """The manifest `named` and its shards' sources, parsed again only if the file changed.
 
         Every rank holds at every window: parsing a manifest of thousands of shards each time
         would be milliseconds of the daemon's core at each window switch. A manifest in object
         storage is never fetched here (on the event loop): the daemon fetches it on a thread first.
 
         Raises:
-            ManifestPending: `path` is a URL whose manifest was not fetched yet.
+            ManifestPending: `named` is a URL whose manifest was not fetched yet.
             StoreError: The manifest is missing or bad.
         """
-        if is_remote_url(path):
+        path = named.name
+        if named.remote:
             remote = self.manifests.get(manifest_file(path))  # a prefix ending in '/' names its manifest.json
             if remote is None:
                 raise ManifestPending(path)

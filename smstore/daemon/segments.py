@@ -179,6 +179,9 @@ class Segment:
     loaded_at: float
     load_seconds: float
     adopted: bool = False
+    # Why the planner keeps it: loaded for holds ("managed": released when no connection holds it),
+    # or adopted from a dead predecessor that had ("unclaimed"); None: loaded or shared by a client.
+    mark: str | None = None
     clients: dict[int, int] = field(default_factory=dict)  # connection id -> peer pid
     # A blob a client shared (a sealed memfd, no name in /dev/shm): found by its content key, and
     # dropped when no client is attached any more.

@@ -18,7 +18,7 @@ from typing import Any
 
 from smstore import _core
 from smstore.daemon.connections import Conn, Limits, Server
-from smstore.daemon.manifests import ManifestFetches
+from smstore.daemon.loader import ManifestRead
 from smstore.daemon.metrics import Exporter
 from smstore.daemon.planner import FETCH_BACKOFF, MANAGED, UNCLAIMED, check_url
 from smstore.daemon.segments import (
@@ -35,12 +35,12 @@ from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile, state_path
 from smstore.errors import DaemonError
 from smstore.format.manifest import manifest_file
-from smstore.remote.urls import is_remote_url
 from smstore.wire.ipc import ensure_private_dir, process_start_time, socket_path
 from smstore.wire.protocol import (
     BAD_REQUEST,
     PERMISSION_DENIED,
     STATUS_PAGE,
+    Location,
     Piece,
     ProtocolError,
     checksum_arg,
@@ -50,7 +50,6 @@ from smstore.wire.protocol import (
     hold_arg,
     is_utf8,
     load_path_arg,
-    manifest_value,
     page_arg,
     refusal,
 )
@@ -110,11 +109,6 @@ def claim_socket(sock_path: Path) -> None:
         probe.close()
     msg = f"another smstore daemon is already listening on {sock_path}; 'smstore stop' it first"
     raise DaemonError(msg)
-
-
-def load_path(f: str) -> str:
-    """A file given to load: its absolute path, or an object's URL as it is."""
-    return f if is_remote_url(f) else os.fspath(Path(f).absolute())
 
 
 class Daemon(Server):
@@ -177,8 +171,6 @@ class Daemon(Server):
             cache_limit=cache_limit,
             fetch_backoff=fetch_backoff,
         )
-        # Manifests of datasets in object storage, fetched off the loop for the holds naming them.
-        self.manifests = ManifestFetches(self._wake_loop)
         self._refetched: dict[str, Any] | None = (
             None  # a request served again after its manifest was fetched again
         )
@@ -232,8 +224,7 @@ class Daemon(Server):
             self.exporter.start()
         log.info("listening on %s (pid %d)", self.sock_path, self.pid)
         for f in files:
-            path = load_path(f)
-            self.serving.queue_load(Source(path, (checksums or {}).get(path)), Piece(0), None)
+            self.serving.queue_load(Source.named(f, checksums), Piece(0), None)
 
     def _adopt_previous(self) -> None:
         """Take over the segments of a dead daemon of this socket; unlink what cannot be adopted."""
@@ -327,31 +318,31 @@ class Daemon(Server):
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
             raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
-            path = load_path_arg(req, required=True)
-            assert path is not None
-            source = Source(path)
+            named = load_path_arg(req, required=True)
+            assert named is not None
+            source = Source(named.name, remote=named.remote)
             if source.remote:
                 # An object, pinned like a file until 'unload': the allow-list first (the owner's
                 # word, but never a scheme we do not fetch); the checksum its manifest records, if given.
-                check_url(path)
+                check_url(source.location)
                 source.checksum = checksum_arg(req)
             self.serving.queue_load(source, Piece(0), cid)
         elif op == "unload":
-            self.serving.unload(cid, checksum_arg(req), load_path_arg(req, required=False))
+            named = load_path_arg(req, required=False)
+            self.serving.unload(cid, checksum_arg(req), None if named is None else named.name)
         elif op == "share":
             self.serving.share(cid, conn, req)
-        elif op == "hold" and not self._manifest_ready(cid, req):
-            return  # served again once the daemon has fetched the manifest
         elif op == "hold":
             manifest, pieces, reader = hold_arg(req)
-            self.serving.hold(cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader)
+            if self._manifest_ready(cid, conn, req, manifest):  # else served again once it is fetched
+                self.serving.hold(cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader)
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
         else:
             raise ProtocolError(BAD_REQUEST, f"unknown op {str(op)[:100]!r}")
 
-    def _manifest_ready(self, cid: int, req: dict[str, Any]) -> bool:
+    def _manifest_ready(self, cid: int, conn: Conn, req: dict[str, Any], manifest: Location) -> bool:
         """Whether the manifest a hold names is here to plan with; if not (a dataset in object
         storage not fetched yet, or the reader's `dataset` is not the manifest kept for its URL),
         its fetch is started and the request waits for it (its connection busy meanwhile).
@@ -360,9 +351,9 @@ class Daemon(Server):
             ProtocolError: A URL off the allow-list, or a manifest fetched again for this very
                 request that is still not the dataset the reader read (replaced in the bucket).
         """
-        url = manifest_value(req.get("manifest"))
-        if not is_remote_url(url):
+        if not manifest.remote:
             return True
+        url = manifest.name
         dataset = dataset_arg(req)
         kept = self.serving.planner.remote_manifest(url)
         if kept is not None and (dataset is None or kept.checksum == dataset):
@@ -384,13 +375,20 @@ class Daemon(Server):
                 kept.checksum,
             )
             self.serving.planner.forget(url)
-        self.manifests.fetch(url, cid, req)
+        if not any(c.waits_manifest is not None and c.waits_manifest[0] == url for c in self.conns.values()):
+            self.serving.loader.fetch_manifest(url)  # the first request waiting for it
+        conn.waits_manifest = (url, req)
         self.set_busy(cid, True)
         return False
 
-    def finish_manifests(self) -> None:
-        """Keep the manifests fetched since the last call, and serve the requests that waited for them."""
-        for url, result, waiting in self.manifests.finished():
+    def finish_manifests(self, read: list[ManifestRead]) -> None:
+        """Keep the manifests `read`, and serve the requests that waited for them."""
+        for url, result in ((m.url, m.result) for m in read):
+            waiting: list[tuple[int, Conn, dict[str, Any]]] = []
+            for cid, conn in self.conns.items():
+                if conn.waits_manifest is not None and conn.waits_manifest[0] == url:
+                    waiting.append((cid, conn, conn.waits_manifest[1]))
+                    conn.waits_manifest = None
             if isinstance(result, Exception):
                 log.error("cannot read the manifest %s: %s", url, result)
             else:
@@ -398,9 +396,8 @@ class Daemon(Server):
                 log.info(
                     "read the manifest %s: %d shards (dataset %s)", url, len(result.shards), result.checksum
                 )
-            for cid, req in waiting:
-                conn = self.conns.get(cid)
-                if conn is None:
+            for cid, conn, req in waiting:
+                if cid not in self.conns:  # closed by a reply sent above
                     continue
                 self.set_busy(cid, False)
                 if isinstance(result, Exception):
@@ -413,10 +410,6 @@ class Daemon(Server):
                         self._refetched = None
                 self.parse(cid)
 
-    def _wake_loop(self) -> None:
-        with contextlib.suppress(OSError):
-            self.serving.loader.wake_w.send(b"x")
-
     def on_close(self, cid: int, conn: Conn) -> None:
         if self.stopping:
             # Every segment goes with the daemon: nothing to plan for the holds that end with their
@@ -424,6 +417,9 @@ class Daemon(Server):
             # loop may have left half-updated).
             return
         self.serving.closed(cid, conn)
+
+    def refused(self, code: str) -> None:
+        self.serving.counters.add("refusals", label=code)
 
     def wake(self, cid: int) -> None:
         self.serving.wake(cid)  # the only requests parked: 'held' ones
@@ -439,8 +435,7 @@ class Daemon(Server):
                 except OSError as e:
                     log.error("accept failed: %s", e)
             elif key.data == "wake":
-                self.serving.finish_loads()
-                self.finish_manifests()
+                self.finish_manifests(self.serving.finish_loads())
             else:
                 self.dispatch(key, events)
         self.expire()
@@ -455,7 +450,7 @@ class Daemon(Server):
         Raises:
             DaemonError: Naming each file that failed to load and why.
         """
-        paths = [load_path(f) for f in files]
+        paths = [Source.named(f).location for f in files]
         while not self.stopping and any(p in self.serving.loading for p in paths):
             self.run_once(0.5)
         whys = [(p, why) for p in paths if (why := self.serving.planner.last_failure(p)) is not None]
@@ -513,7 +508,7 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
             "released": len(daemon.serving.planner.mapped_released()),
             "failed": len(failed),
             "held_requests": daemon.served_held,
-            "parked": len(daemon.parked),
+            "parked": daemon.parked,
         },
         "segments": page,
         "offset": offset,
@@ -554,8 +549,7 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
         **remote,
         "held_wanted": len(wanted),
         "held_resident": sum(ck in daemon.segments for ck in wanted),
-        "connections": {str(uid): n for uid, n in sorted(daemon.per_uid.items())},
-        "refusals": dict(daemon.refusals),
+        "connections": {str(uid): n for uid, n in sorted(daemon.per_uid().items())},
     }
 
 

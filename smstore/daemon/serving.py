@@ -12,7 +12,7 @@ from typing import Any
 
 from smstore import _core
 from smstore.daemon.connections import Conn, Server
-from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader
+from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader, ManifestRead
 from smstore.daemon.metrics import Counters
 from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
 from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
@@ -22,6 +22,7 @@ from smstore.errors import DaemonError, StoreError
 from smstore.wire.protocol import (
     BAD_REQUEST,
     NO_ROOM,
+    Location,
     Piece,
     ProtocolError,
     attach_path_arg,
@@ -38,7 +39,7 @@ log = logging.getLogger("smstore.daemon")
 
 
 # What `held` follows for another user's reader naming a manifest no hold named (never a path).
-_NOTHING = ""
+_NOTHING = Location("", False)
 
 
 class Serving:
@@ -95,8 +96,6 @@ class Serving:
             cache_dir=cache_dir,
             cache_limit=cache_limit,
         )
-        # Readers waiting for a held shard still on its way (connection id, checksum, since when), by path.
-        self.attach_waiting: dict[str, list[tuple[int, str, float]]] = {}
         self.loads = 0  # loads finished (or failed) since the start
         self.counters = Counters()  # what the metrics count: loads, their bytes and time, readers' waits
         # What readers follow (`held`): the held shards and those not resident yet, its version
@@ -106,7 +105,7 @@ class Serving:
         self.held_version = 0
         self._held_seen: tuple[list[list[str]], list[str]] | None = None
         self._held_stale = True
-        self._held_frames: dict[str | None, bytes] = {}
+        self._held_frames: dict[Location | None, bytes] = {}
 
     @property
     def loading(self) -> dict[str, Loading]:
@@ -151,8 +150,9 @@ class Serving:
             if not quiet:
                 log.info("loading %s", label)
 
-    def finish_loads(self) -> None:
-        removed, finished = self.loader.results()
+    def finish_loads(self) -> list[ManifestRead]:
+        """Carry on from what the loader ended; the manifests read (the server's: requests wait for them)."""
+        removed, finished, manifests = self.loader.results()
         freed = [self.planner.freed(name) for name in removed]  # each of them, no short cut
         if any(freed):
             self.reconcile()  # room a held piece may wait for
@@ -171,29 +171,27 @@ class Serving:
             if isinstance(result, Failed):
                 log.error("failed to load %s: %s", path, result.error)
                 failure = str(result.error)[:1000]
-                self.counters.loads["failed"] += 1
-                self.counters.load_failures[type(result.error).__name__] += 1
+                self.counters.add("loads", label="failed")
+                self.counters.add("load_failures", label=type(result.error).__name__)
                 self.planner.load_failed(path, failure, source)
                 reply = refusal(type(result.error).__name__, failure)
             else:
                 assert not isinstance(result, Indexed)
-                # Marked before _register writes the state file, which records it as held.
-                self.planner.load_done(path, result.checksum, asked=bool(waiters), source=source)
-                seg = self.register(path, result)
+                managed = self.planner.load_done(path, result.checksum, asked=bool(waiters), source=source)
+                seg = self.register(path, result, managed=managed)
                 reply = {"ok": True, **describe(seg)}
                 if isinstance(result, Loaded):
-                    self.counters.loads["loaded"] += 1
-                    self.counters.load_bytes += seg.size
-                    self.counters.load_seconds += result.seconds
+                    self.counters.add("loads", label="loaded")
+                    self.counters.add("load_bytes", seg.size)
+                    self.counters.add("load_seconds", result.seconds)
                 else:
-                    self.counters.loads["already_loaded"] += 1
+                    self.counters.add("loads", label="already_loaded")
             for cid in waiters:
                 self.server.set_busy(cid, False)
                 self.server.reply(cid, reply)
                 self.server.parse(cid)
-            for cid, checksum, since in self.attach_waiting.pop(path, []):
-                conn = self.server.conns.get(cid)
-                if conn is None:
+            for cid, conn, _label, checksum, since in self._attach_waiting(path.__eq__):
+                if cid not in self.server.conns:  # closed by a reply sent above
                     continue
                 self._waited(since)
                 self.server.set_busy(cid, False)
@@ -204,8 +202,10 @@ class Serving:
                     self._attach(cid, conn, seg_now)
                 self.server.parse(cid)
             self.reconcile()
+        return manifests
 
-    def register(self, path: str, result: Loaded | AlreadyLoaded) -> Segment:
+    def register(self, path: str, result: Loaded | AlreadyLoaded, *, managed: bool = False) -> Segment:
+        """Serve what a load of `path` gave; `managed`: the holds manage it (`Planner.load_done`)."""
         # The generation this path held before (if other contents): no longer served by this path.
         previous = self.segments.serving(path)
         if isinstance(result, AlreadyLoaded):
@@ -236,6 +236,8 @@ class Serving:
             if not previous.paths:
                 log.info("%s was rewritten: unloading the old generation %s", path, previous.checksum)
                 self.drop(previous)
+        if managed:  # marked before the state file may be written: it records the segment as held
+            self.planner.manage(seg)
         self._held_stale = True
         self.state.changed()
         return seg
@@ -246,11 +248,12 @@ class Serving:
             seg = next((s for s in self.segments.values() if s.key == key), None)
         else:
             seg = self.segments.get(checksum) if checksum is not None else None
-        path = attach_path_arg(req)
-        if seg is None and key is None and checksum is None and path is not None and not path.startswith("/"):
-            # A URL (attach_path_arg's other kind is an absolute path): an object loaded by its
-            # URL ('smstore load URL'), attached by it (the reader fetches nothing to learn its checksum).
-            seg = self.segments.serving(path)
+        named = attach_path_arg(req)
+        path = None if named is None else named.name
+        if seg is None and key is None and checksum is None and named is not None and named.remote:
+            # An object loaded by its URL ('smstore load URL'), attached by it (the reader fetches
+            # nothing to learn its checksum).
+            seg = self.segments.serving(named.name)
         if (
             seg is None
             and path is not None
@@ -259,7 +262,7 @@ class Serving:
         ):
             # A held shard on its way (loading, or waiting for room): answer when its load ends.
             # No file is read for this that a rank did not ask for.
-            self.attach_waiting.setdefault(path, []).append((cid, checksum, time.monotonic()))
+            conn.waits_load = (path, checksum, time.monotonic())
             self.server.set_busy(cid, True)
             return
         if seg is None:
@@ -277,7 +280,7 @@ class Serving:
     # ---- residency: the planner decides, the server replies and queues ------------------------
 
     def hold(
-        self, cid: int, manifest_path: str, pieces: list[Piece], *, reply: bool, reader: bool = False
+        self, cid: int, manifest: Location, pieces: list[Piece], *, reply: bool, reader: bool = False
     ) -> None:
         """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
 
@@ -285,7 +288,7 @@ class Serving:
         loads run in the background, in the order given (the window being read first, then the
         next). A piece larger than the whole --shm-limit is refused here.
         """
-        held = self.planner.hold(cid, manifest_path, pieces, reader=reader)
+        held = self.planner.hold(cid, manifest, pieces, reader=reader)
         if reply:
             resident = sum(h.key in self.segments for h in held)
             self.server.reply(cid, {"ok": True, "resident": resident, "held": len(held)})
@@ -300,17 +303,14 @@ class Serving:
             self.queue_load(held.source, held.piece, None, quiet=True, size=size, for_hold=True)
         for source in plan.indexes:
             self.loader.read_index(source)
-        for path in list(self.attach_waiting):
-            if path not in self.loading and path not in self.planner.waiting_room:
-                # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
-                for cid, checksum, since in self.attach_waiting.pop(path):
-                    if cid in self.server.conns:
-                        self._waited(since)
-                        self.server.set_busy(cid, False)
-                        self.server.reply(
-                            cid, not_served(checksum, self.planner.why_not_held(path, checksum))
-                        )
-                        self.server.parse(cid)
+        # Not on its way (no longer held, its load failed, unloaded): the readers hear so now.
+        for cid, _conn, path, checksum, since in self._attach_waiting(
+            lambda label: label not in self.loading and label not in self.planner.waiting_room
+        ):
+            self._waited(since)
+            self.server.set_busy(cid, False)
+            self.server.reply(cid, not_served(checksum, self.planner.why_not_held(path, checksum)))
+            self.server.parse(cid)
         # One log line for each kind of change, however many shards: a window switch releases and
         # loads a window's worth on the daemon's loop, inside the switch (a line costs ~35 us).
         if plan.released:
@@ -324,7 +324,9 @@ class Serving:
 
     # ---- what readers follow: the held shards, sent at once or at their next change -------------
 
-    def held(self, cid: int, conn: Conn, since: int | None, wait: float, manifest: str | None = None) -> None:
+    def held(
+        self, cid: int, conn: Conn, since: int | None, wait: float, manifest: Location | None = None
+    ) -> None:
         """Reply with the held shards (of the dataset of `manifest` only, if given): at once if they
         changed since version `since`, else at their next change, or after `wait` seconds (parked,
         within the server's limits; at once if none).
@@ -358,7 +360,7 @@ class Serving:
         version = self.held_version
         self._held_update()
         if self.held_version != version:
-            for cid in list(self.server.parked):
+            for cid in self.server.parked_ids():
                 if self.server.unpark(cid):
                     self.wake(cid)
 
@@ -375,7 +377,7 @@ class Serving:
             self.held_version += 1
             self._held_frames.clear()
 
-    def held_frame(self, manifest: str | None = None) -> bytes:
+    def held_frame(self, manifest: Location | None = None) -> bytes:
         """The reply to `held`: the held shards (those of `manifest`'s dataset, if given) as
         ``[path, checksum]`` in the holders' order, the checksums among them not resident yet, and
         the version (changed at every change of either, of any dataset).
@@ -406,7 +408,7 @@ class Serving:
             log.warning(
                 "the %d held shard(s)%s do not fit one reply: readers attach them as they read them (%s)",
                 len(shards),
-                f" of {manifest}" if manifest is not None else "",
+                f" of {manifest.name}" if manifest is not None else "",
                 e,
             )
             frame = encode(refusal("reply_failed", str(e), version=self.held_version))
@@ -417,17 +419,27 @@ class Serving:
         self._held_frames[manifest] = frame
         return frame
 
-    def _held_reply(self, manifest: str | None) -> bytes:
+    def _held_reply(self, manifest: Location | None) -> bytes:
         """`held_frame`, or (the manifest went bad since the reader parked) the refusal saying so."""
         try:
             return self.held_frame(manifest)
         except (StoreError, OSError) as e:
             return encode(refusal(type(e).__name__, str(e)[:1000], version=self.held_version))
 
+    def _attach_waiting(self, ended: Callable[[str], bool]) -> list[tuple[int, Conn, str, str, float]]:
+        """The readers' attaches that waited for a held piece whose wait `ended` (by its label),
+        taken off their connections: (connection id, connection, label, checksum, since when)."""
+        found: list[tuple[int, Conn, str, str, float]] = []
+        for cid, conn in self.server.conns.items():
+            if conn.waits_load is not None and ended(conn.waits_load[0]):
+                found.append((cid, conn, *conn.waits_load))
+                conn.waits_load = None
+        return found
+
     def _waited(self, since: float) -> None:
         """A reader's attach that waited for a load since `since` is answered now."""
-        self.counters.attach_waits += 1
-        self.counters.attach_wait_seconds += time.monotonic() - since
+        self.counters.add("attach_waits")
+        self.counters.add("attach_wait_seconds", time.monotonic() - since)
 
     def detach(self, cid: int, conn: Conn, checksum: str | None, *, reply: bool) -> None:
         """A reader unmapped a segment (it stays attached through its connection otherwise).

@@ -22,6 +22,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+from pathlib import Path
 from typing import TYPE_CHECKING, NamedTuple
 
 from smstore import _core
@@ -58,17 +59,38 @@ class Source:
         location: The shard's absolute path, or its URL.
         checksum: The checksum its manifest records (None: a file loaded on its own, whatever it holds).
         size: Its size as its manifest says (None: unknown; an object's header says it when loaded).
+        remote: Whether `location` is an object's URL, when its giver decided it already (a
+            request's name, parsed by the protocol); None: decided here.
     """
 
     __slots__ = ("checksum", "index", "indexing", "location", "remote", "size")
 
-    def __init__(self, location: str, checksum: str | None = None, size: int | None = None) -> None:
+    def __init__(
+        self,
+        location: str,
+        checksum: str | None = None,
+        size: int | None = None,
+        *,
+        remote: bool | None = None,
+    ) -> None:
         self.location = location
-        self.remote = is_remote_url(location)  # the one decision: carried as data from here on
+        # The one decision for names no request gave (manifests' shards, `smstore serve`'s files):
+        # carried as data from here on.
+        self.remote = is_remote_url(location) if remote is None else remote
         self.checksum = checksum
         self.size = size
         self.index: Index | None = None
         self.indexing = False  # an object's index read is queued or under way
+
+    @classmethod
+    def named(cls, name: str, checksums: dict[str, str] | None = None) -> Source:
+        """A blob the owner names (``smstore serve FILE...``): an object's URL as it is, a file's
+        path made absolute; with the checksum `checksums` gives for that location, if any."""
+        source = cls(name)
+        if not source.remote:
+            source.location = os.fspath(Path(name).absolute())
+        source.checksum = (checksums or {}).get(source.location)
+        return source
 
     def __repr__(self) -> str:
         return f"Source({self.location!r})"

@@ -36,6 +36,7 @@ __all__ = [
     "REMOTE_WAIT",
     "STATUS_PAGE",
     "TOO_LARGE",
+    "Location",
     "Piece",
     "ProtocolError",
     "checksum_arg",
@@ -310,7 +311,15 @@ def is_utf8(text: str) -> bool:
     return True
 
 
-def _url(value: object) -> str | None:
+class Location(NamedTuple):
+    """A name a request gives, decided once where the request is parsed: an absolute path, or an
+    object's URL (`remote`). The daemon carries the decision from here and never asks again."""
+
+    name: str
+    remote: bool
+
+
+def _url(value: object) -> Location | None:
     """`value` if it names an object (`is_remote_url`, at most 4096 characters, UTF-8, no NUL);
     what it may name is the reader's check (``parse_url``)."""
     # Here, not at import: the clients import this module, and smstore.remote pulls in its fetching.
@@ -323,24 +332,33 @@ def _url(value: object) -> str | None:
         and "\0" not in value
         and is_utf8(value)
     ):
-        return value
+        return Location(value, True)
     return None
 
 
-def attach_path_arg(req: dict[str, Any]) -> str | None:
+def _location(req: dict[str, Any], *, required: bool) -> Location | None:
+    """A request's 'path': an object's URL, or an absolute path."""
+    url = _url(req.get("path"))
+    if url is not None:
+        return url
+    path = path_arg(req, required=required)
+    return None if path is None else Location(path, False)
+
+
+def attach_path_arg(req: dict[str, Any]) -> Location | None:
     """An attach's 'path': a held shard's file, or its URL (only a name to wait on: nothing is read or fetched)."""
-    return _url(req.get("path")) or path_arg(req, required=False)
+    return _location(req, required=False)
 
 
-def load_path_arg(req: dict[str, Any], *, required: bool) -> str | None:
+def load_path_arg(req: dict[str, Any], *, required: bool) -> Location | None:
     """A load's or unload's 'path': a blob's absolute path, or an object's URL (the daemon checks
     it with ``parse_url`` before it fetches anything)."""
-    return _url(req.get("path")) or path_arg(req, required=required)
+    return _location(req, required=required)
 
 
-def manifest_value(value: object) -> str:
+def manifest_value(value: object) -> Location:
     """A request's 'manifest': an absolute path, or a dataset's URL (the daemon checks it with ``parse_url``)."""
-    return _url(value) or path_value(value)
+    return _url(value) or Location(path_value(value), False)
 
 
 def dataset_arg(req: dict[str, Any]) -> str | None:
@@ -369,7 +387,7 @@ def page_arg(req: dict[str, Any]) -> tuple[int, int]:
     return offset, limit
 
 
-def hold_arg(req: dict[str, Any]) -> tuple[str, list[Piece], bool]:
+def hold_arg(req: dict[str, Any]) -> tuple[Location, list[Piece], bool]:
     """A 'hold' request: the manifest, the pieces of its shards in the order to load them, and
     whether a reader holds them for itself (``"reader": true``) rather than a rank's sampler.
 
@@ -391,7 +409,7 @@ def hold_arg(req: dict[str, Any]) -> tuple[str, list[Piece], bool]:
     return manifest, pieces, req.get("reader") is True
 
 
-def held_arg(req: dict[str, Any]) -> tuple[int | None, float, str | None]:
+def held_arg(req: dict[str, Any]) -> tuple[int | None, float, Location | None]:
     """A 'held' request: the version its client saw last (None: none yet), how long it may wait for a
     change, and the manifest of the one dataset it follows (None: every held shard)."""
     since, wait = req.get("since"), req.get("wait", 0)
