@@ -609,13 +609,10 @@ def test_where_a_string_is_a_url_is_asked_in_few_places() -> None:
     assert len(daemon) <= 2, daemon
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="11 today: the daemon's 2 and the client side's 9 (format/manifest.py 4, cli/ 3, "
-    "__init__.py, wire/client/opening.py); strict, so it fails once the client side is folded",
-)
 def test_the_package_asks_whether_a_string_is_a_url_at_most_10_times() -> None:
-    """Issue 37's acceptance: `is_url(`-style checks at <= 10 call sites in the package."""
+    """Issue 37's acceptance: `is_url(`-style checks at <= 10 call sites in the package: where user
+    strings enter (smstore.open, open_store, the manifest's reader, one for every command's
+    argument: cli/common.py) and the daemon's two."""
     checks = _url_checks()
     assert len(checks) <= 10, checks
 

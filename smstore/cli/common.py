@@ -1,10 +1,22 @@
-"""What the command groups of the `smstore` command share: sizes read and shown."""
+"""What the command groups of the `smstore` command share: what an argument names, sizes read and shown."""
 
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-__all__ = ["human", "parse_size"]
+if TYPE_CHECKING:
+    from smstore.format.manifest import Source
+
+__all__ = ["argument_source", "human", "parse_size"]
+
+
+def argument_source(path: str) -> Source:
+    """What a command's argument names: an object in object storage (a URL, as it is) or a local
+    file (made absolute). Decided here, once, as the argument enters: the commands ask the source."""
+    from smstore.format.manifest import source_of  # not at import: `smstore --help` stays light
+
+    return source_of(path)
 
 
 def human(n: float) -> str:

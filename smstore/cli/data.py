@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import smstore
-from smstore.cli.common import human, parse_size
+from smstore.cli.common import argument_source, human, parse_size
 from smstore.errors import RemoteURLError, StoreError
 
 __all__ = ["EPILOG", "add_data_commands"]
@@ -226,9 +226,7 @@ def _inspect(path: str) -> Any:
 
 def _remote(path: str) -> bool:
     """Whether the command's argument names object storage: decided here, once, as it enters."""
-    from smstore.format.manifest import source_of
-
-    return source_of(path).remote
+    return argument_source(path).remote
 
 
 def cmd_info(args: argparse.Namespace) -> int:

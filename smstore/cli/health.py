@@ -13,10 +13,11 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
+from smstore.cli.common import argument_source
 from smstore.daemon.connections import Limits
 from smstore.daemon.segments import SEGMENT_RE
 from smstore.errors import DaemonError, StoreError
-from smstore.format.manifest import is_manifest, read_manifest, source_of
+from smstore.format.manifest import is_manifest, read_manifest
 from smstore.read.memory import CgroupLimit, cgroup_limits
 from smstore.read.store import read_checksum
 from smstore.remote.urls import needs_daemon
@@ -104,7 +105,7 @@ def dataset_blobs(path: str, *, deadline: float | None = None) -> list[Blob]:
             Blob(src.location, s.file_size, s.checksum, src.remote)
             for s, src in zip(m.shards, m.sources, strict=True)
         ]
-    source = source_of(path)
+    source = argument_source(path)
     if source.remote:  # one blob in object storage: its header (one ranged GET of 4 KiB)
         header = source.header(deadline=deadline)
         return [Blob(path, header.file_size, header.checksum, remote=True)]

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from smstore.cli.common import human, parse_size
+from smstore.cli.common import argument_source, human, parse_size
 from smstore.errors import StoreError
 
 __all__ = ["add_node_commands"]
@@ -279,7 +279,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_unload(args: argparse.Namespace) -> int:
-    from smstore.format.manifest import is_manifest, source_of
+    from smstore.format.manifest import is_manifest
     from smstore.read.store import read_checksum
     from smstore.wire.client import daemon_request
     from smstore.wire.protocol import checksum_in
@@ -296,7 +296,7 @@ def cmd_unload(args: argparse.Namespace) -> int:
             print(f"smstore unload: {target}: {e}", file=sys.stderr)
             status = 1
     for target, known in targets:
-        source = source_of(target)
+        source = argument_source(target)
         msg: dict[str, Any] = {"op": "unload", "path": source.location}
         checksum = known
         if checksum is None and not source.remote:
