@@ -428,7 +428,7 @@ def test_a_hold_sent_without_a_reply_is_applied_on_the_same_connection(
     residency = ShardResidency(out, mode="daemon")
     try:
         residency.hold([0, 1], wait=True)
-        conn = residency._conn
+        conn = residency._session.conn
         assert conn is not None
         for wanted in ([2], [3, 1], [0, 1, 2, 3], [2]):
             residency.hold(wanted)
@@ -437,7 +437,7 @@ def test_a_hold_sent_without_a_reply_is_applied_on_the_same_connection(
             while d.status()["held"] != expected and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert d.status()["held"] == expected
-            assert residency._conn is conn  # never refused, never redone
+            assert residency._session.conn is conn  # never refused, never redone
     finally:
         residency.close()
 

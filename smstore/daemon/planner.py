@@ -163,6 +163,9 @@ class Held:
     source: Source
     piece: Piece
     reader: bool = False  # a reader's hold for itself, apart from a sampler's (see `Planner.holds`)
+    # Which of the connection's holders holds it: a process shares one connection among its
+    # samplers' residencies and readers, each replacing only its own holds.
+    holder: int = 0
 
 
 # What a segment's key is marked with (`Planner.marks`).
@@ -296,8 +299,10 @@ class Planner:
 
     # ---- holds ----------------------------------------------------------------------------------
 
-    def hold(self, cid: int, manifest_path: str, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
-        """Replace what connection `cid` holds (as a sampler, or with `reader` for itself) with
+    def hold(
+        self, cid: int, manifest_path: str, pieces: list[Piece], *, reader: bool = False, holder: int = 0
+    ) -> list[Held]:
+        """Replace what `holder` on connection `cid` holds (as a sampler, or with `reader` for itself) with
         `pieces` of a manifest (whole shards or record ranges, in the order to load them); what it holds now.
 
         Raises:
@@ -317,7 +322,7 @@ class Planner:
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )
         held = [
-            Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p, reader)
+            Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p, reader, holder)
             for p in pieces
         ]
         for h in held:
@@ -352,7 +357,7 @@ class Planner:
             if why is not None:
                 what = "shard" if h.piece.whole else "block"
                 raise ProtocolError(LOAD_FAILED, f"a held {what} cannot be loaded: {why}"[:1000])
-        kept = [h for h in self.holds.get(cid, ()) if h.reader != reader]
+        kept = [h for h in self.holds.get(cid, ()) if (h.reader, h.holder) != (reader, holder)]
         if kept or held:
             self.holds[cid] = kept + held
         else:
@@ -364,7 +369,11 @@ class Planner:
         merged; then, with `readers`, what readers hold for themselves); with `whole`, whole shards only."""
         wanted: dict[str, Held] = {}
         for for_reader in (False, True) if readers else (False,):
-            lists = [[h for h in hs if h.reader == for_reader] for hs in self.holds.values()]
+            lists = [
+                [h for h in hs if h.reader == for_reader and h.holder == k]
+                for hs in self.holds.values()
+                for k in dict.fromkeys(h.holder for h in hs)
+            ]
             for depth in range(max((len(h) for h in lists), default=0)):
                 for held in lists:
                     if depth < len(held) and (not whole or held[depth].piece.whole):

@@ -343,8 +343,10 @@ class Daemon(Server):
         elif op == "hold" and not self._manifest_ready(cid, req):
             return  # served again once the daemon has fetched the manifest
         elif op == "hold":
-            manifest, pieces, reader = hold_arg(req)
-            self.serving.hold(cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader)
+            manifest, pieces, reader, holder = hold_arg(req)
+            self.serving.hold(
+                cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader, holder=holder
+            )
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
