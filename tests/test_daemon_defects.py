@@ -984,3 +984,16 @@ def test_a_plan_sizes_each_queued_load_once(tmp_path: Path, monkeypatch: pytest.
             planner.load_failed(f, "test")
     assert planner.loading_total == 0
     assert len(stats) <= n, f"{len(stats)} stats for {n} loads"
+
+
+def test_a_hold_names_its_holder_or_is_refused(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    """The holds of one connection are kept apart by ``"holder"`` (a process's samplers and readers
+    share its connection): a holder that is no integer in range is refused, naming the field."""
+    out = dataset(tmp_path, "ds", shards=2)
+    d = start_daemon(loaded=0)
+    for holder in ("x", -1, 1 << 31, 1.5, True):
+        reply = ask(d.sock, {"op": "hold", "manifest": os.path.abspath(out), "pieces": "0", "holder": holder})
+        assert reply is not None
+        assert reply["error"] == "bad_request", (holder, reply)
+        assert "'holder'" in reply["message"]
+    assert d.status()["held"] == []
