@@ -1102,7 +1102,8 @@ def test_a_process_holds_one_connection_to_the_daemon_and_a_forked_child_its_own
         text=True,
     )
     try:
-        assert proc.stdin is not None and proc.stdout is not None
+        assert proc.stdin is not None
+        assert proc.stdout is not None
         word, pid = proc.stdout.readline().split()
         assert word == "counted"
         assert len(_sockets_of(int(pid)) & _daemon_peers(d.sock)) == 1

@@ -4,8 +4,8 @@ A **block** is a run of at least ``block`` consecutive records of one shard (a s
 as many as fit, as even as whole records allow: :func:`shard_block`), read sequentially in one
 go. The daemon holds it as a **piece** (a shard and a record range) and serves it as its own segment: a blob holding exactly the piece's records, named
 (in the daemon's table) by :func:`piece_id` of the shard's checksum and the range, so a reader
-finds it without asking which bytes it holds. Client and daemon import this module; it never
-imports the daemon or torch.
+finds it without asking which bytes it holds. The client's side: it speaks to the daemon through
+the process's one session (``smstore.wire.client.session_for``); it never imports the daemon or torch.
 """
 
 from __future__ import annotations
