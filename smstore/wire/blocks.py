@@ -428,6 +428,9 @@ class BlockResidency:
         if fd is not None:
             os.close(fd)
         if not reply.get("ok"):
+            # Nothing is held for this sampler any more (what it held before may be the very
+            # pieces refused now): its readers read the files, which say what changed.
+            self._release(session)
             msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
             raise DaemonError(msg)
         self.kind, self.held = "daemon", wanted
@@ -440,8 +443,11 @@ class BlockResidency:
 
     def close(self) -> None:
         """Give up every hold (the daemon drops the pieces no other rank holds)."""
-        session = session_for(self.socket)
-        if self.kind == "daemon" and session.conn is not None:
+        if self.kind == "daemon":
+            self._release(session_for(self.socket))
+
+    def _release(self, session: DaemonSession) -> None:
+        if session.conn is not None:
             release = {"op": "hold", **self._hold_fields, "holder": self._holder, "pieces": ""}
             with contextlib.suppress(DaemonError):
                 session.ask(release, 10.0)
