@@ -1020,3 +1020,102 @@ def test_the_daemons_state_is_at_most_12_collections(tmp_path: Path) -> None:
     assert "daemon.serving.loader.planner.holds" in everything  # the walk reaches the planner's tables
     assert "daemon.serving.counters.table" in everything  # and the metrics' tallies
     assert len(everything) <= 12, sorted(everything)
+
+
+# ---- one connection per process per daemon ------------------------------------------------------
+
+ONE_CONNECTION = r"""
+import os, sys
+import smstore
+from smstore.wire.blocks import BlockReader
+
+out = sys.argv[1]
+
+
+def read_all() -> None:
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
+    windowed = smstore.WindowedShuffleSampler(ds, window=2, seed=1, rank=0, world_size=1, lag=8)
+    for i in windowed:
+        assert ds[i] is not None
+    blocks = smstore.BlockWindowSampler(ds, block=50, spread=2, seed=1, rank=0, world_size=1, lag=8)
+    reader = BlockReader(out, block=50)
+    for i in blocks:
+        assert reader[i] is not None
+    keep.extend((ds, windowed, blocks, reader))  # all of it alive while counted
+
+
+keep: list[object] = []
+read_all()
+print("counted", os.getpid(), flush=True)
+os.read(0, 1)  # unbuffered: the child reads the same pipe
+pid = os.fork()
+if pid == 0:
+    keep.clear()
+    read_all()
+    print("child", os.getpid(), flush=True)
+    os.read(0, 1)
+    os._exit(0)
+os.read(0, 1)
+os.waitpid(pid, 0)
+"""
+
+
+def _daemon_peers(sock: Path) -> set[int]:
+    """The socket inodes of the daemon's clients: the peers of the connections it accepted on `sock`."""
+    rows = subprocess.run(["ss", "-xH"], capture_output=True, text=True, check=True).stdout.splitlines()
+    return {int(row.split()[-1]) for row in rows if f" {sock} " in row}
+
+
+def _sockets_of(pid: int) -> set[int]:
+    found = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if link.startswith("socket:["):
+                found.add(int(link[8:-1]))
+    return found
+
+
+@pytest.mark.skipif(shutil.which("ss") is None, reason="needs ss (iproute2) to match sockets to peers")
+def test_a_process_holds_one_connection_to_the_daemon_and_a_forked_child_its_own(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """A process that reads a sharded dataset through the daemon with a windowed sampler (its
+    residency holding shards), then a block sampler with a BlockReader, speaks to the daemon on
+    one connection; a child forked from it (a DataLoader worker) on one of its own. Before, each
+    of the dataset's attaches, its pre-attacher, each residency and each block reader had one (and
+    a forked child kept some of its parent's)."""
+    src = tmp_path / "in.txt"
+    src.write_bytes(b"".join(b"%06d " % i + b"x" * 100 + b"\n" for i in range(2000)))
+    out = tmp_path / "ds"
+    smstore.pack_files([src], out, shard_size=40_000, progress=False, durable=False)
+    d = start_daemon(loaded=0)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", ONE_CONNECTION, str(out)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdin is not None
+        assert proc.stdout is not None
+        word, pid = proc.stdout.readline().split()
+        assert word == "counted"
+        assert len(_sockets_of(int(pid)) & _daemon_peers(d.sock)) == 1
+        proc.stdin.write("x")
+        proc.stdin.flush()
+        word, child = proc.stdout.readline().split()
+        assert word == "child"
+        assert len(_sockets_of(int(child)) & _daemon_peers(d.sock)) == 1
+        assert not _sockets_of(int(child)) & _sockets_of(int(pid))  # none of its parent's
+        assert len(_sockets_of(int(pid)) & _daemon_peers(d.sock)) == 1
+        proc.stdin.write("xx")
+        proc.stdin.flush()
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()

@@ -94,7 +94,7 @@ def test_a_held_shard_changed_since_its_manifest_is_loaded_once_and_its_hold_ref
         # The first rank's next window (a hold sent without a reply, as the sampler sends it) is
         # refused: the refusal waits on its connection, and its next hold raises it.
         rank.hold([1, 0])
-        conn = rank._conn
+        conn = rank._session.conn
         assert conn is not None
         assert select.select([conn], [], [], 20)[0] == [conn]  # bounded by 20 s, not a timing goal
         with pytest.raises(DaemonError, match="re-packed or overwritten"):
@@ -708,7 +708,6 @@ def test_readers_of_a_dataset_hear_its_held_shards_however_many_another_dataset_
             assert ahead.ready == {}
         finally:
             ahead.close()
-            ahead._drop_connection()  # the question's connection, the thread's to close (none here)
     finally:
         for s in holders:
             s.close()
@@ -775,12 +774,12 @@ def test_a_share_or_a_dropped_shared_blob_wakes_every_parked_reader(
 
 
 def test_a_preattacher_closed_mid_pass_keeps_no_store(
-    tmp_path: Path, start_daemon: Callable[..., Daemon]
+    tmp_path: Path, start_daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """close() while the pre-attaching thread is between its attach and keeping the store (here:
     the attach itself ends by closing it, as the dataset's finalizer may at that moment): before
     the fix the thread kept the store in `ready` after close() had emptied it (mapped until the
-    process ended); now it closes it, and the session, closed for good, never connects again."""
+    process ended); now it closes it, and the daemon hears it detached."""
     from smstore.wire.client import DaemonSession
     from smstore.wire.client import Preattacher as _Preattacher
 
@@ -792,14 +791,15 @@ def test_a_preattacher_closed_mid_pass_keeps_no_store(
         d.sock, m.path, {s.checksum: k for k, s in enumerate(m.shards)}, lambda k: False, lambda k: None
     )
     attaches: list[str] = []
+    session = ahead.session
 
     def attach_then_close(checksum: str, path: str | None = None) -> tuple[dict[str, Any], int | None]:
-        reply = DaemonSession.attach(ahead.session, checksum, path)
+        reply = DaemonSession.attach(session, checksum, path)
         attaches.append(checksum)
         ahead.close()
         return reply
 
-    ahead.session.attach = attach_then_close  # type: ignore[method-assign]
+    monkeypatch.setattr(session, "attach", attach_then_close)
     try:
         hold = {"op": "hold", "manifest": os.path.abspath(out), "shards": "0,1"}
         rank.sendall(tl.frame(json.dumps(hold).encode()))
@@ -809,16 +809,12 @@ def test_a_preattacher_closed_mid_pass_keeps_no_store(
         ahead._once(None)
         assert len(attaches) == 1  # the pass ended with the close
         assert ahead.ready == {}
-        assert ahead.session.conn is None
-        with pytest.raises(DaemonError, match="closed"):
-            DaemonSession.attach(ahead.session, m.shards[1].checksum)
+        session.pump()
         st = wait_for(d, lambda st: all(seg["clients"] == [] for seg in st["segments"]))
         assert all(seg["clients"] == [] for seg in st["segments"])
     finally:
         for store in ahead.ready.values():
             store.close()
-        ahead._drop_connection()
-        ahead.session.close()
         rank.close()
 
 
@@ -988,3 +984,16 @@ def test_a_plan_sizes_each_queued_load_once(tmp_path: Path, monkeypatch: pytest.
             planner.load_failed(f, "test")
     assert planner.loading_total == 0
     assert len(stats) <= n, f"{len(stats)} stats for {n} loads"
+
+
+def test_a_hold_names_its_holder_or_is_refused(tmp_path: Path, start_daemon: Callable[..., Daemon]) -> None:
+    """The holds of one connection are kept apart by ``"holder"`` (a process's samplers and readers
+    share its connection): a holder that is no integer in range is refused, naming the field."""
+    out = dataset(tmp_path, "ds", shards=2)
+    d = start_daemon(loaded=0)
+    for holder in ("x", -1, 1 << 31, 1.5, True):
+        reply = ask(d.sock, {"op": "hold", "manifest": os.path.abspath(out), "pieces": "0", "holder": holder})
+        assert reply is not None
+        assert reply["error"] == "bad_request", (holder, reply)
+        assert "'holder'" in reply["message"]
+    assert d.status()["held"] == []

@@ -428,7 +428,7 @@ def test_a_hold_sent_without_a_reply_is_applied_on_the_same_connection(
     residency = ShardResidency(out, mode="daemon")
     try:
         residency.hold([0, 1], wait=True)
-        conn = residency._conn
+        conn = residency._session.conn
         assert conn is not None
         for wanted in ([2], [3, 1], [0, 1, 2, 3], [2]):
             residency.hold(wanted)
@@ -437,7 +437,7 @@ def test_a_hold_sent_without_a_reply_is_applied_on_the_same_connection(
             while d.status()["held"] != expected and time.monotonic() < deadline:
                 time.sleep(0.01)
             assert d.status()["held"] == expected
-            assert residency._conn is conn  # never refused, never redone
+            assert residency._session.conn is conn  # never refused, never redone
     finally:
         residency.close()
 
@@ -767,3 +767,36 @@ def test_readers_preattach_the_next_window_without_polling(
     finally:
         store.close()
         rank.close()
+
+
+def test_residencies_sharing_the_process_connection_keep_their_own_holds(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """Two residencies of one process (two datasets, as a mixture holds them) send their holds on
+    the process's one connection: each hold replaces only its own residency's (the daemon keys
+    them by holder), so both datasets stay held; closing one releases only its shards."""
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    a, _ = sharded(tmp_path / "a", shards=3)
+    b, _ = sharded(tmp_path / "b", shards=3)
+    d = start_daemon(loaded=0)
+    first, second = ShardResidency(a, mode="daemon"), ShardResidency(b, mode="daemon")
+    try:
+        first.hold([0, 1], wait=True)
+        second.hold([2], wait=True)
+        assert first._session is second._session
+
+        def held_becomes(expected: set[str]) -> set[str]:
+            deadline = time.monotonic() + 10  # bounds the wait for the daemon's list, not a timing goal
+            while (held := set(d.status()["held"])) != expected and time.monotonic() < deadline:
+                time.sleep(0.01)
+            return held
+
+        ours = {read_manifest(a).shards[k].checksum for k in (0, 1)} | {read_manifest(b).shards[2].checksum}
+        assert held_becomes(ours) == ours
+        first.hold([1])  # sent without waiting: read back by the next request on the connection
+        second.close()
+        assert held_becomes({read_manifest(a).shards[1].checksum}) == {read_manifest(a).shards[1].checksum}
+    finally:
+        first.close()
+        second.close()

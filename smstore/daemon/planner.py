@@ -180,6 +180,9 @@ class Held:
     source: Source
     piece: Piece
     reader: bool = False  # a reader's hold for itself, apart from a sampler's (see `Planner.holds`)
+    # Which of the connection's holders holds it: a process shares one connection among its
+    # samplers' residencies and readers, each replacing only its own holds.
+    holder: int = 0
 
 
 # What a segment is marked with (`Segment.mark`).
@@ -311,8 +314,10 @@ class Planner:
 
     # ---- holds ----------------------------------------------------------------------------------
 
-    def hold(self, cid: int, named: Location, pieces: list[Piece], *, reader: bool = False) -> list[Held]:
-        """Replace what connection `cid` holds (as a sampler, or with `reader` for itself) with
+    def hold(
+        self, cid: int, named: Location, pieces: list[Piece], *, reader: bool = False, holder: int = 0
+    ) -> list[Held]:
+        """Replace what `holder` on connection `cid` holds (as a sampler, or with `reader` for itself) with
         `pieces` of a manifest (whole shards or record ranges, in the order to load them); what it holds now.
 
         Raises:
@@ -333,7 +338,7 @@ class Planner:
                     BAD_REQUEST, f"{manifest_path}: no records {p.first}-{p.end} in shard {p.shard}"
                 )
         held = [
-            Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p, reader)
+            Held(sources[p.shard].label(p), sources[p.shard].key(p), sources[p.shard], p, reader, holder)
             for p in pieces
         ]
         for h in held:
@@ -368,7 +373,7 @@ class Planner:
             if why is not None:
                 what = "shard" if h.piece.whole else "block"
                 raise ProtocolError(LOAD_FAILED, f"a held {what} cannot be loaded: {why}"[:1000])
-        kept = [h for h in self.holds.get(cid, ()) if h.reader != reader]
+        kept = [h for h in self.holds.get(cid, ()) if (h.reader, h.holder) != (reader, holder)]
         if kept or held:
             self.holds[cid] = kept + held
         else:
@@ -380,7 +385,11 @@ class Planner:
         merged; then, with `readers`, what readers hold for themselves); with `whole`, whole shards only."""
         wanted: dict[str, Held] = {}
         for for_reader in (False, True) if readers else (False,):
-            lists = [[h for h in hs if h.reader == for_reader] for hs in self.holds.values()]
+            lists = [
+                [h for h in hs if h.reader == for_reader and h.holder == k]
+                for hs in self.holds.values()
+                for k in dict.fromkeys(h.holder for h in hs)
+            ]
             for depth in range(max((len(h) for h in lists), default=0)):
                 for held in lists:
                     if depth < len(held) and (not whole or held[depth].piece.whole):

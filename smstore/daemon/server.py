@@ -333,9 +333,11 @@ class Daemon(Server):
         elif op == "share":
             self.serving.share(cid, conn, req)
         elif op == "hold":
-            manifest, pieces, reader = hold_arg(req)
+            manifest, pieces, reader, holder = hold_arg(req)
             if self._manifest_ready(cid, conn, req, manifest):  # else served again once it is fetched
-                self.serving.hold(cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader)
+                self.serving.hold(
+                    cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader, holder=holder
+                )
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True

@@ -280,7 +280,14 @@ class Serving:
     # ---- residency: the planner decides, the server replies and queues ------------------------
 
     def hold(
-        self, cid: int, manifest: Location, pieces: list[Piece], *, reply: bool, reader: bool = False
+        self,
+        cid: int,
+        manifest: Location,
+        pieces: list[Piece],
+        *,
+        reply: bool,
+        reader: bool = False,
+        holder: int = 0,
     ) -> None:
         """Replace what connection `cid` holds; load what no one has loaded yet, drop what no one holds.
 
@@ -288,7 +295,7 @@ class Serving:
         loads run in the background, in the order given (the window being read first, then the
         next). A piece larger than the whole --shm-limit is refused here.
         """
-        held = self.planner.hold(cid, manifest, pieces, reader=reader)
+        held = self.planner.hold(cid, manifest, pieces, reader=reader, holder=holder)
         if reply:
             resident = sum(h.key in self.segments for h in held)
             self.server.reply(cid, {"ok": True, "resident": resident, "held": len(held)})

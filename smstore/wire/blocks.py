@@ -4,8 +4,8 @@ A **block** is a run of at least ``block`` consecutive records of one shard (a s
 as many as fit, as even as whole records allow: :func:`shard_block`), read sequentially in one
 go. The daemon holds it as a **piece** (a shard and a record range) and serves it as its own segment: a blob holding exactly the piece's records, named
 (in the daemon's table) by :func:`piece_id` of the shard's checksum and the range, so a reader
-finds it without asking which bytes it holds. Client and daemon import this module; it never
-imports the daemon or torch.
+finds it without asking which bytes it holds. The client's side: it speaks to the daemon through
+the process's one session (``smstore.wire.client.session_for``); it never imports the daemon or torch.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import bisect
 import contextlib
 import os
-import socket as socket_module
 from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
@@ -23,12 +22,12 @@ from smstore.errors import DaemonError, RemoteNeedsDaemonError, StoreChangedErro
 from smstore.format.manifest import Manifest, absolute, hold_fields, read_manifest
 from smstore.read.modes import Mode, check_mode, fall_back, warn_once
 from smstore.remote.urls import needs_daemon
-from smstore.wire.ipc import connect, exchange, socket_path, wait_until_served
+from smstore.wire.client import DaemonSession, session_for
+from smstore.wire.ipc import socket_path, wait_until_served
 from smstore.wire.protocol import (
     NOT_SERVED,
     PERMISSION_DENIED,
     Piece,
-    encode,
     piece_id,
     piece_path,
     pieces_value,
@@ -99,8 +98,18 @@ class BlockReader:
         self._misses = 0  # reads of a held piece the daemon does not serve yet
         self._pieces: OrderedDict[str, tuple[Piece, _core.Store | None]] = OrderedDict()
         self._files: dict[int, _core.Store] = {}
-        self._conn: socket_module.socket | None = None
+        self._connected = True  # False: the daemon did not answer last time (the files are read)
+        self._holder = (-1, 0)  # (pid, id) of its holds for itself on its process's session
         self._pid = os.getpid()
+
+    @property
+    def _session(self) -> DaemonSession:
+        return session_for(self.socket)
+
+    def _holder_id(self) -> int:
+        if self._holder[0] != os.getpid():  # a holder id is its process's own
+            self._holder = (os.getpid(), DaemonSession.new_holder())
+        return self._holder[1]
 
     def __len__(self) -> int:
         return self.starts[-1]
@@ -108,7 +117,7 @@ class BlockReader:
     def __getitem__(self, index: int) -> bytes:
         """The bytes of record ``index`` of the dataset."""
         if self._pid != os.getpid():  # a forked child: its own connection and mappings
-            self._conn, self._pieces, self._files, self._pid = None, OrderedDict(), {}, os.getpid()
+            self._pieces, self._files, self._pid = OrderedDict(), {}, os.getpid()
         i = int(index)
         if not 0 <= i < self.starts[-1]:
             msg = f"{self.path}: record {i} out of range for a dataset of {self.starts[-1]}"
@@ -136,7 +145,7 @@ class BlockReader:
                 raise DaemonError(f"{path}: the smstore daemon will not serve it: {why}")
             store = self._fetch_for_reader(key, piece)  # no file to read it from instead
         if store is None:
-            if self._conn is None:  # no daemon answers: this piece is read from its file from now on
+            if not self._connected:  # no daemon answers: this piece is read from its file from now on
                 self._pieces[key] = (piece, None)
                 while len(self._pieces) > self.keep:
                     self._detach(next(iter(self._pieces)))
@@ -177,11 +186,11 @@ class BlockReader:
             self.path,
             path,
         )
-        if self._conn is None:
-            try:
-                self._conn = connect(self.socket)
-            except DaemonError:
-                raise self._needs_daemon(piece) from None
+        try:
+            self._session.open()
+        except DaemonError:
+            raise self._needs_daemon(piece) from None
+        self._connected = True
         reply = self._hold_piece(piece)
         error = reply.get("error")
         if not reply.get("ok") and error not in (None, PERMISSION_DENIED):
@@ -217,18 +226,13 @@ class BlockReader:
             **self._hold_fields,
             "pieces": pieces_value(() if piece is None else (piece,)),
             "reader": True,
+            "holder": self._holder_id(),
         }
-        if self._conn is None:
-            self._conn = connect(self.socket)
-        conn = self._conn
-        conn.settimeout(HOLD_WAIT)
         try:
-            reply, fd = exchange(conn, message, self.socket)
+            reply, fd = self._session.ask(message, HOLD_WAIT)
         except DaemonError as e:
-            conn.close()
-            self._conn = None
+            self._connected = False
             raise DaemonError(f"{self.path}: holding a block for a reader: {e}") from None
-        conn.settimeout(10.0)
         if fd is not None:
             os.close(fd)
         return reply
@@ -244,7 +248,7 @@ class BlockReader:
         path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
 
         def ask() -> _core.Store | None:
-            if self._conn is None:
+            if not self._connected:
                 raise self._needs_daemon(piece)
             store, reason = self._attach_or_why(key, piece)
             if reason:
@@ -257,7 +261,7 @@ class BlockReader:
     def _drop_stale(self) -> None:
         """Unmap the pieces this reader maps that no rank holds any more."""
         if self._pieces:
-            reply, _fd = self._send({"op": "stale_blocks", "checksums": ",".join(self._pieces)}, reply=True)
+            reply, _fd = self._ask({"op": "stale_blocks", "checksums": ",".join(self._pieces)})
             for old in reply.get("stale", []):
                 self._detach(old)
 
@@ -265,18 +269,21 @@ class BlockReader:
         entry = self._pieces.pop(key, None)
         if entry is not None and entry[1] is not None:
             entry[1].close()
-            self._send({"op": "detach", "checksum": key, "noreply": True}, reply=False)
+            self._session.detach(key)
 
     def _attach_or_why(self, key: str, piece: Piece) -> tuple[_core.Store | None, str | None]:
         """The piece's segment if the daemon serves it; else None and why it never will (if it said)."""
         path = piece_path(self.shards[piece.shard][0], piece.first, piece.end)
-        reply, fd = self._send({"op": "attach", "checksum": key, "path": path}, reply=True)
+        try:
+            reply, fd = self._session.attach(key, path)
+            self._connected = True
+        except DaemonError:
+            self._connected = False
+            reply, fd = {"ok": False, "code": NOT_SERVED}, None
         if fd is None:
             if reply.get("error", reply.get("code")) not in (None, NOT_SERVED):
                 if not self.remote[piece.shard]:  # busy, or not ours to use: the file is read instead
-                    if self._conn is not None:
-                        self._conn.close()
-                        self._conn = None
+                    self._connected = False
                     return None, None
                 raise DaemonError(f"{path}: the smstore daemon refused: {reply.get('message', reply)}")
             reason = reply.get("reason")
@@ -291,25 +298,14 @@ class BlockReader:
             raise StoreChangedError(msg)
         return store, None
 
-    def _send(self, message: dict[str, Any], *, reply: bool) -> tuple[dict[str, Any], int | None]:
-        if self._conn is None:
-            try:
-                self._conn = connect(self.socket)
-            except DaemonError:
-                return {"ok": False, "code": NOT_SERVED}, None
-        if not reply:
-            try:
-                self._conn.sendall(encode(message))
-            except OSError:  # the daemon is gone: so are its holds of what we unmapped
-                self._conn.close()
-                self._conn = None
-            return {}, None
+    def _ask(self, message: dict[str, Any]) -> tuple[dict[str, Any], int | None]:
         try:
-            return exchange(self._conn, message, self.socket)
+            answer = self._session.ask(message, 10.0)
         except DaemonError:
-            self._conn.close()
-            self._conn = None
+            self._connected = False
             return {"ok": False, "code": NOT_SERVED}, None
+        self._connected = True
+        return answer
 
     def _file(self, k: int) -> _core.Store:
         store = self._files.get(k)
@@ -329,20 +325,16 @@ class BlockReader:
 
     def close(self) -> None:
         """Unmap every piece and file, and close the connection (the daemon forgets this reader)."""
-        for _p, store in self._pieces.values():
-            if store is not None:
-                store.close()
+        for key in list(self._pieces):
+            self._detach(key)
         for store in self._files.values():
             store.close()
         self._pieces.clear()
         self._files.clear()
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state.update(_conn=None, _pieces=OrderedDict(), _files={}, _pid=-1)
+        state.update(_pieces=OrderedDict(), _files={}, _pid=-1, _holder=(-1, 0), _connected=True)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -381,8 +373,9 @@ class BlockResidency:
         self.socket = socket_path(socket)
         self.kind: str | None = None
         self.held: tuple[Piece, ...] = ()
-        self._conn: socket_module.socket | None = None
-        self._pid = os.getpid()
+        # Its holds on the process's session are its own: the daemon replaces only this holder's.
+        self._holder = DaemonSession.new_holder()
+        self._refused = False  # a hold sent without waiting was refused (or unanswered)
 
     def hold(self, pieces: Sequence[Piece], *, wait: bool = False) -> None:
         """Need `pieces` (in the order to load them) and no others from now on.
@@ -407,24 +400,27 @@ class BlockResidency:
                 raise DaemonError(msg)
             self.kind, self.held = "file", wanted
             return
-        if self._pid != os.getpid():
-            self._conn, self._pid = None, os.getpid()
+        session = session_for(self.socket)
         message = {
             "op": "hold",
             **self._hold_fields,
+            "holder": self._holder,
             "pieces": pieces_value(wanted),
         }
-        if not wait and self.kind == "daemon" and self._conn is not None and self._send_noreply(message):
-            self.held = wanted
-            return
+        if self.kind == "daemon":
+            session.pump()  # a refusal of the last hold, arrived since, is heard now
+        if not wait and self.kind == "daemon" and session.conn is not None and not self._refused:
+            try:
+                session.send(message, self._heard)
+            except DaemonError:
+                pass  # sent again with a reply: reconnects, or falls back
+            else:
+                self.held = wanted
+                return
+        self._refused = False
         try:
-            if self._conn is None:
-                self._conn = connect(self.socket)
-            reply, fd = exchange(self._conn, message, self.socket)
+            reply, fd = session.ask(message, 10.0)
         except DaemonError as e:
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
             # A dataset in object storage has no file to read instead: no daemon is an error.
             fall_back("daemon" if remote else self.mode, self.path, str(e), self.socket, "file")
             self.kind, self.held = "file", wanted
@@ -432,43 +428,29 @@ class BlockResidency:
         if fd is not None:
             os.close(fd)
         if not reply.get("ok"):
-            # The connection may hold this hold's own refusal behind an earlier one's: start afresh.
-            self.close()
+            # Nothing is held for this sampler any more (what it held before may be the very
+            # pieces refused now): its readers read the files, which say what changed.
+            self._release(session)
             msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
             raise DaemonError(msg)
         self.kind, self.held = "daemon", wanted
 
-    def _send_noreply(self, message: dict[str, Any]) -> bool:
-        """Send a hold without waiting for a reply; False if the connection has something to say first.
-
-        A refusal of an earlier hold (or the daemon's end) is waiting on the connection: the
-        caller then sends this one with a reply, which raises the refusal if it still holds.
-        """
-        assert self._conn is not None
-        timeout = self._conn.gettimeout()
-        try:
-            self._conn.setblocking(False)
-            try:
-                pending: bytes | None = self._conn.recv(65536)
-            except BlockingIOError:
-                pending = None
-            except OSError:
-                pending = b""
-            if pending is None:
-                self._conn.settimeout(timeout)
-                self._conn.sendall(encode({**message, "noreply": True}))
-                return True
-        except OSError:
-            pass
-        self._conn.close()
-        self._conn = None
-        return False
+    def _heard(self, reply: dict[str, Any] | None, error: BaseException | None) -> None:
+        """The reply to a hold sent without waiting: a refusal (or no reply) has the next hold
+        sent with a reply, which raises the refusal if it still holds."""
+        if error is not None or reply is None or not reply.get("ok"):
+            self._refused = True
 
     def close(self) -> None:
         """Give up every hold (the daemon drops the pieces no other rank holds)."""
-        if self._conn is not None:
-            self._conn.close()
-            self._conn = None
+        if self.kind == "daemon":
+            self._release(session_for(self.socket))
+
+    def _release(self, session: DaemonSession) -> None:
+        if session.conn is not None:
+            release = {"op": "hold", **self._hold_fields, "holder": self._holder, "pieces": ""}
+            with contextlib.suppress(DaemonError):
+                session.ask(release, 10.0)
 
     def __getstate__(self) -> dict[str, Any]:
         msg = "a BlockResidency belongs to the process that made it; it does not pickle"

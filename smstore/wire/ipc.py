@@ -24,6 +24,7 @@ __all__ = [
     "exchange",
     "process_alive",
     "process_start_time",
+    "receive",
     "request",
     "socket_path",
     "untrusted_dir_fault",
@@ -224,17 +225,32 @@ def exchange(
     Raises:
         DaemonError: The daemon broke the connection, sent garbage, or timed out.
     """
-    fds: list[int] = []
-    try:
-        # A daemon that refuses us replies at once and closes: read that reply even if sending failed.
-        with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+    # A daemon that refuses us replies at once and closes: read that reply even if sending failed.
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):
+        try:
             data = encode(message)
             sent = socket.send_fds(sock, [data], [fd]) if fd is not None else 0
             sock.sendall(data[sent:])
+        except TimeoutError:
+            msg = f"the smstore daemon on {path} did not take a request within {sock.gettimeout()} s"
+            raise DaemonError(msg) from None
+    return receive(sock, path)
+
+
+def receive(sock: socket.socket, path: Path) -> tuple[dict[str, Any], int | None]:
+    """Read the next reply on an open connection: (reply, received fd or None).
+
+    On any failure the connection is of no further use: the caller closes it.
+
+    Raises:
+        DaemonError: The daemon broke the connection, sent garbage, or timed out.
+    """
+    fds: list[int] = []
+    try:
         buf = bytearray()
         need = 4
         while len(buf) < need:
-            data, got, _flags, _addr = socket.recv_fds(sock, 65536, 4)
+            data, got, _flags, _addr = socket.recv_fds(sock, need - len(buf), 4)
             fds.extend(got)
             if not data:
                 msg = f"the smstore daemon on {path} closed the connection without a reply"

@@ -387,9 +387,11 @@ def page_arg(req: dict[str, Any]) -> tuple[int, int]:
     return offset, limit
 
 
-def hold_arg(req: dict[str, Any]) -> tuple[Location, list[Piece], bool]:
-    """A 'hold' request: the manifest, the pieces of its shards in the order to load them, and
-    whether a reader holds them for itself (``"reader": true``) rather than a rank's sampler.
+def hold_arg(req: dict[str, Any]) -> tuple[Location, list[Piece], bool, int]:
+    """A 'hold' request: the manifest, the pieces of its shards in the order to load them,
+    whether a reader holds them for itself (``"reader": true``) rather than a rank's sampler, and
+    which holder of its connection holds them (``"holder"``, default 0): a process's samplers and
+    readers share its one connection, and each hold replaces only what its own holder held.
 
     ``"pieces"`` lists them as `pieces_value` writes them. ``"shards"``, a list of whole shards
     only, is the same field under its former name (a client of an earlier release).
@@ -406,7 +408,10 @@ def hold_arg(req: dict[str, Any]) -> tuple[Location, list[Piece], bool]:
         raise ProtocolError(BAD_REQUEST, wording) from None
     if len(pieces) > MAX_HOLD:
         raise ProtocolError(BAD_REQUEST, f"'{field}' must hold at most {MAX_HOLD} pieces")
-    return manifest, pieces, req.get("reader") is True
+    holder = req.get("holder", 0)
+    if type(holder) is not int or not 0 <= holder < 1 << 31:
+        raise ProtocolError(BAD_REQUEST, "'holder' must be an integer from 0 to 2**31 - 1")
+    return manifest, pieces, req.get("reader") is True, holder
 
 
 def held_arg(req: dict[str, Any]) -> tuple[int | None, float, Location | None]:

@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import queue
-import socket as socket_module
 import threading
 import weakref
 from collections.abc import Sequence
@@ -24,8 +23,8 @@ from typing import Any
 from smstore.errors import DaemonError
 from smstore.format.manifest import Manifest, absolute, hold_fields, read_manifest
 from smstore.read.modes import Mode, check_mode, fall_back
-from smstore.wire.client import DaemonSession
-from smstore.wire.ipc import connect, exchange, request, socket_path
+from smstore.wire.client import DaemonSession, session_for
+from smstore.wire.ipc import socket_path
 from smstore.wire.protocol import encode, pieces_value
 from smstore.wire.protocol import frame as framed
 
@@ -78,7 +77,9 @@ class ShardResidency:
         self.sizes = [s.file_size for s in manifest.shards]
         self.socket = socket_path(socket)
         self.kind: str | None = None
-        self._daemon = DaemonSession(self.socket)  # its connection (dropped in a forked child)
+        # Its holds on the process's session are its own: the daemon replaces only this holder's.
+        self._holder = DaemonSession.new_holder()
+        self._refused: bool | None = None  # a hold sent without waiting was refused (or unanswered)
         self._held: tuple[int, ...] = ()
         self._advised: set[int] = set()
         self._error: BaseException | None = None
@@ -87,9 +88,9 @@ class ShardResidency:
         # A residency never closed ends its thread when it is collected (the thread holds it weakly).
         weakref.finalize(self, self._pending.put, None)
         self._lock = threading.Lock()  # one hold applied at a time (the thread's, or a waited one)
-        # The noreply hold's frame around its shard list, encoded once: a hold is sent inside the
+        # The hold's frame around its shard list, encoded once: a hold is sent inside the
         # training loop's next(), where even json.dumps of a small dict costs tens of microseconds.
-        head = encode({"op": "hold", **self._hold_fields, "noreply": True, "pieces": ""})
+        head = encode({"op": "hold", **self._hold_fields, "holder": self._holder, "pieces": ""})
         self._frame_head, self._frame_tail = head[4:-2], b'"}'
 
     def hold(self, shards: Sequence[int], *, wait: bool = False) -> None:
@@ -112,10 +113,15 @@ class ShardResidency:
         if self._error is not None:
             error, self._error = self._error, None
             raise error
-        if self.kind == "daemon" and self._conn is not None:
+        if self.kind == "daemon":
+            self._session.pump()  # a refusal of the last hold, arrived since, is heard now
+        if self.kind == "daemon" and self._session.conn is not None and not self._refused:
             # One send from this thread: no reply to wait for, no thread to wake (a woken thread
             # would take the GIL from the training loop for milliseconds at every window).
             self._send_hold(wanted)
+            return
+        if self._refused:  # an earlier hold refused: this one is applied with a reply, here
+            self._apply(wanted)
             return
         if self._thread is None:
             self._thread = threading.Thread(
@@ -173,65 +179,38 @@ class ShardResidency:
                 raise DaemonError(msg)
             return "page cache"
         try:
-            self._conn = connect(self.socket)
+            self._session.open()
         except DaemonError as e:
             fall_back(self._fallback_mode, self.path, str(e), self.socket, "shards")
             return "page cache"
         return "daemon"
 
     def _hold_in_daemon(self, wanted: tuple[int, ...]) -> None:
-        message = {"op": "hold", **self._hold_fields, "pieces": pieces_value(wanted)}
-        for attempt in (1, 2):
-            reused = self._conn is not None
-            try:
-                if self._conn is None:  # dropped in a forked child, or after a failed exchange
-                    reply, fd, self._conn = request(message, self.socket)  # tries again while busy
-                else:
-                    reply, fd = exchange(self._conn, message, self.socket)
-                break
-            except DaemonError as e:
-                self._drop_connection()
-                if not reused or attempt == 2:
-                    raise _Unreachable(str(e)) from None
-                # The daemon this connection went to is gone: a new connection says whether one
-                # replaced it (and if not, what to do), rather than "closed the connection".
+        message = {"op": "hold", **self._hold_fields, "holder": self._holder, "pieces": pieces_value(wanted)}
+        self._refused = None  # this hold's reply says afresh
+        try:
+            reply, fd = self._session.ask(message, 10.0)
+        except DaemonError as e:
+            raise _Unreachable(str(e)) from None
         if fd is not None:
             os.close(fd)
         if not reply.get("ok"):
             msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
             raise DaemonError(msg)
 
-    def _send_hold(self, wanted: tuple[int, ...]) -> None:
-        """Tell the daemon without waiting; a refusal of an earlier one is read (and raised) first.
+    def _heard(self, reply: dict[str, Any] | None, error: BaseException | None) -> None:
+        """The reply to a hold sent without waiting: a refusal (or no reply) has the next hold
+        sent again with a reply, which raises the refusal if it still holds (or falls back)."""
+        if error is not None or reply is None or not reply.get("ok"):
+            self._refused = True
 
-        Two system calls on the connection's descriptor, which a socket with a timeout keeps in
-        non-blocking mode: a read that finds nothing (a refusal or the daemon's end would be
-        there), then the write of the frame.
-        """
-        assert self._conn is not None
-        if self._conn.gettimeout() is None:  # a blocking socket's read would wait (never so yet)
-            self._conn.settimeout(10.0)
-        fd = self._conn.fileno()
-        try:
-            stale: bytes | None = os.read(fd, 65536)
-        except BlockingIOError:
-            stale = None
-        except OSError:
-            stale = b""
-        if stale is not None:  # a refusal, or the daemon closed the connection: redo it with a reply
-            self._drop_connection()
-            self._apply(wanted)
-            return
+    def _send_hold(self, wanted: tuple[int, ...]) -> None:
+        """Tell the daemon without waiting for its reply (read later, by whichever request of the
+        process's session comes next): the frame's head and tail encoded once, the shards between."""
         body = b"%s%s%s" % (self._frame_head, pieces_value(wanted).encode(), self._frame_tail)
-        frame = framed(body)
         try:
-            sent = os.write(fd, frame)
-            if sent < len(frame):  # a full socket buffer: the rest with the socket's own timeout
-                self._conn.sendall(frame[sent:])
-        except BlockingIOError:
-            self._conn.sendall(frame)
-        except OSError:
-            self._drop_connection()
+            self._session.send({}, self._heard, frame=framed(body))
+        except DaemonError:
             self._apply(wanted)  # reconnects, or falls back (mode "auto") or raises
             return
         self._held = wanted
@@ -268,18 +247,15 @@ class ShardResidency:
             self._thread.join(timeout=30)
             self._thread = None
         with self._lock:
-            self._drop_connection()
+            if self.kind == "daemon" and self._session.conn is not None:
+                release = {"op": "hold", **self._hold_fields, "holder": self._holder, "pieces": ""}
+                with contextlib.suppress(DaemonError):
+                    self._session.ask(release, 10.0)
 
     @property
-    def _conn(self) -> socket_module.socket | None:
-        return self._daemon.conn
-
-    @_conn.setter
-    def _conn(self, conn: socket_module.socket | None) -> None:
-        self._daemon.conn = conn
-
-    def _drop_connection(self) -> None:
-        self._daemon.close()
+    def _session(self) -> DaemonSession:
+        """This process's session with the daemon (a forked child's own)."""
+        return session_for(self.socket)
 
     def __getstate__(self) -> dict[str, Any]:
         msg = "a ShardResidency belongs to the process that made it; it does not pickle"

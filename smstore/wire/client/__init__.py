@@ -13,6 +13,7 @@ from smstore.wire.client.session import (
     attach_shared,
     daemon_request,
     keep_attached,
+    session_for,
     share_with_daemon,
 )
 
@@ -29,5 +30,6 @@ __all__ = [
     "keep_attached",
     "open_store",
     "open_url",
+    "session_for",
     "share_with_daemon",
 ]

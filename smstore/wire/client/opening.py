@@ -7,12 +7,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import socket
 import threading
 import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from smstore.errors import DaemonError, StoreChangedError
 from smstore.format.manifest import (
@@ -28,8 +27,14 @@ from smstore.read.modes import Mode, check_mode, fall_back, log_once, warn_once
 from smstore.read.shards import ShardedStore, open_sharded
 from smstore.read.store import Store, open_blob, read_checksum
 from smstore.remote.urls import needs_daemon
-from smstore.wire.client.session import DaemonObjectStore, DaemonSession, DaemonStore, keep_attached
-from smstore.wire.ipc import connect, exchange, request, socket_path, wait_until_served
+from smstore.wire.client.session import (
+    DaemonObjectStore,
+    DaemonSession,
+    DaemonStore,
+    keep_attached,
+    session_for,
+)
+from smstore.wire.ipc import connect, socket_path, wait_until_served
 from smstore.wire.protocol import MAX_WAIT, NOT_SERVED, PERMISSION_DENIED
 
 __all__ = ["Preattacher", "StoreHandle", "open_store", "open_url"]
@@ -245,8 +250,9 @@ class Preattacher:
     Ready shards the daemon no longer holds are closed. Then it asks again with the version it
     saw: the daemon answers when what is held, or resident, changes (or after `WAIT` seconds), so
     the thread sleeps in a read between two changes instead of asking 10 times a second. The
-    question has its own connection (a parked question never delays a detach on the session's),
-    and a forked child starts its own thread on its first read.
+    question goes on the process's one session (a parked question never delays the requests sent
+    after it: the daemon answers it as soon as one follows), and a forked child starts its own
+    thread on its first read.
     """
 
     WAIT = 30.0  # seconds the daemon may keep a question before it answers "no change"
@@ -263,7 +269,7 @@ class Preattacher:
         is_open: Callable[[int], bool],
         release: Callable[[int], None],
     ) -> None:
-        self.session = DaemonSession(sock)
+        self.sock = sock
         self.manifest = absolute(manifest)  # the daemon answers with this dataset's shards only
         self.refused: str | None = None  # the daemon's last refusal, logged once
         self.checksums = checksums  # checksum -> shard index, for this dataset
@@ -277,8 +283,12 @@ class Preattacher:
         # `_stop` and took the lock, the thread neither attaches nor keeps a store. Reentrant: the
         # dataset's finalizer (close) may run in the thread itself.
         self._lock = threading.RLock()
-        self._conn: socket.socket | None = None  # the thread's, for its questions
         keep_attached(self)
+
+    @property
+    def session(self) -> DaemonSession:
+        """This process's session with the daemon (a forked child's own)."""
+        return session_for(self.sock)
 
     def take(self, checksum: str) -> DaemonStore | None:
         """The attached shard holding `checksum`, if the thread has one ready (it is handed over)."""
@@ -307,10 +317,8 @@ class Preattacher:
             except Exception as e:
                 if not isinstance(e, (DaemonError, OSError)):
                     log.debug("pre-attaching failed", exc_info=True)
-                self._drop_connection()  # no daemon now: the reads attach (or fail) on their own
-                self.session.close()
-                seen = None
-                if not self.session.path.exists():
+                seen = None  # no daemon now: the reads attach (or fail) on their own
+                if not self.sock.exists():
                     break  # the daemon is gone for good (it removes its socket): the next read restarts us
                 self._stop.wait(retry)  # a daemon restarting, or one that refuses us: less often each time
                 retry = min(2 * retry, self.MAX_RETRY)
@@ -319,18 +327,13 @@ class Preattacher:
             if version is None or version == seen:
                 self._stop.wait(self.POLL)
             seen = version
-        if pid == os.getpid():
-            self._drop_connection()  # the thread's own: closed when it ends
 
     def _once(self, since: int | None) -> int | None:
         """Handle the held shards, once they changed since version `since`; the version handled."""
-        if self._conn is None:
-            self._conn = connect(self.session.path)
-            self._conn.settimeout(MAX_WAIT + 10.0)
         question: dict[str, Any] = {"op": "held", "wait": self.WAIT, "manifest": self.manifest}
         if since is not None:
             question["since"] = since
-        reply, fd = exchange(self._conn, question, self.session.path)
+        reply, fd = self.session.ask(question, MAX_WAIT + 10.0)
         if fd is not None:
             os.close(fd)
         version = reply.get("version")
@@ -392,14 +395,8 @@ class Preattacher:
                 break
         return version
 
-    def _drop_connection(self) -> None:
-        conn, self._conn = self._conn, None
-        if conn is not None:
-            conn.close()
-
     def _after_fork_in_child(self) -> None:
         self._lock = threading.RLock()  # the parent's thread may have held it at the fork
-        self._drop_connection()
 
     def close(self) -> None:
         self._stop.set()
@@ -407,10 +404,12 @@ class Preattacher:
             ready, self.ready = list(self.ready.values()), {}
         for store in ready:
             store.close()
-        self.session.finish()
-        # Wakes the thread if it waits for an answer (shutdown: close() alone does not end a recv).
-        with contextlib.suppress(OSError, AttributeError):
-            self._conn.shutdown(socket.SHUT_RDWR)  # type: ignore[union-attr]
+        thread = self._thread
+        if self._pid == os.getpid() and thread is not None and thread.is_alive():
+            # Any request after its parked question has the daemon answer it: the thread sees
+            # `_stop` now rather than at the question's deadline.
+            with contextlib.suppress(DaemonError):
+                self.session.send({"op": "status", "limit": 0}, lambda _reply, _error: None)
 
 
 def _open_remote(
@@ -452,9 +451,9 @@ def _open_remote_blob(url: str, sock_at: Path, *, decode: bool = False) -> Store
     Raises:
         DaemonError: The daemon does not serve it (why, and how to load it).
     """
-    reply, fd, conn = request({"op": "attach", "path": url}, sock_at, timeout=10.0)
+    session = session_for(sock_at)
+    reply, fd = session.ask({"op": "attach", "path": url}, 10.0)
     if fd is None:
-        conn.close()
         hint = (
             ""
             if url.endswith(".smst")
@@ -467,15 +466,11 @@ def _open_remote_blob(url: str, sock_at: Path, *, decode: bool = False) -> Store
         )
         raise DaemonError(msg)
     try:
-        conn.settimeout(None)
-        store = DaemonStore(fd, url, reply, conn, None)
+        store = DaemonStore(fd, url, reply, None, session)
         if decode and store.encoding in OBJECT_ENCODINGS:
-            store._conn = None  # handed over, with the fd, to the decoding store
+            store.detach_through(None)  # attached still, by the decoding store made of the same fd
             store.close()
-            store = DaemonObjectStore(fd, url, reply, conn, None)
-    except BaseException:
-        conn.close()
-        raise
+            store = DaemonObjectStore(fd, url, reply, None, session)
     finally:
         os.close(fd)
     return store
@@ -492,7 +487,7 @@ def _open_sharded(
     """A sharded dataset whose shards attach, on first use, through one connection per process."""
     if mode == "mmap":
         return open_sharded(spath, raw=raw)
-    session = DaemonSession(socket_path(socket))
+    session = session_for(socket)
     store_ref: Callable[[], ShardedStore | None] = lambda: None
 
     def is_open(k: int) -> bool:
@@ -509,6 +504,9 @@ def _open_sharded(
 
     index = {s.checksum: k for k, s in enumerate(manifest.shards)}
     ahead = Preattacher(session.path, manifest.path, index, is_open, release)
+    # A shard in object storage no sampler holds is held by the dataset's readers themselves,
+    # one at a time, under a holder of their own (apart from the process's samplers').
+    fetching = _Fetching(manifest, DaemonSession.new_holder(), threading.Lock())
 
     def opener(source: Source) -> Store:
         assert source.checksum is not None  # a manifest's sources record it
@@ -516,14 +514,9 @@ def _open_sharded(
         if ready is not None:
             return ready
         # By the checksum the manifest records: a served shard's file is never read.
-        store = _attach(
-            source.location, source.checksum, mode, session.path, session, (manifest, index[source.checksum])
+        return _attach(
+            source.location, source.checksum, mode, session.path, session, (fetching, index[source.checksum])
         )
-        if isinstance(store, DaemonStore):
-            # Detach through the connection that never waits for a load (the daemon counts any
-            # connection of this process as speaking for all of them).
-            store.detach_through(ahead.session)
-        return store
 
     # The session is closed with the store's last reference.
     store = open_sharded(
@@ -544,8 +537,16 @@ def _not_yet_served(reply: dict[str, Any], fd: int | None) -> bool:
     return fd is None and reply.get("error") == NOT_SERVED and not reply.get("reason")
 
 
+class _Fetching(NamedTuple):
+    """What a dataset's readers need to hold a shard in object storage for themselves."""
+
+    manifest: Manifest
+    holder: int  # their holder on the process's session
+    lock: threading.Lock  # the hold and the attach together: another reader's hold would replace it
+
+
 def _fetch_for_reader(
-    session: DaemonSession, checksum: str, url: str, shard: tuple[Manifest, int]
+    session: DaemonSession, checksum: str, url: str, shard: tuple[_Fetching, int]
 ) -> tuple[dict[str, Any], int | None]:
     """The daemon's answer for a shard in object storage that it does not serve now.
 
@@ -561,7 +562,8 @@ def _fetch_for_reader(
         DaemonError: The daemon refused the hold (why: its budget, the shard's fetch failed, the
             manifest in the bucket was replaced), or never served the shard.
     """
-    manifest, k = shard
+    fetching, k = shard
+    manifest = fetching.manifest
     warn_once(
         f"{manifest.path}: unheld",
         "%s: shard %s is read while no sampler holds it: fetched for this reader (slower than a "
@@ -572,8 +574,8 @@ def _fetch_for_reader(
         url,
         manifest.path,
     )
-    with session.lock:  # the hold and the attach together: another thread's hold would replace it
-        held = session.hold_shard(manifest, k)
+    with fetching.lock:
+        held = session.hold_shard(manifest, k, fetching.holder)
         if held.get("ok"):
             # Held until this process holds another shard so, or closes: planned after the
             # samplers' shards, and released first when one of theirs needs the room.
@@ -609,31 +611,27 @@ def _attach(
     mode: Mode,
     sock_at: Path,
     session: DaemonSession | None,
-    shard: tuple[Manifest, int] | None = None,
+    shard: tuple[_Fetching, int] | None = None,
 ) -> Store:
     """The daemon's copy of the blob at `spath` holding `checksum`, or (mode "auto") a mapping of the file.
 
     `shard`: the manifest and index of the shard at `spath` (a reader of one in object storage
     that no sampler holds holds it itself).
     """
-    conn: socket.socket | None = None
+    if session is None:
+        session = session_for(sock_at)
     # A shard in object storage has no file to fall back on: whatever the mode, the reader hears why.
-    remote = shard is not None and shard[0].sources[shard[1]].remote
+    remote = shard is not None and shard[0].manifest.sources[shard[1]].remote
     try:
-        if session is not None:
-            reply, fd = session.attach(checksum, spath)
-            if shard is not None and remote and _not_yet_served(reply, fd):
-                reply, fd = _fetch_for_reader(session, checksum, spath, shard)
-        else:
-            reply, fd, conn = request({"op": "attach", "checksum": checksum}, sock_at, timeout=10.0)
+        reply, fd = session.attach(checksum, spath)
+        if shard is not None and remote and _not_yet_served(reply, fd):
+            reply, fd = _fetch_for_reader(session, checksum, spath, shard)
     except DaemonError as e:
         if remote:
             raise needs_daemon(spath, "a shard", why=str(e)) from None
         fall_back(mode, spath, str(e), sock_at, "file")
         return Store(spath)
     if not reply.get("ok") or fd is None:
-        if conn is not None:
-            conn.close()
         if fd is not None:
             os.close(fd)
         if reply.get("error") == NOT_SERVED and not reply.get("reason"):
@@ -650,17 +648,11 @@ def _attach(
         fall_back(mode, spath, reason, sock_at, "file")
         return Store(spath)
     try:
-        if conn is not None:
-            conn.settimeout(None)
-        store = DaemonStore(fd, spath, reply, conn, session)
+        store = DaemonStore(fd, spath, reply, None, session)
         if (held := store.checksum) != checksum:
             store.close()
             msg = f"{spath}: the daemon on {sock_at} sent a segment holding {held}, not {checksum}"
             raise DaemonError(msg)
-    except BaseException:
-        if conn is not None:
-            conn.close()
-        raise
     finally:
         os.close(fd)  # the mapping holds the segment now
     log_once(spath, "daemon", "%s: using the smstore daemon's shared-memory copy %s", spath, store.segment)
