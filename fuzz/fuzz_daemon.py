@@ -18,6 +18,8 @@ with atheris.instrument_imports():
     from smstore.daemon.loader import Loaded
     from smstore.daemon.segments import Segment, unlink_quietly
     from smstore.daemon.server import Daemon
+    from smstore.daemon.sources import Source
+    from smstore.wire.protocol import Piece
 
 # Input byte 0 holds these flags, byte 1 the chunk size (0: one write); the rest is what the client sends.
 NOT_OWNER = 1  # the client is another uid the daemon admitted (a group member): no load/unload/stop
@@ -62,7 +64,9 @@ def serve_one_segment() -> tuple[Daemon, Segment, int]:
     daemon = Daemon(WORK / "d.sock")
     blob = WORK / "served.smst"
     smstore.pack([b"zero", b"", b"two"], blob, durable=False)
-    seg = daemon.serving.register(os.fspath(blob), daemon.serving.loader._load_one(os.fspath(blob), None))
+    seg = daemon.serving.register(
+        os.fspath(blob), daemon.serving.loader._load_one(Source.named(os.fspath(blob)), Piece(0))
+    )
     unlink_quietly(seg.name)
     return daemon, seg, os.dup(seg.fd)
 
@@ -82,8 +86,8 @@ def check_table() -> None:
     counted: dict[int, int] = {}
     for conn in DAEMON.conns.values():
         counted[conn.uid] = counted.get(conn.uid, 0) + 1
-    if counted != DAEMON.per_uid:
-        raise Finding(f"per_uid {DAEMON.per_uid} but connections by uid {counted}")
+    if counted != dict(DAEMON.per_uid()):
+        raise Finding(f"per_uid {DAEMON.per_uid()} but connections by uid {counted}")
     if BUGS.records:
         record = BUGS.records[0]
         raise Finding(f"the daemon hit an unexpected error: {record.getMessage()}") from record.exc_info[1]
@@ -180,8 +184,8 @@ def reset_daemon() -> None:
 def check_clean() -> None:
     """Nothing of the connection outlives it; no descriptor leaks across inputs."""
     global fd_baseline, iterations
-    if DAEMON.conns or DAEMON.per_uid or DAEMON.sel.get_map():
-        raise Finding(f"after close: conns {DAEMON.conns}, per_uid {DAEMON.per_uid}")
+    if DAEMON.conns or DAEMON.per_uid() or DAEMON.sel.get_map():
+        raise Finding(f"after close: conns {DAEMON.conns}, per_uid {DAEMON.per_uid()}")
     if any(seg.clients for seg in DAEMON.segments.values()):
         raise Finding("a closed connection is still listed as a segment's client")
     iterations += 1
