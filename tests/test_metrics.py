@@ -175,7 +175,7 @@ def test_held_shards_the_budget_and_a_reader_that_waited_for_a_load(
     try:
         hold = {"op": "hold", "manifest": os.fspath(out), "shards": "0,1"}
         rank.sendall(tl.frame(json.dumps(hold).encode()))
-        assert tl.read_reply(rank) == {"ok": True, "resident": 0, "held": 2}
+        assert tl.read_reply(rank) == {"ok": True, "resident": 0, "held": 2, "limit": limit}
         attach = {"op": "attach", "checksum": m.shards[1].checksum, "path": m.shard_path(1)}
         reader.sendall(tl.frame(json.dumps(attach).encode()))
         reply = tl.read_reply(reader)

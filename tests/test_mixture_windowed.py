@@ -19,6 +19,7 @@ import smstore
 from smstore import MixtureError
 from smstore.format.manifest import read_manifest
 from smstore.sampling import Mixture, MixtureDataset, MixtureSampler, ResumableLoader, WindowedMixtureSampler
+from smstore.sampling.plan import check_room
 from smstore.wire.residency import ShardResidency
 
 from .daemon_testlib import Daemon
@@ -412,6 +413,14 @@ def test_windows_for_a_budget(tmp_path: Path) -> None:
     assert WindowedMixtureSampler.windows_for(ds, 10**12)[:2] == [12, len(read_manifest(b).shards)]
     with pytest.raises(ValueError, match="cannot hold two of the largest shards of every sharded source"):
         WindowedMixtureSampler.windows_for(ds, 2 * la + 2 * lb - 1)
+    # The rule that refuses windows picked by hand once a daemon says its limit never refuses
+    # those windows_for picks (one rule of pages, two callers); windows too large for it, it does.
+    ma, mb = read_manifest(a), read_manifest(b)
+    for limit in (2 * la + 2 * lb, budget, 3 * budget):
+        w = WindowedMixtureSampler.windows_for(ds, limit)
+        check_room([(ma, w[0]), (mb, w[1])], limit, "test")
+    with pytest.raises(ValueError, match=r"two windows of 12, 6 shards need .*--shm-limit of"):
+        check_room([(ma, 12), (mb, 6)], budget, "test")
 
 
 def mixture_of_packed(tmp_path: Path, mode: str) -> tuple[MixtureDataset, list[list[bytes]], list[Path]]:

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import smstore
+from smstore import _core
 from smstore.errors import DaemonError
 from smstore.format.manifest import read_manifest
 from smstore.sampling import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
@@ -334,6 +335,32 @@ def test_the_readme_recipe_runs_an_epoch_across_window_switches(
         sampler.close()
     assert sampler.residency.kind == "daemon"
     assert got == [recs[i] for i in order_of(ds.shard_sizes, window, seed=1)]
+
+
+def test_a_window_picked_by_hand_that_cannot_fit_two_at_a_time_is_refused_before_the_first_sample(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """window_for never chooses windows two of which cannot fit --shm-limit; a window picked by
+    hand could, and the epoch then stopped at its first window switch (the window read next waited
+    for room the one read kept). The daemon's hold reply says its limit, and the sampler refuses
+    such windows before its first sample, naming window_for; a window that fits runs."""
+    out, _recs = equal_shards(tmp_path)
+    budget = 6 * _core.shm_footprint(read_manifest(out).shards[0].file_size)  # two windows of 3 shards
+    start_daemon(args=("--shm-limit", str(budget)), loaded=0)
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
+    assert WindowedShuffleSampler.window_for(ds, budget) == 3
+    big = WindowedShuffleSampler(ds, window=4, seed=1, rank=0, world_size=1, lag=40)
+    try:
+        with pytest.raises(ValueError, match=r"two windows of 4 shards need .*window_for"):
+            next(iter(big))
+        assert big.residency.limit == budget
+    finally:
+        big.close()
+    fits = WindowedShuffleSampler(ds, window=3, seed=1, rank=0, world_size=1, lag=40)
+    try:
+        assert sorted(fits) == list(range(len(ds)))
+    finally:
+        fits.close()
 
 
 def test_readers_release_shards_they_stopped_reading(tmp_path: Path) -> None:
@@ -665,7 +692,7 @@ def test_a_hold_reads_a_rewritten_manifest_again(tmp_path: Path, start_daemon: C
 
     s = tl.raw(d.sock)
     try:
-        assert hold("0") == {"ok": True, "resident": 0, "held": 1}
+        assert hold("0") == {"ok": True, "resident": 0, "held": 1, "limit": 0}
         reply = hold("4")
         assert reply is not None
         assert reply["error"] == "bad_request"
@@ -711,7 +738,7 @@ def test_malformed_holds_are_refused_and_the_daemon_serves_on(
         # Nothing was loaded or held, and a good hold on the same connection works.
         assert d.status()["segments"] == []
         s.sendall(tl.frame(json.dumps({"op": "hold", "manifest": manifest, "shards": "2,0"}).encode()))
-        assert tl.read_reply(s) == {"ok": True, "resident": 0, "held": 2}
+        assert tl.read_reply(s) == {"ok": True, "resident": 0, "held": 2, "limit": 0}
         deadline = time.monotonic() + 30
         while len(d.status()["segments"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
