@@ -16,7 +16,7 @@ import pytest
 import smstore
 from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
 from smstore.format.manifest import read_manifest
-from smstore.sampling import Mixture, ResumableLoader, WindowedMixtureSampler
+from smstore.sampling import BlockWindowSampler, Mixture, ResumableLoader, WindowedMixtureSampler
 from smstore.write.pack import build_metadata
 
 torch = pytest.importorskip("torch")
@@ -141,7 +141,7 @@ def test_what_the_batcher_cannot_do_is_refused(stores: dict[str, Path]) -> None:
 
 @pytest.mark.parametrize("data", DATA)
 @pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("kind", ["global", "windowed", "mixture"])
+@pytest.mark.parametrize("kind", ["global", "windowed", "block", "mixture"])
 def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size: int, data: str) -> None:
     def make(rank: int) -> Any:
         if kind == "global":
@@ -149,6 +149,10 @@ def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size
         if kind == "windowed":
             return WindowedShuffleSampler(
                 [60, 60, 70, 50], window=2, seed=5, rank=rank, world_size=world_size
+            )
+        if kind == "block":
+            return BlockWindowSampler(
+                [60, 60, 70, 50], block=9, spread=2, seed=5, rank=rank, world_size=world_size, residency=False
             )
         return MixtureSampler(Mixture([100, 140], [0.7, 0.3]), seed=5, rank=rank, world_size=world_size)
 
