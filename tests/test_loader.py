@@ -648,12 +648,14 @@ def left_behind(before: tuple[set[str], set[str]], root: Path) -> tuple[set[str]
 @pytest.mark.parametrize("data", DATA)
 def test_clean_shutdown_mid_epoch(stores: dict[str, Path], data: str) -> None:
     sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
+    # mode="mmap": the threads counted are the Loader's alone (a sharded dataset's reads in mode
+    # "auto" start the pre-attaching thread, which ends soon after without a daemon).
     smstore.Store(stores["u2"]).close()  # the unmap thread, if any, starts before the count
     gc.collect()
     root = stores[data].parent
     before = tasks(), loader_fds(root)
     nothing: tuple[set[str], set[str]] = (set(), set())
-    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=3, depth=3)
+    loader = Loader(stores[data], sampler=sampler, mode="mmap", batch_size=4, threads=3, depth=3)
     it = iter(loader)
     next(it)
     assert len(tasks() - before[0]) == 3
@@ -662,16 +664,16 @@ def test_clean_shutdown_mid_epoch(stores: dict[str, Path], data: str) -> None:
     with pytest.raises(StopIteration):
         next(it)
     # Stopping by dropping the loader, or leaving a with block, does the same.
-    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=2)
+    loader = Loader(stores[data], sampler=sampler, mode="mmap", batch_size=4, threads=2)
     it = iter(loader)
     next(it)
     del loader, it
     assert left_behind(before, root) == nothing
-    with Loader(stores[data], sampler=sampler, batch_size=4) as loader:
+    with Loader(stores[data], sampler=sampler, mode="mmap", batch_size=4) as loader:
         next(iter(loader))
     assert left_behind(before, root) == nothing
     # A new pass ends the one before it, threads included.
-    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=2)
+    loader = Loader(stores[data], sampler=sampler, mode="mmap", batch_size=4, threads=2)
     old = iter(loader)
     next(old)
     new = iter(loader)
