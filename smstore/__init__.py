@@ -60,6 +60,7 @@ if TYPE_CHECKING:
     from smstore.loading.transform_loader import TransformLoader
     from smstore.read.dataset import SharedStoreDataset
     from smstore.read.shared_list import SharedList
+    from smstore.read.tokens import TokenWindows
     from smstore.read.views import Concat, Repeat, Subset, select
     from smstore.sampling import (
         BlockWindowSampler,
@@ -124,6 +125,7 @@ __all__ = [
     "StoreVersionError",
     "Subset",
     "TokenCollator",
+    "TokenWindows",
     "TransformLoader",
     "WindowedMixtureSampler",
     "WindowedShuffleSampler",
@@ -172,6 +174,7 @@ _LAZY = {
     "Subset": "smstore.read.views",
     "Repeat": "smstore.read.views",
     "Concat": "smstore.read.views",
+    "TokenWindows": "smstore.read.tokens",
     "select": "smstore.read.views",
     "TransformLoader": "smstore.loading.transform_loader",
 }

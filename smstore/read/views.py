@@ -44,7 +44,7 @@ Index = np.ndarray[Any, np.dtype[np.int64]]
 # ----------------------------------------------------------------------------- sources
 
 
-def _portable(source: Any) -> Any:
+def portable_source(source: Any) -> Any:
     """What a view pickles in place of its source: a Store or ShardedStore (which cannot be
     pickled) becomes its path and checksum; anything else pickles as itself (a
     SharedStoreDataset as its path, a SharedList by handing its segment over)."""
@@ -77,7 +77,7 @@ class _StoreRef:
         return store
 
 
-def _restore(source: Any) -> Any:
+def restored_source(source: Any) -> Any:
     return source.open() if isinstance(source, _StoreRef) else source
 
 
@@ -149,12 +149,12 @@ class View:
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         if "source" in state:
-            state["source"] = _portable(state["source"])
+            state["source"] = portable_source(state["source"])
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if "source" in state:
-            state["source"] = _restore(state["source"])
+            state["source"] = restored_source(state["source"])
         self.__dict__.update(state)
 
 
@@ -371,11 +371,11 @@ class Concat(View):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["sources"] = [_portable(s) for s in self.sources]
+        state["sources"] = [portable_source(s) for s in self.sources]
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        state["sources"] = [_restore(s) for s in state["sources"]]
+        state["sources"] = [restored_source(s) for s in state["sources"]]
         self.__dict__.update(state)
 
     def __repr__(self) -> str:
