@@ -150,9 +150,9 @@ def wait_line(proc: subprocess.Popen[bytes]) -> None:
 
 def holder_child(args: argparse.Namespace) -> None:
     """A rank holding every shard of the dataset until its stdin closes."""
-    from smstore.wire.residency import ShardResidency
+    from smstore.wire.residency import Residency
 
-    residency = ShardResidency(args.dataset, mode="daemon")
+    residency = Residency(args.dataset, mode="daemon")
     residency.hold(range(len(read_manifest(args.dataset).shards)), wait=True)
     print("ready", flush=True)
     sys.stdin.read()

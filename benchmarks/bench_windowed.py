@@ -86,7 +86,8 @@ from smstore.sampling import (
     block_bounds,
 )
 from smstore.sampling.plan import neighbour_spread
-from smstore.wire.blocks import BlockReader, BlockResidency
+from smstore.wire.blocks import BlockReader
+from smstore.wire.residency import Residency
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -461,7 +462,7 @@ def rank_child(args: argparse.Namespace) -> None:
         block, spread = args.block
         sampler: Any = BlockWindowSampler(
             sizes, block=block, spread=spread, seed=args.seed, rank=args.rank_child, world_size=args.ranks,
-            lag=args.lag, residency=BlockResidency(args.dataset, mode="daemon"),
+            lag=args.lag, residency=Residency(args.dataset, mode="daemon"),
         )  # fmt: skip
         plain: Any = BlockWindowSampler(
             sizes, block=block, spread=spread, seed=args.seed, rank=args.rank_child, world_size=args.ranks,

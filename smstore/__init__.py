@@ -72,7 +72,7 @@ if TYPE_CHECKING:
         WindowedShuffleSampler,
     )
     from smstore.wire.client import DaemonStore, daemon_request, open_store
-    from smstore.wire.residency import ShardResidency
+    from smstore.wire.residency import Residency, ShardResidency
     from smstore.write.arrays import pack_arrays, pack_npy_lines
 
 __version__: str = _core.__version__
@@ -102,6 +102,7 @@ __all__ = [
     "RemoteNotFoundError",
     "RemoteURLError",
     "Repeat",
+    "Residency",
     "ResumableLoader",
     "ShardResidency",
     "ShardedObjectStore",
@@ -158,6 +159,7 @@ _LAZY = {
     "MixtureDataset": "smstore.sampling",
     "MixtureSampler": "smstore.sampling",
     "WindowedMixtureSampler": "smstore.sampling",
+    "Residency": "smstore.wire.residency",
     "ShardResidency": "smstore.wire.residency",
     "pack_arrays": "smstore.write.arrays",
     "pack_npy_lines": "smstore.write.arrays",

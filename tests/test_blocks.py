@@ -15,6 +15,7 @@ import pytest
 from smstore_testlib import outcome_past_a_fifo, run_ranks
 
 import smstore
+from smstore import _core
 from smstore.errors import DaemonError, StoreChangedError
 from smstore.format.manifest import ShardInfo, read_manifest, write_manifest
 from smstore.read import modes as _modes
@@ -149,6 +150,28 @@ def test_plan_fits_what_is_held_and_room_for_one_released_block_in_the_budget(tm
     assert BlockWindowSampler.plan(out, 2 * budget, block_bytes=16 << 10)[1] > spread
     with pytest.raises(ValueError, match="raise the budget"):
         BlockWindowSampler.plan(out, 5 * (16 << 10), block_bytes=16 << 10)
+
+
+def test_plan_counts_each_piece_with_its_shards_metadata_as_the_daemon_does(tmp_path: Path) -> None:
+    """The daemon writes a piece as a blob of its records with its shard's metadata
+    (daemon.sources.Source.piece_size) and admits its load by those pages; the planner counted
+    the records alone, so shards with much metadata got a spread whose pieces overfilled the budget."""
+    meta, record_bytes, sizes = 64 << 10, 1000, [1000] * 8
+    path = tmp_path / "ds.json"
+    shards = [
+        ShardInfo(f"s{k}.smst", x, x * record_bytes, _core.blob_size(x, x * record_bytes, meta), "0" * 16)
+        for k, x in enumerate(sizes)
+    ]
+    write_manifest(path, "raw", shards, durable=False)
+    budget = 2 << 20
+    block, spread = BlockWindowSampler.plan(path, budget, block_bytes=16 << 10)
+    _first, length, _shard = block_bounds(sizes, block)
+
+    def pages(records: int) -> int:  # what the daemon's budget counts for a piece of `records`
+        return _core.shm_footprint(_core.blob_size(records, records * record_bytes, meta))
+
+    # The most held at once (spread + 2 groups and one released, a block at each end) fits.
+    assert (spread + 3) * pages(block) + 2 * pages(int(length.max())) <= budget, (block, spread)
 
 
 def test_the_planner_keeps_source_neighbours_in_a_block_out_of_a_batch(tmp_path: Path) -> None:
@@ -449,7 +472,7 @@ def test_without_a_daemon_a_reader_reads_every_record_from_the_files(
     out, recs = sharded(tmp_path, shards=3)
     monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "none" / "smstore.sock"))
     sizes = [s.records for s in read_manifest(out).shards]
-    residency = BlockResidency(out)  # "auto": no daemon, nothing held (a warning says so)
+    residency = BlockResidency(out)  # "auto": no daemon: the page cache (a warning says so)
     sampler = BlockWindowSampler(sizes, block=50, spread=3, seed=1, rank=0, world_size=1, residency=residency)
     reader = BlockReader(out, block=50, keep=sampler.keep)
     try:
@@ -457,11 +480,45 @@ def test_without_a_daemon_a_reader_reads_every_record_from_the_files(
     finally:
         reader.close()
         sampler.close()
-    assert residency.kind == "file"
+    assert residency.kind == "page cache"  # the blocks read ahead into the page cache
     assert "instead of using the smstore daemon" in caplog.text
     assert sorted(i for i, _ in got) == list(range(len(recs)))
     assert all(data == recs[i] for i, data in got)
     assert (reader.block_reads, reader.file_reads) == (0, len(recs))
+
+
+def test_without_a_daemon_the_residency_reads_a_blocks_bytes_ahead_and_drops_them_once_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One residency for shards and blocks: without a daemon, a block (a record range) is read ahead
+    into the page cache as a shard is, but only its records' bytes, and dropped once no longer held
+    (the block residency held nothing without a daemon)."""
+    out, _recs = sharded(tmp_path, shards=3)
+    advised: list[tuple[str, int, int, int]] = []
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        advised.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice))
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    manifest = read_manifest(out)
+    shard0, shard1 = (os.path.realpath(manifest.shard_path(k)) for k in (0, 1))
+    with smstore.Store(shard0) as store:
+        start = _core.read_header(shard0).data_offset
+        first, end = int(store.offsets[10]), int(store.offsets[60])
+    residency = BlockResidency(out, mode="mmap")
+    try:
+        residency.hold([Piece(0, 10, 60)], wait=True)
+        assert advised == [(shard0, start + first, end - first, os.POSIX_FADV_WILLNEED)]
+        residency.hold([Piece(1)], wait=True)  # a whole shard: its file; the block is dropped
+        assert sorted(advised[1:]) == sorted(
+            [
+                (shard1, 0, 0, os.POSIX_FADV_WILLNEED),
+                (shard0, start + first, end - first, os.POSIX_FADV_DONTNEED),
+            ]
+        )
+        assert residency.kind == "page cache"
+    finally:
+        residency.close()
 
 
 def test_resume_at_another_world_size_through_the_daemon_reads_the_rest_byte_exact(

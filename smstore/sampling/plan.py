@@ -101,9 +101,17 @@ def plan_windows(sources: Sequence[Any], weights: Sequence[Fraction], budget: in
     return windows
 
 
-def _piece_pages(records: int, per_record: float) -> int:
-    """A piece of ``records`` records as the daemon holds it: a blob of them, in whole pages."""
-    return _core.shm_footprint(_core.blob_size(records, math.ceil(records * per_record)))
+def _piece_pages(records: int, per_record: float, meta: int) -> int:
+    """A piece of ``records`` records as the daemon holds it: a blob of them with its shard's
+    ``meta`` bytes of metadata (``daemon.sources.Source.piece_size``), in whole pages."""
+    return _core.shm_footprint(_core.blob_size(records, math.ceil(records * per_record), meta))
+
+
+def _largest_meta(manifest: Manifest) -> int:
+    """The most metadata a shard of `manifest` carries: what its file holds beyond records and index."""
+    return max(
+        (max(0, s.file_size - _core.blob_size(s.records, s.data_bytes)) for s in manifest.shards), default=0
+    )
 
 
 def plan_blocks(dataset: Any, budget: int, block_bytes: int) -> tuple[int, int]:
@@ -116,10 +124,11 @@ def plan_blocks(dataset: Any, budget: int, block_bytes: int) -> tuple[int, int]:
     block = max(1, math.ceil(1.05 * block_bytes / per_record))
     longest = max((-(-x // max(1, x // block)) for x in shard_records), default=block)
     # Groups of one block each, and the rest of a block at each end (a group shares one with the next).
-    ends = 2 * _piece_pages(longest, per_record)
-    counts = fit(budget - ends, [_piece_pages(block, per_record)], [1], 4)
+    meta = _largest_meta(manifest)
+    ends = 2 * _piece_pages(longest, per_record, meta)
+    counts = fit(budget - ends, [_piece_pages(block, per_record, meta)], [1], 4)
     if counts is None:
-        held = max(0, (budget - ends) // _piece_pages(block, per_record))
+        held = max(0, (budget - ends) // _piece_pages(block, per_record, meta))
         msg = (
             f"a budget of {budget} bytes holds {held} groups of {block} records ({block_bytes} bytes) "
             f"beside two blocks of up to {longest} records; at least 4 are needed (the window's, the next, "

@@ -31,7 +31,7 @@ else:
     except ImportError:  # pragma: no cover - torch is optional: the sampler serves any loop without it
         _SamplerBase = object
 
-__all__ = ["STATE_VERSION", "GlobalShuffleSampler", "check_spec", "piece_residency", "shard_residency"]
+__all__ = ["STATE_VERSION", "GlobalShuffleSampler", "check_spec", "residency_of"]
 
 # 2: the state names its order by its spec ({"kind", "params", "data"}); 1 named the kind and
 # wrote each kind's entries beside it (translated by check_spec).
@@ -544,32 +544,20 @@ def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
-def _residency(dataset: Any, make: Any) -> Any:
-    """``make`` (a residency class) for the dataset's manifest, with its daemon's socket, its mode
-    and its parsed manifest (a dataset URL's: not fetched again); None if it is not sharded."""
+def residency_of(dataset: Any) -> Any:
+    """The :class:`~smstore.wire.residency.Residency` an order drives (the pieces it holds: whole
+    shards or record ranges of them) for a SharedStoreDataset of a sharded dataset, with its
+    daemon's socket, its mode and its parsed manifest (a dataset URL's: not fetched again); None
+    if it is not sharded."""
     from smstore.sampling.plan import manifest_of
+    from smstore.wire.residency import Residency
 
     path = manifest_of(dataset)
     if path is None:
         return None
-    return make(
+    return Residency(
         path,
         mode=getattr(dataset, "mode", "auto"),
         socket=getattr(dataset, "socket", None),
         manifest=getattr(dataset, "manifest", None),
     )
-
-
-def shard_residency(dataset: Any) -> Any:
-    """A :class:`~smstore.ShardResidency` for a SharedStoreDataset of a sharded dataset, else None."""
-    from smstore.wire.residency import ShardResidency
-
-    return _residency(dataset, ShardResidency)
-
-
-def piece_residency(dataset: Any) -> Any:
-    """A :class:`~smstore.wire.blocks.BlockResidency` (pieces of shards) for a SharedStoreDataset of a
-    sharded dataset, else None."""
-    from smstore.wire.blocks import BlockResidency
-
-    return _residency(dataset, BlockResidency)

@@ -17,7 +17,7 @@ from smstore.errors import MixtureError
 from smstore.sampling.mixture import Mixture, MixtureDataset, MixtureSpec, WindowedMixtureSpec
 from smstore.sampling.orders import BlockSpec, BlockWindowOrder, WindowedSpec
 from smstore.sampling.plan import plan_blocks, plan_window, plan_windows
-from smstore.sampling.sampler import GlobalShuffleSampler, piece_residency, shard_residency
+from smstore.sampling.sampler import GlobalShuffleSampler, residency_of
 from smstore.wire.blocks import Piece
 
 __all__ = ["BlockWindowSampler", "MixtureSampler", "WindowedMixtureSampler", "WindowedShuffleSampler"]
@@ -37,7 +37,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
     GlobalShuffleSampler's). docs/training.md measures how close other windows come.
 
     **Residency.** Over a :class:`~smstore.SharedStoreDataset` of a sharded dataset, the sampler
-    tells the node which shards it needs as its order reaches them (:class:`ShardResidency`):
+    tells the node which shards it needs as its order reaches them (:class:`Residency`):
     the window it reads, the next one (loaded in the background while this one is read) and, for
     the first ``lag`` samples of a window, the previous one (DataLoader workers are still reading
     it: they run up to ``prefetch_factor * num_workers`` batches behind the sampler). With a
@@ -54,7 +54,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
         world_size: The number of ranks (default: found like ``rank``).
         drop_last: Drop the tail that does not divide evenly instead of padding.
         residency: ``None`` (default): manage residency when ``dataset`` is a sharded
-            SharedStoreDataset; ``False``: never; or a :class:`ShardResidency` to use.
+            SharedStoreDataset; ``False``: never; or a :class:`Residency` to use.
         lag: Samples of this rank during which the previous window stays held; at least
             ``prefetch_factor * num_workers * batch_size`` (a shard released too early is read
             from its file, correctly but more slowly).
@@ -78,7 +78,7 @@ class WindowedShuffleSampler(GlobalShuffleSampler):
             raise ValueError(msg)
         spec = WindowedSpec(sizes, min(window, max(1, len(sizes))))
         if residency is None:
-            residency = shard_residency(dataset)
+            residency = residency_of(dataset)
         self._configure(
             spec,
             seed=seed,
@@ -131,9 +131,10 @@ class BlockWindowSampler(GlobalShuffleSampler):
     windows, the groups up to ``spread + 1`` are held from the start); the blocks of every window
     among this rank's last ``lag`` samples stay held too (the previous window's, for the first
     ``lag`` samples of a window; more where windows are shorter, as at the epoch's end).
-    The sampler holds those blocks (each a :class:`smstore.wire.blocks.Piece` of one shard, with
-    :class:`smstore.wire.blocks.BlockResidency`), so a daemon loads each one once an epoch, in one
-    sequential read, within its ``--shm-limit``, and drops it when no rank holds it. Readers read
+    The sampler holds those blocks (each a :class:`smstore.wire.protocol.Piece` of one shard, with
+    the one :class:`~smstore.Residency`, as windows of shards are held), so a daemon loads each one
+    once an epoch, in one sequential read, within its ``--shm-limit``, and drops it when no rank
+    holds it; without a daemon their bytes are read ahead into the page cache. Readers read
     records through :class:`smstore.wire.blocks.BlockReader` (``keep=sampler.keep``).
 
     Args:
@@ -146,8 +147,8 @@ class BlockWindowSampler(GlobalShuffleSampler):
         rank: This rank (default: from torch.distributed or ``RANK``).
         world_size: The number of ranks (default: found like ``rank``).
         drop_last: Drop the tail that does not divide evenly instead of padding.
-        residency: ``None`` (default): a :class:`~smstore.wire.blocks.BlockResidency` when
-            ``dataset`` names a manifest; ``False``: none; or one to use.
+        residency: ``None`` (default): a :class:`~smstore.Residency` when ``dataset`` names a
+            manifest; ``False``: none; or one to use.
         lag: Samples of this rank whose blocks stay held after the sampler moved past them: at
             least ``prefetch_factor * num_workers * batch_size``, the most a DataLoader's workers
             read behind it (a block released under a worker still to read it is fetched again).
@@ -172,7 +173,7 @@ class BlockWindowSampler(GlobalShuffleSampler):
                 msg = f"{name} must be a positive integer, not {value!r}"
                 raise ValueError(msg)
         if residency is None:
-            residency = piece_residency(dataset)
+            residency = residency_of(dataset)
         self._configure(
             BlockSpec(sizes, block, spread),
             seed=seed,
@@ -195,9 +196,9 @@ class BlockWindowSampler(GlobalShuffleSampler):
         What is held at once (``spread + 2`` groups of ``block`` records: the window's, the next
         and one in the lag; and the rest of a block at each end, which a group shares with the
         next, at most the longest block) and one group's room more fill the budget, with each
-        piece's header, index and page rounding. The room is for the block the lag released:
-        its pages count until every reader has unmapped it (at its next new block), and the next
-        block's load should not wait for that. The spread, and with it the shards a batch draws
+        piece's header, index, its shard's metadata and page rounding, as the daemon counts a
+        piece. The room is for the block the lag released: its pages count until every reader has
+        unmapped it (at its next new block), and the next block's load should not wait for that. The spread, and with it the shards a batch draws
         from, grows with the budget over the block size (docs/training.md, "Block windows"); it is
         the widest that fits whose deal keeps source neighbours ``spread // 5`` windows apart
         (1 to 3 narrower in about 1 % of cases), so they never share a batch of
@@ -277,7 +278,7 @@ class WindowedMixtureSampler(MixtureSampler):
     same for every world size, split across ranks, padded and resumed in O(1) at any world size
     exactly as :class:`MixtureSampler` does.
 
-    **Residency.** For each source with a :class:`~smstore.ShardResidency` (by default every
+    **Residency.** For each source with a :class:`~smstore.Residency` (by default every
     :class:`~smstore.SharedStoreDataset` of a sharded dataset among a :class:`MixtureDataset`'s
     sources), the sampler holds the window it reads, the next one and, for ``lag`` samples of
     this rank after a window ends, the previous one: the daemon keeps one window per source
@@ -297,7 +298,7 @@ class WindowedMixtureSampler(MixtureSampler):
         drop_last: Drop the tail that does not divide evenly instead of padding.
         shard_sizes: Per source, its shards' record counts, or ``None`` for a source without
             shards (default: each source's ``shard_sizes``).
-        residency: ``None`` (default): a :class:`~smstore.ShardResidency` for each sharded
+        residency: ``None`` (default): a :class:`~smstore.Residency` for each sharded
             SharedStoreDataset source; ``False``: none; or one per source (``None`` for none).
         lag: Samples of this rank during which the windows just left stay held; at least
             ``prefetch_factor * num_workers * batch_size``.
@@ -390,7 +391,7 @@ def _residencies(residency: Any, sources: list[Any] | None, count: int) -> list[
     if residency is False:
         return [None] * count
     if residency is None:
-        return [shard_residency(x) for x in sources] if sources else [None] * count
+        return [residency_of(x) for x in sources] if sources else [None] * count
     given = list(residency)
     if len(given) != count:
         msg = f"{len(given)} residencies for {count} sources: give one per source (None for none)"

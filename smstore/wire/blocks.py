@@ -14,13 +14,12 @@ import bisect
 import contextlib
 import os
 from collections import OrderedDict
-from collections.abc import Sequence
 from typing import Any
 
 from smstore import _core
 from smstore.errors import DaemonError, RemoteNeedsDaemonError, StoreChangedError
-from smstore.format.manifest import Manifest, absolute, hold_fields, read_manifest
-from smstore.read.modes import Mode, check_mode, fall_back, warn_once
+from smstore.format.manifest import absolute, hold_fields, read_manifest
+from smstore.read.modes import warn_once
 from smstore.remote.urls import needs_daemon
 from smstore.wire.client import DaemonSession, session_for
 from smstore.wire.ipc import socket_path, wait_until_served
@@ -32,6 +31,7 @@ from smstore.wire.protocol import (
     piece_path,
     pieces_value,
 )
+from smstore.wire.residency import Residency
 
 # How long a reader's own hold may wait for its reply (the daemon fetching a dataset's manifest
 # first): as long as a reader waits for a load (client.LOAD_WAIT).
@@ -342,116 +342,5 @@ class BlockReader:
         self._pid = os.getpid()
 
 
-class BlockResidency:
-    """Which pieces of a sharded dataset this rank needs now, told to the daemon (``hold``).
-
-    Without a daemon (``mode="auto"``) nothing is held: readers read the shard files (a warning
-    once per process says so); ``mode="daemon"`` requires one.
-
-    Args:
-        path: The manifest, or a directory holding ``manifest.json``.
-        mode: ``"auto"``, ``"daemon"`` or ``"mmap"`` (never a daemon), as for every reader.
-        socket: The daemon's socket (default: ``$SMSTORE_SOCKET``, else the per-user default).
-        manifest: The manifest at `path`, parsed already (a dataset URL's is not fetched again).
-    """
-
-    def __init__(
-        self,
-        path: str | os.PathLike[str],
-        *,
-        mode: Mode = "auto",
-        socket: str | os.PathLike[str] | None = None,
-        manifest: Manifest | None = None,
-    ) -> None:
-        self.mode: Mode = check_mode(mode)
-        if manifest is None:
-            manifest = read_manifest(path)
-        self.path = absolute(manifest.path)
-        # A dataset in object storage: its holds name the dataset, and without a daemon there is
-        # no file to read instead.
-        self._hold_fields = hold_fields(manifest)
-        self.socket = socket_path(socket)
-        self.kind: str | None = None
-        self.held: tuple[Piece, ...] = ()
-        # Its holds on the process's session are its own: the daemon replaces only this holder's.
-        self._holder = DaemonSession.new_holder()
-        self._refused = False  # a hold sent without waiting was refused (or unanswered)
-
-    def hold(self, pieces: Sequence[Piece], *, wait: bool = False) -> None:
-        """Need `pieces` (in the order to load them) and no others from now on.
-
-        Args:
-            pieces: The pieces, the window's first.
-            wait: Wait for the daemon's answer (the first hold of a pass: a refusal is raised
-                before any batch). Otherwise the hold is sent without a reply, inside the training
-                loop's ``next()``: a refusal of it is read and raised by the next hold.
-
-        Raises:
-            DaemonError: The daemon refused (a piece larger than its ``--shm-limit``, a shard
-                changed since its manifest was written), or none answers with ``mode="daemon"``.
-        """
-        wanted = tuple(pieces)
-        remote = "dataset" in self._hold_fields
-        if self.mode == "mmap":
-            if remote:
-                msg = (
-                    f'{self.path}: a dataset in object storage is held only by the daemon; mode="mmap" cannot'
-                )
-                raise DaemonError(msg)
-            self.kind, self.held = "file", wanted
-            return
-        session = session_for(self.socket)
-        message = {
-            "op": "hold",
-            **self._hold_fields,
-            "holder": self._holder,
-            "pieces": pieces_value(wanted),
-        }
-        if self.kind == "daemon":
-            session.pump()  # a refusal of the last hold, arrived since, is heard now
-        if not wait and self.kind == "daemon" and session.conn is not None and not self._refused:
-            try:
-                session.send(message, self._heard)
-            except DaemonError:
-                pass  # sent again with a reply: reconnects, or falls back
-            else:
-                self.held = wanted
-                return
-        self._refused = False
-        try:
-            reply, fd = session.ask(message, 10.0)
-        except DaemonError as e:
-            # A dataset in object storage has no file to read instead: no daemon is an error.
-            fall_back("daemon" if remote else self.mode, self.path, str(e), self.socket, "file")
-            self.kind, self.held = "file", wanted
-            return
-        if fd is not None:
-            os.close(fd)
-        if not reply.get("ok"):
-            # Nothing is held for this sampler any more (what it held before may be the very
-            # pieces refused now): its readers read the files, which say what changed.
-            self._release(session)
-            msg = f"{self.path}: the smstore daemon on {self.socket} refused: {reply.get('message', reply)}"
-            raise DaemonError(msg)
-        self.kind, self.held = "daemon", wanted
-
-    def _heard(self, reply: dict[str, Any] | None, error: BaseException | None) -> None:
-        """The reply to a hold sent without waiting: a refusal (or no reply) has the next hold
-        sent with a reply, which raises the refusal if it still holds."""
-        if error is not None or reply is None or not reply.get("ok"):
-            self._refused = True
-
-    def close(self) -> None:
-        """Give up every hold (the daemon drops the pieces no other rank holds)."""
-        if self.kind == "daemon":
-            self._release(session_for(self.socket))
-
-    def _release(self, session: DaemonSession) -> None:
-        if session.conn is not None:
-            release = {"op": "hold", **self._hold_fields, "holder": self._holder, "pieces": ""}
-            with contextlib.suppress(DaemonError):
-                session.ask(release, 10.0)
-
-    def __getstate__(self) -> dict[str, Any]:
-        msg = "a BlockResidency belongs to the process that made it; it does not pickle"
-        raise TypeError(msg)
+# The residency of pieces is the one residency (a shard is the piece of all its records).
+BlockResidency = Residency

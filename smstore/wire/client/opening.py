@@ -243,7 +243,7 @@ class Preattacher:
     and unmaps those it no longer holds.
 
     A windowed sampler makes the daemon hold the window being read and the next (see
-    :class:`smstore.wire.residency.ShardResidency`). A thread of each reading process follows what is
+    :class:`smstore.wire.residency.Residency`). A thread of each reading process follows what is
     held: it asks the daemon (``held``), attaches the held shards of its dataset that are resident
     and not opened yet, and keeps them ready, so that the first read of a new window finds its
     shards attached instead of making a round trip to the daemon per shard on the critical path.
