@@ -4,7 +4,8 @@
     python benchmarks/bench_loader.py --quick --out /tmp/loader.md
 
 Every figure is measured in this one run, on the same store: 400k records of 128 uint16 tokens,
-batches of 256 padded to int64, the order from `GlobalShuffleSampler`:
+batches of 256 padded to int64, the order from `GlobalShuffleSampler`; and on the same records
+written as a sharded dataset of 64 shards (the same bytes, byte for byte):
 
 1. **The issue's table, re-measured**: TokenCollator's numpy path (the collator before this
    change, kept as `TokenCollator._collate_numpy`) called in-process, and
@@ -16,11 +17,12 @@ batches of 256 padded to int64, the order from `GlobalShuffleSampler`:
    `--rounds` rounds of `--seconds` each and keep their best, so a burst of load from elsewhere on
    the machine hits them all alike. Then a loop whose body is a 200 us `time.sleep` (a step that
    waits on an accelerator): the time a batch adds to it with 0 threads and with 1, against the
-   same loop over a list (best of `--rounds`).
+   same loop over a list (best of `--rounds`). The Loader over the 64-shard dataset takes its turn
+   with them, against the DataLoader with 2 workers and the user-written (numpy) collate.
 3. **4,096-token records** (16k records, batches of 256 = 2 MiB of uint16): the Loader without
    widening against a plain copy of the same records' bytes in the same order (`numpy.take` of
    rows of a private copy of the data section, into one reused buffer), and with int64 widening
-   for reference.
+   for reference; and the Loader over the same records in 64 shards against the same copy.
 4. **R=2**: two processes, ranks 0 and 1 of 2, each its own Loader (1 thread), started together.
 5. **Memory**: anonymous PSS (`Pss_Anon`, `/proc/self/smaps_rollup`) of a fresh process 200
    batches into a Loader's pass, less the same process just before the Loader was made (torch
@@ -73,6 +75,19 @@ def make_store(path: Path, records: int, tokens: int) -> None:
         path,
         dtype=np.uint16,
     )
+
+
+SHARDS = 64
+
+
+def make_sharded(blob: Path, out: Path) -> Path:
+    """The records of `blob`, byte for byte, as a dataset of SHARDS shards of equal record counts."""
+    with smstore.open(blob) as store:
+        data, offsets = store.gather(range(len(store)))
+        per = -(-len(store) // SHARDS)
+    with smstore.ShardedWriter(f"{out}/", encoding=store.encoding, shard_records=per, durable=False) as w:
+        w.extend_offsets(data, offsets)
+    return out
 
 
 def rate_of(batches: Any, limit: int, seconds: float) -> float:
@@ -207,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
         log(f"packing {records} records of 128 tokens and {long_records} of 4096")
         make_store(path, records, 128)
         make_store(long_path, long_records, 4096)
+        sharded, long_sharded = make_sharded(path, tmp / "tokens"), make_sharded(long_path, tmp / "long")
         collate = TokenCollator(path, dtype=torch.long)
         sampler = GlobalShuffleSampler(records, seed=0, rank=0, world_size=1)
         order = list(sampler)
@@ -216,6 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         assert same_bytes(collate(batches[0]), first)
         with Loader(path, sampler=sampler, batch_size=BATCH, dtype=torch.long) as loader:
             assert same_bytes(next(iter(loader)), first)  # the Loader's first batch is the DataLoader's
+        with Loader(sharded, sampler=sampler, batch_size=BATCH, dtype=torch.long) as loader:
+            assert same_bytes(next(iter(loader)), first)  # and so is that of the same records in shards
 
         log(f"1, 2. the issue's table and the new paths, interleaved over {args.rounds} rounds (best kept)")
 
@@ -235,6 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             "loader2": lambda t: loader_rate(path, sampler, t, threads=2, depth=4),
             "loader0": lambda t: loader_rate(path, sampler, t, threads=0),
             "loader_lists": lambda t: loader_rate(path, IndexByIndex(sampler), t, threads=1, depth=4),
+            "loader_sharded": lambda t: loader_rate(sharded, sampler, t, threads=1, depth=4),
         }
         best = dict.fromkeys(variants, 0.0)
         for _ in range(args.rounds):
@@ -297,6 +316,21 @@ def main(argv: list[str] | None = None) -> None:
             ">= 50x",
             ours / dl[2] >= 50,
         )
+        sharded_rate = best["loader_sharded"]
+        report.compare(
+            f"smstore.Loader over the same records in {SHARDS} shards (1 thread, depth 4) vs DataLoader 2 workers",
+            f"{sharded_rate / 1e6:.2f} M records/s",
+            f"{dl[2] / 1e6:.3f} M records/s",
+            sharded_rate / dl[2],
+            ">= 20x",
+            sharded_rate / dl[2] >= 20,
+        )
+        report.add(
+            f"smstore.Loader, {SHARDS} shards vs one blob (1 thread, depth 4)",
+            f"{sharded_rate / 1e6:.2f} M records/s",
+            baseline=f"{ours / 1e6:.2f} M records/s",
+            ratio=f"{sharded_rate / ours:.2f}x",
+        )
         report.compare(
             "smstore.Loader vs the old in-process collator",
             f"{ours / 1e6:.2f} M records/s",
@@ -341,6 +375,7 @@ def main(argv: list[str] | None = None) -> None:
         long16 = loader_rate(long_path, long_sampler, sec * 2, dtype=None, threads=2)
         long16_one = loader_rate(long_path, long_sampler, sec, dtype=None, threads=1)
         long64 = loader_rate(long_path, long_sampler, sec, dtype=torch.long)
+        long_shards = loader_rate(long_sharded, long_sampler, sec * 2, dtype=None, threads=2)
         per_gib = 4096 * 2 / 2**30
         report.compare(
             "4096-token records, Loader (uint16 tokens, 2 threads) vs a plain copy of the same records (numpy.take, 1 thread)",
@@ -357,6 +392,14 @@ def main(argv: list[str] | None = None) -> None:
             long16_one / copy_rate,
             ">= 0.5x",
             long16_one / copy_rate >= 0.5,
+        )
+        report.compare(
+            f"same records in {SHARDS} shards, Loader (uint16 tokens, 2 threads) vs the plain copy",
+            f"{long_shards * per_gib:.1f} GiB/s ({long_shards / 1e3:.0f} k records/s)",
+            f"{copy_rate * per_gib:.1f} GiB/s",
+            long_shards / copy_rate,
+            ">= 0.5x",
+            long_shards / copy_rate >= 0.5,
         )
         report.add(
             "4096-token records, Loader padded to int64 (4x the bytes written)",

@@ -97,11 +97,25 @@ void fill_value(Out* dst, uint64_t count, Out value) noexcept {
     if (count) std::fill(dst, dst + count, value);
 }
 
-template <typename In, typename Out>
-void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n, const BatchLayout& l,
-                unsigned char* out) noexcept {
-    const uint64_t* offsets = store.offsets();
-    const unsigned char* data = store.data();
+// Where record indices[k] lies: its offsets (begin at [0], end at [1]) and its shard's data section.
+struct At {
+    const uint64_t* offsets;
+    const unsigned char* data;
+};
+
+template <bool Sharded>
+At record_at(const Records& r, uint64_t i) noexcept {
+    if constexpr (Sharded) {
+        auto [k, j] = r.locate(i);
+        return {r.offsets(k) + j, r.data(k)};
+    } else {
+        return {r.offsets(0) + i, r.data(0)};
+    }
+}
+
+template <typename In, typename Out, bool Sharded>
+void fill_typed(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
+                const BatchLayout& l, unsigned char* out) noexcept {
     auto* tokens = reinterpret_cast<Out*>(out + l.tokens_at);
     auto* lengths = reinterpret_cast<int64_t*>(out + l.lengths_at);
     const Out pad = static_cast<Out>(spec.pad_value);
@@ -110,20 +124,21 @@ void fill_typed(const Store& store, const CollateSpec& spec, const uint64_t* ind
     // core's window before the next record's cache misses start (4x slower into int64 than with).
     constexpr size_t kAheadIndex = 16, kAheadData = 8;
     for (size_t k = 0; k < std::min(n, kAheadIndex); ++k)
-        __builtin_prefetch(offsets + indices[k]);
+        __builtin_prefetch(record_at<Sharded>(records, indices[k]).offsets);
     for (size_t k = 0; k < n; ++k) {
-        if (k + kAheadIndex < n) __builtin_prefetch(offsets + indices[k + kAheadIndex]);
+        if (k + kAheadIndex < n) __builtin_prefetch(record_at<Sharded>(records, indices[k + kAheadIndex]).offsets);
         if (k + kAheadData < n) {
-            const unsigned char* ahead = data + offsets[indices[k + kAheadData]];
-            uint64_t ahead_end = offsets[indices[k + kAheadData] + 1];
-            const unsigned char* last = data + ahead_end;
+            At a = record_at<Sharded>(records, indices[k + kAheadData]);
+            const unsigned char* ahead = a.data + a.offsets[0];
+            const unsigned char* last = a.data + a.offsets[1];
             for (const unsigned char* p = ahead; p < last && p < ahead + 1024; p += 64)
                 __builtin_prefetch(p);
         }
-        uint64_t b = offsets[indices[k]], e = offsets[indices[k] + 1];
+        At a = record_at<Sharded>(records, indices[k]);
+        uint64_t b = a.offsets[0], e = a.offsets[1];
         uint64_t items = (e - b) / sizeof(In);
         uint64_t kept = std::min(items, spec.max_length);
-        const unsigned char* src = data + b + (spec.truncate_left ? (items - kept) * sizeof(In) : 0);
+        const unsigned char* src = a.data + b + (spec.truncate_left ? (items - kept) * sizeof(In) : 0);
         lengths[k] = static_cast<int64_t>(kept);
         if (spec.pack) {
             copy_widen<In, Out>(tokens + pos, src, kept);
@@ -193,23 +208,27 @@ size_t dtype_size(Dtype d) noexcept {
     return with_type(d, [](auto v) { return sizeof(v); });
 }
 
-BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n) {
-    const uint64_t item = dtype_size(spec.in), count = store.size();
-    const uint64_t* offsets = store.offsets();
+BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n) {
+    const uint64_t item = dtype_size(spec.in), count = records.size();
+    const std::string& label = records.label();
     uint64_t longest = 0, total = 0;
     for (size_t k = 0; k < n; ++k) {
-        if (k + 16 < n && indices[k + 16] < count) __builtin_prefetch(offsets + indices[k + 16]);
+        if (k + 16 < n && indices[k + 16] < count) {
+            auto [s, j] = records.locate(indices[k + 16]);
+            if (records.offsets(s)) __builtin_prefetch(records.offsets(s) + j);
+        }
         uint64_t i = indices[k];
         if (i >= count) {
-            throw Error(Error::Kind::Index, store.label() + ": record index " + std::to_string(i) +
-                                                " out of range for " + std::to_string(count) + " records");
+            throw Error(Error::Kind::Index, label + ": record index " + std::to_string(i) + " out of range for " +
+                                                std::to_string(count) + " records");
         }
-        uint64_t b = offsets[i], e = offsets[i + 1];
-        if (!Store::span_inside(b, e, store.data_size())) throw store.span_error(i, b, e);
+        auto [s, j] = records.locate(i);
+        const Store& shard = records.open_shard(s, i);
+        uint64_t b = records.offsets(s)[j], e = records.offsets(s)[j + 1];
+        if (!Store::span_inside(b, e, records.data_size(s))) throw shard.span_error(j, b, e);
         if ((e - b) % item) {
-            throw Error(Error::Kind::Format, store.label() + ": record " + std::to_string(i) + " of " +
-                                                 std::to_string(e - b) + " bytes is not a whole number of " +
-                                                 std::to_string(item) +
+            throw Error(Error::Kind::Format, label + ": record " + std::to_string(i) + " of " + std::to_string(e - b) +
+                                                 " bytes is not a whole number of " + std::to_string(item) +
                                                  "-byte items; the blob was written wrongly, re-pack it");
         }
         uint64_t kept = std::min((e - b) / item, spec.max_length);
@@ -223,11 +242,11 @@ BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64
     if (spec.pack) {
         l.width = total;
         l.cu_int64 = total >= (uint64_t{1} << 31);
-        token_bytes = mul_checked(total, out_item, store.label());
+        token_bytes = mul_checked(total, out_item, label);
     } else {
         l.width = spec.fixed_length ? spec.max_length : longest;
         if (spec.multiple > 1) l.width = (l.width + spec.multiple - 1) / spec.multiple * spec.multiple;
-        token_bytes = mul_checked(mul_checked(l.width, n, store.label()), out_item, store.label());
+        token_bytes = mul_checked(mul_checked(l.width, n, label), out_item, label);
     }
     l.tokens_at = 0;
     l.lengths_at = align_up(token_bytes);
@@ -244,10 +263,18 @@ BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64
     return l;
 }
 
-void fill_batch(const Store& s, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
+void fill_batch(const Records& r, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
                 unsigned char* out) noexcept {
     with_type(spec.in, [&](auto in) {
-        with_type(spec.out, [&](auto to) { fill_typed<decltype(in), decltype(to)>(s, spec, i, n, l, out); });
+        with_type(spec.out, [&](auto to) {
+            using In = decltype(in);
+            using Out = decltype(to);
+            if (r.sharded()) {
+                fill_typed<In, Out, true>(r, spec, i, n, l, out);
+            } else {
+                fill_typed<In, Out, false>(r, spec, i, n, l, out);
+            }
+        });
     });
 }
 
@@ -277,8 +304,8 @@ Block::~Block() {
     }
 }
 
-Batcher::Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned)
-    : store_(std::move(store)),
+Batcher::Batcher(std::string label, CollateSpec spec, size_t threads, size_t depth, bool pinned)
+    : label_(std::move(label)),
       spec_(spec),
       depth_(std::max<size_t>(depth, 1)),
       pinned_(pinned),
@@ -323,13 +350,14 @@ void Batcher::close() noexcept {
     }
 }
 
-void Batcher::submit(const uint64_t* indices, const uint64_t* sizes, size_t batches) {
-    refuse_if_forked(*this, store_->label());
+void Batcher::submit(std::shared_ptr<const Records> records, const uint64_t* indices, const uint64_t* sizes,
+                     size_t batches) {
+    refuse_if_forked(*this, label_);
     {
         std::lock_guard<std::mutex> lock(mutex_);
-        if (stop_) throw Error(Error::Kind::Closed, store_->label() + ": this loader is closed");
+        if (stop_) throw Error(Error::Kind::Closed, label_ + ": this loader is closed");
         for (size_t b = 0; b < batches; ++b) {
-            queue_.emplace_back(indices, indices + sizes[b]);
+            queue_.push_back(Job{std::vector<uint64_t>(indices, indices + sizes[b]), records});
             indices += sizes[b];
         }
         submitted_ += batches;
@@ -339,13 +367,14 @@ void Batcher::submit(const uint64_t* indices, const uint64_t* sizes, size_t batc
 }
 
 uint64_t Batcher::pending() const {
-    refuse_if_forked(*this, store_->label());
+    refuse_if_forked(*this, label_);
     std::lock_guard<std::mutex> lock(mutex_);
     return submitted_ - received_;
 }
 
-void Batcher::fill(Slot& slot, const std::vector<uint64_t>& indices) {
-    BatchLayout l = plan_batch(*store_, spec_, indices.data(), indices.size());
+void Batcher::fill(Slot& slot, const Job& job) {
+    const std::vector<uint64_t>& indices = job.indices;
+    BatchLayout l = plan_batch(*job.records, spec_, indices.data(), indices.size());
     // use_count() == 1: no batch handed out still holds this block. The fence pairs with the
     // release in the last holder's decrement, so its reads of the old batch come before our writes.
     bool reusable = slot.block && slot.block.use_count() == 1 && slot.block->capacity() >= l.bytes;
@@ -354,24 +383,25 @@ void Batcher::fill(Slot& slot, const std::vector<uint64_t>& indices) {
         slot.block.reset();
         slot.block = std::make_shared<Block>(l.bytes + l.bytes / 4, pinned_);  // room to grow a little
     }
-    fill_batch(*store_, spec_, indices.data(), indices.size(), l, slot.block->data());
+    fill_batch(*job.records, spec_, indices.data(), indices.size(), l, slot.block->data());
     slot.layout = l;
 }
 
 void Batcher::make_next(std::unique_lock<std::mutex>& lock) noexcept {
     uint64_t seq = taken_++;
-    std::vector<uint64_t> indices = std::move(queue_.front());
+    Job job = std::move(queue_.front());
     queue_.pop_front();
     Slot& slot = slots_[seq % slots_.size()];
     lock.unlock();
     std::exception_ptr error;
     auto t0 = std::chrono::steady_clock::now();
     try {
-        fill(slot, indices);
+        fill(slot, job);
     } catch (...) {
         error = std::current_exception();
     }
     auto took = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    job = Job{};  // the last hold of a released shard unmaps it: not under the lock
     lock.lock();
     fill_ns_ += (took - fill_ns_) / 8;
     slot.error = error;
@@ -393,10 +423,10 @@ void Batcher::work() noexcept {
 }
 
 ReadyBatch Batcher::next() {
-    refuse_if_forked(*this, store_->label());
+    refuse_if_forked(*this, label_);
     std::unique_lock<std::mutex> lock(mutex_);
     if (received_ == submitted_ && !stop_) {
-        throw Error(Error::Kind::Closed, store_->label() + ": no batch is pending (submit some first)");
+        throw Error(Error::Kind::Closed, label_ + ": no batch is pending (submit some first)");
     }
     auto now = std::chrono::steady_clock::now();
     if (returned_ != std::chrono::steady_clock::time_point{}) {
@@ -420,7 +450,7 @@ ReadyBatch Batcher::next() {
         ready_cv_.wait(lock);
         --consumer_waiting_;
     }
-    if (stop_) throw Error(Error::Kind::Closed, store_->label() + ": this loader is closed");
+    if (stop_) throw Error(Error::Kind::Closed, label_ + ": this loader is closed");
     ++received_;
     // The window moved. Waking a sleeping thread costs a system call: do it once half the window
     // (or all of it, when the threads have nothing left in it) is free, not at every batch.

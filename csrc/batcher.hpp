@@ -1,5 +1,5 @@
-// Token batches at memory speed: records of a Store gathered, widened and padded or packed (as
-// smstore.TokenCollator does) by C++ threads into a ring of reusable buffers.
+// Token batches at memory speed: records of a Store or a sharded dataset gathered, widened and padded
+// or packed (as smstore.TokenCollator does) by C++ threads into a ring of reusable buffers.
 #pragma once
 
 #include <chrono>
@@ -10,10 +10,11 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <thread>
 #include <vector>
 
-#include "store.hpp"
+#include "records.hpp"
 
 namespace smstore {
 
@@ -47,11 +48,11 @@ struct BatchLayout {
     uint64_t tokens_at = 0, lengths_at = 0, cu_at = 0, indices_at = 0, bytes = 0;
 };
 
-// Checks the batch (every index below store.size(), every record inside the data section and a
-// whole number of items) and returns its layout. Throws Error.
-BatchLayout plan_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n);
+// Checks the batch (every index below records.size(), its shard open, every record inside its data
+// section and a whole number of items) and returns its layout. Throws Error.
+BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n);
 // Writes the batch planned by plan_batch into out (layout.bytes, 64-byte aligned).
-void fill_batch(const Store& store, const CollateSpec& spec, const uint64_t* indices, size_t n,
+void fill_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
                 const BatchLayout& layout, unsigned char* out) noexcept;
 
 // Memory a batch is written to; page-locked (through the CUDA runtime already loaded in this
@@ -97,13 +98,16 @@ struct ReadyBatch {
 // held elsewhere (a shared_ptr besides the slot's) gets a new block instead of being overwritten.
 class Batcher {
 public:
-    Batcher(std::shared_ptr<const Store> store, CollateSpec spec, size_t threads, size_t depth, bool pinned);
+    // `label` names the data in the errors of the Batcher itself (closed, nothing pending).
+    Batcher(std::string label, CollateSpec spec, size_t threads, size_t depth, bool pinned);
     ~Batcher();  // stops and joins the threads
     Batcher(const Batcher&) = delete;
     Batcher& operator=(const Batcher&) = delete;
 
-    // Queues batches: `indices` split into runs of `sizes` (each index below store.size()).
-    void submit(const uint64_t* indices, const uint64_t* sizes, size_t batches);
+    // Queues batches of `records`: `indices` split into runs of `sizes` (each index below
+    // records.size(), in a shard open in `records`). The batches keep `records`, and so the stores
+    // they read, until they are made.
+    void submit(std::shared_ptr<const Records> records, const uint64_t* indices, const uint64_t* sizes, size_t batches);
     // Batches submitted that the consumer has not received yet.
     uint64_t pending() const;
     // Waits for the next batch (blocking; call without the GIL). Rethrows the error that batch met.
@@ -125,18 +129,22 @@ private:
         std::exception_ptr error;
         int64_t filled = -1;  // the sequence number of the batch it holds, once written
     };
+    struct Job {  // a submitted batch
+        std::vector<uint64_t> indices;
+        std::shared_ptr<const Records> records;
+    };
     void work() noexcept;
     // Takes the next queued batch and makes it into its slot: `lock` is held on entry and on
     // return, released meanwhile. The caller has checked that one is queued.
     void make_next(std::unique_lock<std::mutex>& lock) noexcept;
-    void fill(Slot& slot, const std::vector<uint64_t>& indices);
+    void fill(Slot& slot, const Job& job);
 
-    std::shared_ptr<const Store> store_;
+    std::string label_;
     CollateSpec spec_;
     size_t depth_;
     bool pinned_;
-    std::vector<Slot> slots_;                  // depth_ + 2
-    std::deque<std::vector<uint64_t>> queue_;  // submitted batches not yet taken by a thread
+    std::vector<Slot> slots_;  // depth_ + 2
+    std::deque<Job> queue_;    // submitted batches not yet taken by a thread
     uint64_t submitted_ = 0, taken_ = 0, received_ = 0;
     size_t idle_threads_ = 0;      // threads waiting on work_cv_
     size_t consumer_waiting_ = 0;  // next() waiting on ready_cv_

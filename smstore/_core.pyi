@@ -287,12 +287,14 @@ class BatchSpec:
         with_indices: bool = False,
     ) -> None: ...
 
-def collate_batch(spec: BatchSpec, store: Store, indices: _Indices, pinned: bool = False) -> _BatchArrays: ...
+def collate_batch(
+    spec: BatchSpec, store: Store | ShardedStore, indices: _Indices, pinned: bool = False
+) -> _BatchArrays: ...
 def pinned_blocks_available() -> bool: ...
 
 class Batcher:
     def __init__(
-        self, store: Store, spec: BatchSpec, threads: int, depth: int, pinned: bool = False
+        self, store: Store | ShardedStore, spec: BatchSpec, threads: int, depth: int, pinned: bool = False
     ) -> None: ...
     def submit_from(
         self, iterator: Iterator[SupportsIndex], batch_size: int, max_batches: int, drop_last: bool

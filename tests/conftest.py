@@ -93,6 +93,14 @@ def blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
 
 
 @pytest.fixture
+def second_blob(tmp_path: Path) -> tuple[Path, list[bytes]]:
+    recs = make_records(500, seed=7)
+    path = tmp_path / "other.smst"
+    smstore.pack(recs, path)
+    return path, recs
+
+
+@pytest.fixture
 def start_daemon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[..., Daemon]]:
     """Starts `smstore serve` on a socket unique to the test; stops it and checks /dev/shm after."""
     sockdir = tmp_path / "run"

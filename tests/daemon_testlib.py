@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import grp
 import json
 import os
 import shutil
@@ -12,14 +13,19 @@ import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
+from smstore_testlib import printable_records, sharded
+
 import smstore
 from smstore.errors import DaemonError
+from smstore.format.manifest import read_manifest
 from smstore.wire.client import daemon_request
 
 SHM = Path("/dev/shm")
@@ -130,6 +136,73 @@ def read_reply(s: socket.socket) -> dict[str, Any] | None:
     return reply
 
 
+def frame(body: bytes) -> bytes:
+    return struct.pack(">I", len(body)) + body
+
+
+def send(s: socket.socket, message: dict[str, Any] | bytes) -> None:
+    """One request frame on `s`: `message` as JSON, or a body sent as it is."""
+    s.sendall(frame(message if isinstance(message, bytes) else json.dumps(message).encode()))
+
+
+def exchange(s: socket.socket, message: dict[str, Any] | bytes) -> dict[str, Any] | None:
+    """One request on an open connection and its reply; None if the daemon closed first."""
+    send(s, message)
+    return read_reply(s)
+
+
+def ask(sock: Path, message: dict[str, Any] | bytes, timeout: float = 20) -> dict[str, Any]:
+    """One request on a new raw connection and its reply, which must come within `timeout` seconds."""
+    with raw(sock) as s:
+        s.settimeout(timeout)
+        reply = exchange(s, message)
+    assert reply is not None, message
+    return reply
+
+
+def hold(
+    sock: Path, manifest: str | os.PathLike[str], shards: Iterable[int], **more: Any
+) -> tuple[socket.socket, dict[str, Any]]:
+    """A rank's hold of `shards` (its connection, open while it holds) and the daemon's reply."""
+    s = raw(sock)
+    message = {"op": "hold", "manifest": os.fspath(manifest), "shards": ",".join(map(str, shards)), **more}
+    reply = exchange(s, message)
+    assert reply is not None
+    return s, reply
+
+
+STATUS = frame(b'{"op":"status"}')
+
+
+def assert_alive_and_clean(d: Daemon) -> None:
+    """The daemon still runs, answers, and has logged no traceback."""
+    assert d.proc.poll() is None, d.log.read_text()
+    assert d.status()["ok"]
+    assert "Traceback" not in d.log.read_text(), d.log.read_text()
+
+
+def dataset(where: Path, name: str = "ds", shards: int = 4, seed: int = 7) -> Path:
+    """A sharded dataset of `shards` shards of ~50 KB (records differ with `seed`)."""
+    out = sharded(
+        where, printable_records(1000, 200, seed, vary=False), shard_size=1000 * 201 // shards, name=name
+    )
+    assert len(read_manifest(out).shards) == shards
+    return out
+
+
+def shard(out: Path, k: int) -> tuple[str, str]:
+    """The absolute path and manifest checksum of shard k."""
+    m = read_manifest(out)
+    return os.path.abspath(m.shard_path(k)), m.shards[k].checksum
+
+
+def ended(threads: list[threading.Thread], timeout: float = 30) -> bool:
+    """Whether every thread of `threads` ended within `timeout` seconds (each)."""
+    for t in threads:
+        t.join(timeout)
+    return not any(t.is_alive() for t in threads)
+
+
 def remove_tree(path: Path, tries: int = 100) -> None:
     """shutil.rmtree, tried again while a daemon still running writes into the tree (its state file
     as a rank's connection closes: the test's finalizers run before the daemon fixture stops it)."""
@@ -162,8 +235,19 @@ def public_rundir(request: Any, group_gid: int | None = None) -> Path:
     return rundir
 
 
-def frame(body: bytes) -> bytes:
-    return struct.pack(">I", len(body)) + body
+def group_daemon(
+    blob: tuple[Path, list[bytes]],
+    start_daemon: Callable[..., Daemon],
+    request: pytest.FixtureRequest,
+    *args: str,
+) -> tuple[Daemon, grp.struct_group]:
+    """A daemon serving `blob` to the group 'users' too (skips without one), with `args`."""
+    try:
+        group = grp.getgrnam("users")
+    except KeyError:
+        pytest.skip("no 'users' group")
+    sock = public_rundir(request, group.gr_gid) / "smstore.sock"
+    return start_daemon(blob[0], args=("--group", "users", *args), at=sock, loaded=1), group
 
 
 def as_user(fn: Callable[[], str], groups: list[int]) -> str:

@@ -17,8 +17,7 @@ from typing import Any
 
 import boto3
 from moto.server import ThreadedMotoServer
-
-import smstore
+from smstore_testlib import sharded
 
 BUCKET = "smstore-test"
 SECRET = "s3cr3t-never-shown-0f9e8d7c"  # a test asserts it never appears in errors or logs
@@ -220,12 +219,9 @@ def bucket_dataset(s3: S3, tmp_path: Path, prefix: str, shards: int = 3) -> tupl
 
     Returns the dataset's URL (the prefix), its records, and the local copy it was packed into.
     """
-    local = tmp_path / f"{prefix}-local"
-    src = tmp_path / f"{prefix}.txt"
     records = [b"%06d %s" % (i, b"y" * (i % 89)) for i in range(2500)]
-    src.write_bytes(b"".join(r + b"\n" for r in records))
-    smstore.pack_files(
-        [src], local, shard_size=(src.stat().st_size // shards) + 1, progress=False, durable=False
+    local = sharded(
+        tmp_path, records, shard_size=sum(len(r) + 1 for r in records) // shards + 1, name=f"{prefix}-local"
     )
     for name in os.listdir(local):
         s3.put(f"{prefix}/{name}", (local / name).read_bytes())
@@ -239,11 +235,9 @@ def remote_dataset(
 
     Returns the manifest's path, each shard's bytes and checksum.
     """
-    local = tmp_path / f"{prefix}-local"
-    src = tmp_path / f"{prefix}.txt"
-    src.write_bytes(b"".join(b"%06d %s\n" % (i, b"x" * (i % 97)) for i in range(3000)))
-    smstore.pack_files(
-        [src], local, shard_size=(src.stat().st_size // shards) + 1, progress=False, durable=False
+    records = [b"%06d %s" % (i, b"x" * (i % 97)) for i in range(3000)]
+    local = sharded(
+        tmp_path, records, shard_size=sum(len(r) + 1 for r in records) // shards + 1, name=f"{prefix}-local"
     )
     doc = json.loads((local / "manifest.json").read_text())
     data, checksums = [], []

@@ -143,6 +143,59 @@ def lines_oracle_files(datas: Iterable[bytes]) -> list[bytes]:
     return out
 
 
+def printable_records(n: int, size: int, seed: int, *, vary: bool = True) -> list[bytes]:
+    """`n` records of random printable ASCII, of size//2 to size bytes (with `vary`) or of `size` each."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    return [
+        bytes(
+            rng.integers(32, 127, size=int(rng.integers(size // 2, size)) if vary else size, dtype=np.uint8)
+        )
+        for _ in range(n)
+    ]
+
+
+def sharded(
+    where: Path,
+    records: Sequence[bytes],
+    *,
+    shard_size: int | None = None,
+    shard_records: int | None = None,
+    name: str = "ds",
+) -> Path:
+    """`records` as the dataset where/NAME: lines in shards of `shard_size` bytes, or of `shard_records`."""
+    import smstore
+
+    out = where / name
+    if shard_records is not None:
+        with smstore.ShardedWriter(f"{out}/", shard_records=shard_records, durable=False) as w:
+            w.extend(records)
+        return out
+    src = where / f"{name}.txt"
+    src.write_bytes(b"".join(r + b"\n" for r in records))
+    smstore.pack_files([src], out, shard_size=shard_size, progress=False, durable=False)
+    return out
+
+
+def random_sharded(
+    where: Path, *, shards: int, per_shard: int, size: int, seed: int
+) -> tuple[Path, list[bytes]]:
+    """A dataset of `shards` shards of ~`per_shard` printable records (size//2..size bytes), and them."""
+    recs = printable_records(shards * per_shard, size, seed)
+    return sharded(where, recs, shard_size=per_shard * (size * 3 // 4 + 1)), recs
+
+
+def read_records(store: str | os.PathLike[str] | Any, *, verify: bool = False) -> list[bytes]:
+    """Every record's raw bytes: of an open store, or of the blob or dataset at a path (opened raw)."""
+    import smstore
+
+    if not isinstance(store, (str, os.PathLike)):
+        return [bytes(store[i]) for i in range(len(store))]
+    with smstore.open(store, verify=verify, raw=True) as s:
+        return read_records(s)
+
+
 def stray_temps(directory: str | os.PathLike[str]) -> list[str]:
     """Temporary files the writer may leave behind (named `.NAME.smstore-tmp-*`)."""
     return sorted(p.name for p in Path(directory).iterdir() if ".smstore-tmp-" in p.name)
@@ -248,6 +301,13 @@ def interleave(streams: list[list[int]]) -> list[int]:
     return [x for row in itertools.zip_longest(*streams) for x in row if x is not None]
 
 
+def whole_order(sampler: Callable[..., Any], *args: Any, epoch: int = 0, **kw: Any) -> list[int]:
+    """The whole order of `epoch`: what sampler(*args, rank=0, world_size=1, **kw) yields in it."""
+    s = sampler(*args, rank=0, world_size=1, **kw)
+    s.set_epoch(epoch)
+    return list(s)
+
+
 def loader_batches(loader: object, k: int | None = None) -> list[int]:
     """The indices of the first `k` batches (all with None) of a loader of index tensors."""
     # islice takes exactly k batches from the loader (a loop that breaks would receive one more).
@@ -295,7 +355,7 @@ MODE_USERS = ("dataset", "collator", "residency", "shared_list")
 def use_in_mode(user: str, mode: str, blob: str, manifest: str, sock: str | None) -> Any:
     """Read through one of the four users of ``mode=`` and return what it read (bytes, or the held shards)."""
     import smstore
-    from smstore.wire.residency import ShardResidency
+    from smstore.wire.residency import Residency
 
     if user == "dataset":
         ds = smstore.SharedStoreDataset(blob, decode="bytes", mode=mode, socket=sock)  # type: ignore[arg-type]
@@ -307,7 +367,7 @@ def use_in_mode(user: str, mode: str, blob: str, manifest: str, sock: str | None
         data = out["tokens"].numpy().tobytes()
         return [data[a:b] for a, b in itertools.pairwise(cu)]
     if user == "residency":
-        residency = ShardResidency(manifest, mode=mode, socket=sock)  # type: ignore[arg-type]
+        residency = Residency(manifest, mode=mode, socket=sock)  # type: ignore[arg-type]
         try:
             residency.hold([1, 0], wait=True)
             return (residency.kind, residency.held)
@@ -389,6 +449,99 @@ def run_ranks(
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def read_epoch(ds: Any, sampler: Any, batch_size: int) -> list[Any]:
+    """Every item a rank reads in an epoch of `sampler` over `ds`, through 2 forked DataLoader workers."""
+    import torch
+
+    loader = torch.utils.data.DataLoader(
+        ds,
+        sampler=sampler,
+        batch_size=batch_size,
+        num_workers=2,
+        prefetch_factor=2,
+        collate_fn=list,
+        multiprocessing_context="fork",
+    )
+    return [item for batch in loader for item in batch]
+
+
+class BlockDataset:
+    """Records through a BlockReader, each with where it was read from (for the test)."""
+
+    def __init__(self, path: Path, block: int, keep: int) -> None:
+        from smstore.wire.blocks import BlockReader
+
+        self.reader = BlockReader(path, block=block, keep=keep)
+
+    def __len__(self) -> int:
+        return len(self.reader)
+
+    def __getitem__(self, i: int) -> tuple[int, bytes, int]:
+        before = self.reader.block_reads
+        data = self.reader[i]
+        return i, data, self.reader.block_reads - before
+
+
+def block_rank(
+    out: str,
+    rank: int | None,
+    world: int | None,
+    block: int,
+    spread: int,
+    q: Any,
+    *,
+    seed: int,
+    lag: int,
+    batch: int,
+) -> None:
+    """A rank's block epoch of `out` through the daemon; puts (rank, [(index, bytes, block reads)])."""
+    from smstore.format.manifest import read_manifest
+    from smstore.sampling import BlockWindowSampler
+    from smstore.wire.residency import Residency
+
+    sizes = [s.records for s in read_manifest(out).shards]
+
+    class Sized:
+        shard_sizes = sizes
+        path = out
+
+    sampler = BlockWindowSampler(
+        Sized(),
+        block=block,
+        spread=spread,
+        seed=seed,
+        rank=rank,
+        world_size=world,
+        lag=lag,
+        residency=Residency(out, mode="daemon"),
+    )
+    ds = BlockDataset(Path(out), block, sampler.keep)
+    got = read_epoch(ds, sampler, batch)
+    sampler.close()
+    ds.reader.close()
+    q.put((rank, got))
+
+
+def windowed_rank(source: Any, rank: int, window: int, q: Any) -> None:
+    """A rank's windowed epoch over `source` (a manifest's path, or a dataset its parent opened); puts
+    (rank, its residency's kind, the records)."""
+    import smstore
+
+    ds = (
+        source
+        if isinstance(source, smstore.SharedStoreDataset)
+        else smstore.SharedStoreDataset(source, mode="daemon", decode="bytes")
+    )
+    # The lag covers what the workers still read behind the sampler: prefetch_factor (2) x 2
+    # workers x 16 (with 32, a shard could be released under a worker still reading it, which
+    # then fetched it again for itself).
+    sampler = smstore.WindowedShuffleSampler(ds, window=window, seed=7, rank=rank, world_size=2, lag=64)
+    got = read_epoch(ds, sampler, 16)
+    kind = sampler.residency.kind if sampler.residency is not None else None
+    sampler.close()
+    q.put((rank, kind, got))
 
 
 # ---- views ----

@@ -7,12 +7,12 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import pytest
-from smstore_testlib import outcome_past_a_fifo, run_ranks
+from smstore_testlib import block_rank, outcome_past_a_fifo, random_sharded, run_ranks, whole_order
 
 import smstore
 from smstore import _core
@@ -20,26 +20,23 @@ from smstore.errors import DaemonError, StoreChangedError
 from smstore.format.manifest import ShardInfo, read_manifest, write_manifest
 from smstore.read import modes as _modes
 from smstore.sampling import BlockWindowSampler, GlobalShuffleSampler, block_bounds
-from smstore.wire.blocks import BlockReader, BlockResidency, Piece, piece_id, shard_block
+from smstore.wire.blocks import BlockReader, Piece, piece_id, shard_block
+from smstore.wire.residency import Residency
 
 from .daemon_testlib import Daemon
 
 SIZES = [50, 0, 70, 30, 100, 10, 80, 40, 40, 90]
 
 
-def order_of(sizes: list[int], block: int, spread: int, seed: int = 3, epoch: int = 0) -> list[int]:
-    s = BlockWindowSampler(
-        sizes, block=block, spread=spread, seed=seed, rank=0, world_size=1, residency=False
-    )
-    s.set_epoch(epoch)
-    return list(s)
+sharded = partial(random_sharded, shards=8, per_shard=300, size=400, seed=11)
+order_of = partial(whole_order, BlockWindowSampler, seed=3, residency=False)
 
 
 @pytest.mark.parametrize(("block", "spread"), [(1, 1), (7, 1), (7, 5), (16, 3), (600, 2)])
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_every_record_once_and_the_same_order_at_any_world_size(block: int, spread: int, world: int) -> None:
     n = sum(SIZES)
-    ref = order_of(SIZES, block, spread)
+    ref = order_of(SIZES, block=block, spread=spread)
     assert sorted(ref) == list(range(n))
     outs = [
         list(
@@ -52,13 +49,13 @@ def test_every_record_once_and_the_same_order_at_any_world_size(block: int, spre
     per_rank = -(-n // world)
     merged = [outs[i % world][i // world] for i in range(per_rank * world)]
     assert merged == [ref[p % n] for p in range(per_rank * world)]
-    assert order_of(SIZES, block, spread, epoch=1) != ref  # a new order each epoch
+    assert order_of(SIZES, block=block, spread=spread, epoch=1) != ref  # a new order each epoch
 
 
 @pytest.mark.parametrize(("before", "after"), [(2, 3), (3, 1), (1, 4)])
 def test_resume_at_another_world_size_yields_the_rest_of_the_order(before: int, after: int) -> None:
     n = sum(SIZES)
-    ref = order_of(SIZES, 9, 4, seed=5)
+    ref = order_of(SIZES, block=9, spread=4, seed=5)
     samplers = [
         BlockWindowSampler(SIZES, block=9, spread=4, seed=5, rank=r, world_size=before, residency=False)
         for r in range(before)
@@ -253,37 +250,7 @@ def test_blocks_stay_within_shards_and_a_reader_finds_the_block_the_sampler_hold
             assert shard_block(sizes[shard], block, lo) == (lo, lo + int(length))
 
 
-def sharded(
-    tmp_path: Path, shards: int = 8, per_shard: int = 300, size: int = 400
-) -> tuple[Path, list[bytes]]:
-    rng = np.random.default_rng(11)
-    recs = [
-        bytes(rng.integers(32, 127, size=int(rng.integers(size // 2, size)), dtype=np.uint8))
-        for _ in range(shards * per_shard)
-    ]
-    src = tmp_path / "in.txt"
-    src.write_bytes(b"".join(r + b"\n" for r in recs))
-    out = tmp_path / "ds"
-    smstore.pack_files([src], out, shard_size=per_shard * (size * 3 // 4 + 1), progress=False, durable=False)
-    return out, recs
-
-
-class BlockDataset:
-    """Records through a BlockReader, each with where it was read from (for the test)."""
-
-    def __init__(self, path: Path, block: int, keep: int) -> None:
-        self.reader = BlockReader(path, block=block, keep=keep)
-
-    def __len__(self) -> int:
-        return len(self.reader)
-
-    def __getitem__(self, i: int) -> tuple[int, bytes, int]:
-        before = self.reader.block_reads
-        data = self.reader[i]
-        return i, data, self.reader.block_reads - before
-
-
-# run_rank's DataLoader: its workers read at most PREFETCH x WORKERS batches of BATCH behind its
+# block_rank's DataLoader: its workers read at most PREFETCH x WORKERS batches of BATCH behind its
 # sampler, the samples the sampler's lag keeps held.
 PREFETCH, WORKERS, BATCH = 2, 2, 16
 LAG = PREFETCH * WORKERS * BATCH
@@ -324,40 +291,6 @@ def test_the_lag_keeps_every_block_a_worker_behind_the_sampler_reads_held(
             assert behind <= residency.held, (rank, len(order), sorted(behind - residency.held))
 
 
-def run_rank(out: str, rank: int, world: int, block: int, spread: int, q: Any) -> None:
-    import torch
-
-    sizes = [s.records for s in read_manifest(out).shards]
-
-    class Sized:
-        shard_sizes = sizes
-        path = out
-
-    sampler = BlockWindowSampler(
-        Sized(),
-        block=block,
-        spread=spread,
-        seed=9,
-        rank=rank,
-        world_size=world,
-        lag=LAG,
-        residency=BlockResidency(out, mode="daemon"),
-    )
-    ds = BlockDataset(Path(out), block, sampler.keep)
-    loader = torch.utils.data.DataLoader(
-        ds,
-        sampler=sampler,
-        batch_size=BATCH,
-        num_workers=WORKERS,
-        prefetch_factor=PREFETCH,
-        collate_fn=list,
-        multiprocessing_context="fork",
-    )
-    got = [item for batch in loader for item in batch]
-    sampler.close()
-    q.put((rank, got))
-
-
 def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_within_the_budget(
     tmp_path: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
@@ -391,12 +324,13 @@ def test_an_epoch_through_blocks_at_2_ranks_x_2_workers_reads_every_record_once_
     watcher = threading.Thread(target=watch)
     watcher.start()
     try:
-        results = dict(run_ranks(run_rank, [(os.fspath(out), r, 2, block, spread) for r in range(2)]))
+        rank = partial(block_rank, seed=9, lag=LAG, batch=BATCH)
+        results = dict(run_ranks(rank, [(os.fspath(out), r, 2, block, spread) for r in range(2)]))
     finally:
         stop.set()
         watcher.join()
     n = len(recs)
-    ref = order_of([s.records for s in m.shards], block, spread, seed=9)
+    ref = order_of([s.records for s in m.shards], block=block, spread=spread, seed=9)
     merged = [results[i % 2][i // 2] for i in range(n)]
     assert [i for i, _d, _b in merged] == ref  # the sampler's order, across ranks and workers
     assert sorted(i for i, _d, _b in merged) == list(range(n))  # every record once
@@ -427,7 +361,7 @@ def test_a_block_of_a_changed_shard_is_refused(tmp_path: Path, start_daemon: Cal
     out, recs = sharded(tmp_path, shards=3)
     m = read_manifest(out)
     start_daemon(loaded=0)
-    residency = BlockResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         residency.hold([Piece(1, 0, 10)], wait=True)
         victim = Path(m.shard_path(1))
@@ -456,7 +390,7 @@ def test_a_piece_larger_than_the_budget_is_refused(
 ) -> None:
     out, _recs = sharded(tmp_path, shards=2)
     start_daemon(args=("--shm-limit", "64K"), loaded=0)
-    residency = BlockResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         with pytest.raises(DaemonError, match="does not fit the daemon's --shm-limit"):
             residency.hold([Piece(0, 0, 299)], wait=True)
@@ -472,7 +406,7 @@ def test_without_a_daemon_a_reader_reads_every_record_from_the_files(
     out, recs = sharded(tmp_path, shards=3)
     monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "none" / "smstore.sock"))
     sizes = [s.records for s in read_manifest(out).shards]
-    residency = BlockResidency(out)  # "auto": no daemon: the page cache (a warning says so)
+    residency = Residency(out)  # "auto": no daemon: the page cache (a warning says so)
     sampler = BlockWindowSampler(sizes, block=50, spread=3, seed=1, rank=0, world_size=1, residency=residency)
     reader = BlockReader(out, block=50, keep=sampler.keep)
     try:
@@ -505,7 +439,7 @@ def test_without_a_daemon_the_residency_reads_a_blocks_bytes_ahead_and_drops_the
     with smstore.Store(shard0) as store:
         start = _core.read_header(shard0).data_offset
         first, end = int(store.offsets[10]), int(store.offsets[60])
-    residency = BlockResidency(out, mode="mmap")
+    residency = Residency(out, mode="mmap")
     try:
         residency.hold([Piece(0, 10, 60)], wait=True)
         assert advised == [(shard0, start + first, end - first, os.POSIX_FADV_WILLNEED)]
@@ -534,7 +468,7 @@ def test_resume_at_another_world_size_through_the_daemon_reads_the_rest_byte_exa
             (
                 BlockWindowSampler(
                     sizes, block=block, spread=spread, seed=4, rank=r, world_size=world, lag=8,
-                    residency=BlockResidency(out, mode="daemon"),
+                    residency=Residency(out, mode="daemon"),
                 ),
                 BlockReader(out, block=block, keep=32),
             )
@@ -564,7 +498,7 @@ def test_resume_at_another_world_size_through_the_daemon_reads_the_rest_byte_exa
     n = len(recs)
     k = n - 500
     got += [rest[j % 3][j // 3] for j in range(k)]
-    assert [i for i, _d in got] == order_of(sizes, block, spread, seed=4)
+    assert [i for i, _d in got] == order_of(sizes, block=block, spread=spread, seed=4)
     assert all(data == recs[i] for i, data in got)
     assert reads > n // 2  # through the daemon's pieces, before and after the resume
 
@@ -597,7 +531,7 @@ def test_a_reader_drops_released_pieces_when_the_next_one_waits_for_their_room(
     # pieces only after attaching a new one read B from the file forever.
     out, recs = sharded(tmp_path, shards=2)
     start_daemon(args=("--shm-limit", "64K"), loaded=0)
-    residency = BlockResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     reader = BlockReader(out, block=100)
     records = read_manifest(out).shards[0].records
     a = Piece(0, *shard_block(records, 100, 0))
@@ -627,7 +561,7 @@ def test_the_daemon_keeps_no_shard_mapped_after_checking_a_hold(
     out, _recs = sharded(tmp_path, shards=2)
     m = read_manifest(out)
     d = start_daemon(loaded=0)
-    residency = BlockResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         residency.hold([Piece(0, 0, 100), Piece(1, 0, 100)], wait=True)
         # Once both pieces are loaded (a load maps its shard while it reads the index: not checked here).
@@ -649,42 +583,12 @@ def test_the_samplers_residency_is_the_datasets_socket_mode_and_manifest(tmp_pat
     sock = tmp_path / "run" / "custom.sock"
     ds = smstore.SharedStoreDataset(os.fspath(out), mode="mmap", socket=os.fspath(sock))
     sampler = BlockWindowSampler(ds, block=10, spread=2, seed=0, rank=0, world_size=1)
-    assert isinstance(sampler.residency, BlockResidency)
+    assert isinstance(sampler.residency, Residency)
     assert sampler.residency.socket == sock
     assert sampler.residency.mode == "mmap"
 
 
 BUDGET_DAEMON = Path(__file__).parent / "budget_daemon.py"
-
-
-def epoch_rank(out: str, block: int, spread: int, q: Any) -> None:
-    """One rank's block epoch with a short lag: 2 forked workers reading 2 batches of 4 each behind its
-    sampler (run_rank's longer lag keeps more held, and its loads rarely wait on a released piece)."""
-    import torch
-
-    sizes = [s.records for s in read_manifest(out).shards]
-
-    class Sized:
-        shard_sizes = sizes
-        path = out
-
-    sampler = BlockWindowSampler(
-        Sized(), block=block, spread=spread, seed=5, lag=16, residency=BlockResidency(out, mode="daemon")
-    )
-    ds = BlockDataset(Path(out), block, sampler.keep)
-    loader = torch.utils.data.DataLoader(
-        ds,
-        sampler=sampler,
-        batch_size=4,
-        num_workers=2,
-        prefetch_factor=2,
-        collate_fn=list,
-        multiprocessing_context="fork",
-    )
-    got = [item for batch in loader for item in batch]
-    sampler.close()
-    ds.reader.close()
-    q.put(got)
 
 
 @pytest.mark.parametrize("share", [0.02, 0.08, 0.32])
@@ -703,7 +607,10 @@ def test_a_block_epoch_keeps_the_pages_of_every_segment_mapped_or_present_within
     report = tmp_path / "pages.txt"
     launcher = (os.fspath(BUDGET_DAEMON), os.fspath(report), "-", str(os.getpid()))
     start_daemon(args=("--shm-limit", str(budget)), loaded=0, launcher=launcher)
-    (got,) = run_ranks(epoch_rank, [(os.fspath(out), block, spread)])
+    # One rank with a short lag: its 2 workers read 2 batches of 4 behind the sampler (the
+    # longer lag of the test above keeps more held, and its loads rarely wait on a released piece).
+    rank = partial(block_rank, seed=5, lag=16, batch=4)
+    ((_rank, got),) = run_ranks(rank, [(os.fspath(out), None, None, block, spread)])
     assert sorted(i for i, _d, _b in got) == list(range(len(recs)))  # every record once
     assert all(data == recs[i] for i, data, _b in got)  # byte-exact
     peak = max(int(line.split()[1]) for line in report.read_text().splitlines() if line.startswith("pages "))
@@ -717,7 +624,6 @@ def test_a_shard_load_and_a_piece_load_in_flight_together_never_exceed_the_budge
     """Issue 37: the shard planner and the block residency each counted only their own loads in
     flight, so a held shard and a held piece loaded at once into a budget that fits either alone.
     Every load waits at a gate this test opens: what is in flight is what the daemon admitted."""
-    from smstore.wire.residency import ShardResidency
 
     out, _recs = sharded(tmp_path, shards=2)
     m = read_manifest(out)
@@ -730,8 +636,8 @@ def test_a_shard_load_and_a_piece_load_in_flight_together_never_exceed_the_budge
     gate = os.open(gate_path, os.O_RDWR)  # a writer before the daemon's reader: loads wait for bytes
     report = tmp_path / "report.txt"
     launcher = (os.fspath(BUDGET_DAEMON), os.fspath(report), os.fspath(gate_path), str(os.getpid()))
-    shards = ShardResidency(out, mode="daemon")
-    pieces = BlockResidency(out, mode="daemon")
+    shards = Residency(out, mode="daemon")
+    pieces = Residency(out, mode="daemon")
     try:
         d = start_daemon(args=("--shm-limit", str(budget)), loaded=0, launcher=launcher)
         shards.hold([0], wait=True)
@@ -774,7 +680,7 @@ def test_a_released_piece_counts_in_the_budget_until_the_daemon_has_removed_it(
     report = tmp_path / "pages.txt"
     launcher = (os.fspath(BUDGET_DAEMON), os.fspath(report), "-", str(os.getpid()))
     d = start_daemon(args=("--shm-limit", "64K"), loaded=0, launcher=launcher)
-    residency = BlockResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         deadline = time.monotonic() + 120  # a guard against a hang only
         for p in (a, b):

@@ -33,11 +33,6 @@ def texts(n: int) -> list[str]:
     return [f"row {i} " + "é€😀"[i % 3] * (i % 17) + ("\n" if i % 5 == 0 else "") for i in range(n)]
 
 
-def read_all(path: Path) -> list[bytes]:
-    with smstore.Store(path) as s:
-        return [bytes(r) for r in s]
-
-
 # ----------------------------------------------------------------------------- Parquet / Arrow / HF
 
 
@@ -68,7 +63,7 @@ def test_arrow_column_records_are_byte_exact(tmp_path: Path, table: object, kind
     out = tmp_path / "data.smst"
     stats = convert_arrow(src, out, column="data", progress=False)
     assert stats.records == table.num_rows
-    assert read_all(out) == table.column("data").to_pylist()
+    assert tl.read_records(out) == table.column("data").to_pylist()
     convert_arrow(src, tmp_path / "text.smst", column="text", progress=False)
     with smstore.open(tmp_path / "text.smst") as s:
         assert s.encoding == "lines"
@@ -142,7 +137,7 @@ def test_cli_parquet(tmp_path: Path, table: object) -> None:
         cwd=tl.SAFE_CWD,
     )
     assert r.returncode == 0, r.stderr
-    assert read_all(tmp_path / "c.smst") == table.column("data").to_pylist()
+    assert tl.read_records(tmp_path / "c.smst") == table.column("data").to_pylist()
     code = "import sys, smstore.cli, smstore.convert; print(sorted(m for m in ('pyarrow', 'torch') if m in sys.modules))"
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tl.SAFE_CWD

@@ -34,6 +34,8 @@ from smstore.format.manifest import read_manifest
 from smstore.format.objects import PICKLE_PROTOCOL
 from smstore.read.shards import ShardedWriter
 
+from .smstore_testlib import read_records
+
 # ----------------------------------------------------------------------------- helpers
 
 
@@ -42,19 +44,10 @@ def pickled(objects: Iterable[Any]) -> list[bytes]:
     return [pickle.dumps(o, protocol=PICKLE_PROTOCOL) for o in objects]
 
 
-def blob_records(path: Path) -> list[bytes]:
-    with smstore.open(path, raw=True) as s:
-        return [bytes(r) for r in s]
-
-
 def shard_records(directory: Path) -> list[list[bytes]]:
     """The raw records of each shard of a dataset, shard by shard."""
     m = read_manifest(directory / "manifest.json")
-    out = []
-    for k in range(len(m.shards)):
-        with smstore.open(m.shard_path(k), raw=True) as s:
-            out.append([bytes(r) for r in s])
-    return out
+    return [read_records(m.shard_path(k)) for k in range(len(m.shards))]
 
 
 def assert_within_shard_size(shards: list[list[bytes]], shard_size: int) -> None:
@@ -127,13 +120,13 @@ def test_json_list_records_are_byte_exact(
     stats = convert_json_list(src, tmp_path / "a.smst", key="annotations", progress=False)
     want = expected_elements(src.read_bytes(), "annotations")
     assert stats.records == len(want) == 7
-    assert blob_records(tmp_path / "a.smst") == pickled(want)
+    assert read_records(tmp_path / "a.smst") == pickled(want)
     # JSON records: standard JSON only, so the elements without NaN or a lone surrogate.
     plain = '[{"a": "caf\\u00e9 \\ud83d\\ude00", "b": [[], {}]}, {}, {"n": -0.0, "m": 1.5e300}]'
     src.write_text(plain)
     convert_json_list(src, tmp_path / "j.smst", encoding="json", progress=False)
     dump = [json.dumps(o, ensure_ascii=False, separators=(",", ":")).encode() for o in json.loads(plain)]
-    assert blob_records(tmp_path / "j.smst") == dump
+    assert read_records(tmp_path / "j.smst") == dump
 
 
 def test_json_list_in_utf8_with_bom_and_utf16(tmp_path: Path) -> None:
@@ -454,7 +447,7 @@ def test_json_list_key_twice_converts_the_last_list(tmp_path: Path, monkeypatch:
         monkeypatch.setattr(jl, "CHUNK", chunk)
         stats = convert_json_list(src, tmp_path / "o.smst", key="k", progress=False)
         assert stats.records == 1
-        assert blob_records(tmp_path / "o.smst") == want
+        assert read_records(tmp_path / "o.smst") == want
         convert_json_list(src, tmp_path / "ds", key="k", shard_size=1, progress=False)
         assert [r for shard in shard_records(tmp_path / "ds") for r in shard] == want
         # A fault after the second list is found before anything is written.
@@ -574,7 +567,7 @@ def test_json_list_converts_exactly_what_json_loads_accepts(data: bytes) -> None
                     assert int(offset.group(1)) <= len(data), refused
                     continue
                 assert want is not None, f"CHUNK={jl.CHUNK}: converted, json.loads refuses it"
-                assert blob_records(out) == pickled(want), f"CHUNK={jl.CHUNK}"
+                assert read_records(out) == pickled(want), f"CHUNK={jl.CHUNK}"
                 out.unlink()
         finally:
             jl.CHUNK, jl._PIECE = saved
@@ -651,7 +644,7 @@ def test_megatron_every_dtype_is_byte_exact(tmp_path: Path, code: int, dtype: An
     write_mmidx(tmp_path / "corpus", docs, code, gap_before=(50, 51, 200))
     stats = convert_megatron(tmp_path / "corpus", tmp_path / "m.smst", progress=False)
     assert stats.records == len(docs)
-    assert blob_records(tmp_path / "m.smst") == document_bytes(docs, dtype)
+    assert read_records(tmp_path / "m.smst") == document_bytes(docs, dtype)
     with smstore.open(tmp_path / "m.smst") as s:
         assert s.encoding == f"npy:{np.dtype(dtype).str}"
     # The same records across shards, each within shard_size plus one record.
@@ -725,7 +718,7 @@ def test_records_stream_to_the_writer_without_piling_up(tmp_path: Path, sharded:
         finally:
             tracemalloc.stop()
     assert peak < 24 << 20, peak
-    records = shard_records(out)[0] if sharded else blob_records(out)
+    records = shard_records(out)[0] if sharded else read_records(out)
     assert records == [bytes([i]) * (1 << 20) for i in range(64)]
 
 
@@ -827,5 +820,5 @@ def test_every_converter_keeps_shards_within_shard_size_plus_one_record(tmp_path
     convert(tmp_path / "ds", shard_size=shard_size)
     shards = shard_records(tmp_path / "ds")
     assert len(shards) > 10
-    assert [r for shard in shards for r in shard] == blob_records(tmp_path / "one.smst")
+    assert [r for shard in shards for r in shard] == read_records(tmp_path / "one.smst")
     assert_within_shard_size(shards, shard_size)

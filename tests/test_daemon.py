@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import grp
 import logging
 import os
 import pickle
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import threading
@@ -23,14 +21,9 @@ from daemon_testlib import (
     IS_ROOT,
     SHM,
     Daemon,
-    as_user,
     check_all,
     cli,
-    frame,
     make_records,
-    public_rundir,
-    raw,
-    read_reply,
 )
 
 import smstore
@@ -38,7 +31,7 @@ from smstore import _core
 from smstore.daemon.segments import list_segments
 from smstore.errors import ChecksumMismatchError, DaemonError, SharedMemoryError, StoreFormatError
 from smstore.read import modes as _modes
-from smstore.wire.client import DaemonStore, daemon_request, open_store
+from smstore.wire.client import DaemonStore, open_store
 
 # ---- basics -----------------------------------------------------------------------------------
 
@@ -604,70 +597,7 @@ def test_shm_too_small_real_tmpfs(blob: tuple[Path, list[bytes]]) -> None:
     assert "--shm-size" in res.stdout
 
 
-# ---- hostile clients ---------------------------------------------------------------------------
-
-
-def test_hostile_messages(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
-    path, recs = blob
-    d = start_daemon(path, env={"SMSTORE_IO_TIMEOUT": "1"})
-    checksum = smstore.open(path).checksum
-    # A client that stalls mid-message blocks nobody, and is dropped after the timeout.
-    stalled = raw(d.sock)
-    stalled.sendall(b"\x00\x00\x01")
-    # Malformed bodies get an error reply on a connection that stays usable.
-    s = raw(d.sock)
-    for body in (
-        b"not json",
-        b"\xff\xfe",
-        b"[1, 2]",
-        b"{}",
-        b'{"op": "nope"}',
-        b'{"op": "attach", "checksum": 5}',
-        b'{"op": "load", "path": "relative.smst"}',
-        b'{"op": "unload", "path": 7}',
-    ):
-        s.sendall(frame(body))
-        reply = read_reply(s)
-        assert reply is not None, body
-        assert reply["ok"] is False, body
-    s.sendall(frame(b'{"op": "status"}'))
-    assert read_reply(s)["ok"]  # type: ignore[index]
-    s.close()
-    # Oversized: an error reply, then the connection is closed.
-    s = raw(d.sock)
-    s.sendall(struct.pack(">I", 0xFFFFFFF0) + b"x" * 100)
-    reply = read_reply(s)
-    assert reply is not None
-    assert reply["error"] == "too_large"
-    assert s.recv(10) == b""
-    s.close()
-    # Random garbage and truncated frames, then hang-ups.
-    for junk in (os.urandom(5000), frame(b'{"op": "status"}')[:7], b"\x00"):
-        s = raw(d.sock)
-        s.sendall(junk)
-        s.close()
-    # Several frames in one send, and one frame split over sends.
-    s = raw(d.sock)
-    s.sendall(frame(b'{"op":"status"}') * 3)
-    for _ in range(3):
-        assert read_reply(s)["ok"]  # type: ignore[index]
-    whole = frame(b'{"op":"status"}')
-    for b in whole:
-        s.sendall(bytes([b]))
-    assert read_reply(s)["ok"]  # type: ignore[index]
-    s.close()
-    # The daemon still serves attaches, and the stalled client was dropped.
-    store = open_store(path, mode="daemon")
-    check_all(store, recs)
-    assert d.segment(checksum)["clients"] == [os.getpid()]
-    stalled.settimeout(10)
-    assert stalled.recv(10) == b""
-    stalled.close()
-    assert d.proc.poll() is None
-    assert "Traceback" not in d.log.read_text()
-
-
-# ---- lifetime ----------------------------------------------------------------------------------
+# ---- unloading, and one segment for two jobs -------------------------------------------------
 
 
 def test_unload_by_checksum_as_given(
@@ -759,56 +689,6 @@ def test_two_jobs_share_one_segment(
     assert d.segment(checksum)["clients"] == []
 
 
-def test_restart_adopts_and_cleans(
-    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
-) -> None:
-    path, recs = blob
-    a = start_daemon(path)
-    store = open_store(path, mode="daemon")
-    (old,) = list_segments(a.pid)
-    inode = (SHM / old).stat().st_ino
-    # A half-finished load of the dead daemon (not in its state file) must be cleaned up.
-    junk = old.rsplit("-", 1)[0] + "-deadbeef"
-    (SHM / junk).write_bytes(b"partial")
-    a.proc.kill()
-    a.proc.wait()
-    b = start_daemon()
-    st = b.wait_loaded(1)
-    (seg,) = st["segments"]
-    assert seg["adopted"]
-    assert seg["paths"] == [os.fspath(path)]
-    assert list_segments(a.pid) == []
-    (new,) = list_segments(b.pid)
-    assert (SHM / new).stat().st_ino == inode, "the same pages, not a second copy"
-    again = open_store(path, mode="daemon")
-    check_all(again, recs)
-    check_all(store, recs)
-
-
-def test_restart_refuses_a_segment_changed_since(
-    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]
-) -> None:
-    # The owner can chmod and write a dead daemon's segment: adoption must check it all.
-    path, _ = blob
-    a = start_daemon(path)
-    (old,) = list_segments(a.pid)
-    a.proc.kill()
-    a.proc.wait()
-    seg = SHM / old
-    seg.chmod(0o600)
-    with open(seg, "r+b") as f:
-        f.seek(4096)
-        first = f.read(1)
-        f.seek(4096)
-        f.write(bytes([first[0] ^ 0x01]))
-    seg.chmod(0o400)
-    b = start_daemon()
-    assert b.wait_loaded(0)["segments"] == []
-    assert not seg.exists()
-    assert list_segments(b.pid) == []
-    assert "could not adopt" in b.log.read_text()
-
-
 # ---- DataLoader workers ------------------------------------------------------------------------
 
 
@@ -837,134 +717,7 @@ def test_dataloader_workers_through_daemon(
     assert sorted(seen) == sorted(recs)
 
 
-def test_kill9_mid_epoch_then_gc(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
-    pytest.importorskip("torch")
-    from torch.utils.data import DataLoader
-
-    path, recs = blob
-    d = start_daemon(path)
-    ds = smstore.SharedStoreDataset(path, decode="bytes", mode="daemon")
-    loader = DataLoader(ds, batch_size=16, num_workers=2, multiprocessing_context="fork", collate_fn=list)
-    out: list[bytes] = []
-    for k, batch in enumerate(loader):
-        out.extend(batch)
-        if k == 3:
-            d.proc.kill()
-            d.proc.wait()
-    assert out == recs, "readers finish the epoch with correct bytes"
-    assert len(list_segments(d.pid)) == 1, "kill -9 leaves the segment"
-    res = cli("gc", sock=d.sock)
-    assert list_segments(d.pid) == []
-    assert "removed" in res.stdout
-    assert not d.sock.exists()
-    assert not d.sock.with_name(d.sock.name + ".state").exists()
-    check_all(ds.store, recs)
-
-
-def test_gc_spares_live_daemons(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
-    path, _ = blob
-    d = start_daemon(path)
-    cli("gc", sock=d.sock)
-    assert len(list_segments(d.pid)) == 1
-    assert d.sock.exists()
-    assert d.status()["segments"]
-
-
-def test_sigint_stops_cleanly(blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon]) -> None:
-    path, _ = blob
-    d = start_daemon(path)
-    d.proc.send_signal(signal.SIGINT)
-    assert d.proc.wait(timeout=10) == 0
-    assert list_segments(d.pid) == []
-    assert not d.sock.exists()
-
-
-def _thread_policies(pid: int) -> set[int]:
-    return {os.sched_getscheduler(int(tid)) for tid in os.listdir(f"/proc/{pid}/task")}
-
-
-def test_daemon_threads_never_preempt_the_ranks(
-    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], tmp_path: Path
-) -> None:
-    path, _recs = blob
-    d = start_daemon(path, loaded=1)  # the loader thread has run: every thread of the daemon
-    assert len(os.listdir(f"/proc/{d.pid}/task")) >= 2
-    assert _thread_policies(d.pid) == {os.SCHED_BATCH}
-    other = start_daemon(args=("--no-background",), at=tmp_path / "run" / "other.sock")
-    assert _thread_policies(other.pid) == {os.SCHED_OTHER}
-
-
-def test_second_daemon_on_same_socket_refused(start_daemon: Callable[..., Daemon]) -> None:
-    d = start_daemon()
-    res = cli("serve", sock=d.sock, check=False, timeout=30)
-    assert res.returncode == 1
-    assert "already listening" in res.stderr
-    assert d.status()["ok"]
-
-
-# ---- other users -------------------------------------------------------------------------------
-
-
-@pytest.mark.skipif(not IS_ROOT, reason="needs root to act as a second user")
-def test_other_users_refused(
-    blob: tuple[Path, list[bytes]], start_daemon: Callable[..., Daemon], request: pytest.FixtureRequest
-) -> None:
-    path, recs = blob
-    try:
-        group = grp.getgrnam("users")
-    except KeyError:
-        pytest.skip("no 'users' group")
-    # Shared with the group: the socket directory must let the group in (and the path to it: not
-    # under pytest's private tmp_path).
-    rundir = public_rundir(request, group.gr_gid)
-    public = rundir.parent
-    d = start_daemon(path, args=("--group", "users"), at=rundir / "smstore.sock")
-    (name,) = list_segments(d.pid)
-    assert (SHM / name).stat().st_mode & 0o777 == 0o440
-    assert (SHM / name).stat().st_gid == group.gr_gid
-    sock = os.fspath(d.sock)
-    checksum = smstore.open(path).checksum
-    # The member reads its own copy of the file (matched to the segment by content).
-    spath = os.fspath(public / "data.smst")
-    shutil.copyfile(path, spath)
-    Path(spath).chmod(0o644)
-
-    def member() -> str:
-        store = open_store(spath, mode="daemon", socket=sock)
-        ok = all(bytes(store[i]) == recs[i] for i in range(len(recs)))
-        try:
-            daemon_request({"op": "stop"}, sock)
-            stop = "stopped"
-        except DaemonError as e:
-            stop = str(e)
-        return f"{type(store).__name__} {ok} {stop}"
-
-    def outsider() -> str:
-        results = []
-        try:
-            daemon_request({"op": "attach", "checksum": checksum}, sock)
-            results.append("attached")
-        except DaemonError as e:
-            results.append(f"refused: {e}")
-        try:
-            with open(SHM / name, "rb") as f:
-                f.read(10)
-            results.append("read the segment")
-        except PermissionError:
-            results.append("no read")
-        return " | ".join(results)
-
-    assert as_user(member, [group.gr_gid]) == "DaemonStore True smstore daemon: only uid 0 may stop"
-    got = as_user(outsider, [])
-    assert got.startswith("refused:"), got
-    assert got.endswith("no read"), got
-    # Even with the directory and socket opened up by mistake, the daemon checks credentials.
-    d.sock.parent.chmod(0o711)
-    d.sock.chmod(0o666)
-    got = as_user(outsider, [])
-    assert "may not use this smstore daemon" in got, got
-    assert got.endswith("no read"), got
-    assert d.status()["ok"]
+# ---- the daemon's state ----------------------------------------------------------------------
 
 
 def _collections_of(root: object, leave_out: tuple[object, ...] = ()) -> dict[str, object]:
@@ -1022,7 +775,7 @@ def test_the_daemons_state_is_at_most_12_collections(tmp_path: Path) -> None:
     assert len(everything) <= 12, sorted(everything)
 
 
-# ---- one connection per process per daemon ------------------------------------------------------
+# ---- one connection per process per daemon, and forks ----------------------------------------
 
 ONE_CONNECTION = r"""
 import os, sys
@@ -1085,10 +838,7 @@ def test_a_process_holds_one_connection_to_the_daemon_and_a_forked_child_its_own
     one connection; a child forked from it (a DataLoader worker) on one of its own. Before, each
     of the dataset's attaches, its pre-attacher, each residency and each block reader had one (and
     a forked child kept some of its parent's)."""
-    src = tmp_path / "in.txt"
-    src.write_bytes(b"".join(b"%06d " % i + b"x" * 100 + b"\n" for i in range(2000)))
-    out = tmp_path / "ds"
-    smstore.pack_files([src], out, shard_size=40_000, progress=False, durable=False)
+    out = tl.sharded(tmp_path, [b"%06d " % i + b"x" * 100 for i in range(2000)], shard_size=40_000)
     d = start_daemon(loaded=0)
     proc = subprocess.Popen(
         [sys.executable, "-c", ONE_CONNECTION, str(out)],
@@ -1119,3 +869,45 @@ def test_a_process_holds_one_connection_to_the_daemon_and_a_forked_child_its_own
         for pipe in (proc.stdin, proc.stdout):
             if pipe is not None:
                 pipe.close()
+
+
+def test_a_fork_while_another_thread_holds_a_session_lock_leaves_the_child_able_to_attach(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The pre-attaching thread holds `DaemonSession.lock` during its attaches: a process forked
+    meanwhile (a DataLoader worker) got a lock no thread of its would ever release, and its first
+    attach blocked forever (here: killed by its own alarm)."""
+    from smstore.wire.client import DaemonSession
+
+    path = tmp_path / "b.smst"
+    smstore.pack([b"a", b"bc"], path)
+    checksum = smstore.open(path).checksum
+    d = start_daemon(path)
+    session = DaemonSession(d.sock)
+    held, done = threading.Event(), threading.Event()
+
+    def hold_the_lock() -> None:
+        with session.lock:
+            held.set()
+            done.wait(30)
+
+    thread = threading.Thread(target=hold_the_lock)
+    thread.start()
+    try:
+        assert held.wait(10)
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - child
+            code = 3
+            try:
+                signal.alarm(20)
+                reply, fd = session.attach(checksum)
+                code = 0 if reply["ok"] and fd is not None else 4
+            finally:
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        done.set()
+        thread.join()
+        session.close()
+    assert not os.WIFSIGNALED(status), "the child's attach blocked on its parent's lock"
+    assert os.WEXITSTATUS(status) == 0

@@ -15,7 +15,8 @@ import pytest
 
 import smstore
 from smstore import GlobalShuffleSampler, Loader, MixtureSampler, TokenCollator, WindowedShuffleSampler
-from smstore.sampling import Mixture, ResumableLoader, WindowedMixtureSampler
+from smstore.format.manifest import read_manifest
+from smstore.sampling import BlockWindowSampler, Mixture, ResumableLoader, WindowedMixtureSampler
 from smstore.write.pack import build_metadata
 
 torch = pytest.importorskip("torch")
@@ -41,7 +42,18 @@ def stores(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     smstore.pack([bytes(record(i) % 251) for i in range(N)], out["lines"], encoding="lines")
     out["big"] = root / "big.smst"
     smstore.pack_arrays((record(i).astype(np.uint16) for i in range(BIG)), out["big"], dtype=np.uint16)
+    # The same records as sharded datasets: shards of uneven sizes (the index's table), and shards
+    # of 400 records (its division; the windowed samplers below hold shards of those sizes).
+    for name, count, shards in (("u2", N, {"shard_size": 300}), ("big", BIG, {"shard_records": 400})):
+        out[f"{name}-sharded"] = root / f"{name}-sharded"
+        with smstore.ShardedWriter(
+            f"{out[f'{name}-sharded']}/", encoding="npy:<u2", durable=False, **shards
+        ) as w:
+            w.extend(record(i).astype(np.uint16) for i in range(count))
     return out
+
+
+DATA = ["u2", "u2-sharded"]  # a blob and a sharded dataset of the same records
 
 
 def reference(
@@ -88,17 +100,24 @@ OPTIONS = [
     "options", OPTIONS, ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()) or "default"
 )
 @pytest.mark.parametrize(("batch_size", "drop_last"), [(7, False), (7, True), (32, False)])
+@pytest.mark.parametrize("data", DATA)
 def test_identical_to_the_dataloader(
-    stores: dict[str, Path], options: dict[str, Any], batch_size: int, drop_last: bool
+    stores: dict[str, Path], data: str, options: dict[str, Any], batch_size: int, drop_last: bool
 ) -> None:
     sampler = GlobalShuffleSampler(N, seed=3, rank=0, world_size=1)
-    expected = reference(stores["u2"], sampler, batch_size, drop_last, **options)
+    expected = reference(stores[data], sampler, batch_size, drop_last, **options)
     with Loader(
-        stores["u2"], sampler=sampler, batch_size=batch_size, drop_last=drop_last, **options
+        stores[data], sampler=sampler, batch_size=batch_size, drop_last=drop_last, **options
     ) as loader:
         got = list(loader)
     assert_same_batches(got, expected)
     assert len(loader) == len(expected)
+    # The collator's own call (the C++ gather, in a DataLoader worker) gives the same batches.
+    collate = TokenCollator(stores[data], **options)
+    dataloader = DataLoader(
+        range(N), sampler=sampler, batch_size=batch_size, drop_last=drop_last, collate_fn=collate
+    )
+    assert_same_batches(list(dataloader), expected)
 
 
 @pytest.mark.parametrize("name", ["i4", "u1", "f4", "lines"])
@@ -120,9 +139,10 @@ def test_what_the_batcher_cannot_do_is_refused(stores: dict[str, Path]) -> None:
         Loader(stores["u2"], batch_size=4, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("data", DATA)
 @pytest.mark.parametrize("world_size", [1, 3])
-@pytest.mark.parametrize("kind", ["global", "windowed", "mixture"])
-def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size: int) -> None:
+@pytest.mark.parametrize("kind", ["global", "windowed", "block", "mixture"])
+def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size: int, data: str) -> None:
     def make(rank: int) -> Any:
         if kind == "global":
             return GlobalShuffleSampler(N, seed=5, rank=rank, world_size=world_size)
@@ -130,11 +150,15 @@ def test_samplers_and_world_sizes(stores: dict[str, Path], kind: str, world_size
             return WindowedShuffleSampler(
                 [60, 60, 70, 50], window=2, seed=5, rank=rank, world_size=world_size
             )
+        if kind == "block":
+            return BlockWindowSampler(
+                [60, 60, 70, 50], block=9, spread=2, seed=5, rank=rank, world_size=world_size, residency=False
+            )
         return MixtureSampler(Mixture([100, 140], [0.7, 0.3]), seed=5, rank=rank, world_size=world_size)
 
     for rank in range(world_size):
-        expected = reference(stores["u2"], make(rank), 10, False, dtype=torch.long)
-        with Loader(stores["u2"], sampler=make(rank), batch_size=10, dtype=torch.long, depth=2) as loader:
+        expected = reference(stores[data], make(rank), 10, False, dtype=torch.long)
+        with Loader(stores[data], sampler=make(rank), batch_size=10, dtype=torch.long, depth=2) as loader:
             assert_same_batches(list(loader), expected)
 
 
@@ -193,12 +217,13 @@ class Plain:
 @pytest.mark.parametrize("drop_last", [False, True])
 @pytest.mark.parametrize(("world", "rank"), [(1, 0), (3, 2)])
 @pytest.mark.parametrize("kind", ["global", "windowed", "mixture", "windowed-mixture"])
+@pytest.mark.parametrize("data", ["big", "big-sharded"])
 def test_our_samplers_chunks_as_arrays_match_the_dataloader(
-    stores: dict[str, Path], kind: str, world: int, rank: int, drop_last: bool
+    stores: dict[str, Path], data: str, kind: str, world: int, rank: int, drop_last: bool
 ) -> None:
     """The Loader takes our samplers' chunks as arrays: the same batches, states after each batch
     received and residency holds (at the same batches) as the DataLoader and the index-by-index path."""
-    path, b = stores["big"], 7
+    path, b = stores[data], 7
     collate = TokenCollator(path, dtype=torch.long)
 
     def run(loader: Any, recs: list[HoldRecorder], states: bool) -> tuple[list[Any], list[Any], list[Any]]:
@@ -351,9 +376,12 @@ def flat_indices(batches: list[dict[str, Any]]) -> list[int]:
     return [i for b in batches for i in b["indices"].tolist()]
 
 
+@pytest.mark.parametrize("data", DATA)
 @pytest.mark.parametrize("kind", ["global", "mixture"])
 @pytest.mark.parametrize(("world_before", "world_after"), [(1, 1), (1, 3), (3, 1), (3, 2)])
-def test_resume_is_exact(stores: dict[str, Path], kind: str, world_before: int, world_after: int) -> None:
+def test_resume_is_exact(
+    stores: dict[str, Path], data: str, kind: str, world_before: int, world_after: int
+) -> None:
     def make(rank: int, world: int) -> Any:
         if kind == "global":
             return GlobalShuffleSampler(N, seed=8, rank=rank, world_size=world)
@@ -361,13 +389,13 @@ def test_resume_is_exact(stores: dict[str, Path], kind: str, world_before: int, 
 
     b = 6
     whole = make(0, 1)
-    order = flat_indices(list(Loader(stores["u2"], sampler=whole, batch_size=b)))
+    order = flat_indices(list(Loader(stores[data], sampler=whole, batch_size=b)))
     # Each rank stops after k batches, with more prefetched (depth 4): the state is at k.
     k = 5
     states = []
     first: list[list[int]] = []
     for rank in range(world_before):
-        with Loader(stores["u2"], sampler=make(rank, world_before), batch_size=b, depth=4) as loader:
+        with Loader(stores[data], sampler=make(rank, world_before), batch_size=b, depth=4) as loader:
             it = iter(loader)
             got = [next(it) for _ in range(k)]
             states.append(loader.state_dict())
@@ -376,7 +404,7 @@ def test_resume_is_exact(stores: dict[str, Path], kind: str, world_before: int, 
     assert states[0]["consumed"] == k * b * world_before
     rest: list[list[int]] = []
     for rank in range(world_after):
-        with Loader(stores["u2"], sampler=make(rank, world_after), batch_size=b) as loader:
+        with Loader(stores[data], sampler=make(rank, world_after), batch_size=b) as loader:
             loader.load_state_dict(states[0])
             rest.append(flat_indices(list(loader)))
     # Interleaving the ranks' streams gives the world-size-1 order (each rank's padding wraps).
@@ -473,6 +501,120 @@ def test_wrong_store(tmp_path: Path) -> None:
         Loader(foreign, batch_size=2)
 
 
+def test_sharded_indices_out_of_range_name_the_dataset(stores: dict[str, Path]) -> None:
+    manifest = r"u2-sharded/manifest\.json"
+    with Loader(stores["u2-sharded"], sampler=[0, 1, N], batch_size=2) as loader:
+        it = iter(loader)
+        with pytest.raises(smstore.RecordIndexError, match=rf"{manifest}: the sampler gave record index 240"):
+            next(it)
+    with (
+        Loader(stores["u2-sharded"], sampler=GlobalShuffleSampler(N + 50, seed=0), batch_size=8) as loader,
+        pytest.raises(smstore.RecordIndexError, match=rf"{manifest}: the sampler gave record index 2[4-8]\d"),
+    ):
+        list(loader)
+
+
+def test_a_shard_changed_since_its_manifest_raises_what_the_dataloader_raises(
+    stores: dict[str, Path], tmp_path: Path
+) -> None:
+    import shutil
+
+    data = tmp_path / "ds"
+    shutil.copytree(stores["u2-sharded"], data)
+    loader = Loader(data, batch_size=16)  # no shard opened yet
+    slow = DataLoader(range(N), batch_size=16, collate_fn=TokenCollator(data))
+    # Shard 1 re-packed with other records of the same sizes: the same file size, another checksum.
+    shard = Path(read_manifest(data).shard_path(1))
+    starts = smstore.open(data).starts
+    with smstore.ShardedWriter(f"{tmp_path / 'other'}/", encoding="npy:<u2", durable=False) as w:
+        w.extend(record(i).astype(np.uint16) + 1 for i in range(starts[1], starts[2]))
+    other = Path(read_manifest(tmp_path / "other").shard_path(0))
+    assert other.stat().st_size == shard.stat().st_size
+    os.replace(other, shard)
+    match = r"shard 1 .* holds checksum .* the manifest records"
+    with pytest.raises(smstore.StoreChangedError, match=match):
+        list(slow)
+    with loader, pytest.raises(smstore.StoreChangedError, match=match):
+        list(loader)
+
+
+class Releasing:
+    """A sampler that releases every open shard of `store` before each index it gives: the shards
+    of batches queued before are unmapped by the store while those batches are made."""
+
+    def __init__(self, store: Any, order: list[int]) -> None:
+        self.store, self.order = store, order
+
+    def __iter__(self) -> Any:
+        for i in self.order:
+            for k in range(self.store.shard_count):
+                self.store.release_shard(k)
+            yield i
+
+
+def test_queued_batches_keep_their_shards_mapped(stores: dict[str, Path]) -> None:
+    order = GlobalShuffleSampler(N, seed=2, rank=0, world_size=1)
+    expected = reference(stores["u2-sharded"], order, 5, False, dtype=torch.long)
+    collate = TokenCollator(stores["u2-sharded"], dtype=torch.long)
+    for threads in (0, 2):
+        sampler = Releasing(collate.store, list(order))
+        with Loader(collate=collate, sampler=sampler, batch_size=5, depth=6, threads=threads) as loader:
+            got = [{k: v.clone() for k, v in b.items()} for b in loader]
+        assert_same_batches(got, expected)
+
+
+def test_a_windowed_pass_keeps_few_shards_open(stores: dict[str, Path]) -> None:
+    """The store's auto_release counts the Loader's reads: the shards of past windows are released
+    as the pass goes on, as they are for reads through the store."""
+    collate = TokenCollator(stores["big-sharded"], dtype=torch.long)
+    store = collate.store
+    sampler = WindowedShuffleSampler(
+        store.shard_sizes, window=2, seed=1, rank=0, world_size=1, residency=False
+    )
+    most = 0
+    with Loader(collate=collate, sampler=sampler, batch_size=8) as loader:
+        for _ in loader:
+            most = max(most, store.open_shard_count)
+    assert store.shard_count == 8
+    assert most <= 5  # two windows of two, and one more about to be released
+
+
+def test_sharded_dataset_source(stores: dict[str, Path]) -> None:
+    ds = smstore.SharedStoreDataset(stores["u2-sharded"])
+    sampler = GlobalShuffleSampler(N, seed=2, rank=0, world_size=1)
+    expected = reference(stores["u2-sharded"], sampler, 9, False, layout="pack")
+    with Loader(ds, sampler=sampler, batch_size=9, layout="pack") as loader:
+        assert_same_batches(list(loader), expected)
+
+
+@pytest.mark.parametrize("layout", ["pad", "pack"])
+def test_sharded_dataset_served_by_the_daemon(
+    stores: dict[str, Path], start_daemon: Any, layout: str, tmp_path: Path
+) -> None:
+    """Shards loaded by a real daemon as a WindowedShuffleSampler holds them: the Loader opens each
+    (waiting for its load as a DataLoader worker would) and yields the DataLoader's batches."""
+    import shutil
+
+    data = tmp_path / "ds"
+    shutil.copytree(stores["big-sharded"], data)
+    start_daemon(loaded=0)
+
+    def make(ds: Any) -> Any:
+        return WindowedShuffleSampler(ds, window=2, seed=4, rank=0, world_size=1, lag=64)
+
+    mmapped = smstore.SharedStoreDataset(data, mode="mmap")
+    expected = reference(data, make(mmapped), 16, False, layout=layout, max_length=9)
+    ds = smstore.SharedStoreDataset(data, mode="daemon")
+    sampler = make(ds)
+    try:
+        with Loader(ds, sampler=sampler, batch_size=16, layout=layout, max_length=9, depth=3) as loader:
+            got = list(loader)
+        assert sampler.residency.kind == "daemon"
+    finally:
+        sampler.close()
+    assert_same_batches(got, expected)
+
+
 # -- shutdown and fork ------------------------------------------------------------------------
 
 
@@ -503,14 +645,15 @@ def left_behind(before: tuple[set[str], set[str]], root: Path) -> tuple[set[str]
     return tasks() - before[0], loader_fds(root) - before[1]
 
 
-def test_clean_shutdown_mid_epoch(stores: dict[str, Path]) -> None:
+@pytest.mark.parametrize("data", DATA)
+def test_clean_shutdown_mid_epoch(stores: dict[str, Path], data: str) -> None:
     sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
     smstore.Store(stores["u2"]).close()  # the unmap thread, if any, starts before the count
     gc.collect()
-    root = stores["u2"].parent
+    root = stores[data].parent
     before = tasks(), loader_fds(root)
     nothing: tuple[set[str], set[str]] = (set(), set())
-    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=3, depth=3)
+    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=3, depth=3)
     it = iter(loader)
     next(it)
     assert len(tasks() - before[0]) == 3
@@ -519,16 +662,16 @@ def test_clean_shutdown_mid_epoch(stores: dict[str, Path]) -> None:
     with pytest.raises(StopIteration):
         next(it)
     # Stopping by dropping the loader, or leaving a with block, does the same.
-    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2)
+    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=2)
     it = iter(loader)
     next(it)
     del loader, it
     assert left_behind(before, root) == nothing
-    with Loader(stores["u2"], sampler=sampler, batch_size=4) as loader:
+    with Loader(stores[data], sampler=sampler, batch_size=4) as loader:
         next(iter(loader))
     assert left_behind(before, root) == nothing
     # A new pass ends the one before it, threads included.
-    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2)
+    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=2)
     old = iter(loader)
     next(old)
     new = iter(loader)
@@ -538,10 +681,11 @@ def test_clean_shutdown_mid_epoch(stores: dict[str, Path]) -> None:
     assert left_behind(before, root) == nothing
 
 
-def test_fork_after_start_does_not_deadlock(stores: dict[str, Path]) -> None:
+@pytest.mark.parametrize("data", DATA)
+def test_fork_after_start_does_not_deadlock(stores: dict[str, Path], data: str) -> None:
     sampler = GlobalShuffleSampler(N, seed=1, rank=0, world_size=1)
-    expected = reference(stores["u2"], sampler, 4, False)
-    loader = Loader(stores["u2"], sampler=sampler, batch_size=4, threads=2, depth=8)
+    expected = reference(stores[data], sampler, 4, False)
+    loader = Loader(stores[data], sampler=sampler, batch_size=4, threads=2, depth=8)
     it = iter(loader)
     next(it)  # the threads are filling the ring while we fork
     read, write = os.pipe()

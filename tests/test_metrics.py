@@ -28,7 +28,7 @@ from smstore.format.manifest import read_manifest
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon
-from .smstore_testlib import child_process
+from .smstore_testlib import child_process, sharded
 
 parser = pytest.importorskip("prometheus_client.parser", reason="the 'test' extra installs prometheus_client")
 
@@ -79,15 +79,6 @@ def until(fetch: Callable[[], Any], predicate: Callable[[Any], bool], timeout: f
     return value
 
 
-def ask(sock: Path, body: bytes) -> dict[str, Any] | None:
-    s = tl.raw(sock)
-    try:
-        s.sendall(tl.frame(body))
-        return tl.read_reply(s)
-    finally:
-        s.close()
-
-
 def test_loads_failures_and_refusals_are_counted_in_status_the_endpoint_and_the_textfile(
     tmp_path: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
@@ -105,8 +96,8 @@ def test_loads_failures_and_refusals_are_counted_in_status_the_endpoint_and_the_
     # A load of a file that is not there, and one refused request of each kind the owner can provoke.
     res = tl.cli("load", str(tmp_path / "missing.smst"), sock=d.sock, check=False)
     assert res.returncode != 0
-    assert ask(d.sock, b'{"op": "frobnicate"}')["error"] == "bad_request"  # type: ignore[index]
-    assert ask(d.sock, b'{"op": "attach", "checksum": "0123456789abcdef"}')["error"] == "not_served"  # type: ignore[index]
+    assert tl.ask(d.sock, b'{"op": "frobnicate"}')["error"] == "bad_request"
+    assert tl.ask(d.sock, b'{"op": "attach", "checksum": "0123456789abcdef"}')["error"] == "not_served"
     s = tl.raw(d.sock)
     try:
         s.sendall((1 << 30).to_bytes(4, "big"))
@@ -158,10 +149,7 @@ def test_loads_failures_and_refusals_are_counted_in_status_the_endpoint_and_the_
 def test_held_shards_the_budget_and_a_reader_that_waited_for_a_load(
     tmp_path: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
-    src = tmp_path / "in.txt"
-    src.write_bytes(b"".join(b"%05d " % i + b"x" * 200 + b"\n" for i in range(600)))
-    out = tmp_path / "ds"
-    smstore.pack_files([src], out, shard_size=40_000, progress=False, durable=False)
+    out = sharded(tmp_path, [b"%05d " % i + b"x" * 200 for i in range(600)], shard_size=40_000)
     m = read_manifest(out)
     assert len(m.shards) >= 3
     page = os.sysconf("SC_PAGESIZE")
@@ -174,11 +162,9 @@ def test_held_shards_the_budget_and_a_reader_that_waited_for_a_load(
     reader.settimeout(30)
     try:
         hold = {"op": "hold", "manifest": os.fspath(out), "shards": "0,1"}
-        rank.sendall(tl.frame(json.dumps(hold).encode()))
-        assert tl.read_reply(rank) == {"ok": True, "resident": 0, "held": 2}
+        assert tl.exchange(rank, hold) == {"ok": True, "resident": 0, "held": 2, "limit": limit}
         attach = {"op": "attach", "checksum": m.shards[1].checksum, "path": m.shard_path(1)}
-        reader.sendall(tl.frame(json.dumps(attach).encode()))
-        reply = tl.read_reply(reader)
+        reply = tl.exchange(reader, attach)
         assert reply is not None
         assert reply["ok"] is True, reply
         assert reply["checksum"] == m.shards[1].checksum

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections import Counter
+from functools import partial
 
 import numpy as np
 import pytest
@@ -23,13 +24,9 @@ from smstore.sampling import (
     round_keys,
 )
 
-from .smstore_testlib import RESUME_PLAN, interleave, loader_batches, stateful_resume
+from .smstore_testlib import RESUME_PLAN, interleave, loader_batches, stateful_resume, whole_order
 
-
-def epoch_order(mix: Mixture, seed: int, epoch: int = 0) -> list[int]:
-    s = MixtureSampler(mix, seed=seed, rank=0, world_size=1)
-    s.set_epoch(epoch)
-    return list(s)
+epoch_order = partial(whole_order, MixtureSampler)
 
 
 def max_deviation(mix: Mixture, n: int) -> np.ndarray:
@@ -106,7 +103,7 @@ def test_upsampled_source_starts_a_new_permutation_each_pass() -> None:
 
 def test_seed_and_epoch_change_the_order_but_not_the_sources() -> None:
     mix = Mixture([50, 60], [0.4, 0.6])
-    a, b, c = epoch_order(mix, 1), epoch_order(mix, 2), epoch_order(mix, 1, epoch=1)
+    a, b, c = epoch_order(mix, seed=1), epoch_order(mix, seed=2), epoch_order(mix, seed=1, epoch=1)
     assert a != b
     assert a != c
     src = [int(i >= 50) for i in a]

@@ -9,6 +9,7 @@ import time
 import warnings
 from collections import Counter
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,10 +20,11 @@ import smstore
 from smstore import MixtureError
 from smstore.format.manifest import read_manifest
 from smstore.sampling import Mixture, MixtureDataset, MixtureSampler, ResumableLoader, WindowedMixtureSampler
-from smstore.wire.residency import ShardResidency
+from smstore.sampling.plan import check_room
+from smstore.wire.residency import Residency
 
 from .daemon_testlib import Daemon
-from .smstore_testlib import interleave, loader_batches, stateful_resume
+from .smstore_testlib import interleave, loader_batches, sharded, stateful_resume, whole_order
 
 # Three sources: two sharded (uneven shards, an empty one), one without shards.
 SHARDS = [[30, 25, 0, 40, 35, 20, 30], [12, 15, 10, 14, 9, 11, 13, 8, 12, 16], None]
@@ -37,10 +39,7 @@ def sampler(
     return WindowedMixtureSampler(mix, window=window, seed=seed, rank=rank, world_size=world, **kw)
 
 
-def epoch_order(mix: Mixture, window: int | list[int] = 2, seed: int = 3, epoch: int = 0) -> list[int]:
-    s = sampler(mix, window, seed=seed)
-    s.set_epoch(epoch)
-    return list(s)
+epoch_order = partial(whole_order, WindowedMixtureSampler, window=2, seed=3, shard_sizes=SHARDS)
 
 
 def split(mix: Mixture, indices: list[int]) -> list[tuple[int, int]]:
@@ -58,7 +57,7 @@ PINNED = [153, 237, 2, 338, 10, 286, 25, 328, 1, 220, 27, 298, 160, 340, 28, 284
 @pytest.mark.parametrize("window", [1, 3, [2, 4, 1], 50])
 def test_every_record_drawn_as_often_as_its_policy_says(stop: str | int, window: int | list[int]) -> None:
     mix = Mixture(LENGTHS, WEIGHTS, stop=stop)
-    order = epoch_order(mix, window)
+    order = epoch_order(mix, window=window)
     assert len(order) == mix.num_samples
     seen = Counter(split(mix, order))
     for s, (m, c) in enumerate(zip(LENGTHS, mix.counts(mix.num_samples), strict=True)):
@@ -70,7 +69,7 @@ def test_every_record_drawn_as_often_as_its_policy_says(stop: str | int, window:
 
 def test_sources_follow_the_mixture_rule_and_its_bound() -> None:
     mix = Mixture(LENGTHS, WEIGHTS, stop=3000)  # every source upsampled many times over
-    order = epoch_order(mix, [2, 3, 1])
+    order = epoch_order(mix, window=[2, 3, 1])
     sources = np.array([s for s, _ in split(mix, order)])
     assert sources.tolist() == mix.locate(np.arange(mix.num_samples))[0].tolist()
     k = np.arange(1, mix.num_samples + 1)
@@ -137,7 +136,7 @@ def test_a_source_pass_does_not_depend_on_the_other_sources() -> None:
     draws = []
     for weights, stop in [(WEIGHTS, 2000), ([0.1, 0.6, 0.3], 2000), ([0.8, 0.1, 0.1], 3000)]:
         mix = Mixture(LENGTHS, weights, stop=stop)
-        draws.append([j for s, j in split(mix, epoch_order(mix, [2, 3, 1], seed=6)) if s == 1])
+        draws.append([j for s, j in split(mix, epoch_order(mix, window=[2, 3, 1], seed=6)) if s == 1])
     shortest = min(map(len, draws))
     assert shortest > 2 * LENGTHS[1]  # past two passes of the source
     assert draws[0][:shortest] == draws[1][:shortest] == draws[2][:shortest]
@@ -146,22 +145,22 @@ def test_a_source_pass_does_not_depend_on_the_other_sources() -> None:
 def test_the_order_is_the_one_earlier_versions_saved() -> None:
     """A saved state means a position in this order: changing the order would break resumes."""
     mix = Mixture(LENGTHS, WEIGHTS)
-    assert epoch_order(mix, [2, 3, 1], seed=7, epoch=1)[:16] == PINNED
+    assert epoch_order(mix, window=[2, 3, 1], seed=7, epoch=1)[:16] == PINNED
 
 
 def test_the_order_depends_on_seed_epoch_and_windows_only() -> None:
     mix = Mixture(LENGTHS, WEIGHTS)
-    a = epoch_order(mix, 2, seed=1)
-    assert a == epoch_order(mix, 2, seed=1)
-    assert a != epoch_order(mix, 2, seed=2)
-    assert a != epoch_order(mix, 2, seed=1, epoch=1)
-    assert a != epoch_order(mix, 3, seed=1)
+    a = epoch_order(mix, window=2, seed=1)
+    assert a == epoch_order(mix, window=2, seed=1)
+    assert a != epoch_order(mix, window=2, seed=2)
+    assert a != epoch_order(mix, window=2, seed=1, epoch=1)
+    assert a != epoch_order(mix, window=3, seed=1)
     assert a != list(MixtureSampler(mix, seed=1, rank=0, world_size=1))
 
 
 def test_a_window_of_every_shard_is_a_shuffle_of_each_pass() -> None:
     mix = Mixture(LENGTHS, WEIGHTS, stop="first_exhausted")
-    got = split(mix, epoch_order(mix, 100))
+    got = split(mix, epoch_order(mix, window=100))
     first = [j for s, j in got if s == 1]
     assert first != sorted(first)
     assert abs(np.corrcoef(np.arange(len(first)), first)[0, 1]) < 0.5
@@ -174,7 +173,7 @@ def test_a_window_of_every_shard_is_a_shuffle_of_each_pass() -> None:
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_world_sizes_give_the_world_size_one_order(world: int, drop_last: bool) -> None:
     mix = Mixture(LENGTHS, WEIGHTS)
-    order = epoch_order(mix, [2, 3, 1], seed=9)
+    order = epoch_order(mix, window=[2, 3, 1], seed=9)
     n = len(order)
     streams = [
         list(sampler(mix, [2, 3, 1], seed=9, rank=r, world=world, drop_last=drop_last)) for r in range(world)
@@ -187,7 +186,7 @@ def test_world_sizes_give_the_world_size_one_order(world: int, drop_last: bool) 
 
 def test_resume_across_world_sizes_1_3_8_2_is_the_uninterrupted_run() -> None:
     mix = Mixture(LENGTHS, WEIGHTS, stop=900)
-    order = epoch_order(mix, 2, seed=4, epoch=2)
+    order = epoch_order(mix, window=2, seed=4, epoch=2)
     n = len(order)
     rng = np.random.default_rng(1)
     got: list[int] = []
@@ -233,7 +232,7 @@ def test_dataloader_workers_resume_1_3_8_2(num_workers: int) -> None:
     from torch.utils.data import DataLoader
 
     mix = Mixture(LENGTHS, WEIGHTS)
-    order = epoch_order(mix, [2, 2, 1], seed=11)
+    order = epoch_order(mix, window=[2, 2, 1], seed=11)
     n, batch = len(order), 4
     rng = np.random.default_rng(num_workers)
     state = None
@@ -265,7 +264,7 @@ def test_stateful_dataloader_resume_1_3_8_2() -> None:
     sdl = pytest.importorskip("torchdata.stateful_dataloader")
 
     mix = Mixture(LENGTHS, WEIGHTS, stop="first_exhausted")
-    order = epoch_order(mix, 3, seed=12)
+    order = epoch_order(mix, window=3, seed=12)
     n, batch = len(order), 3
     got, starts = stateful_resume(
         sdl, lambda r, world: sampler(mix, 3, seed=12, rank=r, world=world), sum(LENGTHS), batch, 2
@@ -378,11 +377,7 @@ def pack(tmp_path: Path, name: str, shards: int, per_shard: int, seed: int) -> t
         bytes(rng.integers(32, 127, size=int(rng.integers(150, 300)), dtype=np.uint8)) + name.encode()
         for _ in range(shards * per_shard)
     ]
-    src = tmp_path / f"{name}.txt"
-    src.write_bytes(b"".join(r + b"\n" for r in recs))
-    out = tmp_path / name
-    smstore.pack_files([src], out, shard_size=per_shard * 230, progress=False, durable=False)
-    return out, recs
+    return sharded(tmp_path, recs, shard_size=per_shard * 230, name=name), recs
 
 
 def test_windows_for_a_budget(tmp_path: Path) -> None:
@@ -412,6 +407,14 @@ def test_windows_for_a_budget(tmp_path: Path) -> None:
     assert WindowedMixtureSampler.windows_for(ds, 10**12)[:2] == [12, len(read_manifest(b).shards)]
     with pytest.raises(ValueError, match="cannot hold two of the largest shards of every sharded source"):
         WindowedMixtureSampler.windows_for(ds, 2 * la + 2 * lb - 1)
+    # The rule that refuses windows picked by hand once a daemon says its limit never refuses
+    # those windows_for picks (one rule of pages, two callers); windows too large for it, it does.
+    ma, mb = read_manifest(a), read_manifest(b)
+    for limit in (2 * la + 2 * lb, budget, 3 * budget):
+        w = WindowedMixtureSampler.windows_for(ds, limit)
+        check_room([(ma, w[0]), (mb, w[1])], limit, "test")
+    with pytest.raises(ValueError, match=r"two windows of 12, 6 shards need .*--shm-limit of"):
+        check_room([(ma, 12), (mb, 6)], budget, "test")
 
 
 def mixture_of_packed(tmp_path: Path, mode: str) -> tuple[MixtureDataset, list[list[bytes]], list[Path]]:
@@ -442,7 +445,7 @@ def test_daemon_holds_a_window_per_source_within_its_budget(
     budget = 2 * windows[0] * largest[0] + 2 * windows[1] * largest[1]  # the memory rule, no more
     d = start_daemon(args=("--shm-limit", str(budget)), loaded=0)
     s = WindowedMixtureSampler(ds, window=windows, seed=1, rank=0, world_size=1, lag=128)
-    assert [type(r) for r in s.residencies] == [ShardResidency, ShardResidency, type(None)]
+    assert [type(r) for r in s.residencies] == [Residency, Residency, type(None)]
     which = {sh.checksum: (t, k) for t, m in enumerate(manifests) for k, sh in enumerate(m.shards)}
     pages = {sh.checksum: -(-sh.file_size // page) * page for m in manifests for sh in m.shards}
     n = s.num_records

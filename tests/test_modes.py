@@ -21,7 +21,7 @@ import smstore
 from smstore.daemon.segments import list_segments
 from smstore.read import modes as _modes
 from smstore.wire.client import DaemonStore, open_store
-from smstore.wire.residency import ShardResidency
+from smstore.wire.residency import Residency
 
 OBJECTS = [f"object {i}" for i in range(50)]
 
@@ -102,7 +102,7 @@ def test_a_bad_mode_is_the_same_value_error_from_every_user(data: tuple[Path, Pa
     makers: list[Callable[[], object]] = [
         lambda: smstore.SharedStoreDataset(blob, mode="bogus"),  # type: ignore[arg-type]
         lambda: smstore.TokenCollator(blob, mode="bogus"),  # type: ignore[arg-type]
-        lambda: ShardResidency(manifest, mode="bogus"),  # type: ignore[arg-type]
+        lambda: Residency(manifest, mode="bogus"),  # type: ignore[arg-type]
         lambda: smstore.SharedList(OBJECTS, mode="bogus"),  # type: ignore[arg-type]
         lambda: open_store(blob, "bogus"),  # type: ignore[arg-type]
     ]

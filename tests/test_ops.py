@@ -61,10 +61,7 @@ def sock(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def sharded(tmp_path: Path) -> Path:
-    src = tmp_path / "ds.txt"
-    src.write_bytes(b"".join(b"%05d " % i + b"x" * 194 + b"\n" for i in range(1000)))
-    out = tmp_path / "ds"
-    smstore.pack_files([src], out, shard_size=50_250, progress=False, durable=False)
+    out = tl.sharded(tmp_path, [b"%05d " % i + b"x" * 194 for i in range(1000)], shard_size=50_250)
     assert len(read_manifest(out).shards) == 4
     return out
 

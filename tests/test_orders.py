@@ -15,6 +15,7 @@ import pytest
 import smstore
 
 from .daemon_testlib import Daemon
+from .smstore_testlib import sharded
 
 SHARDS = [30, 25, 0, 40, 35, 20, 30]  # 180 records, one shard empty
 LENGTHS, WEIGHTS = [180, 120], [0.6, 0.4]
@@ -167,20 +168,13 @@ def test_every_order_holds_what_it_held_before(kind: str, world: int, rank: int)
 # ---- a dataset's socket reaches every residency its sampler builds ----
 
 
-def small_sharded(tmp_path: Path) -> Path:
-    out = tmp_path / "ds"
-    with smstore.ShardedWriter(f"{out}/", shard_records=40, durable=False) as w:
-        w.extend([b"%05d" % i * 8 for i in range(200)])
-    return out
-
-
 @pytest.mark.parametrize("kind", ["windowed", "windowed mixture", "blocks"])
 def test_a_custom_socket_reaches_every_residency(
     kind: str, tmp_path: Path, start_daemon: Callable[..., Daemon], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Datasets opened with socket= on a daemon that is not the default one: every sampler holds
     through that daemon (mode="daemon": a hold sent anywhere else finds no daemon and raises)."""
-    out = small_sharded(tmp_path)
+    out = sharded(tmp_path, [b"%05d" % i * 8 for i in range(200)], shard_records=40)
     custom = tmp_path / "run" / "custom.sock"
     d = start_daemon(at=custom, loaded=0)
     monkeypatch.setenv("SMSTORE_SOCKET", os.fspath(tmp_path / "run" / "nobody.sock"))

@@ -31,11 +31,6 @@ def text(tmp_path: Path) -> Path:
     return p
 
 
-def records(path: Path) -> list[bytes]:
-    with smstore.open(path, raw=True) as s:
-        return [bytes(s[i]) for i in range(len(s))]
-
-
 # ----------------------------------------------------------------------------- what an output may be
 
 ELSEWHERE_BYTES = b"a file the user owns, elsewhere\n"
@@ -141,18 +136,18 @@ def test_a_symlink_to_a_directory_holds_a_dataset(tmp_path: Path, text: Path) ->
     assert r.returncode == 0, r.stderr
     assert link.is_symlink()
     assert (real / MANIFEST_NAME).is_file()
-    assert records(link) == LINES
+    assert tl.read_records(link) == LINES
 
 
 def test_replacing_a_regular_file_keeps_working(tmp_path: Path, text: Path) -> None:
     out = tmp_path / "o.smst"
     out.write_bytes(b"old")
     assert run("pack", text, "-o", out, "-q").returncode == 0
-    assert records(out) == LINES
+    assert tl.read_records(out) == LINES
     m = tmp_path / "m.json"
     m.write_text("{}")
     assert run("join", out, "-o", m).returncode == 0
-    assert records(m) == LINES
+    assert tl.read_records(m) == LINES
 
 
 # ----------------------------------------------------------------------------- what publishing removes
@@ -165,10 +160,10 @@ def test_join_never_removes_a_shard_it_no_longer_lists(tmp_path: Path) -> None:
     kept = c.read_bytes()
     all_json = tmp_path / "all.json"
     assert run("join", a, c, "-o", all_json).returncode == 0
-    assert records(all_json) == [b"a", b"c1", b"c2"]
+    assert tl.read_records(all_json) == [b"a", b"c1", b"c2"]
     r = run("join", a, "-o", all_json)
     assert r.returncode == 0, r.stderr
-    assert records(all_json) == [b"a"]
+    assert tl.read_records(all_json) == [b"a"]
     assert c.read_bytes() == kept
     # The same inside a dataset directory: join writes its manifest.json and removes nothing.
     ds = tmp_path / "ds"
@@ -177,7 +172,7 @@ def test_join_never_removes_a_shard_it_no_longer_lists(tmp_path: Path) -> None:
         smstore.pack([name.encode()], ds / name)
     assert run("join", *sorted(ds.iterdir()), "-o", f"{ds}/").returncode == 0
     assert run("join", ds / "part-0000aaaa-00000.smst", "-o", ds).returncode == 0
-    assert records(ds) == [b"part-0000aaaa-00000.smst"]
+    assert tl.read_records(ds) == [b"part-0000aaaa-00000.smst"]
     assert (ds / "part-0000aaaa-00001.smst").is_file()
 
 
@@ -199,7 +194,7 @@ def test_a_stale_manifest_listing_the_manifest_itself(tmp_path: Path, text: Path
     info = describe_shard(blob)[0]
     write_manifest(ds / MANIFEST_NAME, "lines", [ShardInfo(MANIFEST_NAME, *_sizes(info))], durable=False)
     repack(ds, text, how)
-    assert records(ds) == LINES
+    assert tl.read_records(ds) == LINES
     assert read_manifest(ds).records == len(LINES)
 
 
@@ -240,7 +235,7 @@ def test_a_hostile_manifest_cannot_make_a_repack_remove_other_files(
     write_manifest(ds / MANIFEST_NAME, "lines", listed, durable=False)
     before = snapshot_files(tmp_path)
     repack(ds, text, how)
-    assert records(ds) == LINES
+    assert tl.read_records(ds) == LINES
     after = snapshot_files(tmp_path)
     gone = sorted(set(before) - set(after))
     assert gone == [os.fspath(ds / "part-aaaaaaaa-00000.smst")]  # only the previous pack's own shard
@@ -272,7 +267,7 @@ def _input(tmp_path: Path, fmt: str) -> tuple[Path, list[bytes]]:
     out = tmp_path / f"one.{fmt}.smst"
     r = run("pack", "--format", fmt, src, "-o", out, "-q")
     assert r.returncode == 0, r.stderr
-    return src, records(out)
+    return src, tl.read_records(out)
 
 
 @pytest.mark.parametrize("jobs", ["1", "2"])
@@ -292,7 +287,7 @@ def test_a_directory_output_is_a_dataset_for_every_format_and_jobs(
     r = run("pack", "--format", fmt, src, "-o", target, "-j", jobs, "-q")
     assert r.returncode == 0, r.stderr
     assert (out / MANIFEST_NAME).is_file()
-    assert records(out) == expected
+    assert tl.read_records(out) == expected
     assert len(read_manifest(out).shards) == int(jobs)
 
 
@@ -300,7 +295,7 @@ def test_stdin_into_a_dataset_directory(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     r = run("pack", "-", "-o", f"{out}/", "-q", stdin=b"a\nb\r\n\nz")
     assert r.returncode == 0, r.stderr
-    assert records(out) == [b"a", b"b\r", b"", b"z"]
+    assert tl.read_records(out) == [b"a", b"b\r", b"", b"z"]
     assert read_manifest(out).meta["source"] == ["-"]
     r = run("pack", "-", "-o", out, "-j", "2", stdin=b"a\n")
     assert r.returncode == 1
@@ -322,7 +317,7 @@ def test_a_file_output_stays_a_blob(tmp_path: Path, text: Path) -> None:
     out = tmp_path / "o.smst"
     assert run("pack", text, "-o", out, "-q").returncode == 0
     assert out.is_file()
-    assert records(out) == LINES
+    assert tl.read_records(out) == LINES
     with pytest.raises(smstore.StoreIOError, match=re.escape(f"{tmp_path}/x/: names a directory")):
         smstore.Writer(f"{tmp_path}/x/")
     assert not (tmp_path / "x").exists()
@@ -334,7 +329,7 @@ def test_a_directory_output_is_a_dataset_for_converters(tmp_path: Path) -> None:
     out = tmp_path / "ds"
     r = run("pack", "--format", "json-list", "--objects", "json", src, "-o", f"{out}/", "-q")
     assert r.returncode == 0, r.stderr
-    assert len(records(out)) == 10
+    assert len(tl.read_records(out)) == 10
 
 
 def test_the_core_writer_refuses_a_link_swapped_in_before_its_rename(tmp_path: Path) -> None:

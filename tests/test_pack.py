@@ -26,11 +26,6 @@ MiB = 1 << 20
 BUF = 4 * MiB  # the packer's read buffer (csrc/writer.cpp kBufferSize)
 
 
-def read_all(path: Path) -> list[bytes]:
-    with smstore.open(path, verify=True) as s:
-        return [bytes(r) for r in s]
-
-
 def pack_bytes(tmp_path: Path, *datas: bytes, fmt: str = "lines") -> list[bytes]:
     inputs = []
     for k, d in enumerate(datas):
@@ -39,7 +34,7 @@ def pack_bytes(tmp_path: Path, *datas: bytes, fmt: str = "lines") -> list[bytes]
         inputs.append(p)
     out = tmp_path / "out.smst"
     stats = smstore.pack_files(inputs, out, format=fmt, progress=False, durable=False)
-    recs = read_all(out)
+    recs = tl.read_records(out, verify=True)
     assert stats.records == len(recs)
     assert stats.input_bytes == sum(map(len, datas))
     assert stats.data_bytes == sum(map(len, recs))
@@ -132,7 +127,7 @@ def test_stdin_input(tmp_path: Path) -> None:
         cwd=tl.SAFE_CWD,
     )
     assert r.returncode == 0, r.stderr
-    assert read_all(out) == [b"zero", b"one\r", b"\x00two", b"", b"three"]
+    assert tl.read_records(out, verify=True) == [b"zero", b"one\r", b"\x00two", b"", b"three"]
     with smstore.open(out) as s:
         assert s.metadata["source"] == [str(before), "-"]
         assert s.encoding == "lines"
@@ -280,7 +275,7 @@ def test_pack_accepts_bytes_str_buffers_and_arrays(tmp_path: Path) -> None:
     ]
     out = tmp_path / "api.smst"
     assert smstore.pack(records, out, durable=False) == len(records)
-    assert read_all(out) == [
+    assert tl.read_records(out, verify=True) == [
         b"bytes\x00\r",
         "str \u00e9\u6f22 \U0001f600".encode(),
         b"",
@@ -297,7 +292,7 @@ def test_pack_generator_and_records_with_newlines(tmp_path: Path) -> None:
     recs = [b"has\nnewline", b"\n", b"\n\n"] + [str(i).encode() for i in range(1000)]
     out = tmp_path / "gen.smst"
     smstore.pack((r for r in recs), out, durable=False)
-    assert read_all(out) == recs
+    assert tl.read_records(out, verify=True) == recs
 
 
 def test_writer_append_extend(tmp_path: Path) -> None:
@@ -308,7 +303,7 @@ def test_writer_append_extend(tmp_path: Path) -> None:
         w.append(memoryview(b"{}"))
         assert w.record_count == 4
         assert not out.exists()  # nothing is visible before the block ends
-    assert read_all(out) == [b"1", b"2", b"[3]", b"{}"]
+    assert tl.read_records(out, verify=True) == [b"1", b"2", b"[3]", b"{}"]
     with smstore.open(out) as s:
         assert s.encoding == "jsonl"
         assert s.metadata["user"] == {"m": 1}
@@ -358,7 +353,7 @@ def test_writer_close_is_idempotent_and_abort_after_close_keeps_file(tmp_path: P
     w.close()
     w.close()
     w.abort()
-    assert read_all(out) == [b"x"]
+    assert tl.read_records(out, verify=True) == [b"x"]
     with pytest.raises(smstore.StoreClosedError, match="closed"):
         w.append(b"y")
 
@@ -377,14 +372,14 @@ def test_pack_overwrites_completed(tmp_path: Path) -> None:
     out = tmp_path / "o.smst"
     smstore.pack([b"old"], out)
     smstore.pack([b"new", b"er"], out)
-    assert read_all(out) == [b"new", b"er"]
+    assert tl.read_records(out, verify=True) == [b"new", b"er"]
     assert tl.stray_temps(tmp_path) == []
 
 
 def test_relative_output_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
     smstore.pack([b"rel"], "rel.smst")
-    assert read_all(tmp_path / "rel.smst") == [b"rel"]
+    assert tl.read_records(tmp_path / "rel.smst", verify=True) == [b"rel"]
     assert tl.stray_temps(tmp_path) == []
 
 
@@ -678,7 +673,7 @@ def test_jsonl_validation_agrees_with_python(tmp_path: Path, line: bytes) -> Non
     if message:
         assert f"{src}:1:" in message
     if accepted:
-        assert read_all(out) == [line]
+        assert tl.read_records(out, verify=True) == [line]
 
 
 def test_writer_refuses_a_second_thread_while_packing(tmp_path: Path) -> None:
@@ -743,7 +738,7 @@ def test_repack_keeps_the_mode_of_the_file_it_replaces(tmp_path: Path, mode: int
         smstore.pack([b"new"], out, durable=False)
     else:
         smstore.pack_files([src], out, progress=False, durable=False)
-    assert read_all(out) == [b"new"]
+    assert tl.read_records(out, verify=True) == [b"new"]
     assert stat.S_IMODE(os.stat(out).st_mode) == mode
 
 
@@ -770,14 +765,14 @@ def test_jsonl_line_longer_than_the_limit(tmp_path: Path, limit: int) -> None:
         smstore.pack_files([src], out, format="jsonl", progress=False, max_line_bytes=limit)
     assert not out.exists()
     smstore.pack_files([src], out, format="jsonl", progress=False, max_line_bytes=limit + 2)
-    assert read_all(out) == [b"1", long_value, b"2"]
+    assert tl.read_records(out, verify=True) == [b"1", long_value, b"2"]
 
 
 def test_lines_format_has_no_line_limit(tmp_path: Path) -> None:
     src = tmp_path / "in.txt"
     src.write_bytes(b"x" * 1000 + b"\n")
     smstore.pack_files([src], tmp_path / "o.smst", progress=False, max_line_bytes=10)
-    assert read_all(tmp_path / "o.smst") == [b"x" * 1000]
+    assert tl.read_records(tmp_path / "o.smst", verify=True) == [b"x" * 1000]
 
 
 _ENDLESS_LINE_SCRIPT = """
@@ -846,7 +841,7 @@ def test_writer_refuses_a_record_that_is_not_whole_items(tmp_path: Path) -> None
         ):
             w.append(b"abc")
         w.append(b"\x03\x00")  # the refused record left nothing behind
-    assert read_all(out) == [b"\x01\x00\x02\x00", b"\x03\x00"]
+    assert tl.read_records(out, verify=True) == [b"\x01\x00\x02\x00", b"\x03\x00"]
     with pytest.raises(PackInputError, match="record 0 is 6 bytes"):
         smstore.pack([b"abcdef"], tmp_path / "f8.smst", encoding="npy:<f8", durable=False)
     assert not (tmp_path / "f8.smst").exists()
@@ -925,7 +920,7 @@ def test_extend_offsets_takes_arrow_layout(tmp_path: Path) -> None:
         assert w.extend_offsets(data, np.array([0, 3, 3, 10], np.int32)) == 3
         assert w.extend_offsets(memoryview(data), np.array([2, 4], np.int64)) == 1
         w.append(b"z")
-    assert read_all(tmp_path / "o.smst") == [b"abc", b"", b"defghij", b"cd", b"z"]
+    assert tl.read_records(tmp_path / "o.smst", verify=True) == [b"abc", b"", b"defghij", b"cd", b"z"]
     w = smstore.Writer(tmp_path / "b.smst", durable=False)
     for bad in ([0, 11], [3, 2], [-1, 2]):
         with pytest.raises(PackInputError, match="offsets"):

@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import textwrap
@@ -30,7 +29,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed")
 import daemon_testlib as tl
 from daemon_testlib import Daemon, as_user, public_rundir
 from remote_testlib import BUCKET, S3, SECRET, FaultProxy, remote_dataset
-from smstore_testlib import outcome_past_a_fifo, run_ranks
+from smstore_testlib import outcome_past_a_fifo, read_records, run_ranks, windowed_rank
 
 import smstore
 from smstore import _core
@@ -858,21 +857,6 @@ def test_cache_without_o_tmpfile_uses_a_part_file_and_leaves_none(
 # --- the daemon fetches held shards named by URL ------------------------------------------------
 
 
-def hold(sock: Path, manifest: Path, shards: list[int]) -> tuple[socket.socket, dict[str, Any]]:
-    """A rank's hold (its connection, open while it holds) and the daemon's reply."""
-    s = tl.raw(sock)
-    s.sendall(
-        tl.frame(
-            json.dumps(
-                {"op": "hold", "manifest": os.fspath(manifest), "shards": ",".join(map(str, shards))}
-            ).encode()
-        )
-    )
-    reply = tl.read_reply(s)
-    assert reply is not None
-    return s, reply
-
-
 def segment_bytes(d: Daemon) -> dict[str, bytes]:
     """Checksum -> the bytes of each segment the daemon serves, read from /dev/shm."""
     out = {}
@@ -893,7 +877,7 @@ def test_daemon_fetches_held_shards_named_by_url_byte_exact(
 ) -> None:
     manifest, data, checksums = remote_dataset(s3, tmp_path, "direct")
     d = start_daemon(loaded=0)
-    rank, reply = hold(d.sock, manifest, [0, 1, 2])
+    rank, reply = tl.hold(d.sock, manifest, [0, 1, 2])
     try:
         assert reply["ok"] is True, reply
         st = served(d, 3)
@@ -915,7 +899,7 @@ def test_a_daemon_with_a_node_cache_fetches_once_then_restarts_on_the_cache(
     cache_dir = tmp_path / "cache"
     args = ("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(10 << 20))
     d = start_daemon(args=args, loaded=0)
-    rank, reply = hold(d.sock, manifest, [0, 1, 2])
+    rank, reply = tl.hold(d.sock, manifest, [0, 1, 2])
     try:
         assert reply["ok"] is True, reply
         m = served(d, 3)["metrics"]
@@ -929,7 +913,7 @@ def test_a_daemon_with_a_node_cache_fetches_once_then_restarts_on_the_cache(
     proxy.seen.clear()
     # A second job on the node (a fresh daemon): every shard from the cache, not a byte fetched.
     d2 = start_daemon(args=args, loaded=0)
-    rank, reply = hold(d2.sock, manifest, [0, 1, 2])
+    rank, reply = tl.hold(d2.sock, manifest, [0, 1, 2])
     try:
         assert reply["ok"] is True, reply
         m = served(d2, 3)["metrics"]
@@ -947,7 +931,7 @@ def test_the_daemons_node_cache_keeps_within_its_limit(
     limit = len(data[0]) + len(data[1]) + len(data[2]) // 2  # two shards fit, not three
     cache_dir = tmp_path / "cache"
     d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(limit)), loaded=0)
-    rank, reply = hold(d.sock, manifest, [0, 1, 2])
+    rank, reply = tl.hold(d.sock, manifest, [0, 1, 2])
     try:
         assert reply["ok"] is True, reply
         m = served(d, 3)["metrics"]
@@ -971,13 +955,13 @@ def test_a_checksum_mismatch_is_a_clear_error_nothing_served_nothing_cached(
     cache_dir = tmp_path / "cache"
     args = ("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(10 << 20)) if cached else ()
     d = start_daemon(args=args, loaded=0)
-    rank, reply = hold(d.sock, manifest, [1])
+    rank, reply = tl.hold(d.sock, manifest, [1])
     try:
         assert reply["ok"] is True, reply
         tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
         assert d.status()["segments"] == []
         # The rank hears why at its next hold, naming the object.
-        again, refused = hold(d.sock, manifest, [1])
+        again, refused = tl.hold(d.sock, manifest, [1])
         again.close()
         assert refused["ok"] is False
         assert url in refused["message"], refused
@@ -1006,7 +990,7 @@ def test_a_cache_entry_whose_records_rotted_is_dropped_and_fetched_again(
         f.seek(at)
         f.write(bytes([data[1][at] ^ 0x10]))
     d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(limit)), loaded=0)
-    rank, reply = hold(d.sock, manifest, [1])
+    rank, reply = tl.hold(d.sock, manifest, [1])
     try:
         assert reply["ok"] is True, reply
         m = served(d, 1)["metrics"]
@@ -1028,7 +1012,7 @@ def test_the_daemon_retries_injected_failures_then_serves(
     manifest, data, checksums = remote_dataset(s3, tmp_path, "faulty", shards=2)
     proxy.inject("reset", "500", "503", matches=lambda method, path, headers: method == "GET")
     d = start_daemon(loaded=0)
-    rank, reply = hold(d.sock, manifest, [0, 1])
+    rank, reply = tl.hold(d.sock, manifest, [0, 1])
     try:
         assert reply["ok"] is True, reply
         served(d, 2)
@@ -1047,11 +1031,11 @@ def test_the_daemon_names_the_object_it_cannot_fetch(
         "403", matches=lambda method, path, headers: method == "GET" and path.endswith(url.rsplit("/", 1)[1])
     )
     d = start_daemon(loaded=0)
-    rank, reply = hold(d.sock, manifest, [0])
+    rank, reply = tl.hold(d.sock, manifest, [0])
     try:
         assert reply["ok"] is True, reply
         tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
-        again, refused = hold(d.sock, manifest, [0])
+        again, refused = tl.hold(d.sock, manifest, [0])
         again.close()
         assert refused["ok"] is False
         assert url in refused["message"], refused
@@ -1070,11 +1054,11 @@ def test_a_manifest_naming_a_url_outside_the_allow_list_is_refused(
     doc["shards"][0]["path"] = "file:///etc/passwd"
     manifest.write_text(json.dumps(doc))
     d = start_daemon(loaded=0)
-    rank, reply = hold(d.sock, manifest, [0])
+    rank, reply = tl.hold(d.sock, manifest, [0])
     try:
         assert reply["ok"] is True, reply
         tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
-        again, refused = hold(d.sock, manifest, [0])
+        again, refused = tl.hold(d.sock, manifest, [0])
         again.close()
         assert refused["ok"] is False
         assert "scheme 'file' is not allowed" in refused["message"], refused
@@ -1109,7 +1093,7 @@ def test_a_group_member_cannot_make_the_daemon_fetch_a_url(
 
     def ask() -> str:
         replies = []
-        s, reply = hold(sock, public / "manifest.json", [0])
+        s, reply = tl.hold(sock, public / "manifest.json", [0])
         s.close()
         replies.append(reply)
         for message in (  # an object named alone ('smstore load URL'), and a reader's own hold
@@ -1117,8 +1101,7 @@ def test_a_group_member_cannot_make_the_daemon_fetch_a_url(
             {"op": "hold", "manifest": os.fspath(public / "manifest.json"), "shards": "0", "reader": True},
         ):
             s = tl.raw(sock)
-            s.sendall(tl.frame(json.dumps(message).encode()))
-            replies.append(tl.read_reply(s))
+            replies.append(tl.exchange(s, message))
             s.close()
         return json.dumps(replies)
 
@@ -1131,41 +1114,17 @@ def test_a_group_member_cannot_make_the_daemon_fetch_a_url(
     assert d.status()["segments"] == []
 
 
-def run_rank(source: Any, rank: int, window: int, q: Any) -> None:
-    """A rank's windowed epoch over `source` (a manifest's path, or a dataset its parent opened)."""
-    import torch
-
-    ds = (
-        source
-        if isinstance(source, smstore.SharedStoreDataset)
-        else smstore.SharedStoreDataset(source, mode="daemon", decode="bytes")
-    )
-    # The lag covers what the workers still read behind the sampler: prefetch_factor (2) x 2
-    # workers x 16 (with 32, a shard could be released under a worker still reading it, which
-    # then fetched it again for itself).
-    sampler = smstore.WindowedShuffleSampler(ds, window=window, seed=7, rank=rank, world_size=2, lag=64)
-    loader = torch.utils.data.DataLoader(
-        ds, sampler=sampler, batch_size=16, num_workers=2, collate_fn=list, multiprocessing_context="fork"
-    )
-    got = [r for batch in loader for r in batch]
-    kind = sampler.residency.kind if sampler.residency is not None else None
-    sampler.close()
-    q.put((rank, kind, got))
-
-
 def test_a_windowed_epoch_at_2_ranks_x_2_workers_from_a_bucket_reads_every_record_once(
     s3: S3, proxy: FaultProxy, tmp_path: Path, start_daemon: Callable[..., Daemon]
 ) -> None:
     pytest.importorskip("torch")
     manifest, data, _checksums = remote_dataset(s3, tmp_path, "windowed", shards=6)
-    local = smstore.open(tmp_path / "windowed-local")
-    recs = [bytes(local[i]) for i in range(len(local))]
-    local.close()
+    recs = read_records(tmp_path / "windowed-local")
     cache_dir = tmp_path / "cache"
     d = start_daemon(args=("--cache-dir", os.fspath(cache_dir), "--cache-limit", str(64 << 20)), loaded=0)
     results = {
         rank: (kind, got)
-        for rank, kind, got in run_ranks(run_rank, [(os.fspath(manifest), r, 2) for r in range(2)])
+        for rank, kind, got in run_ranks(windowed_rank, [(os.fspath(manifest), r, 2) for r in range(2)])
     }
     assert [results[r][0] for r in range(2)] == ["daemon", "daemon"]
     got = results[0][1] + results[1][1]
@@ -1197,7 +1156,7 @@ def test_a_reader_of_a_url_shard_ahead_of_its_samplers_hold_holds_it_itself_and_
     rank = None
     try:
         assert bytes(ds[0]) == first  # no rank holds shard 0 yet
-        rank, reply = hold(d.sock, manifest, [0])  # the sampler's hold, late
+        rank, reply = tl.hold(d.sock, manifest, [0])  # the sampler's hold, late
         assert (reply["ok"], reply["resident"], reply["held"]) == (True, 1, 1), reply
         assert bytes(ds[1]) == second
         m = d.status()["metrics"]

@@ -6,6 +6,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -14,16 +15,16 @@ pytest.importorskip("obstore", reason="the remote extra (obstore) is not install
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
 from remote_testlib import S3, SECRET, FaultProxy, remote_dataset
-from smstore_testlib import run_ranks
+from smstore_testlib import block_rank, read_records, run_ranks
 
 import smstore
 from smstore.errors import DaemonError
 from smstore.format.manifest import read_manifest
 from smstore.sampling import BlockWindowSampler, block_bounds
-from smstore.wire.blocks import BlockReader, BlockResidency, Piece
+from smstore.wire.blocks import BlockReader, Piece
+from smstore.wire.residency import Residency
 
 from .daemon_testlib import Daemon
-from .test_blocks import run_rank
 
 
 def block_ranges(manifest: Path, block: int, data: list[bytes]) -> dict[int, set[str]]:
@@ -52,13 +53,12 @@ def test_a_block_epoch_from_a_bucket_reads_each_block_with_one_ranged_get(
     and one ranged GET of exactly each block's bytes, each once (read amplification 1.0)."""
     pytest.importorskip("torch")
     manifest, data, _checksums = remote_dataset(s3, tmp_path, "blocks", shards=3)
-    local = smstore.open(tmp_path / "blocks-local")
-    recs = [bytes(local[i]) for i in range(len(local))]
-    local.close()
+    recs = read_records(tmp_path / "blocks-local")
     block, spread = 150, 3
     d = start_daemon(loaded=0)
     proxy.seen.clear()
-    results = dict(run_ranks(run_rank, [(os.fspath(manifest), r, 2, block, spread) for r in range(2)]))
+    rank = partial(block_rank, seed=9, lag=64, batch=16)
+    results = dict(run_ranks(rank, [(os.fspath(manifest), r, 2, block, spread) for r in range(2)]))
     n = len(recs)
     merged = [results[i % 2][i // 2] for i in range(n)]
     ref = BlockWindowSampler(
@@ -104,7 +104,7 @@ def test_a_shard_replaced_in_the_bucket_is_refused_and_its_readers_hear_why(
     manifest.write_text(json.dumps(doc))
     s3.put(url.split("/", 3)[3], data[1])
     start_daemon(loaded=0)
-    residency = BlockResidency(manifest, mode="daemon")
+    residency = Residency(manifest, mode="daemon")
     reader = BlockReader(manifest, block=10**6)
     records = doc["shards"][0]["records"]
     try:
@@ -135,7 +135,7 @@ def test_a_block_read_that_fails_is_retried_then_served(
             k.lower() == "range" and v.startswith("bytes=4096-") for k, v in headers.items()
         ),
     )
-    residency = BlockResidency(manifest, mode="daemon")
+    residency = Residency(manifest, mode="daemon")
     reader = BlockReader(manifest, block=10**6)
     try:
         residency.hold([Piece(1, 0, m.shards[1].records)], wait=True)

@@ -16,9 +16,7 @@ pytest.importorskip("boto3", reason="the remote extra (boto3) is not installed")
 pytest.importorskip("moto.server", reason="moto[server] is not installed")
 
 from remote_testlib import BUCKET, S3, FaultProxy
-from smstore_testlib import child_process
-
-import smstore
+from smstore_testlib import child_process, read_records
 
 
 def write_lines(path: Path, mib: float, seed: int) -> list[bytes]:
@@ -56,11 +54,6 @@ def download(s3: S3, prefix: str, into: Path) -> list[str]:
     return [k[len(prefix) :] for k in keys]
 
 
-def records(path: Path) -> list[bytes]:
-    with smstore.open(path, verify=True) as s:
-        return [bytes(s[i]) for i in range(len(s))]
-
-
 @pytest.fixture
 def tmpdir_for_cli(tmp_path: Path) -> Path:
     d = tmp_path / "tmpdir"
@@ -76,7 +69,7 @@ def test_pack_to_a_bucket_round_trips_byte_exact_with_the_manifest_last(
     run_cli("pack", str(tmp_path / "in.txt"), "-o", s3.url("cli/one.smst"), tmpdir=tmpdir_for_cli)
     run_cli("pack", str(tmp_path / "in.txt"), "-o", str(tmp_path / "local.smst"), tmpdir=tmpdir_for_cli)
     (tmp_path / "one.smst").write_bytes(s3.get("cli/one.smst"))
-    assert records(tmp_path / "one.smst") == lines
+    assert read_records(tmp_path / "one.smst", verify=True) == lines
     # A sharded dataset, two jobs: shards, then the manifest, all under the prefix.
     proxy.seen.clear()
     err = run_cli(
@@ -87,7 +80,7 @@ def test_pack_to_a_bucket_round_trips_byte_exact_with_the_manifest_last(
     names = download(s3, "cli/ds/", tmp_path / "ds")
     assert "manifest.json" in names
     assert len(names) > 3
-    assert records(tmp_path / "ds") == lines
+    assert read_records(tmp_path / "ds", verify=True) == lines
     writes = [s.path for s in proxy.seen if s.method in ("PUT", "POST")]
     assert writes[-1].startswith(f"/{BUCKET}/cli/ds/manifest.json")
     assert all("manifest.json" not in w for w in writes[:-1])
@@ -120,7 +113,7 @@ def test_join_to_a_bucket_uploads_the_shards_then_a_manifest_naming_them(
         tmpdir=tmpdir_for_cli,
     )
     download(s3, "cli/joined/", tmp_path / "joined")
-    assert records(tmp_path / "joined") == a + b
+    assert read_records(tmp_path / "joined", verify=True) == a + b
     writes = [s.path for s in proxy.seen if s.method in ("PUT", "POST")]
     assert writes[-1].startswith(f"/{BUCKET}/cli/joined/manifest.json")
     assert all("manifest.json" not in w for w in writes[:-1])

@@ -24,8 +24,7 @@ pytest.importorskip("moto.server", reason="moto[server] is not installed")
 import daemon_testlib as tl
 from daemon_testlib import Daemon
 from remote_testlib import BUCKET, S3, SECRET, FaultProxy, bucket_dataset, remote_dataset
-from smstore_testlib import run_cli, run_ranks
-from test_remote import run_rank
+from smstore_testlib import read_records, run_cli, run_ranks, windowed_rank
 
 import smstore
 from smstore.daemon.planner import Backoff
@@ -33,36 +32,13 @@ from smstore.errors import DaemonError, RemoteError, RemoteNeedsDaemonError, Rem
 from smstore.format import manifest as _manifest
 from smstore.format.manifest import read_manifest
 from smstore.remote import fetch
-from smstore.wire.blocks import BlockReader, BlockResidency, Piece, shard_block
+from smstore.wire.blocks import BlockReader, Piece, shard_block
+from smstore.wire.residency import Residency
 
 
 def gets(proxy: FaultProxy, key: str) -> list[str | None]:
     """The Range headers of the GETs of `key` the proxy saw (None: a whole object)."""
     return [s.range for s in proxy.seen if s.method == "GET" and s.path == f"/{BUCKET}/{key}"]
-
-
-def hold(sock: Path, url: str, shards: list[int], dataset: str | None = None) -> tuple[Any, dict[str, Any]]:
-    """A rank's hold of shards of the dataset at `url` (its connection, open while it holds), and the reply."""
-    msg: dict[str, Any] = {"op": "hold", "manifest": url, "shards": ",".join(map(str, shards))}
-    if dataset is not None:
-        msg["dataset"] = dataset
-    s = tl.raw(sock)
-    s.sendall(tl.frame(json.dumps(msg).encode()))
-    reply = tl.read_reply(s)
-    assert reply is not None
-    return s, reply
-
-
-def ask(sock: Path, msg: dict[str, Any]) -> dict[str, Any]:
-    """The daemon's reply to one request on a connection of its own."""
-    s = tl.raw(sock)
-    try:
-        s.sendall(tl.frame(json.dumps(msg).encode()))
-        reply = tl.read_reply(s)
-    finally:
-        s.close()
-    assert reply is not None
-    return reply
 
 
 def put_manifest(s3: S3, key: str, doc: dict[str, Any]) -> str:
@@ -228,7 +204,7 @@ def test_a_dataset_url_pickles_with_its_manifest_and_its_copy_reads_without_a_fe
     ds = smstore.SharedStoreDataset(url, mode="auto", decode="bytes", socket=d.sock)
     assert ds.path == url
     assert len(ds) == len(records)
-    rank, reply = hold(d.sock, url, [0, 1])
+    rank, reply = tl.hold(d.sock, url, [0, 1])
     try:
         assert reply["ok"] is True, reply
         tl.wait_status(d, lambda st: len(st["segments"]) == 2 and not st["loading"], timeout=60)
@@ -254,7 +230,7 @@ def test_a_windowed_epoch_from_a_dataset_url_at_2_ranks_x_2_workers(
     # fork; a rank forked from here hung once beside busy processes), and read it as pickled.
     ds = smstore.SharedStoreDataset(url, decode="bytes")  # mode "auto": a URL is read through the daemon
     try:
-        ranks = run_ranks(run_rank, [(ds, r, 2) for r in range(2)], method="spawn")
+        ranks = run_ranks(windowed_rank, [(ds, r, 2) for r in range(2)], method="spawn")
         results = {rank: (kind, got) for rank, kind, got in ranks}
     finally:
         ds.store.close()
@@ -298,7 +274,7 @@ def test_block_residency_and_reader_over_a_dataset_url(
     url, records, _local = bucket_dataset(s3, tmp_path, "blocks", shards=2)
     d = start_daemon(loaded=0)
     sizes = [s.records for s in read_manifest(url).shards]
-    residency = BlockResidency(url, mode="auto", socket=os.fspath(d.sock))
+    residency = Residency(url, mode="auto", socket=os.fspath(d.sock))
     reader = BlockReader(url, block=500, socket=os.fspath(d.sock))
     try:
         pieces = sorted({Piece(k, *shard_block(n, 500, i)) for k, n in enumerate(sizes) for i in range(n)})
@@ -337,7 +313,7 @@ def test_a_reader_of_a_dataset_url_no_sampler_holds_gets_every_record_fetched_fo
     ds = smstore.open_store(url, mode="daemon", socket=d.sock)
     try:
         with caplog.at_level("WARNING", logger="smstore"):
-            got = [bytes(ds[i]) for i in range(len(ds))]
+            got = read_records(ds)
         # Backwards too: each shard is held (replacing the last) and fetched again through the cache.
         back = [bytes(ds[i]) for i in reversed(range(len(ds)))]
     finally:
@@ -367,7 +343,7 @@ def test_a_shard_a_reader_holds_for_itself_makes_room_for_a_samplers_shard(
     try:
         assert bytes(ds[0]) == records[0]  # shard 0, held by the reader for itself
         assert [seg["checksum"] for seg in d.status()["segments"]] == [shards[0].checksum]
-        rank, reply = hold(d.sock, url, [1, 2], dataset=read_manifest(url).checksum)
+        rank, reply = tl.hold(d.sock, url, [1, 2], dataset=read_manifest(url).checksum)
         assert reply["ok"] is True, reply
         tl.wait_status(d, lambda st: shards[1].checksum in {seg["checksum"] for seg in st["segments"]})
         status = d.status()
@@ -471,7 +447,7 @@ def test_the_daemon_reads_a_held_manifest_url_once_and_again_when_another_datase
     conns = []
     try:
         for _ in range(3):
-            s, reply = hold(d.sock, url + "manifest.json", [0], first.checksum)
+            s, reply = tl.hold(d.sock, url + "manifest.json", [0], dataset=first.checksum)
             conns.append(s)
             assert reply["ok"] is True, reply
         assert gets(proxy, "kept/manifest.json") == [None]  # fetched once, kept by URL
@@ -484,15 +460,15 @@ def test_the_daemon_reads_a_held_manifest_url_once_and_again_when_another_datase
         put_manifest(s3, "kept/manifest.json", doc)
         second = read_manifest(url)
         proxy.seen.clear()
-        s, reply = hold(d.sock, url + "manifest.json", [1], second.checksum)
+        s, reply = tl.hold(d.sock, url + "manifest.json", [1], dataset=second.checksum)
         conns.append(s)
         assert reply["ok"] is True, reply
         assert gets(proxy, "kept/manifest.json") == [None]
-        s, refused = hold(d.sock, url + "manifest.json", [0], first.checksum)
+        s, refused = tl.hold(d.sock, url + "manifest.json", [0], dataset=first.checksum)
         conns.append(s)
         assert refused["ok"] is False
         assert "the manifest was replaced in the bucket" in refused["message"], refused
-        s, refused = hold(d.sock, url + "manifest.json", [2], second.checksum)
+        s, refused = tl.hold(d.sock, url + "manifest.json", [2], dataset=second.checksum)
         conns.append(s)
         assert refused["ok"] is False
         assert "has 2 shards" in refused["message"], refused
@@ -511,7 +487,7 @@ def test_a_hold_naming_a_manifest_url_the_daemon_will_not_fetch_is_refused(
         (f"s3://AKIA:{SECRET}@{BUCKET}/x/manifest.json", "userinfo"),
         (s3.url("missing/manifest.json"), "no such object"),
     ]:
-        s, refused = hold(d.sock, bad, [0])
+        s, refused = tl.hold(d.sock, bad, [0])
         s.close()
         assert refused["ok"] is False, refused
         assert fault in refused["message"], refused
@@ -546,7 +522,7 @@ def test_smstore_load_of_a_dataset_url_pins_every_shard_until_unload(
     assert status["metrics"]["held_wanted"] == 0  # pinned by the load, not held by a rank
     proxy.seen.clear()
     with smstore.open(url, socket=d.sock) as ds:  # every shard served: nothing fetched, no hold
-        assert [bytes(ds[i]) for i in range(len(ds))] == records
+        assert read_records(ds) == records
     assert [s for s in proxy.seen if s.path.endswith(".smst")] == []
     res = smstore_cli("unload", "--socket", os.fspath(d.sock), url)
     assert res.returncode == 0, res.stderr
@@ -620,10 +596,10 @@ def test_a_load_naming_a_url_checks_the_allow_list_and_the_checksum_it_names(
         {"op": "load", "path": url + here.shards[0].path, "checksum": "not-a-checksum"},
         {"op": "unload", "path": oversized},
     ):
-        reply = ask(d.sock, bad)
+        reply = tl.ask(d.sock, bad)
         assert (reply["ok"], reply["error"]) == (False, "bad_request"), reply
     wrong = here.shards[1].checksum
-    reply = ask(d.sock, {"op": "load", "path": url + here.shards[0].path, "checksum": wrong})
+    reply = tl.ask(d.sock, {"op": "load", "path": url + here.shards[0].path, "checksum": wrong})
     assert reply["ok"] is False, reply
     assert f"records {wrong}" in reply["message"]
     assert "checked/part-" in reply["message"]
@@ -739,7 +715,7 @@ def test_a_shard_that_failed_its_checksum_is_fetched_again_by_a_hold_after_its_b
     if cached:
         args += ["--cache-dir", os.fspath(tmp_path / "cache"), "--cache-limit", str(64 << 20)]
     d = start_daemon(args=tuple(args), loaded=0)
-    rank, reply = hold(d.sock, url, [1])
+    rank, reply = tl.hold(d.sock, url, [1])
     try:
         assert reply["ok"] is True, reply
         tl.wait_status(d, lambda st: not st["loading"] and st["metrics"]["loads"].get("failed", 0) >= 1)
@@ -749,7 +725,7 @@ def test_a_shard_that_failed_its_checksum_is_fetched_again_by_a_hold_after_its_b
             store[len(records) - 1]
         store.close()
         s3.put(key, good)  # uploaded again, correctly
-        again, reply = hold(d.sock, url, [1])  # a later hold, its backoff over: fetched again
+        again, reply = tl.hold(d.sock, url, [1])  # a later hold, its backoff over: fetched again
         rank.close()
         rank = again
         assert reply["ok"] is True, reply
@@ -769,7 +745,7 @@ def test_a_block_shard_that_failed_is_read_again_by_a_hold_after_its_backoff(
     key = f"blockagain/{m.shards[0].path}"
     proxy.inject("403", matches=lambda method, path, headers: method == "GET" and path.endswith(key))
     d = start_daemon(args=("--fetch-backoff", "0"), loaded=0)
-    residency = BlockResidency(url, mode="daemon", socket=os.fspath(d.sock))
+    residency = Residency(url, mode="daemon", socket=os.fspath(d.sock))
     pieces = [Piece(0, 0, m.shards[0].records)]
     try:
         residency.hold(pieces, wait=True)
@@ -828,7 +804,7 @@ def test_a_direct_fetch_is_paced_by_max_read_rate_and_a_stop_ends_it(
     m = read_manifest(manifest)
     assert len(data[0]) > 16 << 10  # over 16 s at 1 KiB/s
     d = start_daemon(args=("--max-read-rate", "1K"), loaded=0)
-    rank, reply = hold(d.sock, os.fspath(manifest), [0, 1])
+    rank, reply = tl.hold(d.sock, os.fspath(manifest), [0, 1])
     try:
         assert reply["ok"] is True, reply
         key = m.shards[0].path.split("://", 1)[1]
@@ -855,7 +831,7 @@ def test_a_daemon_told_to_stop_mid_fetch_does_not_wait_for_a_stalled_request(
     # two minutes, would end it.
     proxy.inject("stall", matches=lambda method, path, headers: method == "GET" and "range" in headers)
     d = start_daemon(loaded=0)
-    rank, reply = hold(d.sock, os.fspath(manifest), [0])
+    rank, reply = tl.hold(d.sock, os.fspath(manifest), [0])
     try:
         assert reply["ok"] is True, reply
         assert proxy.stalled.wait(60)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -12,6 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from smstore.sampling import FeistelPermutation, GlobalShuffleSampler
+
+from .smstore_testlib import interleave, whole_order
 
 
 def rank_streams(
@@ -25,15 +28,7 @@ def rank_streams(
     return streams
 
 
-def interleave(streams: list[list[int]]) -> list[int]:
-    """Rank r's i-th sample sits at global position r + i*W."""
-    return [x for row in itertools.zip_longest(*streams) for x in row if x is not None]
-
-
-def reference_order(n: int, seed: int, epoch: int = 0) -> list[int]:
-    s = GlobalShuffleSampler(n, seed=seed, rank=0, world_size=1)
-    s.set_epoch(epoch)
-    return s.global_order().tolist()
+reference_order = partial(whole_order, GlobalShuffleSampler)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 3, 5, 64, 97, 1000, 4099])
@@ -88,7 +83,7 @@ def test_drop_last_drops_the_tail_of_the_order(world: int) -> None:
 
 def test_more_ranks_than_records_pads_every_rank() -> None:
     streams = rank_streams(3, 0, 8)
-    order = reference_order(3, 0)
+    order = reference_order(3, seed=0)
     assert streams == [[order[r % 3]] for r in range(8)]
     assert rank_streams(3, 0, 8, drop_last=True) == [[] for _ in range(8)]
 
@@ -183,7 +178,7 @@ def test_resume_with_another_world_size_continues_the_global_order(
     per_rank = n // w1 if drop_last else -(-n // w1)
     k = int(frac * per_rank)
     consumed, stream = resume_stream(n, seed, epoch, w1, k, w2, drop_last)
-    order = reference_order(n, seed, epoch)
+    order = reference_order(n, seed=seed, epoch=epoch)
     if k == per_rank:
         assert consumed == n  # a finished pass finishes the epoch: nothing is left to resume
         assert len(stream) == k * w1
@@ -229,13 +224,13 @@ def test_epochs_and_pending_resume() -> None:
     assert len(s) == 10
     s.set_epoch(3)  # the loop re-selects the loaded epoch: the position is kept
     assert s.state_dict()["consumed"] == 90
-    assert list(s) == reference_order(100, 1, 3)[90:]
-    assert list(s) == reference_order(100, 1, 3)  # another pass of the same epoch starts over
+    assert list(s) == reference_order(100, seed=1, epoch=3)[90:]
+    assert list(s) == reference_order(100, seed=1, epoch=3)  # another pass of the same epoch starts over
     s.set_epoch(4)
-    assert list(s) == reference_order(100, 1, 4)
+    assert list(s) == reference_order(100, seed=1, epoch=4)
     s.load_state_dict({"seed": 1, "epoch": 3, "consumed": 50})
     s.set_epoch(5)  # another epoch drops the loaded position
-    assert list(s) == reference_order(100, 1, 5)
+    assert list(s) == reference_order(100, seed=1, epoch=5)
 
 
 _U64 = np.uint64
@@ -321,7 +316,7 @@ def test_set_epoch_mid_pass_detaches_the_old_iterator() -> None:
     first = [next(it) for _ in range(10)]
     s.set_epoch(1)
     assert s.state_dict() == {**s.state_dict(), "epoch": 1, "consumed": 0}
-    assert first + list(it) == reference_order(100, 1, 0)  # the old pass keeps its own epoch
+    assert first + list(it) == reference_order(100, seed=1, epoch=0)  # the old pass keeps its own epoch
     assert s.state_dict()["consumed"] == 0
 
 
@@ -500,7 +495,7 @@ def test_resumable_loader_with_drop_last_and_a_batch_sampler() -> None:
     rl = ResumableLoader(DataLoader(range(n), batch_sampler=BatchSampler(s, batch, drop_last=True)))
     assert (rl.batch_size, rl.sampler, len(rl)) == (batch, s, 3)
     batches = [b.tolist() for b in rl]
-    assert flat(batches) == reference_order(n, 2)[1:96:2]
+    assert flat(batches) == reference_order(n, seed=2)[1:96:2]
     assert rl.state_dict()["consumed"] == n  # the pass was received whole: the dropped tail too
 
 
@@ -564,7 +559,7 @@ def test_state_dict_under_a_stateful_dataloader_with_workers() -> None:
     s2 = GlobalShuffleSampler(n, seed=5, rank=0, world_size=1)
     loader = sdl.StatefulDataLoader(range(n), batch_size=batch, sampler=s2, num_workers=2)
     loader.load_state_dict(state)
-    assert flat([b.tolist() for b in loader]) == reference_order(n, 5)[2 * k * batch :]
+    assert flat([b.tolist() for b in loader]) == reference_order(n, seed=5)[2 * k * batch :]
 
 
 # ---- training frameworks: what they do to a sampler that is split already ----------------------
@@ -627,7 +622,7 @@ def test_accelerate_splits_the_sampler_cannot_undo_raise(kwargs: dict[str, objec
 
 def test_accelerate_splits_a_world_size_one_sampler_by_batches() -> None:
     n = 96
-    order = reference_order(n, 0)
+    order = reference_order(n, seed=0)
     for r in range(2):
         loader = accelerate_loader(GlobalShuffleSampler(n, seed=0, rank=0, world_size=1), n, r, 2)
         # accelerate's own split of the global order: batches r, r + 2, ...
@@ -658,7 +653,7 @@ def test_accelerate_loader_refuses_to_restart_a_loaded_epoch() -> None:
         next(iter(loader))  # type: ignore[call-overload]
     s.load_state_dict(state)
     loader.set_epoch(1)  # type: ignore[attr-defined]
-    assert flat([b.tolist() for b in loader]) == reference_order(n, 0, epoch=1)[24:]  # type: ignore[attr-defined]
+    assert flat([b.tolist() for b in loader]) == reference_order(n, seed=0, epoch=1)[24:]  # type: ignore[attr-defined]
     s.load_state_dict(state)
     s.set_epoch(2)  # asked for by name, another epoch drops the loaded position, as anywhere
     assert s.state_dict()["consumed"] == 0

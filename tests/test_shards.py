@@ -54,15 +54,11 @@ def write_lines(path: Path, n: int, seed: int = 0, *, trailing_newline: bool = T
     return data
 
 
-def records(store: smstore.Store | smstore.ShardedStore) -> list[bytes]:
-    return [bytes(store[i]) for i in range(len(store))]
-
-
 def one_blob(tmp_path: Path, inputs: list[Path], fmt: str = "lines") -> list[bytes]:
     out = tmp_path / "one.smst"
     smstore.pack_files(inputs, out, format=fmt, progress=False, durable=False)
     with smstore.open(out) as s:
-        return records(s)
+        return tl.read_records(s)
 
 
 @pytest.fixture
@@ -87,7 +83,7 @@ def test_parallel_pack_is_byte_exact_with_one_process(
     stats = smstore.pack_files(inputs, out, jobs=jobs, shard_size=shard_size, progress=False, durable=False)
     with smstore.open(out, verify=True) as s:
         assert isinstance(s, smstore.ShardedStore)
-        assert records(s) == expected
+        assert tl.read_records(s) == expected
         assert stats.records == len(expected) == len(s)
         assert stats.shards == s.shard_count == len(s.shard_sizes)
         assert sum(s.shard_sizes) == len(s)
@@ -140,7 +136,7 @@ def test_parallel_pack_jsonl_and_token_lines(tmp_path: Path, fmt: str) -> None:
     with smstore.open(one) as a, smstore.open(out) as b:
         assert b.shard_count > 2
         assert b.encoding == a.encoding
-        assert records(a) == records(b)
+        assert tl.read_records(a) == tl.read_records(b)
 
 
 def test_a_bad_line_names_its_file_and_part(tmp_path: Path) -> None:
@@ -164,7 +160,7 @@ def test_input_parts_in_the_core(tmp_path: Path) -> None:
     smstore._core.pack_lines(w, [(os.fspath(src), 2, 9), (os.fspath(src), 9, 13), os.fspath(src)])
     w.finish('{"encoding": "lines"}')
     with smstore.open(tmp_path / "p.smst") as s:
-        assert records(s) == [b"bb", b"ccc", b"dddd", b"a", b"bb", b"ccc", b"dddd"]
+        assert tl.read_records(s) == [b"bb", b"ccc", b"dddd", b"a", b"bb", b"ccc", b"dddd"]
     w = smstore._core.Writer(os.fspath(tmp_path / "q.smst"), False)
     with pytest.raises(PackInputError, match="end before it starts"):
         smstore._core.pack_lines(w, [(os.fspath(src), 5, 2)])
@@ -312,7 +308,7 @@ def test_sharded_writer_sizes_and_abort(tmp_path: Path) -> None:
     with smstore.open(out) as s:
         assert s.shard_sizes == [20] * 25
         assert bytes(s[499]) == b"00499" * 10
-        first = records(s)
+        first = tl.read_records(s)
 
     # An exception inside the block removes the new shards and keeps the previous dataset whole.
     def fail_midway() -> None:
@@ -323,7 +319,7 @@ def test_sharded_writer_sizes_and_abort(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError):
         fail_midway()
     with smstore.open(out, verify=True) as s:
-        assert records(s) == first
+        assert tl.read_records(s) == first
     assert len(list(out.iterdir())) == 26
 
 
@@ -582,13 +578,13 @@ def test_join_shards_written_anywhere(tmp_path: Path, corpus: tuple[list[Path], 
     assert stored[0] == "shard0.smst"
     assert os.path.isabs(stored[1])
     with smstore.open(out) as s:
-        assert records(s) == expected
+        assert tl.read_records(s) == expected
         assert s.metadata["user"] == {"run": "7"}
     # A join of joins (and of blobs) flattens in order.
     again = smstore.join([out, places[0]], tmp_path / "again.json")
     assert again.records == len(expected) + manifest.shards[0].records
     with smstore.open(tmp_path / "again.json") as s:
-        assert records(s)[len(expected) :] == expected[: manifest.shards[0].records]
+        assert tl.read_records(s)[len(expected) :] == expected[: manifest.shards[0].records]
 
 
 def test_join_refuses_mixed_encodings_and_non_blobs(tmp_path: Path) -> None:
@@ -704,7 +700,7 @@ def test_daemon_serves_every_shard_through_one_connection(
                 proc.kill()
     # In this process: byte-exact through the daemon.
     with smstore.open_store(out, mode="daemon") as s:
-        assert records(s) == expected
+        assert tl.read_records(s) == expected
     res = cli("unload", os.fspath(out), sock=d.sock)
     assert res.returncode == 0
     assert d.status()["segments"] == []

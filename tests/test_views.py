@@ -35,10 +35,7 @@ def blob(make_blob: Any) -> tuple[Path, list[bytes]]:
 @pytest.fixture
 def sharded(tmp_path: Path) -> tuple[Path, list[bytes]]:
     recs = [rec(i, "s") for i in range(60)]
-    out = tmp_path / "ds"
-    with smstore.ShardedWriter(f"{out}/", shard_records=17, durable=False) as w:
-        w.extend(recs)
-    return out, recs
+    return tl.sharded(tmp_path, recs, shard_records=17), recs
 
 
 def as_bytes(x: Any) -> bytes:

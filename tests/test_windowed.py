@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import json
 import os
 import signal
 import threading
@@ -11,6 +10,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -18,21 +18,21 @@ import numpy as np
 import pytest
 
 import smstore
+from smstore import _core
 from smstore.errors import DaemonError
 from smstore.format.manifest import read_manifest
 from smstore.sampling import FeistelPermutation, WindowedOrder, WindowedShuffleSampler
-from smstore.wire.residency import ShardResidency
+from smstore.wire.residency import Residency
 
 from . import daemon_testlib as tl
 from .daemon_testlib import Daemon
+from .smstore_testlib import random_sharded, whole_order
 
 SIZES = [5, 0, 7, 3, 10, 1, 8, 4, 4, 9]
 
 
-def order_of(sizes: list[int], window: int, seed: int = 3, epoch: int = 0) -> list[int]:
-    s = WindowedShuffleSampler(sizes, window=window, seed=seed, rank=0, world_size=1, residency=False)
-    s.set_epoch(epoch)
-    return list(s)
+order_of = partial(whole_order, WindowedShuffleSampler, seed=3, residency=False)
+sharded = partial(random_sharded, shards=12, per_shard=200, size=300, seed=7)
 
 
 @pytest.mark.parametrize("window", [1, 2, 3, 4, 10, 50])
@@ -42,7 +42,7 @@ def test_every_record_once_and_ranks_interleave_to_one_order(
     window: int, world: int, drop_last: bool
 ) -> None:
     n = sum(SIZES)
-    ref = order_of(SIZES, window)
+    ref = order_of(SIZES, window=window)
     assert sorted(ref) == list(range(n))
     outs = [
         list(
@@ -63,8 +63,8 @@ def test_an_old_pass_goes_on_in_its_own_order_after_a_new_one_starts() -> None:
     s = WindowedShuffleSampler(sizes, window=3, seed=4, rank=0, world_size=1, residency=False)
     old = iter(s)
     first = [next(old) for _ in range(700)]  # into the third window
-    assert list(s) == order_of(sizes, 3, seed=4)  # a new pass, the same epoch
-    assert first + list(old) == order_of(sizes, 3, seed=4)
+    assert list(s) == order_of(sizes, window=3, seed=4)  # a new pass, the same epoch
+    assert first + list(old) == order_of(sizes, window=3, seed=4)
 
 
 def test_windows_are_runs_of_shards_in_a_keyed_order() -> None:
@@ -81,9 +81,9 @@ def test_windows_are_runs_of_shards_in_a_keyed_order() -> None:
             i for k in order.window_shards(j) for i in range(starts[k], starts[k + 1])
         )
     # The shard order and the order within windows change with the epoch and the seed.
-    assert order_of(SIZES, 3, seed=5, epoch=1) != seq
-    assert order_of(SIZES, 3, seed=6) != seq
-    assert order_of(SIZES, 3, seed=5) == seq
+    assert order_of(SIZES, window=3, seed=5, epoch=1) != seq
+    assert order_of(SIZES, window=3, seed=6) != seq
+    assert order_of(SIZES, window=3, seed=5) == seq
 
 
 def numpy_windowed_order(sizes: list[int], window: int, key: str, positions: np.ndarray) -> np.ndarray:
@@ -135,7 +135,7 @@ def test_windowed_order_is_the_one_earlier_versions_saved() -> None:
     assert WindowedOrder(big, 4, "golden")(np.array(pos)).tolist() == [
         1052752, 4215042, 1049927, 4215377, 2913132, 5196281, 1543524,
     ]  # fmt: skip
-    assert order_of(SIZES, 3, seed=3) == [
+    assert order_of(SIZES, window=3, seed=3) == [
         7, 8, 44, 42, 9, 10, 6, 45, 46, 11, 48, 47, 49, 50, 5, 43, 20, 33, 27, 30, 31, 19, 29, 15, 28,
         4, 16, 1, 24, 22, 32, 17, 21, 18, 23, 2, 0, 26, 3, 39, 35, 41, 38, 40, 34, 12, 14, 13, 37, 36, 25,
     ]  # fmt: skip
@@ -179,7 +179,7 @@ def test_an_epoch_order_is_freed_when_dropped() -> None:
 def test_resume_with_another_world_size(world: int, new_world: int) -> None:
     sizes = [50, 70, 30, 100, 20, 60]
     n = sum(sizes)
-    ref = order_of(sizes, 2)
+    ref = order_of(sizes, window=2)
     samplers = [
         WindowedShuffleSampler(sizes, window=2, seed=3, rank=r, world_size=world) for r in range(world)
     ]
@@ -201,22 +201,6 @@ def test_resume_with_another_world_size(world: int, new_world: int) -> None:
     other = WindowedShuffleSampler(sizes, window=3, seed=3)
     with pytest.raises(ValueError, match="window=2"):
         other.load_state_dict(state)
-
-
-def sharded(
-    tmp_path: Path, shards: int = 12, per_shard: int = 200, size: int = 300
-) -> tuple[Path, list[bytes]]:
-    rng = np.random.default_rng(7)
-    recs = [
-        bytes(rng.integers(32, 127, size=int(rng.integers(size // 2, size)), dtype=np.uint8))
-        for _ in range(shards * per_shard)
-    ]
-    src = tmp_path / "in.txt"
-    src.write_bytes(b"".join(r + b"\n" for r in recs))
-    out = tmp_path / "ds"
-    shard_bytes = per_shard * (size * 3 // 4 + 1)
-    smstore.pack_files([src], out, shard_size=shard_bytes, progress=False, durable=False)
-    return out, recs
 
 
 class HoldRecorder:
@@ -333,7 +317,33 @@ def test_the_readme_recipe_runs_an_epoch_across_window_switches(
     finally:
         sampler.close()
     assert sampler.residency.kind == "daemon"
-    assert got == [recs[i] for i in order_of(ds.shard_sizes, window, seed=1)]
+    assert got == [recs[i] for i in order_of(ds.shard_sizes, window=window, seed=1)]
+
+
+def test_a_window_picked_by_hand_that_cannot_fit_two_at_a_time_is_refused_before_the_first_sample(
+    tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """window_for never chooses windows two of which cannot fit --shm-limit; a window picked by
+    hand could, and the epoch then stopped at its first window switch (the window read next waited
+    for room the one read kept). The daemon's hold reply says its limit, and the sampler refuses
+    such windows before its first sample, naming window_for; a window that fits runs."""
+    out, _recs = equal_shards(tmp_path)
+    budget = 6 * _core.shm_footprint(read_manifest(out).shards[0].file_size)  # two windows of 3 shards
+    start_daemon(args=("--shm-limit", str(budget)), loaded=0)
+    ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
+    assert WindowedShuffleSampler.window_for(ds, budget) == 3
+    big = WindowedShuffleSampler(ds, window=4, seed=1, rank=0, world_size=1, lag=40)
+    try:
+        with pytest.raises(ValueError, match=r"two windows of 4 shards need .*window_for"):
+            next(iter(big))
+        assert big.residency.limit == budget
+    finally:
+        big.close()
+    fits = WindowedShuffleSampler(ds, window=3, seed=1, rank=0, world_size=1, lag=40)
+    try:
+        assert sorted(fits) == list(range(len(ds)))
+    finally:
+        fits.close()
 
 
 def test_readers_release_shards_they_stopped_reading(tmp_path: Path) -> None:
@@ -374,7 +384,7 @@ def test_daemon_keeps_two_windows_within_its_budget(
     d = start_daemon(args=("--shm-limit", str(budget)), loaded=0)
     ds = smstore.SharedStoreDataset(out, mode="daemon", decode="bytes")
     sampler = WindowedShuffleSampler(ds, window=2, seed=1, rank=0, world_size=1, lag=128)
-    assert isinstance(sampler.residency, ShardResidency)
+    assert isinstance(sampler.residency, Residency)
     peak = [0]
     stop = threading.Event()
 
@@ -400,7 +410,7 @@ def test_daemon_keeps_two_windows_within_its_budget(
         stop.set()
         watcher.join()
     assert sampler.residency.kind == "daemon"
-    assert got == [recs[i] for i in order_of(ds.shard_sizes, 2, seed=1)]
+    assert got == [recs[i] for i in order_of(ds.shard_sizes, window=2, seed=1)]
     assert sorted(got1) == sorted(recs)
     assert 0 < peak[0] <= budget
     assert d.status()["released"] == []  # every worker detached what it unmapped, or exited
@@ -425,7 +435,7 @@ def test_a_hold_sent_without_a_reply_is_applied_on_the_same_connection(
     out, _ = sharded(where, shards=4)
     m = read_manifest(out)
     d = start_daemon(loaded=0)
-    residency = ShardResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         residency.hold([0, 1], wait=True)
         conn = residency._session.conn
@@ -453,7 +463,7 @@ def test_a_shard_whose_hold_moved_on_while_it_loaded_is_released(
     out, _ = sharded(tmp_path, shards=4)
     m = read_manifest(out)
     d = start_daemon(args=("--max-read-rate", "500K"), loaded=0)
-    residency = ShardResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         residency.hold([0, 1], wait=True)
         residency.hold([2], wait=True)
@@ -483,7 +493,7 @@ def test_a_load_for_a_hold_that_moved_on_counts_in_the_budget_until_it_lands(
     page = os.sysconf("SC_PAGESIZE")
     largest = max(-(-s.file_size // page) * page for s in m.shards)
     d = start_daemon(args=("--max-read-rate", "100K", "--shm-limit", str(2 * largest)), loaded=0)
-    residency = ShardResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     names = [Path(m.shard_path(k)).name for k in range(4)]
     try:
         residency.hold([0], wait=True)
@@ -513,7 +523,7 @@ def test_a_held_load_under_way_counts_in_the_budget_wherever_the_holds_now_put_i
     page = os.sysconf("SC_PAGESIZE")
     largest = max(-(-s.file_size // page) * page for s in m.shards)
     d = start_daemon(args=("--max-read-rate", "100K", "--shm-limit", str(2 * largest)), loaded=0)
-    residency = ShardResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     names = [Path(m.shard_path(k)).name for k in range(4)]
     try:
         residency.hold([0], wait=True)
@@ -593,7 +603,7 @@ def restarted_while_holding(
 ) -> Daemon:
     """A daemon killed (-9) while a rank held `shards` of `out` (all loaded), and one started after it."""
     d = start_daemon(args=args, loaded=0)
-    rank = ShardResidency(out, mode="daemon")
+    rank = Residency(out, mode="daemon")
     rank.hold(shards, wait=True)
     wait_for(d, lambda st: len(st["segments"]) == len(shards) and not st["loading"])
     d.proc.send_signal(signal.SIGKILL)
@@ -611,7 +621,7 @@ def test_a_restarted_daemon_releases_an_adopted_window_the_holds_moved_past(
     d = restarted_while_holding(out, start_daemon, [0, 1])
     status = d.status()
     assert checksums(status) == checksums(status, "unclaimed") == {ck[0], ck[1]}
-    residency = ShardResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         residency.hold([1, 2], wait=True)  # claims shard 1 (no second load), loads shard 2
         status = wait_for(d, lambda st: len(st["held"]) == 2)
@@ -638,7 +648,7 @@ def test_a_restarted_daemon_makes_room_for_held_shards_from_adopted_ones(
     limit = 2 * max(-(-s.file_size // page) * page for s in m.shards) + page  # two shards, not three
     d = restarted_while_holding(out, start_daemon, [0, 1], "--shm-limit", str(limit))
     assert set(d.status()["unclaimed"]) == {ck[0], ck[1]}
-    residency = ShardResidency(out, mode="daemon")
+    residency = Residency(out, mode="daemon")
     try:
         residency.hold([2, 1], wait=True)  # shard 2 needs shard 0's room; shard 1 is claimed
         status = wait_for(d, lambda st: checksums(st) == {ck[1], ck[2]} and not st["loading"])
@@ -660,12 +670,11 @@ def test_a_hold_reads_a_rewritten_manifest_again(tmp_path: Path, start_daemon: C
     manifest = os.fspath((out / "manifest.json").absolute())
 
     def hold(shards: str) -> dict[str, Any] | None:
-        s.sendall(tl.frame(json.dumps({"op": "hold", "manifest": manifest, "shards": shards}).encode()))
-        return tl.read_reply(s)
+        return tl.exchange(s, {"op": "hold", "manifest": manifest, "shards": shards})
 
     s = tl.raw(d.sock)
     try:
-        assert hold("0") == {"ok": True, "resident": 0, "held": 1}
+        assert hold("0") == {"ok": True, "resident": 0, "held": 1, "limit": 0}
         reply = hold("4")
         assert reply is not None
         assert reply["error"] == "bad_request"
@@ -703,15 +712,18 @@ def test_malformed_holds_are_refused_and_the_daemon_serves_on(
     s = tl.raw(d.sock)
     try:
         for message in bad:
-            s.sendall(tl.frame(json.dumps(message).encode()))
-            reply = tl.read_reply(s)
+            reply = tl.exchange(s, message)
             assert reply is not None, message
             assert reply["ok"] is False, (message, reply)
             assert reply["error"] == "bad_request", (message, reply)
         # Nothing was loaded or held, and a good hold on the same connection works.
         assert d.status()["segments"] == []
-        s.sendall(tl.frame(json.dumps({"op": "hold", "manifest": manifest, "shards": "2,0"}).encode()))
-        assert tl.read_reply(s) == {"ok": True, "resident": 0, "held": 2}
+        assert tl.exchange(s, {"op": "hold", "manifest": manifest, "shards": "2,0"}) == {
+            "ok": True,
+            "resident": 0,
+            "held": 2,
+            "limit": 0,
+        }
         deadline = time.monotonic() + 30
         while len(d.status()["segments"]) < 2 and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -735,7 +747,7 @@ def test_readers_preattach_the_next_window_without_polling(
     m = read_manifest(out)
     starts = np.concatenate([[0], np.cumsum([s.records for s in m.shards])])
     d = start_daemon(loaded=0)
-    rank = ShardResidency(out, mode="daemon")
+    rank = Residency(out, mode="daemon")
     store = smstore.open_store(out, mode="daemon")
     try:
         rank.hold([0, 1], wait=True)
@@ -780,7 +792,7 @@ def test_residencies_sharing_the_process_connection_keep_their_own_holds(
     a, _ = sharded(tmp_path / "a", shards=3)
     b, _ = sharded(tmp_path / "b", shards=3)
     d = start_daemon(loaded=0)
-    first, second = ShardResidency(a, mode="daemon"), ShardResidency(b, mode="daemon")
+    first, second = Residency(a, mode="daemon"), Residency(b, mode="daemon")
     try:
         first.hold([0, 1], wait=True)
         second.hold([2], wait=True)

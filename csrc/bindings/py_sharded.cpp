@@ -39,9 +39,11 @@ Py_ssize_t sharded_length(PyObject* self) {
 }  // namespace
 
 PyShardedStore::PyShardedStore(std::vector<uint64_t> starts, py::object opener, std::string label)
-    : index_(std::move(starts)), opener_(std::move(opener)), label_(std::move(label)) {
+    : index_(std::make_shared<const ShardIndex>(std::move(starts))),
+      opener_(std::move(opener)),
+      label_(std::move(label)) {
     if (!PyCallable_Check(opener_.ptr())) throw py::type_error("opener must be callable");
-    size_t count = index_.shard_count();
+    size_t count = index_->shard_count();
     shards_.assign(count, py::none());
     cores_.assign(count, nullptr);
     lines_.resize(count);
@@ -65,10 +67,10 @@ PyStore* PyShardedStore::shard_core(size_t k) {
     PyStore* core = py_store_from(store.ptr());
     if (!core || !core->check_open()) return nullptr;
     if (!check_open()) return nullptr;
-    if (core->size() != index_.shard_size(k)) {
+    if (core->size() != index_->shard_size(k)) {
         set_python_error(Error(Error::Kind::Format, label_ + ": shard " + std::to_string(k) + " has " +
                                                         std::to_string(core->size()) + " records, the manifest says " +
-                                                        std::to_string(index_.shard_size(k))));
+                                                        std::to_string(index_->shard_size(k))));
         return nullptr;
     }
     if (!cores_[k]) {
@@ -87,6 +89,7 @@ PyStore* PyShardedStore::shard_core(size_t k) {
         }
         shards_[k] = std::move(store);
         cores_[k] = core;
+        records_.reset();
         index_of_[k] = core->index();
         Line& line = lines_[k];
         line.data_size = core->data_bytes();
@@ -103,6 +106,7 @@ void PyShardedStore::release_shard(size_t k) {
     cores_[k] = nullptr;
     forget(k);
     stores_[k].reset();
+    records_.reset();
     --open_count_;
     rebuild_arena();
     store.attr("close")();  // views already handed out keep their mapping (through their arena)
@@ -233,9 +237,43 @@ py::tuple PyShardedStore::gather(py::handle indices) {
     return py::make_tuple(std::move(data), std::move(offsets));
 }
 
+std::shared_ptr<const Records> PyShardedStore::records_for(const uint64_t* indices, size_t n) {
+    if (!check_open()) throw py::error_already_set();
+    if (tick_ >= next_sweep_ && !release_idle()) throw py::error_already_set();
+    const uint64_t first_tick = tick_;
+    // The shards these records lie in, each once, with the store it had: an opener that waits for
+    // the daemon lets other threads run, and one of them may release a shard opened before.
+    std::vector<std::shared_ptr<const Store>> kept;
+    std::vector<size_t> touched;
+    for (size_t m = 0; m < n; ++m) {
+        size_t k = locate(indices[m]).first;
+        if (lines_[k].last_use > first_tick && cores_[k]) {  // touched in this call, still open
+            lines_[k].last_use = ++tick_;
+            continue;
+        }
+        if (!cores_[k] && !shard_core(k)) throw py::error_already_set();  // the opener may close this store
+        lines_[k].last_use = ++tick_;
+        touched.push_back(k);
+        kept.push_back(stores_[k]);
+    }
+    if (!check_open()) throw py::error_already_set();
+    bool intact = true;
+    for (size_t t = 0; t < touched.size() && intact; ++t)
+        intact = stores_[touched[t]] == kept[t];
+    if (records_ && intact) return records_;
+    std::vector<std::shared_ptr<const Store>> open(stores_.begin(), stores_.end());
+    if (intact) {
+        records_ = std::make_shared<const Records>(index_, std::move(open), label_);
+        return records_;
+    }
+    for (size_t t = 0; t < touched.size(); ++t)  // released meanwhile: this batch keeps what it opened
+        open[touched[t]] = kept[t];
+    return std::make_shared<const Records>(index_, std::move(open), label_);
+}
+
 py::list PyShardedStore::starts() const {
     py::list out;
-    for (uint64_t s : index_.starts())
+    for (uint64_t s : index_->starts())
         out.append(s);
     return out;
 }
@@ -249,6 +287,7 @@ void PyShardedStore::close() {
     for (size_t k = 0; k < lines_.size(); ++k)
         forget(k);
     std::vector<std::shared_ptr<Store>>().swap(stores_);
+    records_.reset();
     arena_view_ = py::none();
     std::vector<py::object> shards;
     shards.swap(shards_);

@@ -4,10 +4,12 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "py_store.hpp"
+#include "records.hpp"
 #include "shard_index.hpp"
 
 namespace smstore::bindings {
@@ -20,14 +22,14 @@ class PyShardedStore {
 public:
     PyShardedStore(std::vector<uint64_t> starts, pybind11::object opener, std::string label);
 
-    uint64_t size() const noexcept { return index_.size(); }
+    uint64_t size() const noexcept { return index_->size(); }
     size_t shard_count() const noexcept { return cores_.size(); }
     const std::string& label() const noexcept { return label_; }
     bool closed() const noexcept { return closed_; }
     bool check_open() const;  // false with StoreClosedError set
 
     // (shard, index within it) of global record i < size(): the core's ShardIndex::locate().
-    std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept { return index_.locate(i); }
+    std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept { return index_->locate(i); }
     // The open shard k (opening it through the opener on first use), or nullptr with an error set.
     PyStore* shard_core(size_t k);
     pybind11::object shard(size_t k);  // the Store object of shard k (opened on first use)
@@ -44,6 +46,15 @@ public:
         if (!Store::span_inside(begin, end, line.data_size)) return cores_[k]->record(j);  // sets the error
         return record_view(arena_view_.ptr(), line.arena_at + begin, line.arena_at + end);
     }
+
+    // What the C++ batcher reads for a batch of global records `indices` (each < size()): every
+    // shard they lie in is opened first (through the opener: the daemon's copy or a file, checked
+    // against the manifest), their reads are counted for auto_release (after its sweep, so that it
+    // never releases a shard of these), and the open shards are returned as one immutable view
+    // that keeps them mapped while the batch reads them, released here or not. The view is made
+    // again only when a shard has opened or closed since the last one. Throws
+    // py::error_already_set (the opener's error, or StoreClosedError).
+    std::shared_ptr<const Records> records_for(const uint64_t* indices, size_t n);
 
     // Record i (i < size()) as a new reference, or nullptr with a Python error set.
     PyObject* record(uint64_t i);
@@ -73,9 +84,9 @@ public:
 private:
     std::vector<uint64_t> normalize_all(pybind11::handle indices) const;
 
-    ShardIndex index_;                      // which shard holds a global record
-    std::vector<pybind11::object> shards_;  // the Store objects opened so far (None until then)
-    std::vector<PyStore*> cores_;           // their PyStores (alive while shards_ holds them)
+    std::shared_ptr<const ShardIndex> index_;  // which shard holds a global record (shared with Records)
+    std::vector<pybind11::object> shards_;     // the Store objects opened so far (None until then)
+    std::vector<PyStore*> cores_;              // their PyStores (alive while shards_ holds them)
     void rebuild_arena();
 
     // A random read over thousands of shards loads, before the record's offsets, only the index
@@ -95,6 +106,7 @@ private:
         lines_[k].data_size = 0;
     }
     std::vector<std::shared_ptr<Store>> stores_;  // per open shard, taken when it opened
+    std::shared_ptr<const Records> records_;      // records_for()'s view of them; null once one opens or closes
     // Every record view is a slice of one memoryview, over an exporter that holds every shard open
     // so far (its buffer spans from the lowest to the highest of their data sections; only the
     // slices handed out, each inside one shard's data, are ever read). One view for all shards

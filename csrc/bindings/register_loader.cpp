@@ -5,10 +5,13 @@
 #include <iterator>
 #include <optional>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "batcher.hpp"
 #include "error.hpp"
+#include "py_sharded.hpp"
 #include "py_store.hpp"
 #include "register.hpp"
 
@@ -70,15 +73,35 @@ py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready, const B
     return py::make_tuple(std::move(tokens), std::move(lengths), std::move(cu), std::move(indices));
 }
 
-std::shared_ptr<const Store> store_of(py::handle store) {
+// What a batch of `store` (a Store or a ShardedStore) at `indices` (each < its size) reads. A
+// ShardedStore opens the shards they lie in first, running Python code (its opener).
+std::shared_ptr<const Records> records_of(py::handle store, const std::vector<uint64_t>& indices) {
+    if (is_sharded(store.ptr())) {
+        PyShardedStore* s = py_sharded_from(store.ptr());
+        if (!s) throw py::error_already_set();
+        return s->records_for(indices.data(), indices.size());
+    }
     PyStore* s = py_store_from(store.ptr());
     if (!s) throw py::error_already_set();
-    return s->shared();
+    return std::make_shared<const Records>(s->shared());
+}
+
+// The record count and label of a Store or a ShardedStore.
+std::pair<uint64_t, std::string> size_and_label(py::handle store) {
+    if (is_sharded(store.ptr())) {
+        PyShardedStore* s = py_sharded_from(store.ptr());
+        if (!s || !s->check_open()) throw py::error_already_set();
+        return {s->size(), s->label()};
+    }
+    PyStore* s = py_store_from(store.ptr());
+    if (!s) throw py::error_already_set();
+    const Store& core = s->core();
+    return {core.size(), core.label()};
 }
 
 py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
-    std::vector<uint64_t> idx = normalize_indices(indices, store_of(store)->size());  // may run Python code
-    std::shared_ptr<const Store> keep = store_of(store);
+    std::vector<uint64_t> idx = normalize_indices(indices, size_and_label(store).first);  // may run Python code
+    std::shared_ptr<const Records> keep = records_of(store, idx);
     ReadyBatch ready;
     {
         py::gil_scoped_release release;
@@ -89,14 +112,16 @@ py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle in
     return batch_arrays(spec, ready, BatchDtypes(spec));
 }
 
-// What Python holds: the Batcher and the record count its indices are checked against.
+// What Python holds: the Batcher, the store it reads and the record count its indices are checked
+// against. A Store's records are one view made here; a ShardedStore makes one per submit (after
+// opening the shards the submitted batches read).
 class PyBatcher {
 public:
-    PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned) : spec_(spec) {
-        std::shared_ptr<const Store> s = store_of(store);
-        count_ = s->size();
-        label_ = s->label();
-        batcher_ = std::make_shared<Batcher>(std::move(s), spec, threads, depth, pinned);
+    PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
+        : spec_(spec), store_(py::reinterpret_borrow<py::object>(store)) {
+        std::tie(count_, label_) = size_and_label(store);
+        if (!is_sharded(store.ptr())) records_ = records_of(store, {});
+        batcher_ = std::make_shared<Batcher>(label_, spec, threads, depth, pinned);
     }
 
     // Draws up to max_batches batches of batch_size indices from `iterator` and queues them.
@@ -145,9 +170,11 @@ public:
         uint64_t full = indices.size() / batch_size, rest = indices.size() % batch_size;
         std::vector<uint64_t> sizes(full, batch_size);
         if (rest && !drop_last) sizes.push_back(rest);
+        if (!rest || drop_last) indices.resize(full * batch_size);
+        std::shared_ptr<const Records> records = records_for(indices);  // may run Python code
         // Taken only now: the sampler's code above may have closed the loader (close() frees the
         // Batcher this object holds; a reference taken before would dangle).
-        core().submit(indices.data(), sizes.data(), sizes.size());
+        core().submit(std::move(records), indices.data(), sizes.data(), sizes.size());
         return py::make_tuple(sizes.size(), exhausted);
     }
 
@@ -156,7 +183,7 @@ public:
     // Returns the batches queued.
     uint64_t submit_array(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& indices,
                           uint64_t batch_size, bool drop_last) {
-        Batcher& b = core();
+        core();  // closed: say so before anything else
         if (batch_size == 0) throw py::value_error("batch_size must be >= 1");
         if (indices.ndim() != 1) throw py::value_error("indices must be a 1-D array");
         auto n = static_cast<size_t>(indices.size());
@@ -166,7 +193,9 @@ public:
         uint64_t full = n / batch_size, rest = n % batch_size;
         std::vector<uint64_t> sizes(full, batch_size);
         if (rest && !drop_last) sizes.push_back(rest);
-        b.submit(reinterpret_cast<const uint64_t*>(in), sizes.data(), sizes.size());  // all >= 0
+        std::vector<uint64_t> queued(in, in + (rest && !drop_last ? n : full * batch_size));  // all >= 0
+        std::shared_ptr<const Records> records = records_for(queued);  // may run Python code (see submit_from)
+        core().submit(std::move(records), queued.data(), sizes.data(), sizes.size());
         return sizes.size();
     }
 
@@ -233,6 +262,11 @@ private:
         if (at != start) inner.attr("__setstate__")(at);
     }
 
+    // What batches of `indices` read: for a ShardedStore, after opening the shards they lie in.
+    std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
+        return records_ ? records_ : records_of(store_, indices);
+    }
+
     void check_index(Py_ssize_t value) const {
         if (value < 0 || static_cast<uint64_t>(value) >= count_) {
             throw Error(Error::Kind::Index, label_ + ": the sampler gave record index " + std::to_string(value) +
@@ -246,6 +280,8 @@ private:
         return *batcher_;
     }
     CollateSpec spec_;
+    py::object store_;
+    std::shared_ptr<const Records> records_;  // a Store's (one view for every batch); null for a ShardedStore
     BatchDtypes dtypes_{spec_};
     uint64_t count_ = 0;
     std::string label_;

@@ -298,7 +298,8 @@ class Serving:
         held = self.planner.hold(cid, manifest, pieces, reader=reader, holder=holder)
         if reply:
             resident = sum(h.key in self.segments for h in held)
-            self.server.reply(cid, {"ok": True, "resident": resident, "held": len(held)})
+            limit = self.planner.shm_limit  # the rank checks its windows fit two at a time
+            self.server.reply(cid, {"ok": True, "resident": resident, "held": len(held), "limit": limit})
             self.server.flush(cid)  # the rank goes on at once; releases and loads follow
         self.reconcile()
 

@@ -215,7 +215,7 @@ class TokenCollator:
         indices = _as_indices(batch, torch)
         if indices is not None:
             spec, store = self.batch_spec(), self.store
-            if spec is not None and isinstance(store, _core.Store):
+            if spec is not None:
                 pinned = self._pin()
                 if not pinned or _core.pinned_blocks_available():
                     arrays = _core.collate_batch(spec, store, indices, pinned)
@@ -223,14 +223,14 @@ class TokenCollator:
         return self._collate_numpy(batch, indices, torch)
 
     def batch_spec(self) -> _core.BatchSpec | None:
-        """These options for the C++ batcher, or None where it cannot produce the batch (a sharded
-        store, float records to integer tokens, a dtype it does not write: then numpy does)."""
+        """These options for the C++ batcher, or None where it cannot produce the batch (float
+        records to integer tokens, a dtype it does not write: then numpy does)."""
         if self._spec is None:
             self._spec = self._make_spec()
         return self._spec or None
 
     def _make_spec(self) -> _core.BatchSpec | Literal[False]:
-        if not isinstance(self.store, _core.Store):
+        if not isinstance(self.store, (_core.Store, _core.ShardedStore)):
             return False
         out = np.dtype(self.record_dtype) if self.dtype is None else _numpy_of(self.dtype)
         codes = [_batch_code(d) for d in (self.record_dtype, out)]

@@ -72,8 +72,9 @@ class Loader:
     fresh threads.
 
     Args:
-        source: What ``TokenCollator`` takes: a ``.smst`` path, a ``SharedStoreDataset`` or an open
-            ``Store``. Leave it out when passing ``collate``.
+        source: What ``TokenCollator`` takes: a ``.smst`` path or a sharded dataset's manifest, a
+            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``. Leave it out when
+            passing ``collate``.
         sampler: An iterable of record indices (by default ``range(len(store))``).
         batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
         collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
@@ -91,10 +92,20 @@ class Loader:
             cores. With 0, each batch is made on the loop's thread when asked for.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
+    **Sharded datasets.** A manifest (or a ``SharedStoreDataset`` of one) is read the same way:
+    before a chunk of batches is queued, the shards its records lie in are opened on the loop's
+    thread through the dataset's own opener (the daemon's copy, waited for as a DataLoader worker
+    would wait, or the file; each checked against the manifest), and every queued batch keeps the
+    shards it reads mapped until it is made, even if the dataset releases them meanwhile (its
+    ``auto_release`` counts the Loader's reads as its own).
+
     Raises:
-        ValueError: Options the C++ batcher cannot do (a sharded store, bfloat16 tokens, float
-            records to integer tokens: use a DataLoader with ``TokenCollator`` for those).
-        RecordIndexError: (while iterating) the sampler gave an index outside the store.
+        ValueError: Options the C++ batcher cannot do (bfloat16 tokens, float records to integer
+            tokens: use a DataLoader with ``TokenCollator`` for those).
+        RecordIndexError: (while iterating) the sampler gave an index outside the dataset.
+        StoreChangedError: (while iterating) a shard differs from the manifest's record of it.
+        StoreError: (while iterating) a shard could not be opened (missing, or the daemon cannot
+            serve it): what ``TokenCollator`` in a DataLoader worker raises.
     """
 
     def __init__(
@@ -127,11 +138,11 @@ class Loader:
                 msg = f"{name} must be an integer >= {least}, not {value!r}"
                 raise ValueError(msg)
         spec, store = collate.batch_spec(), collate.store
-        if spec is None or not isinstance(store, _core.Store):
+        if spec is None:
             msg = (
                 f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
-                f"{collate.dtype}, store {type(collate.store).__name__}): it reads one blob of integer or "
-                "float records into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
+                f"{collate.dtype}, store {type(collate.store).__name__}): it reads integer or float records "
+                "into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
             )
             raise ValueError(msg)
         self.collate = collate

@@ -585,6 +585,9 @@ class WindowedMixtureSpec(MixtureSpec):
     def fields(self) -> str:
         return f"{super().fields()}, windows={self.windows}"
 
+    def lane_windows(self) -> list[int]:
+        return list(self.windows)
+
 
 def parse_megatron_blend(blend: str | Sequence[str]) -> list[tuple[float, str]]:
     """Megatron-LM's ``--data-path`` blend (``"0.7 path_a 0.3 path_b"``, or its list of words)

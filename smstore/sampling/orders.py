@@ -613,6 +613,11 @@ class OrderSpec:
         """The parameters, as a repr shows them."""
         return ", ".join(f"{k}={v!r}" for k, v in self.params().items())
 
+    def lane_windows(self) -> list[int] | None:
+        """Shards per window of each lane, for an order that keeps two windows of shards of each
+        resident (the one read and the next); None for any other order."""
+        return None
+
 
 class GlobalSpec(OrderSpec):
     """An exact global shuffle of ``num_records`` records (:class:`FeistelPermutation`)."""
@@ -662,6 +667,9 @@ class WindowedSpec(ShardedSpec):
 
     def fields(self) -> str:
         return f"shards={len(self.shard_sizes)}, window={self.window}"
+
+    def lane_windows(self) -> list[int]:
+        return [self.window]
 
 
 # Bumped when BlockWindowOrder yields another order for the same key: a saved state says which.

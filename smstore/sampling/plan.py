@@ -20,7 +20,15 @@ from smstore.sampling.orders import deal_stride, edge_gap
 if TYPE_CHECKING:
     from smstore.format.manifest import Manifest
 
-__all__ = ["fit", "manifest_of", "plan_blocks", "plan_window", "plan_windows", "sharded_manifest"]
+__all__ = [
+    "check_room",
+    "fit",
+    "manifest_of",
+    "plan_blocks",
+    "plan_window",
+    "plan_windows",
+    "sharded_manifest",
+]
 
 
 def fit(budget: int, units: Sequence[int], weights: Sequence[Fraction | int], least: int) -> list[int] | None:
@@ -99,6 +107,37 @@ def plan_windows(sources: Sequence[Any], weights: Sequence[Fraction], budget: in
     for s, count in zip(largest, counts, strict=True):
         windows[s] = max(1, min(len(sharded[s].shards), count))
     return windows
+
+
+def check_room(lanes: Sequence[tuple[Manifest, int]], limit: int, where: str) -> None:
+    """Refuse windows that two at a time cannot fit a daemon's ``limit`` bytes (``--shm-limit``).
+
+    Each lane (a sharded dataset, or a source of a mixture) keeps two windows of ``window`` shards
+    resident: the one read, and the next, loading. If they cannot fit however the shards fall
+    (the ``2 * window`` largest shards, in whole pages as the daemon counts them), the window read
+    next can wait for room that the one read keeps until its readers move on, which they never do:
+    the epoch stops. :func:`plan_window` and :func:`plan_windows` never choose such windows; a
+    window picked by hand is checked here, once the daemon has said its limit.
+
+    Raises:
+        ValueError: The lanes' two windows need more than ``limit`` (``limit`` 0: no limit).
+    """
+    if limit <= 0:
+        return
+    need = 0
+    for manifest, window in lanes:
+        pages = sorted((_core.shm_footprint(s.file_size) for s in manifest.shards), reverse=True)
+        need += sum(pages[: 2 * window])
+    if need > limit:
+        windows = ", ".join(str(w) for _m, w in lanes)
+        msg = (
+            f"{where}: two windows of {windows} shards need up to {need} bytes of shared memory (in whole "
+            f"pages, as the daemon counts them), more than the daemon's --shm-limit of {limit}: the next "
+            "window could not load beside the one being read, and the epoch would stop. Take the windows "
+            "WindowedShuffleSampler.window_for(dataset, budget) or WindowedMixtureSampler.windows_for("
+            "mixture, budget) give, or raise the daemon's --shm-limit"
+        )
+        raise ValueError(msg)
 
 
 def _piece_pages(records: int, per_record: float, meta: int) -> int:

@@ -206,6 +206,7 @@ class GlobalShuffleSampler(_SamplerBase):
         self._last_holds: list[Any] = [None] * len(self.residencies)
         self._plans: list[tuple[int, int]] = []
         self._planned_at: int | None = None  # the position the plans were made at
+        self._room_checked: list[Any] = []  # the daemons' limits the windows were checked against
 
     @property
     def residency(self) -> Any:
@@ -368,9 +369,34 @@ class GlobalShuffleSampler(_SamplerBase):
                 self.residencies[lane].hold(held, wait=self._last_holds[lane] is None)
                 self._last_holds[lane] = held
         self._planned_at = at
+        if due:
+            self._check_room()
         nxt = min(n, plans[0][0])
         nxt += g - at  # back in the pass's (possibly wrapped) positions
         return done + max(1, -(-(nxt - g) // self.world_size))
+
+    def _check_room(self) -> None:
+        """Refuse windows that two at a time cannot fit the daemon's ``--shm-limit`` (known once
+        a hold's reply said it): the epoch would stop at the first window switch, not fail."""
+        windows = self.spec.lane_windows()
+        if windows is None:
+            return
+        lanes: dict[str, list[tuple[Any, int]]] = {}  # by daemon: each has its own limit
+        for r, w in zip(self.residencies, windows, strict=True):
+            if (
+                r is not None
+                and getattr(r, "kind", None) == "daemon"
+                and getattr(r, "limit", None) is not None
+            ):
+                lanes.setdefault(r.socket, []).append((r, w))
+        limits = sorted((sock, group[0][0].limit) for sock, group in lanes.items())
+        if limits == self._room_checked:
+            return
+        from smstore.sampling.plan import check_room
+
+        for group in lanes.values():
+            check_room([(r.manifest, w) for r, w in group], group[0][0].limit, type(self).__name__)
+        self._room_checked = limits
 
     def _live_local(self) -> int:
         """Local samples the current pass has handed out."""

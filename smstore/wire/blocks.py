@@ -31,13 +31,12 @@ from smstore.wire.protocol import (
     piece_path,
     pieces_value,
 )
-from smstore.wire.residency import Residency
 
 # How long a reader's own hold may wait for its reply (the daemon fetching a dataset's manifest
 # first): as long as a reader waits for a load (client.LOAD_WAIT).
 HOLD_WAIT = 300.0
 
-__all__ = ["BlockReader", "BlockResidency", "Piece", "piece_id", "piece_path", "shard_block"]
+__all__ = ["BlockReader", "Piece", "piece_id", "piece_path", "shard_block"]
 
 
 # Reads of pieces the daemon does not serve between two checks for released pieces still mapped.
@@ -340,7 +339,3 @@ class BlockReader:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._pid = os.getpid()
-
-
-# The residency of pieces is the one residency (a shard is the piece of all its records).
-BlockResidency = Residency

@@ -57,6 +57,7 @@ class Residency:
 
     Attributes:
         kind: ``"daemon"`` or ``"page cache"``, once the first :meth:`hold` has decided.
+        limit: The daemon's ``--shm-limit`` in bytes (0: none) once a hold's reply said it, else None.
     """
 
     def __init__(
@@ -70,6 +71,7 @@ class Residency:
         self.mode: Mode = check_mode(mode)
         if manifest is None:
             manifest = read_manifest(path)
+        self.manifest = manifest
         self.path = absolute(manifest.path)
         self.shards = [(absolute(manifest.shard_path(k)), s.checksum) for k, s in enumerate(manifest.shards)]
         # A dataset in object storage: only the daemon can fetch its shards (no page cache to fall
@@ -79,6 +81,7 @@ class Residency:
         self.sizes = [s.file_size for s in manifest.shards]
         self.socket = socket_path(socket)
         self.kind: str | None = None
+        self.limit: int | None = None  # the daemon's --shm-limit (0: none), as its last hold's reply said
         # Its holds on the process's session are its own: the daemon replaces only this holder's.
         self._holder = DaemonSession.new_holder()
         self._refused: bool | None = None  # a hold sent without waiting was refused (or unanswered)
@@ -199,6 +202,7 @@ class Residency:
             raise _Unreachable(str(e)) from None
         if fd is not None:
             os.close(fd)
+        self._note_limit(reply)
         if not reply.get("ok"):
             # Nothing is held for this rank any more (what it held before may be the very pieces
             # refused now): its readers read the files, which say what changed.
@@ -214,6 +218,13 @@ class Residency:
         sent again with a reply, which raises the refusal if it still holds (or falls back)."""
         if error is not None or reply is None or not reply.get("ok"):
             self._refused = True
+        else:
+            self._note_limit(reply)
+
+    def _note_limit(self, reply: dict[str, Any]) -> None:
+        limit = reply.get("limit")
+        if type(limit) is int and limit >= 0:  # a daemon before 0.1 says nothing
+            self.limit = limit
 
     def _send_hold(self, wanted: tuple[Piece | int, ...]) -> None:
         """Tell the daemon without waiting for its reply (read later, by whichever request of the

@@ -1,0 +1,43 @@
+// Records: the per-shard tables a batch reads, built once per set of open shards.
+#include "records.hpp"
+
+#include <stdexcept>
+
+#include "error.hpp"
+
+namespace smstore {
+
+Records::Records(std::shared_ptr<const Store> store)
+    : stores_{std::move(store)},
+      offsets_{stores_[0]->offsets()},
+      data_{stores_[0]->data()},
+      data_size_{stores_[0]->data_size()},
+      size_(stores_[0]->size()),
+      label_(stores_[0]->label()) {}
+
+Records::Records(std::shared_ptr<const ShardIndex> index, std::vector<std::shared_ptr<const Store>> shards,
+                 std::string label)
+    : index_(std::move(index)), stores_(std::move(shards)), size_(index_->size()), label_(std::move(label)) {
+    if (stores_.size() != index_->shard_count()) throw std::invalid_argument("one store per shard is needed");
+    offsets_.assign(stores_.size(), nullptr);
+    data_.assign(stores_.size(), nullptr);
+    data_size_.assign(stores_.size(), 0);
+    for (size_t k = 0; k < stores_.size(); ++k) {
+        const Store* s = stores_[k].get();
+        if (!s) continue;
+        if (s->size() != index_->shard_size(k)) throw std::invalid_argument("a shard's record count differs");
+        offsets_[k] = s->offsets();
+        data_[k] = s->data();
+        data_size_[k] = s->data_size();
+    }
+}
+
+const Store& Records::open_shard(size_t k, uint64_t i) const {
+    if (!stores_[k]) {
+        throw Error(Error::Kind::Closed, label_ + ": record " + std::to_string(i) + " is in shard " +
+                                             std::to_string(k) + ", which was not open when its batch was queued");
+    }
+    return *stores_[k];
+}
+
+}  // namespace smstore
