@@ -610,7 +610,9 @@ def test_a_block_epoch_keeps_the_pages_of_every_segment_mapped_or_present_within
     # One rank with a short lag: its 2 workers read 2 batches of 4 behind the sampler (the
     # longer lag of the test above keeps more held, and its loads rarely wait on a released piece).
     rank = partial(block_rank, seed=5, lag=16, batch=4)
-    ((_rank, got),) = run_ranks(rank, [(os.fspath(out), None, None, block, spread)])
+    # Thousands of piece loads: about 15 s on an idle 2-core machine, up to 150 s beside three busy
+    # processes, more on a machine busier still; the guard is for a hang, not a timing.
+    ((_rank, got),) = run_ranks(rank, [(os.fspath(out), None, None, block, spread)], timeout=1200)
     assert sorted(i for i, _d, _b in got) == list(range(len(recs)))  # every record once
     assert all(data == recs[i] for i, data, _b in got)  # byte-exact
     peak = max(int(line.split()[1]) for line in report.read_text().splitlines() if line.startswith("pages "))
