@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from bench_core import Report, log, machine_info, temp_dir, write_results
+from bench_core import Report, command_line, log, machine_info, temp_dir, write_results
 
 import smstore
 from smstore import _core
@@ -287,7 +287,7 @@ def write_report(
             "rate, so fetch's default is 8 x 16 MiB; one GET is bounded by one connection's rate."
         ),
     ]
-    cmd = "python benchmarks/bench_remote.py" + "".join(f" {a}" for a in sys.argv[1:])
+    cmd = command_line("python benchmarks/bench_remote.py")
     write_results(
         args.out,
         "Fetching a shard from object storage",
