@@ -6,11 +6,13 @@ import itertools
 import json
 from collections import Counter
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
+import smstore
 from smstore import MixtureError
 from smstore.sampling import (
     Mixture,
@@ -248,5 +250,43 @@ def test_bad_phases_are_refused_naming_the_fault(phases: list[Any], total: int, 
 def test_a_schedule_is_refused_by_the_windowed_mixture_sampler_with_the_way_out() -> None:
     with pytest.raises(MixtureError, match="use MixtureSampler for a schedule"):
         WindowedMixtureSampler(schedule(), window=1, seed=0, rank=0, world_size=1)
+    ds = ScheduledMixtureDataset([list(range(n)) for n in LENGTHS], schedule())
+    with pytest.raises(MixtureError, match="use MixtureSampler for a schedule"):
+        WindowedMixtureSampler.windows_for(ds, 1 << 30)
     with pytest.raises(MixtureError, match="sources of"):
         ScheduledMixtureDataset([[1, 2]], schedule())
+
+
+def test_weights_may_be_numpy_arrays() -> None:
+    arrays = [(b, np.asarray(w)) for b, w in PHASES]
+    assert MixtureSchedule(LENGTHS, arrays, TOTAL).digest == schedule().digest
+    with pytest.raises(MixtureError, match="one number per source"):
+        MixtureSchedule(LENGTHS, [(0, np.ones((2, 2)))], TOTAL)
+
+
+def test_the_loader_gives_the_dataloaders_batches_across_a_switch(tmp_path: Path) -> None:
+    """smstore.Loader draws the sampler's chunks as arrays: over the concatenation of the sources
+    (one blob), its batches are the DataLoader's, byte for byte, at a rank of 3."""
+    torch = pytest.importorskip("torch")
+    lengths = [100, 150, 50]
+    rng = np.random.default_rng(3)
+    records = [
+        rng.integers(1, 60000, size=int(rng.integers(0, 20)), dtype=np.uint16) for _ in range(sum(lengths))
+    ]
+    path = tmp_path / "mix.smst"
+    smstore.pack_arrays(records, path, durable=False)
+    sch = MixtureSchedule(lengths, [(0, [0.5, 0.3, 0.2]), (200, [0.1, 0.1, 0.8])], 600)
+
+    def sampler() -> MixtureSampler:
+        return MixtureSampler(sch, seed=4, rank=1, world_size=3)
+
+    collate = smstore.TokenCollator(path)
+    slow = list(
+        torch.utils.data.DataLoader(range(len(collate)), sampler=sampler(), batch_size=7, collate_fn=collate)
+    )
+    with smstore.Loader(path, sampler=sampler(), batch_size=7) as loader:
+        fast = [{key: value.clone() for key, value in batch.items()} for batch in loader]
+    assert len(fast) == len(slow) == -(-200 // 7)
+    for f, s in zip(fast, slow, strict=True):
+        assert list(f) == list(s)
+        assert all(f[key].numpy().tobytes() == s[key].numpy().tobytes() for key in s)

@@ -383,7 +383,8 @@ class WindowedMixtureSampler(MixtureSampler):
         Raises:
             ValueError: The budget cannot hold two of the largest shards of every sharded source.
         """
-        return plan_windows(dataset.sources, dataset.mixture.weights, budget)
+        mixture = _mixture_of(dataset, "WindowedMixtureSampler.windows_for", schedules=False)
+        return plan_windows(dataset.sources, mixture.weights, budget)
 
 
 def _mixture_of(mixture: Any, name: str, *, schedules: bool) -> Any:

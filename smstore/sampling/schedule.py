@@ -115,7 +115,8 @@ class MixtureSchedule:
         key = json.dumps([self.lengths, self.starts, [m.shares for m in self.phases], self.members, total])
         self.digest = hashlib.blake2b(key.encode(), digest_size=8).hexdigest()
 
-    def _add_phase(self, i: int, weights: Sequence[float]) -> None:
+    def _add_phase(self, i: int, given: Sequence[float] | np.ndarray[Any, Any]) -> None:
+        weights: Any = given.tolist() if isinstance(given, np.ndarray) and given.ndim == 1 else given
         if isinstance(weights, (str, bytes)) or not isinstance(weights, Sequence):
             msg = f"phase {i}'s weights are {weights!r}: give one number per source"
             raise MixtureError(msg)
