@@ -11,6 +11,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import smstore
 from smstore import MixtureError
@@ -93,6 +95,27 @@ def test_every_source_continues_its_own_stream_across_the_switches() -> None:
     # The position of each source at each switch is its draws so far.
     for i, start in enumerate(sch.starts):
         assert sch.before[i] == [int((src[:start] == s).sum()) for s in range(len(LENGTHS))]
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 40), min_size=1, max_size=5),
+    cuts=st.lists(st.integers(1, 399), max_size=4, unique=True),
+    data=st.data(),
+)
+def test_any_schedule_locates_every_position_as_its_sources_next_draw(
+    lengths: list[int], cuts: list[int], data: st.DataObject
+) -> None:
+    starts = [0, *sorted(cuts)]
+    weights = st.lists(st.integers(0, 9), min_size=len(lengths), max_size=len(lengths)).filter(any)
+    sch = MixtureSchedule(lengths, [(b, data.draw(weights)) for b in starts], 400)
+    src, draw = sch.locate(np.arange(400))
+    for s in range(len(lengths)):  # each source's draws are 0, 1, 2, ... in order: one stream
+        assert draw[src == s].tolist() == list(range(int((src == s).sum())))
+    for n in [0, *starts, 399, 400]:
+        assert [sch.count(s, n) for s in range(len(lengths))] == [
+            int((src[:n] == s).sum()) for s in range(len(lengths))
+        ]
 
 
 def order_digest(q: Any) -> None:
