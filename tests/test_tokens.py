@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -11,6 +13,8 @@ import pytest
 import smstore
 from smstore.errors import StoreFormatError
 from smstore.read.tokens import TokenWindows
+
+from .smstore_testlib import interleave, run_ranks, whole_order
 
 
 def documents(count: int, seed: int) -> list[np.ndarray]:
@@ -104,3 +108,49 @@ def test_records_that_are_not_integer_tokens_are_refused(tmp_path: Path) -> None
     with pytest.raises(ValueError, match="eod"):
         TokenWindows(tmp_path / "u.smst", 2, eod=70000, dtype=np.uint16)
     assert len(TokenWindows(tmp_path / "u.smst", 8)) == 0  # 4 tokens: no sample of 9
+
+
+def token_rank(
+    path: str, length: int, state: dict[str, Any] | None, rank: int, world: int, steps: int | None, q: Any
+) -> None:
+    """One rank's process: resume a global shuffle of the windows from ``state`` (None: a fresh
+    epoch) and read ``steps`` batches of 4 (None: the rest); puts the indices, samples and state."""
+    windows = TokenWindows(path, length, eod=0)
+    sampler = smstore.GlobalShuffleSampler(len(windows), seed=13, rank=rank, world_size=world)
+    if state is not None:
+        sampler.load_state_dict(state)
+    taken = list(itertools.islice(iter(sampler), None if steps is None else 4 * steps))
+    samples = np.stack([windows[k] for k in taken]) if taken else np.empty((0, length + 1), np.int64)
+    q.put((rank, taken, samples, sampler.state_dict()))
+
+
+@pytest.mark.parametrize("resumed_world", [3, 8])
+def test_windows_stopped_at_world_4_resume_at_3_and_8_as_the_global_orders_continuation(
+    token_data: tuple[dict[str, Path], list[np.ndarray]], resumed_world: int
+) -> None:
+    paths, docs = token_data
+    whole, length = stream(docs, 0), 512
+    path = str(paths["sharded"])
+    n = (len(whole) - 1) // length
+    order = whole_order(smstore.GlobalShuffleSampler, n, seed=13)
+
+    def ranks(
+        state: dict[str, Any] | None, world: int, steps: int | None
+    ) -> tuple[list[int], dict[str, Any]]:
+        results = sorted(
+            run_ranks(token_rank, [(path, length, state, r, world, steps) for r in range(world)])
+        )
+        for _, taken, samples, _ in results:  # each rank read the windows it was given
+            assert np.array_equal(
+                samples.reshape(-1, length + 1), [whole[k * length : k * length + length + 1] for k in taken]
+            )
+        return interleave([taken for _, taken, _, _ in results]), results[0][3]
+
+    got, state = ranks(None, 4, 3)
+    assert got == order[: 4 * 3 * 4]
+    assert state["consumed"] == len(got)
+    rest, end = ranks(state, resumed_world, None)
+    k = len(got)
+    assert rest == [order[p % n] for p in range(k, k + len(rest))]  # the union is the continuation
+    assert len(rest) == -(-(n - k) // resumed_world) * resumed_world
+    assert end["consumed"] == n

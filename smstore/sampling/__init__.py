@@ -1,4 +1,4 @@
-"""Sampling: orders as data (:mod:`.orders`, :mod:`.mixture`), the one sampler that splits, resumes and
+"""Sampling: orders as data (:mod:`.orders`, :mod:`.mixture`, :mod:`.schedule`), the one sampler that splits, resumes and
 holds them (:mod:`.sampler`, its constructors in :mod:`.samplers`), the one budget planner
 (:mod:`.plan`) and :class:`ResumableLoader` (:mod:`.resume`)."""
 
@@ -25,6 +25,12 @@ from smstore.sampling.samplers import (
     WindowedMixtureSampler,
     WindowedShuffleSampler,
 )
+from smstore.sampling.schedule import (
+    MixtureSchedule,
+    ScheduledMixtureDataset,
+    from_megatron_schedule,
+    parse_schedule,
+)
 
 __all__ = [
     "BlockWindowOrder",
@@ -35,13 +41,17 @@ __all__ = [
     "MixtureDataset",
     "MixtureOrder",
     "MixtureSampler",
+    "MixtureSchedule",
     "ResumableLoader",
+    "ScheduledMixtureDataset",
     "WindowedMixtureOrder",
     "WindowedMixtureSampler",
     "WindowedOrder",
     "WindowedShuffleSampler",
     "block_bounds",
     "from_megatron_blend",
+    "from_megatron_schedule",
     "parse_megatron_blend",
+    "parse_schedule",
     "round_keys",
 ]

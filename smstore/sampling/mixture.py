@@ -379,10 +379,11 @@ class MixtureDataset:
     ) -> None:
         self.sources = list(sources)
         self.mixture = Mixture(self.sources, weights, stop=stop)
+        self.offsets = self.mixture.offsets
 
     def locate(self, index: int) -> tuple[int, int]:
         """``(source, index in source)`` of a global index."""
-        offsets = self.mixture.offsets
+        offsets = self.offsets
         if not 0 <= index < offsets[-1]:
             msg = f"index {index} out of range for a mixture of {offsets[-1]} records"
             raise IndexError(msg)
@@ -396,10 +397,10 @@ class MixtureDataset:
         return self.sources[s][j]
 
     def __len__(self) -> int:
-        return self.mixture.offsets[-1]
+        return self.offsets[-1]
 
     def __repr__(self) -> str:
-        return f"MixtureDataset({self.mixture!r})"
+        return f"{type(self).__name__}({self.mixture!r})"
 
 
 class WindowedMixtureOrder(MixtureOrder):

@@ -18,6 +18,7 @@ from smstore.sampling.mixture import Mixture, MixtureDataset, MixtureSpec, Windo
 from smstore.sampling.orders import BlockSpec, BlockWindowOrder, WindowedSpec
 from smstore.sampling.plan import plan_blocks, plan_window, plan_windows
 from smstore.sampling.sampler import GlobalShuffleSampler, residency_of
+from smstore.sampling.schedule import MixtureSchedule, ScheduledMixtureDataset, ScheduleSpec
 from smstore.wire.blocks import Piece
 
 __all__ = ["BlockWindowSampler", "MixtureSampler", "WindowedMixtureSampler", "WindowedShuffleSampler"]
@@ -233,8 +234,14 @@ class MixtureSampler(GlobalShuffleSampler):
     ``DistributedSampler``) behave the same. The state adds the mixture's digest, so a state saved
     for other sources, weights or stopping rule is refused.
 
+    **Schedules.** Given a :class:`MixtureSchedule` (or a :class:`ScheduledMixtureDataset`), the
+    weights change at the schedule's phase starts; every source keeps one stream of draws across
+    the switches, each phase keeps its mixture's exact-prefix bound, and all of the above holds
+    unchanged (the state names the schedule, so a state saved under another one is refused).
+
     Args:
-        mixture: A :class:`MixtureDataset` or a :class:`Mixture`.
+        mixture: A :class:`MixtureDataset`, a :class:`Mixture`, a :class:`ScheduledMixtureDataset`
+            or a :class:`MixtureSchedule`.
         seed: Any integer; the same on every rank.
         rank: This rank (default: from torch.distributed or ``RANK``).
         world_size: The number of ranks (default: found like ``rank``).
@@ -243,15 +250,16 @@ class MixtureSampler(GlobalShuffleSampler):
 
     def __init__(
         self,
-        mixture: Mixture | MixtureDataset,
+        mixture: Mixture | MixtureDataset | MixtureSchedule,
         *,
         seed: int,
         rank: int | None = None,
         world_size: int | None = None,
         drop_last: bool = False,
     ) -> None:
-        self.mixture = _mixture_of(mixture, type(self).__name__)
-        spec = MixtureSpec(self.mixture)
+        self.mixture: Mixture | MixtureSchedule = _mixture_of(mixture, type(self).__name__, schedules=True)
+        mix = self.mixture
+        spec = MixtureSpec(mix) if isinstance(mix, Mixture) else ScheduleSpec(mix)
         self._configure(spec, seed=seed, rank=rank, world_size=world_size, drop_last=drop_last)
 
     def locate(self, index: int) -> tuple[int, int]:
@@ -321,8 +329,8 @@ class WindowedMixtureSampler(MixtureSampler):
         residency: Any = None,
         lag: int = 8192,
     ) -> None:
-        self.mixture = _mixture_of(mixture, type(self).__name__)
-        lengths = self.mixture.lengths
+        self.mixture = mix = _mixture_of(mixture, type(self).__name__, schedules=False)
+        lengths = mix.lengths
         sources = mixture.sources if isinstance(mixture, MixtureDataset) else None
         if shard_sizes is None:
             shard_sizes = (
@@ -346,7 +354,7 @@ class WindowedMixtureSampler(MixtureSampler):
             raise MixtureError(msg)
         self.windows = [min(int(w), len(sizes)) for w, sizes in zip(wanted, self.shard_sizes, strict=True)]
         self._configure(
-            WindowedMixtureSpec(self.mixture, self.shard_sizes, self.windows),
+            WindowedMixtureSpec(mix, self.shard_sizes, self.windows),
             seed=seed,
             rank=rank,
             world_size=world_size,
@@ -354,7 +362,7 @@ class WindowedMixtureSampler(MixtureSampler):
             residencies=_residencies(residency, sources, len(lengths)),
             lag=lag,
         )
-        shortest = _shortest_held_window(self.mixture, self.shard_sizes, self.windows, self.residencies)
+        shortest = _shortest_held_window(mix, self.shard_sizes, self.windows, self.residencies)
         if shortest is not None and 2 * self.lag * self.world_size > shortest:
             warnings.warn(
                 f"WindowedMixtureSampler: lag={self.lag} samples a rank ({self.lag * self.world_size} in all) "
@@ -375,13 +383,26 @@ class WindowedMixtureSampler(MixtureSampler):
         Raises:
             ValueError: The budget cannot hold two of the largest shards of every sharded source.
         """
-        return plan_windows(dataset.sources, dataset.mixture.weights, budget)
+        mixture = _mixture_of(dataset, "WindowedMixtureSampler.windows_for", schedules=False)
+        return plan_windows(dataset.sources, mixture.weights, budget)
 
 
-def _mixture_of(mixture: Any, name: str) -> Mixture:
-    mix = mixture.mixture if isinstance(mixture, MixtureDataset) else mixture
-    if not isinstance(mix, Mixture):
-        msg = f"{name} needs a Mixture or a MixtureDataset, not {type(mixture).__name__}"
+def _mixture_of(mixture: Any, name: str, *, schedules: bool) -> Any:
+    """The Mixture (or, where ``schedules``, the MixtureSchedule) a sampler draws."""
+    mix: Any = mixture
+    if isinstance(mixture, ScheduledMixtureDataset):
+        mix = mixture.schedule
+    elif isinstance(mixture, MixtureDataset):
+        mix = mixture.mixture
+    if isinstance(mix, MixtureSchedule) and not schedules:
+        msg = (
+            f"{name} draws one mixture's weights, not a schedule's: use MixtureSampler for a schedule "
+            "(its sources read whole), or one windowed sampler per phase"
+        )
+        raise MixtureError(msg)
+    if not isinstance(mix, (Mixture, MixtureSchedule)):
+        kinds = "a Mixture, a MixtureDataset or a schedule" if schedules else "a Mixture or a MixtureDataset"
+        msg = f"{name} needs {kinds}, not {type(mixture).__name__}"
         raise TypeError(msg)
     return mix
 
