@@ -13,7 +13,6 @@ may be put in a new order every epoch (``seed=``), still with no index: see :cla
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
@@ -137,18 +136,19 @@ class TokenWindows:
             raise ValueError(msg)
         item = self.token_dtype.itemsize
         per_doc = 0 if self.eod is None else 1
-        # Tokens before each shard, from the manifest's sizes (a blob is one shard): no shard opened.
+        # Tokens and records before each shard, from the manifest's sizes (a blob is one shard): no
+        # shard opened, 16 bytes a shard.
         manifest = getattr(store, "manifest", None)
         if isinstance(store, _core.ShardedStore) and manifest is not None:
-            counts = [(s.data_bytes // item, s.records) for s in manifest.shards]
-            self._record_starts = [int(x) for x in store.starts]
+            n = len(manifest.shards)
+            data = np.fromiter((s.data_bytes for s in manifest.shards), np.int64, n)
+            records = np.fromiter((s.records for s in manifest.shards), np.int64, n)
         else:
-            counts = [(int(store.offsets[-1]) // item, len(store))]
-            self._record_starts = [0, len(store)]
-        self._token_starts = [0]
-        for tokens, records in counts:
-            self._token_starts.append(self._token_starts[-1] + tokens + per_doc * records)
-        self.tokens = self._token_starts[-1]
+            data = np.array([int(store.offsets[-1])], dtype=np.int64)
+            records = np.array([len(store)], dtype=np.int64)
+        self._record_starts = np.concatenate(([0], np.cumsum(records)))
+        self._token_starts = np.concatenate(([0], np.cumsum(data // item + per_doc * records)))
+        self.tokens = int(self._token_starts[-1])
         self._len = max(0, (self.tokens - 1) // length)
 
     def _store(self) -> Any:
@@ -174,10 +174,10 @@ class TokenWindows:
             raise IndexError(msg)
         if self.seed is not None:
             return self._locate_shuffled(token)
-        k = bisect.bisect_right(self._token_starts, token) - 1
+        k = int(np.searchsorted(self._token_starts, token, side="right")) - 1
         offsets = self._offsets(k)
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
-        t = token - self._token_starts[k]
+        t = token - int(self._token_starts[k])
         # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
         lo, hi = 0, len(offsets) - 2
         while lo < hi:
@@ -186,7 +186,7 @@ class TokenWindows:
                 lo = mid
             else:
                 hi = mid - 1
-        return self._record_starts[k] + lo, t - (int(offsets[lo]) // item + per_doc * lo)
+        return int(self._record_starts[k]) + lo, t - (int(offsets[lo]) // item + per_doc * lo)
 
     def _offsets(self, shard: int) -> np.ndarray[Any, Any]:
         store = self._store()
@@ -194,12 +194,13 @@ class TokenWindows:
 
     def _locate_shuffled(self, token: int) -> tuple[int, int]:
         shard, t = self._group_of(0, -1, 0, len(self._token_starts) - 1).find(token)
-        lo, hi, level = 0, self._record_starts[shard + 1] - self._record_starts[shard], 1
+        first = int(self._record_starts[shard])
+        lo, hi, level = 0, int(self._record_starts[shard + 1]) - first, 1
         while True:
             group = self._group_of(level, shard, lo, hi)
             part, t = group.find(t)
             if hi - lo <= self.group:  # the parts are documents
-                return self._record_starts[shard] + lo + part, t
+                return first + lo + part, t
             lo, hi, level = int(group.bounds[part]), int(group.bounds[part + 1]), level + 1
 
     def _group_of(self, level: int, shard: int, lo: int, hi: int) -> _Group:
@@ -211,7 +212,7 @@ class TokenWindows:
         assert self.seed is not None
         if shard < 0:
             bounds = np.arange(hi + 1, dtype=np.int64)
-            tokens = np.array(self._token_starts, dtype=np.int64)
+            tokens = self._token_starts
         else:
             bounds = group_bounds(lo, hi, self.group)
             per_doc = 0 if self.eod is None else 1
