@@ -18,6 +18,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import pytest
 import smstore_testlib as tl
 
@@ -619,3 +620,17 @@ def test_the_package_asks_whether_a_string_is_a_url_at_most_10_times() -> None:
 
 def test_url_checks_are_found() -> None:
     assert any(c.startswith("smstore/daemon/sources.py:") for c in _url_checks())
+
+
+def test_token_windows_in_stored_order_import_no_torch(tmp_path: Path) -> None:
+    """A data-only process (a converter, a tokenizer job) reads TokenWindows without torch: the
+    Feistel order of a shuffled epoch is imported only when one is asked for."""
+    blob = tmp_path / "tokens.smst"
+    smstore.pack_arrays([np.arange(1, 9, dtype=np.uint16)], blob, durable=False)
+    code = (
+        "import sys\n"
+        "from smstore.read.tokens import TokenWindows\n"
+        "w = TokenWindows(sys.argv[1], 3, eod=0)\n"
+        "print(w[1].tolist(), 'torch' in sys.modules)\n"
+    )
+    assert _python(code, os.fspath(blob)).strip() == "[4, 5, 6, 7] False"

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import itertools
 import pickle
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +15,8 @@ import pytest
 
 import smstore
 from smstore.errors import StoreFormatError
-from smstore.read.tokens import TokenWindows
+from smstore.read.tokens import TokenWindows, group_bounds, group_key
+from smstore.sampling.orders import FeistelPermutation
 
 from .smstore_testlib import interleave, run_ranks, whole_order
 
@@ -154,3 +158,95 @@ def test_windows_stopped_at_world_4_resume_at_3_and_8_as_the_global_orders_conti
     assert rest == [order[p % n] for p in range(k, k + len(rest))]  # the union is the continuation
     assert len(rest) == -(-(n - k) // resumed_world) * resumed_world
     assert end["consumed"] == n
+
+
+def shuffled_documents(shard_records: list[int], seed: int, epoch: int, group: int) -> list[int]:
+    """The epoch's document order as the docstring states it: the shards in a Feistel order, each
+    shard's documents cut into runs of at most ``group`` parts, recursively, each in its own."""
+
+    def order(n: int, key: bytes) -> list[int]:
+        return FeistelPermutation(n, key)(np.arange(n, dtype=np.uint64)).tolist()
+
+    def visit(shard: int, lo: int, hi: int) -> list[int]:
+        bounds = group_bounds(lo, hi, group).tolist()
+        parts = order(len(bounds) - 1, group_key(seed, epoch, shard, lo, hi))
+        if hi - lo <= group:
+            return [bounds[p] for p in parts]
+        return [d for p in parts for d in visit(shard, bounds[p], bounds[p + 1])]
+
+    starts = np.r_[0, np.cumsum(shard_records)].tolist()
+    shards = order(len(shard_records), group_key(seed, epoch, -1, 0, len(shard_records)))
+    return [starts[k] + d for k in shards for d in visit(k, 0, shard_records[k])]
+
+
+@pytest.mark.parametrize("kind", ["blob", "sharded"])
+@pytest.mark.parametrize("eod", [None, 0])
+@pytest.mark.parametrize("group", [2, 7, 1024])
+def test_shuffled_windows_are_slices_of_the_documents_concatenated_in_the_epochs_order(
+    token_data: tuple[dict[str, Path], list[np.ndarray]], kind: str, eod: int | None, group: int
+) -> None:
+    paths, docs = token_data
+    shard_records = [len(docs)] if kind == "blob" else [457] * 6 + [len(docs) - 6 * 457]
+    windows = TokenWindows(paths[kind], 64, eod=eod, seed=11, group=group)
+    for epoch in range(3):
+        windows.set_epoch(epoch)
+        order = shuffled_documents(shard_records, 11, epoch, group)
+        assert sorted(order) == list(range(len(docs)))
+        whole = stream([docs[d] for d in order], eod)
+        assert windows.tokens == len(whole)
+        assert len(windows) == (len(whole) - 1) // 64
+        rng = np.random.default_rng(epoch)
+        ks = np.r_[0, len(windows) - 1, rng.integers(0, len(windows), 150)].tolist()
+        for k in ks:
+            assert np.array_equal(windows[k], whole[k * 64 : k * 64 + 65]), (epoch, k)
+        starts = np.r_[0, np.cumsum([len(docs[d]) + (eod is not None) for d in order])]
+        for t in rng.integers(0, windows.tokens, 100).tolist():
+            j = int(np.searchsorted(starts, t, side="right") - 1)
+            assert windows.locate(t) == (order[j], t - int(starts[j]))
+
+
+def test_shuffled_orders_differ_by_epoch_and_repeat_in_another_process(
+    token_data: tuple[dict[str, Path], list[np.ndarray]],
+) -> None:
+    paths, _ = token_data
+    stored = TokenWindows(paths["sharded"], 128, eod=0)
+    windows = TokenWindows(paths["sharded"], 128, eod=0, seed=4, epoch=1)
+    first = np.stack([windows[k] for k in range(40)])
+    assert not np.array_equal(first, np.stack([stored[k] for k in range(40)]))
+    windows.set_epoch(2)
+    assert not np.array_equal(first, np.stack([windows[k] for k in range(40)]))
+    again = pickle.loads(pickle.dumps(TokenWindows(paths["sharded"], 128, eod=0, seed=4, epoch=1)))
+    assert np.array_equal(first, np.stack([again[k] for k in range(40)]))
+    code = (
+        "import sys, numpy as np\n"
+        "from smstore.read.tokens import TokenWindows\n"
+        "w = TokenWindows(sys.argv[1], 128, eod=0, seed=4, epoch=1)\n"
+        "sys.stdout.write(np.stack([w[k] for k in range(40)]).tobytes().hex())\n"
+    )
+    spawned = subprocess.run(
+        [sys.executable, "-c", code, str(paths["sharded"])], capture_output=True, text=True, check=True
+    )
+    assert spawned.stdout == first.tobytes().hex()
+
+
+def test_a_shuffled_epoch_builds_nothing_of_the_documents_size(tmp_path: Path) -> None:
+    count = 300_000
+    smstore.pack_arrays(
+        (np.full(1 + i % 3, 7, np.uint16) for i in range(count)), tmp_path / "small.smst", durable=False
+    )
+    tracemalloc.start()
+    try:
+        windows = TokenWindows(tmp_path / "small.smst", 16, eod=0, seed=1)
+        for k in np.random.default_rng(0).integers(0, len(windows), 200).tolist():
+            assert windows[k].size == 17
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < count * 8 // 8, peak  # an int64 per document would be 2.4 MB: this is < 300 kB
+    assert len(windows._groups) <= 3  # the shards' order and one group per level of 1024
+
+
+def test_a_group_of_fewer_than_two_parts_is_refused(tmp_path: Path) -> None:
+    smstore.pack_arrays([np.ones(4, np.uint16)], tmp_path / "u.smst", durable=False)
+    with pytest.raises(ValueError, match="group"):
+        TokenWindows(tmp_path / "u.smst", 2, seed=0, group=1)

@@ -7,14 +7,14 @@ of Megatron-LM's ``GPTDataset``. Megatron builds (and caches) index arrays of ev
 sample before the first step; here sample ``k`` is found from the blobs' own offsets indexes by a
 binary search, O(log n) reads of them, with nothing built or stored, so a dataset of 10^12 tokens
 is ready at once. Shuffle samples with any sampler over ``len(windows)``: the exact global shuffle
-of :class:`smstore.GlobalShuffleSampler` is resumable at any world size.
+of :class:`smstore.GlobalShuffleSampler` is resumable at any world size. The documents themselves
+may be put in a new order every epoch (``seed=``), still with no index: see :class:`TokenWindows`.
 """
 
 from __future__ import annotations
 
-import bisect
 from collections.abc import Iterator, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -26,14 +26,57 @@ from smstore.write.pack import numpy_dtype
 __all__ = ["TokenWindows"]
 
 
+def group_key(seed: int, epoch: int, shard: int, lo: int, hi: int) -> bytes:
+    """The Feistel key that orders the parts of documents ``[lo, hi)`` of ``shard`` in an epoch
+    (``shard`` -1: the order of the shards themselves)."""
+    return b"smstore-token-docs:%d:%d:%d:%d:%d" % (seed, epoch, shard, lo, hi)
+
+
+def group_bounds(lo: int, hi: int, group: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The bounds of the parts of documents ``[lo, hi)``: each document when there are at most
+    ``group`` of them, else ``group`` runs of consecutive documents of nearly equal counts."""
+    if hi - lo <= group:
+        return np.arange(lo, hi + 1, dtype=np.int64)
+    return lo + np.arange(group + 1, dtype=np.int64) * (hi - lo) // group
+
+
+class _Group(NamedTuple):
+    """One group's parts in an epoch: their bounds (stored order), the part at each shuffled
+    position, and the tokens through each shuffled position."""
+
+    bounds: np.ndarray[Any, np.dtype[np.int64]]
+    order: np.ndarray[Any, np.dtype[np.int64]]
+    ends: np.ndarray[Any, np.dtype[np.int64]]
+
+    def find(self, token: int) -> tuple[int, int]:
+        """The part holding ``token`` of the group's shuffled stream, and the token's place in it."""
+        j = int(np.searchsorted(self.ends, token, side="right"))
+        return int(self.order[j]), token - (int(self.ends[j - 1]) if j else 0)
+
+
 class TokenWindows:
-    """Samples of ``length + 1`` tokens over the documents of a dataset concatenated in stored order.
+    """Samples of ``length + 1`` tokens over the documents of a dataset concatenated.
 
     Sample ``k`` is tokens ``[k * length, (k + 1) * length + 1)`` of the stream of every document
-    (record) in order, each followed by the token ``eod`` when one is given (documents that already
+    (record), each followed by the token ``eod`` when one is given (documents that already
     end in one need none): consecutive samples share a token, as Megatron's ``GPTDataset``
     samples do, and there are ``(tokens - 1) // length`` of them (a tail too short for a whole
     sample is left out). A sample is a new array (``dtype``) that a collate stacks as it is.
+
+    The documents come in stored order, or, given a ``seed``, in a new order each epoch with no
+    index built. The order is a tree of groups of consecutive documents: the shards are visited in
+    a keyed Feistel order (:class:`~smstore.sampling.orders.FeistelPermutation`, keyed by seed and
+    epoch); a shard's documents are cut into at most ``group`` runs of nearly equal counts, visited
+    in another keyed Feistel order, each cut again the same way until a run holds at most
+    ``group`` documents, which are visited in a Feistel order of their own. A run's token span is
+    two reads of the offsets index (its documents are consecutive), so the prefix sums of one
+    group's parts in their shuffled order cost ``O(group)`` to compute, and locating token ``t``
+    descends ``log_group(documents)`` levels: ``O(group * depth)`` work, with the last group of
+    each level kept (consecutive tokens hit it), memory ``O(group * depth + shards)``, nothing of
+    the documents' size. The shuffled stream is the same documents, so an epoch has the same
+    tokens and samples as stored order. Documents of one run of ``group`` stay near each other
+    (a shuffle of runs and within runs, not a uniform one); shuffle the windows themselves with
+    a sampler (:class:`~smstore.GlobalShuffleSampler`) as before.
 
     Args:
         source: A blob or sharded dataset of token documents (``npy:<dtype>`` records of
@@ -42,13 +85,27 @@ class TokenWindows:
         length: Tokens a sample predicts (the sequence length); a sample holds ``length + 1``.
         eod: The end-of-document token after every document, or None (the default): none.
         dtype: The samples' dtype (default int64, as Megatron's).
+        seed: None (the default): documents in stored order; an int: documents shuffled per
+            epoch, keyed by it.
+        epoch: The epoch whose document order is read (see :meth:`set_epoch`).
+        group: The most parts a group of the shuffle holds (default 1024).
 
     Raises:
         StoreFormatError: The records are not ``npy:`` arrays of integers.
-        ValueError: ``length`` below 1, or an ``eod`` that ``dtype`` cannot hold.
+        ValueError: ``length`` below 1, ``group`` below 2, or an ``eod`` that ``dtype`` cannot hold.
     """
 
-    def __init__(self, source: Any, length: int, *, eod: int | None = None, dtype: Any = np.int64) -> None:
+    def __init__(
+        self,
+        source: Any,
+        length: int,
+        *,
+        eod: int | None = None,
+        dtype: Any = np.int64,
+        seed: int | None = None,
+        epoch: int = 0,
+        group: int = 1024,
+    ) -> None:
         if isinstance(source, str) or hasattr(source, "__fspath__"):
             from smstore.read.store import open as open_path
 
@@ -56,10 +113,17 @@ class TokenWindows:
         if not isinstance(length, int) or isinstance(length, bool) or length < 1:
             msg = f"length must be a positive number of tokens, not {length!r}"
             raise ValueError(msg)
+        if not isinstance(group, int) or isinstance(group, bool) or group < 2:
+            msg = f"group must be a number of parts of at least 2, not {group!r}"
+            raise ValueError(msg)
         self.source = source
         self.length = length
         self.eod = None if eod is None else int(eod)
         self.dtype = np.dtype(dtype)
+        self.seed = None if seed is None else int(seed)
+        self.group = group
+        self.epoch = int(epoch)
+        self._groups: dict[int, tuple[tuple[int, int, int], _Group]] = {}
         store = self._store()
         self.path = str(store.path)
         self.token_dtype = numpy_dtype(str(store.encoding), self.path)
@@ -71,18 +135,19 @@ class TokenWindows:
             raise ValueError(msg)
         item = self.token_dtype.itemsize
         per_doc = 0 if self.eod is None else 1
-        # Tokens before each shard, from the manifest's sizes (a blob is one shard): no shard opened.
+        # Tokens and records before each shard, from the manifest's sizes (a blob is one shard): no
+        # shard opened, 16 bytes a shard.
         manifest = getattr(store, "manifest", None)
         if isinstance(store, _core.ShardedStore) and manifest is not None:
-            counts = [(s.data_bytes // item, s.records) for s in manifest.shards]
-            self._record_starts = [int(x) for x in store.starts]
+            n = len(manifest.shards)
+            data = np.fromiter((s.data_bytes for s in manifest.shards), np.int64, n)
+            records = np.fromiter((s.records for s in manifest.shards), np.int64, n)
         else:
-            counts = [(int(store.offsets[-1]) // item, len(store))]
-            self._record_starts = [0, len(store)]
-        self._token_starts = [0]
-        for tokens, records in counts:
-            self._token_starts.append(self._token_starts[-1] + tokens + per_doc * records)
-        self.tokens = self._token_starts[-1]
+            data = np.array([int(store.offsets[-1])], dtype=np.int64)
+            records = np.array([len(store)], dtype=np.int64)
+        self._record_starts = np.concatenate(([0], np.cumsum(records)))
+        self._token_starts = np.concatenate(([0], np.cumsum(data // item + per_doc * records)))
+        self.tokens = int(self._token_starts[-1])
         self._len = max(0, (self.tokens - 1) // length)
 
     def _store(self) -> Any:
@@ -91,18 +156,27 @@ class TokenWindows:
     def __len__(self) -> int:
         return self._len
 
+    def set_epoch(self, epoch: int) -> None:
+        """Read the document order of ``epoch`` from now on (the same order again for the same
+        seed and epoch, in any process); stored order is every epoch's without a ``seed``."""
+        self.epoch = int(epoch)
+        self._groups.clear()
+
     def locate(self, token: int) -> tuple[int, int]:
-        """``(document, offset)``: the document holding ``token`` of the stream and the token's
-        place in it (its ``eod`` is at the document's length), by binary searches: of the shards'
-        token counts, then of the shard's offsets index (O(log n) reads, nothing built)."""
+        """``(document, offset)``: the document (its stored index) holding ``token`` of this
+        epoch's stream and the token's place in it (its ``eod`` is at the document's length).
+
+        In stored order: binary searches of the shards' token counts, then of the shard's offsets
+        index (O(log n) reads, nothing built). Shuffled: the descent of the class's docstring."""
         if not 0 <= token < self.tokens:
             msg = f"token {token} is outside a stream of {self.tokens}"
             raise IndexError(msg)
-        k = bisect.bisect_right(self._token_starts, token) - 1
-        store = self._store()
-        offsets = (store.shard(k) if isinstance(store, _core.ShardedStore) else store).offsets
+        if self.seed is not None:
+            return self._locate_shuffled(token)
+        k = int(np.searchsorted(self._token_starts, token, side="right")) - 1
+        offsets = self._offsets(k)
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
-        t = token - self._token_starts[k]
+        t = token - int(self._token_starts[k])
         # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
         lo, hi = 0, len(offsets) - 2
         while lo < hi:
@@ -111,7 +185,49 @@ class TokenWindows:
                 lo = mid
             else:
                 hi = mid - 1
-        return self._record_starts[k] + lo, t - (int(offsets[lo]) // item + per_doc * lo)
+        return int(self._record_starts[k]) + lo, t - (int(offsets[lo]) // item + per_doc * lo)
+
+    def _offsets(self, shard: int) -> np.ndarray[Any, Any]:
+        store = self._store()
+        return (store.shard(shard) if isinstance(store, _core.ShardedStore) else store).offsets
+
+    def _locate_shuffled(self, token: int) -> tuple[int, int]:
+        shard, t = self._group_of(0, -1, 0, len(self._token_starts) - 1).find(token)
+        first = int(self._record_starts[shard])
+        lo, hi, level = 0, int(self._record_starts[shard + 1]) - first, 1
+        while True:
+            group = self._group_of(level, shard, lo, hi)
+            part, t = group.find(t)
+            if hi - lo <= self.group:  # the parts are documents
+                return first + lo + part, t
+            lo, hi, level = int(group.bounds[part]), int(group.bounds[part + 1]), level + 1
+
+    def _group_of(self, level: int, shard: int, lo: int, hi: int) -> _Group:
+        """The parts of documents ``[lo, hi)`` of ``shard`` (of the shards, for shard -1) in this
+        epoch's order, kept until another group of the same level is asked for."""
+        hit = self._groups.get(level)
+        if hit is not None and hit[0] == (shard, lo, hi):
+            return hit[1]
+        assert self.seed is not None
+        # Here, not at the top: smstore.sampling's package imports its samplers, which import torch
+        # when it is installed, and stored-order windows need neither.
+        from smstore.sampling.orders import FeistelPermutation
+
+        if shard < 0:
+            bounds = np.arange(hi + 1, dtype=np.int64)
+            tokens = self._token_starts
+        else:
+            bounds = group_bounds(lo, hi, self.group)
+            per_doc = 0 if self.eod is None else 1
+            item = self.token_dtype.itemsize
+            tokens = self._offsets(shard)[bounds].astype(np.int64) // item + per_doc * bounds
+        spans = np.diff(tokens)
+        order = FeistelPermutation(len(spans), group_key(self.seed, self.epoch, shard, lo, hi))(
+            np.arange(len(spans), dtype=np.uint64)
+        )
+        group = _Group(bounds, order, np.cumsum(spans[order], dtype=np.int64))
+        self._groups[level] = ((shard, lo, hi), group)
+        return group
 
     def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
         """Sample ``index``: ``length + 1`` tokens, a new array."""
@@ -124,7 +240,7 @@ class TokenWindows:
         out = np.empty(self.length + 1, dtype=self.dtype)
         doc, at = self.locate(k * self.length)
         store, filled = self._store(), 0
-        while filled < out.size:
+        while True:
             tokens = np.frombuffer(store[doc], dtype=self.token_dtype)
             take = tokens[at : at + out.size - filled]
             out[filled : filled + take.size] = take
@@ -132,8 +248,10 @@ class TokenWindows:
             if filled < out.size and self.eod is not None:
                 out[filled] = self.eod
                 filled += 1
-            doc, at = doc + 1, 0
-        return out
+            if filled == out.size:
+                return out
+            # The next document: the next stored one, or the shuffled stream's at the next token.
+            doc, at = (doc + 1, 0) if self.seed is None else self.locate(k * self.length + filled)
 
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray[Any, Any]]:
         return [self[i] for i in indices]
@@ -143,11 +261,12 @@ class TokenWindows:
             yield self[k]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "source": portable_source(self.source)}
+        return {**self.__dict__, "source": portable_source(self.source), "_groups": {}}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state, source=restored_source(state["source"]))
 
     def __repr__(self) -> str:
         eod = "" if self.eod is None else f", eod={self.eod}"
-        return f"TokenWindows({self.path!r}, length={self.length}{eod}, samples={self._len})"
+        order = "" if self.seed is None else f", seed={self.seed}, epoch={self.epoch}"
+        return f"TokenWindows({self.path!r}, length={self.length}{eod}{order}, samples={self._len})"
