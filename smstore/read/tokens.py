@@ -23,41 +23,43 @@ from smstore.errors import StoreFormatError
 from smstore.read.views import portable_source, restored_source
 from smstore.write.pack import numpy_dtype
 
-__all__ = ["TokenWindows"]
+__all__ = ["TokenDocuments", "TokenWindows", "positive_length"]
 
 
-class TokenWindows:
-    """Samples of ``length + 1`` tokens over the documents of a dataset concatenated in stored order.
+def positive_length(length: object, path: str) -> int:
+    """``length`` checked: a positive number of tokens (a sample's, a bin's)."""
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        msg = f"{path}: length must be a positive number of tokens, not {length!r}"
+        raise ValueError(msg)
+    return length
 
-    Sample ``k`` is tokens ``[k * length, (k + 1) * length + 1)`` of the stream of every document
-    (record) in order, each followed by the token ``eod`` when one is given (documents that already
-    end in one need none): consecutive samples share a token, as Megatron's ``GPTDataset``
-    samples do, and there are ``(tokens - 1) // length`` of them (a tail too short for a whole
-    sample is left out). A sample is a new array (``dtype``) that a collate stacks as it is.
+
+class TokenDocuments:
+    """The documents of tokens of a dataset, each followed by ``eod`` when one is given, read by
+    segments: what :class:`TokenWindows` and :class:`~smstore.PackedBins` sample from.
+
+    A segment ``(document, first, count)`` is ``count`` tokens of a document from token ``first``,
+    where the document's ``eod`` (when there is one) is its token at its length. :meth:`gather`
+    copies segments into a sample: the one place tokens are read.
 
     Args:
         source: A blob or sharded dataset of token documents (``npy:<dtype>`` records of
             integers): its path, a :class:`~smstore.SharedStoreDataset` (read through its store:
             the daemon's copy, or the files), or an open ``Store`` / ``ShardedStore``.
-        length: Tokens a sample predicts (the sequence length); a sample holds ``length + 1``.
         eod: The end-of-document token after every document, or None (the default): none.
         dtype: The samples' dtype (default int64, as Megatron's).
 
     Raises:
         StoreFormatError: The records are not ``npy:`` arrays of integers.
-        ValueError: ``length`` below 1, or an ``eod`` that ``dtype`` cannot hold.
+        ValueError: An ``eod`` that ``dtype`` cannot hold.
     """
 
-    def __init__(self, source: Any, length: int, *, eod: int | None = None, dtype: Any = np.int64) -> None:
+    def __init__(self, source: Any, *, eod: int | None = None, dtype: Any = np.int64) -> None:
         if isinstance(source, str) or hasattr(source, "__fspath__"):
             from smstore.read.store import open as open_path
 
             source = open_path(source, raw=True)
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            msg = f"length must be a positive number of tokens, not {length!r}"
-            raise ValueError(msg)
         self.source = source
-        self.length = length
         self.eod = None if eod is None else int(eod)
         self.dtype = np.dtype(dtype)
         store = self._store()
@@ -83,13 +85,27 @@ class TokenWindows:
         for tokens, records in counts:
             self._token_starts.append(self._token_starts[-1] + tokens + per_doc * records)
         self.tokens = self._token_starts[-1]
-        self._len = max(0, (self.tokens - 1) // length)
+        self.documents = self._record_starts[-1]
 
     def _store(self) -> Any:
         return getattr(self.source, "store", self.source)
 
-    def __len__(self) -> int:
-        return self._len
+    def _offsets(self, shard: int) -> np.ndarray[Any, Any]:
+        store = self._store()
+        return (store.shard(shard) if isinstance(store, _core.ShardedStore) else store).offsets
+
+    def lengths(self, first: int, stop: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The tokens of documents ``[first, stop)``, ``eod`` included: from the offsets indexes of
+        the shards that hold them, no record read."""
+        parts = []
+        k = bisect.bisect_right(self._record_starts, first) - 1
+        while first < stop:
+            base, end = self._record_starts[k], min(stop, self._record_starts[k + 1])
+            offsets = self._offsets(k)[first - base : end - base + 1].astype(np.int64)
+            parts.append(np.diff(offsets) // self.token_dtype.itemsize)
+            first, k = end, k + 1
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return tokens + (0 if self.eod is None else 1)
 
     def locate(self, token: int) -> tuple[int, int]:
         """``(document, offset)``: the document holding ``token`` of the stream and the token's
@@ -99,8 +115,7 @@ class TokenWindows:
             msg = f"token {token} is outside a stream of {self.tokens}"
             raise IndexError(msg)
         k = bisect.bisect_right(self._token_starts, token) - 1
-        store = self._store()
-        offsets = (store.shard(k) if isinstance(store, _core.ShardedStore) else store).offsets
+        offsets = self._offsets(k)
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
         t = token - self._token_starts[k]
         # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
@@ -113,26 +128,77 @@ class TokenWindows:
                 hi = mid - 1
         return self._record_starts[k] + lo, t - (int(offsets[lo]) // item + per_doc * lo)
 
-    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
-        """Sample ``index``: ``length + 1`` tokens, a new array."""
+    def gather(self, segments: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> int:
+        """Copy ``segments`` (rows ``(document, first, count)``) one after another into ``out``;
+        returns the tokens written. The one reader of token segments (a C++ gather can replace it)."""
+        store, at = self._store(), 0
+        for doc, first, count in segments.tolist():
+            tokens = np.frombuffer(store[doc], dtype=self.token_dtype)
+            take = tokens[first : first + count]
+            out[at : at + take.size] = take
+            if take.size < count:  # the segment ends with the document's eod
+                out[at + take.size] = self.eod
+            at += count
+        return at
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "source": portable_source(self.source)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, source=restored_source(state["source"]))
+
+
+class TokenWindows(TokenDocuments):
+    """Samples of ``length + 1`` tokens over the documents of a dataset concatenated in stored order.
+
+    Sample ``k`` is tokens ``[k * length, (k + 1) * length + 1)`` of the stream of every document
+    (record) in order, each followed by the token ``eod`` when one is given (documents that already
+    end in one need none): consecutive samples share a token, as Megatron's ``GPTDataset``
+    samples do, and there are ``(tokens - 1) // length`` of them (a tail too short for a whole
+    sample is left out). A sample is a new array (``dtype``) that a collate stacks as it is.
+
+    Args:
+        source: A blob or sharded dataset of token documents (``npy:<dtype>`` records of
+            integers): its path, a :class:`~smstore.SharedStoreDataset` (read through its store:
+            the daemon's copy, or the files), or an open ``Store`` / ``ShardedStore``.
+        length: Tokens a sample predicts (the sequence length); a sample holds ``length + 1``.
+        eod: The end-of-document token after every document, or None (the default): none.
+        dtype: The samples' dtype (default int64, as Megatron's).
+
+    Raises:
+        StoreFormatError: The records are not ``npy:`` arrays of integers.
+        ValueError: ``length`` below 1, or an ``eod`` that ``dtype`` cannot hold.
+    """
+
+    def __init__(self, source: Any, length: int, *, eod: int | None = None, dtype: Any = np.int64) -> None:
+        super().__init__(source, eod=eod, dtype=dtype)
+        self.length = positive_length(length, self.path)
+        self._len = max(0, (self.tokens - 1) // length)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def segments(self, index: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Sample ``index``'s segments ``(document, first, count)``, int64 rows, in order."""
         k = int(index)
         if k < 0:
             k += self._len
         if not 0 <= k < self._len:
             msg = f"sample {index} out of range for {self._len} token windows of {self.path}"
             raise IndexError(msg)
-        out = np.empty(self.length + 1, dtype=self.dtype)
         doc, at = self.locate(k * self.length)
-        store, filled = self._store(), 0
-        while filled < out.size:
-            tokens = np.frombuffer(store[doc], dtype=self.token_dtype)
-            take = tokens[at : at + out.size - filled]
-            out[filled : filled + take.size] = take
-            filled += take.size
-            if filled < out.size and self.eod is not None:
-                out[filled] = self.eod
-                filled += 1
-            doc, at = doc + 1, 0
+        rows, left = [], self.length + 1
+        while left:
+            count = min(left, int(self.lengths(doc, doc + 1)[0]) - at)
+            if count:
+                rows.append((doc, at, count))
+            left, doc, at = left - count, doc + 1, 0
+        return np.array(rows, dtype=np.int64)
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        """Sample ``index``: ``length + 1`` tokens, a new array."""
+        out = np.empty(self.length + 1, dtype=self.dtype)
+        self.gather(self.segments(index), out)
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray[Any, Any]]:
@@ -141,12 +207,6 @@ class TokenWindows:
     def __iter__(self) -> Iterator[np.ndarray[Any, Any]]:
         for k in range(self._len):
             yield self[k]
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "source": portable_source(self.source)}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, source=restored_source(state["source"]))
 
     def __repr__(self) -> str:
         eod = "" if self.eod is None else f", eod={self.eod}"
