@@ -624,3 +624,16 @@ def outcome_past_a_fifo(fn: Callable[[], Any], fifo: str | os.PathLike[str], wha
         raise AssertionError(f"{what} blocked on a FIFO")
     return outcome[0]
 
+
+def packed_bins_digest(path: str, options: dict[str, Any], q: Any) -> None:
+    """A spawned child: the hash of every bin's segments and tokens of PackedBins(path, **options)."""
+    import hashlib
+
+    from smstore.read.packing import PackedBins
+
+    bins = PackedBins(path, **options)
+    h = hashlib.sha256()
+    for k in range(len(bins)):
+        h.update(bins.segments(k).tobytes())
+        h.update(bins[k]["tokens"].tobytes())
+    q.put(h.hexdigest())
