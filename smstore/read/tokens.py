@@ -128,11 +128,14 @@ class TokenDocuments:
                 hi = mid - 1
         return self._record_starts[k] + lo, t - (int(offsets[lo]) // item + per_doc * lo)
 
-    def gather(self, segments: np.ndarray[Any, Any], out: np.ndarray[Any, Any]) -> int:
+    def gather(
+        self, segments: np.ndarray[Any, Any] | list[tuple[int, int, int]], out: np.ndarray[Any, Any]
+    ) -> int:
         """Copy ``segments`` (rows ``(document, first, count)``) one after another into ``out``;
         returns the tokens written. The one reader of token segments (a C++ gather can replace it)."""
         store, at = self._store(), 0
-        for doc, first, count in segments.tolist():
+        rows = segments.tolist() if isinstance(segments, np.ndarray) else segments
+        for doc, first, count in rows:
             tokens = np.frombuffer(store[doc], dtype=self.token_dtype)
             take = tokens[first : first + count]
             out[at : at + take.size] = take
@@ -180,6 +183,9 @@ class TokenWindows(TokenDocuments):
 
     def segments(self, index: int) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Sample ``index``'s segments ``(document, first, count)``, int64 rows, in order."""
+        return np.array(self._rows(index), dtype=np.int64).reshape(-1, 3)
+
+    def _rows(self, index: int) -> list[tuple[int, int, int]]:
         k = int(index)
         if k < 0:
             k += self._len
@@ -188,17 +194,24 @@ class TokenWindows(TokenDocuments):
             raise IndexError(msg)
         doc, at = self.locate(k * self.length)
         rows, left = [], self.length + 1
+        shard = bisect.bisect_right(self._record_starts, doc) - 1
+        item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
+        offsets = self._offsets(shard).data  # a memoryview: its items read as ints, no numpy scalars
         while left:
-            count = min(left, int(self.lengths(doc, doc + 1)[0]) - at)
+            while doc == self._record_starts[shard + 1]:
+                shard += 1
+                offsets = self._offsets(shard).data
+            j = doc - self._record_starts[shard]
+            count = min(left, (offsets[j + 1] - offsets[j]) // item + per_doc - at)
             if count:
                 rows.append((doc, at, count))
             left, doc, at = left - count, doc + 1, 0
-        return np.array(rows, dtype=np.int64)
+        return rows
 
     def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
         """Sample ``index``: ``length + 1`` tokens, a new array."""
         out = np.empty(self.length + 1, dtype=self.dtype)
-        self.gather(self.segments(index), out)
+        self.gather(self._rows(index), out)
         return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray[Any, Any]]:
