@@ -101,8 +101,18 @@ def test_pack_lengths_best_fit_first_fit_and_splits() -> None:
     # One open bin: a piece that does not fit closes it.
     _, starts = pack_lengths([6, 5, 3], 10, open_bins=1)
     assert np.diff(starts).tolist() == [1, 2]
+    # Two open bins (rooms 3 and 1) and a third needed for 5: the fullest is closed, so 3 fills the
+    # first bin; or the oldest, so 3 joins 5.
+    closed = {}
+    for close in ("fullest", "oldest"):
+        segments, starts = pack_lengths([7, 9, 5, 3], 10, open_bins=2, close=close)
+        closed[close] = [segments[starts[b] : starts[b + 1]].tolist() for b in range(len(starts) - 1)]
+    assert closed["fullest"] == [[[0, 0, 7], [3, 0, 3]], [[1, 0, 9]], [[2, 0, 5]]]
+    assert closed["oldest"] == [[[0, 0, 7]], [[1, 0, 9]], [[2, 0, 5], [3, 0, 3]]]
     with pytest.raises(ValueError, match="algorithm"):
         pack_lengths([1], 10, algorithm="worst-fit")
+    with pytest.raises(ValueError, match="close"):
+        pack_lengths([1], 10, close="emptiest")
 
 
 def test_bins_are_the_same_in_a_spawned_process(token_data: Data) -> None:

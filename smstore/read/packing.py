@@ -19,22 +19,29 @@ import numpy as np
 
 from smstore.read.tokens import TokenDocuments, positive_length
 
-__all__ = ["ALGORITHMS", "PackedBins", "pack_lengths"]
+__all__ = ["ALGORITHMS", "CLOSES", "PackedBins", "pack_lengths"]
 
 ALGORITHMS = ("best-fit", "first-fit")
+CLOSES = ("fullest", "oldest")
 
 Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
 
 def pack_lengths(
-    lengths: Sequence[int] | Int64s, length: int, *, open_bins: int = 16, algorithm: str = "best-fit"
+    lengths: Sequence[int] | Int64s,
+    length: int,
+    *,
+    open_bins: int = 16,
+    algorithm: str = "best-fit",
+    close: str = "fullest",
 ) -> tuple[Int64s, Int64s]:
     """Pack documents of ``lengths`` tokens, in the order given, into bins of ``length`` tokens.
 
     A document longer than a bin is split: its first ``length``-token pieces are whole bins of
     their own, its rest is packed as a document. Each piece goes into an open bin with room for it,
     the fullest that has (``"best-fit"``) or the oldest (``"first-fit"``); when none has, a new
-    bin opens, and when more than ``open_bins`` are open the fullest is closed. Memory is
+    bin opens, and when more than ``open_bins`` are open the fullest is closed (``close="fullest"``,
+    the default) or the oldest (``"oldest"``: a FIFO buffer, for comparison). Memory is
     O(documents + open_bins), whatever the bins hold.
 
     Returns:
@@ -44,6 +51,9 @@ def pack_lengths(
     """
     if algorithm not in ALGORITHMS:
         msg = f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}"
+        raise ValueError(msg)
+    if close not in CLOSES:
+        msg = f"close must be one of {CLOSES}, not {close!r}"
         raise ValueError(msg)
     if open_bins < 1:
         msg = f"open_bins must be at least 1, not {open_bins!r}"
@@ -65,8 +75,8 @@ def pack_lengths(
             j = min(fits, key=room.__getitem__) if best else fits[0]
         else:
             if len(room) == open_bins:
-                fullest = room.index(min(room))
-                del room[fullest], which[fullest]
+                shut = room.index(min(room)) if close == "fullest" else 0
+                del room[shut], which[shut]
             bins.append([])
             room.append(length)
             which.append(len(bins) - 1)
