@@ -88,6 +88,36 @@ def test_unpadded_bins_hold_their_tokens_only(token_data: Data) -> None:
         assert len(b["tokens"]) == len(b["position_ids"]) == int(b["cu_seqlens"][-1])
 
 
+def test_a_batch_of_bins_collates_for_varlen_attention_in_a_dataloader(token_data: Data) -> None:
+    torch = pytest.importorskip("torch")
+    paths, _ = token_data
+    bins = PackedBins(smstore.SharedStoreDataset(paths["sharded"], mode="mmap"), 64, eod=0, pad=7, group=300)
+    sampler = smstore.GlobalShuffleSampler(len(bins), seed=2, rank=0, world_size=1)
+    loader = torch.utils.data.DataLoader(
+        bins,
+        sampler=sampler,
+        batch_size=4,
+        num_workers=2,
+        collate_fn=PackedBins.collate,
+        multiprocessing_context="spawn",
+    )
+    order = list(sampler)
+    for i, batch in enumerate(itertools.islice(loader, 3)):
+        got = [bins[k] for k in order[4 * i : 4 * i + 4]]
+        assert np.array_equal(batch["tokens"], np.stack([b["tokens"] for b in got]))
+        cu = batch["cu_seqlens"].tolist()
+        assert cu[0] == 0
+        assert cu[-1] == 4 * 64
+        assert all(a < b for a, b in itertools.pairwise(cu))
+        flat = batch["position_ids"].reshape(-1)
+        for a, b in itertools.pairwise(cu):  # every sequence, padding included, counts from 0
+            assert flat[a] == 0
+            assert np.array_equal(flat[a:b], np.arange(b - a)) or (flat[a:b] == 0).all()
+        assert batch["segments"][:, 0].tolist() == [r for r, b in enumerate(got) for _ in b["segments"]]
+    with pytest.raises(ValueError, match="pad"):
+        PackedBins.collate([{"tokens": np.zeros(3)}, {"tokens": np.zeros(4)}])
+
+
 def test_pack_lengths_best_fit_first_fit_and_splits() -> None:
     segments, starts = pack_lengths([6, 5, 3, 4, 25], 10, algorithm="first-fit")
     bins = [segments[starts[b] : starts[b + 1]].tolist() for b in range(len(starts) - 1)]

@@ -227,6 +227,33 @@ class PackedBins(TokenDocuments):
     def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray[Any, Any]]]:
         return [self[i] for i in indices]
 
+    @staticmethod
+    def collate(batch: Sequence[dict[str, np.ndarray[Any, Any]]]) -> dict[str, np.ndarray[Any, Any]]:
+        """Padded bins as one batch (a DataLoader's ``collate_fn``; wrap in ``torch.from_numpy``):
+        ``tokens`` and ``position_ids`` stacked ``[B, length]``, ``cu_seqlens`` (int32) over the
+        ``B * length`` tokens flattened, each bin's padding a sequence of its own so that the
+        sequences cover the batch (FlashAttention varlen), and ``segments`` with the bin's row in
+        the batch first: ``(row, document, first, count)``."""
+        sizes = {len(b["tokens"]) for b in batch}
+        if len(sizes) != 1:
+            msg = f"bins of {sorted(sizes)} tokens do not stack: make PackedBins with a pad token"
+            raise ValueError(msg)
+        length, cu = sizes.pop(), [np.zeros(1, dtype=np.int64)]
+        for row, b in enumerate(batch):
+            ends = b["cu_seqlens"][1:].astype(np.int64)
+            cu.append(row * length + (ends if ends[-1] == length else np.append(ends, length)))
+        return {
+            "tokens": np.stack([b["tokens"] for b in batch]),
+            "position_ids": np.stack([b["position_ids"] for b in batch]),
+            "cu_seqlens": np.concatenate(cu).astype(np.int32),
+            "segments": np.concatenate(
+                [
+                    np.column_stack([np.full(len(b["segments"]), row), b["segments"]])
+                    for row, b in enumerate(batch)
+                ]
+            ),
+        }
+
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_cache": OrderedDict()}
 
