@@ -111,22 +111,28 @@ class TokenDocuments:
         """``(document, offset)``: the document holding ``token`` of the stream and the token's
         place in it (its ``eod`` is at the document's length), by binary searches: of the shards'
         token counts, then of the shard's offsets index (O(log n) reads, nothing built)."""
+        shard, j, at, _ = self._place(token)
+        return self._record_starts[shard] + j, at
+
+    def _place(self, token: int) -> tuple[int, int, int, memoryview]:
+        """``locate``'s answer as (shard, record in the shard, offset, the shard's offsets as a
+        memoryview: its items read as ints, no numpy scalars)."""
         if not 0 <= token < self.tokens:
             msg = f"token {token} is outside a stream of {self.tokens}"
             raise IndexError(msg)
         k = bisect.bisect_right(self._token_starts, token) - 1
-        offsets = self._offsets(k)
+        offsets = self._offsets(k).data
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
         t = token - self._token_starts[k]
         # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
         lo, hi = 0, len(offsets) - 2
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if int(offsets[mid]) // item + per_doc * mid <= t:
+            if offsets[mid] // item + per_doc * mid <= t:
                 lo = mid
             else:
                 hi = mid - 1
-        return self._record_starts[k] + lo, t - (int(offsets[lo]) // item + per_doc * lo)
+        return k, lo, t - (offsets[lo] // item + per_doc * lo), offsets
 
     def gather(
         self, segments: np.ndarray[Any, Any] | list[tuple[int, int, int]], out: np.ndarray[Any, Any]
@@ -192,11 +198,9 @@ class TokenWindows(TokenDocuments):
         if not 0 <= k < self._len:
             msg = f"sample {index} out of range for {self._len} token windows of {self.path}"
             raise IndexError(msg)
-        doc, at = self.locate(k * self.length)
-        rows, left = [], self.length + 1
-        shard = bisect.bisect_right(self._record_starts, doc) - 1
+        shard, j, at, offsets = self._place(k * self.length)
+        doc, rows, left = self._record_starts[shard] + j, [], self.length + 1
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
-        offsets = self._offsets(shard).data  # a memoryview: its items read as ints, no numpy scalars
         while left:
             while doc == self._record_starts[shard + 1]:
                 shard += 1
