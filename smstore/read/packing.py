@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 from collections import OrderedDict
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any
 
 import numpy as np
@@ -58,10 +59,11 @@ def pack_lengths(
     if open_bins < 1:
         msg = f"open_bins must be at least 1, not {open_bins!r}"
         raise ValueError(msg)
-    best = algorithm == "best-fit"
+    best, oldest = algorithm == "best-fit", itemgetter(1)
     bins: list[list[tuple[int, int, int]]] = []
-    room: list[int] = []  # the open bins' free tokens, oldest first
-    which: list[int] = []  # the open bins' places in `bins`
+    # The open bins as (free tokens, place in `bins`), sorted: the fullest first, the oldest first
+    # among equals; so the best fit is one bisection away.
+    open_: list[tuple[int, int]] = []
     for doc, n in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
         first = 0
         while n - first >= length:
@@ -70,19 +72,16 @@ def pack_lengths(
         piece = n - first
         if not piece:
             continue
-        fits = [j for j, r in enumerate(room) if r >= piece]
-        if fits:
-            j = min(fits, key=room.__getitem__) if best else fits[0]
+        i = bisect.bisect_left(open_, (piece, -1))
+        if i < len(open_):
+            room, b = open_.pop(i) if best else open_.pop(open_.index(min(open_[i:], key=oldest), i))
         else:
-            if len(room) == open_bins:
-                shut = room.index(min(room)) if close == "fullest" else 0
-                del room[shut], which[shut]
+            if len(open_) == open_bins:
+                del open_[0 if close == "fullest" else open_.index(min(open_, key=oldest))]
+            room, b = length, len(bins)
             bins.append([])
-            room.append(length)
-            which.append(len(bins) - 1)
-            j = len(room) - 1
-        bins[which[j]].append((doc, first, piece))
-        room[j] -= piece
+        bins[b].append((doc, first, piece))
+        bisect.insort(open_, (room - piece, b))
     starts = np.zeros(len(bins) + 1, dtype=np.int64)
     np.cumsum([len(b) for b in bins], out=starts[1:])
     segments = np.array([s for b in bins for s in b], dtype=np.int64).reshape(-1, 3)
