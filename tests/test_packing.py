@@ -80,6 +80,38 @@ def test_every_token_of_every_document_is_in_exactly_one_bin(
     assert used / (len(bins) * 128) > 0.9
 
 
+class CountingStore:
+    """A blob's Store that records which records are read."""
+
+    def __init__(self, store: Any) -> None:
+        self.inner, self.read = store, set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def __getitem__(self, i: int) -> Any:
+        self.read.add(i)
+        return self.inner[i]
+
+
+def test_construction_reads_no_token_and_a_bin_reads_only_its_group(token_data: Data) -> None:
+    paths, docs = token_data
+    store = CountingStore(smstore.open(paths["blob"], raw=True))
+    bins = PackedBins(type("Source", (), {"store": store})(), 128, eod=0, group=500, cache_groups=1)
+    assert store.read == set()
+    for k in (0, len(bins) // 2, len(bins) - 1):
+        store.read.clear()
+        held = set(bins.segments(k)[:, 0].tolist())
+        bins[k]
+        assert store.read == held
+        group = min(held) // 500
+        assert held <= set(range(500 * group, 500 * group + 500))
+    check_bins(bins, docs, 0)
+
+
 def test_unpadded_bins_hold_their_tokens_only(token_data: Data) -> None:
     paths, _docs = token_data
     bins = PackedBins(paths["blob"], 96, eod=0, pad=None, group=1000)
