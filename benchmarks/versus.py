@@ -61,6 +61,7 @@ BENCHMARKS = (
     Benchmark("loader", "bench_loader.py", ("--quick",)),
     Benchmark("remote", "bench_remote.py", ("--mib", "64", "--rounds", "2")),
     Benchmark("remote_windowed", "bench_remote_windowed.py", ("--quick",)),
+    Benchmark("packing", "bench_packing.py", ("--quick",)),
 )
 
 # ---- reading a results page -----------------------------------------------------------------------

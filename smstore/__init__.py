@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from smstore.loading.stats import LoaderStats
     from smstore.loading.transform_loader import TransformLoader
     from smstore.read.dataset import SharedStoreDataset
+    from smstore.read.packing import PackedBins
     from smstore.read.shared_list import SharedList
     from smstore.read.tokens import TokenWindows
     from smstore.read.views import Concat, Repeat, Subset, select
@@ -100,6 +101,7 @@ __all__ = [
     "ObjectStore",
     "PackInputError",
     "PackStats",
+    "PackedBins",
     "RecordIndexError",
     "RemoteError",
     "RemoteNeedsDaemonError",
@@ -181,6 +183,7 @@ _LAZY = {
     "Repeat": "smstore.read.views",
     "Concat": "smstore.read.views",
     "TokenWindows": "smstore.read.tokens",
+    "PackedBins": "smstore.read.packing",
     "select": "smstore.read.views",
     "TransformLoader": "smstore.loading.transform_loader",
 }

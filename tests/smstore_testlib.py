@@ -547,6 +547,28 @@ def windowed_rank(source: Any, rank: int, window: int, q: Any) -> None:
 # ---- views ----
 
 
+def token_documents(count: int, seed: int) -> list[Any]:
+    """Documents of uint16 tokens of skewed lengths, some empty, none containing the eod token 0."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    lengths = rng.lognormal(3.0, 1.2, size=count).astype(np.int64)
+    lengths[rng.integers(0, count, size=count // 10)] = 0
+    return [rng.integers(1, 60000, size=int(n), dtype=np.uint16) for n in lengths]
+
+
+def token_datasets(root: Path, docs: Sequence[Any]) -> dict[str, Path]:
+    """`docs` (uint16 arrays) packed as a blob and as a sharded dataset of shards of 457 records."""
+    import smstore
+
+    smstore.pack_arrays(docs, root / "docs.smst", durable=False)
+    with smstore.ShardedWriter(
+        f"{root / 'sharded'}/", encoding="npy:<u2", shard_records=457, durable=False
+    ) as w:
+        w.extend(d.tobytes() for d in docs)
+    return {"blob": root / "docs.smst", "sharded": root / "sharded"}
+
+
 def run_child(target: Callable[..., None], *args: Any, method: str = "spawn") -> Any:
     """What `target(*args, queue)` puts, run in a child started by `method`; raised if an exception."""
     ctx = multiprocessing.get_context(method)
@@ -601,3 +623,17 @@ def outcome_past_a_fifo(fn: Callable[[], Any], fifo: str | os.PathLike[str], wha
         t.join()
         raise AssertionError(f"{what} blocked on a FIFO")
     return outcome[0]
+
+
+def packed_bins_digest(path: str, options: dict[str, Any], q: Any) -> None:
+    """A spawned child: the hash of every bin's segments and tokens of PackedBins(path, **options)."""
+    import hashlib
+
+    from smstore.read.packing import PackedBins
+
+    bins = PackedBins(path, **options)
+    h = hashlib.sha256()
+    for k in range(len(bins)):
+        h.update(bins.segments(k).tobytes())
+        h.update(bins[k]["tokens"].tobytes())
+    q.put(h.hexdigest())

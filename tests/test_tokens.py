@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from smstore_testlib import token_datasets
+from smstore_testlib import token_documents as documents
 
 import smstore
 from smstore.errors import StoreFormatError
@@ -19,14 +21,6 @@ from smstore.read.tokens import TokenWindows, group_bounds, group_key
 from smstore.sampling.orders import FeistelPermutation
 
 from .smstore_testlib import interleave, run_ranks, whole_order
-
-
-def documents(count: int, seed: int) -> list[np.ndarray]:
-    """Documents of uint16 tokens of skewed lengths, some empty, none containing the eod token 0."""
-    rng = np.random.default_rng(seed)
-    lengths = rng.lognormal(3.0, 1.2, size=count).astype(np.int64)
-    lengths[rng.integers(0, count, size=count // 10)] = 0
-    return [rng.integers(1, 60000, size=int(n), dtype=np.uint16) for n in lengths]
 
 
 def stream(docs: list[np.ndarray], eod: int | None) -> np.ndarray:
@@ -38,12 +32,7 @@ def stream(docs: list[np.ndarray], eod: int | None) -> np.ndarray:
 def token_data(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Path], list[np.ndarray]]:
     root = tmp_path_factory.mktemp("tokens")
     docs = documents(3000, 5)
-    smstore.pack_arrays(docs, root / "docs.smst", durable=False)
-    with smstore.ShardedWriter(
-        f"{root / 'sharded'}/", encoding="npy:<u2", shard_records=457, durable=False
-    ) as w:
-        w.extend(d.tobytes() for d in docs)
-    return {"blob": root / "docs.smst", "sharded": root / "sharded"}, docs
+    return token_datasets(root, docs), docs
 
 
 @pytest.mark.parametrize("kind", ["blob", "sharded"])

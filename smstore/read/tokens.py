@@ -23,7 +23,7 @@ from smstore.errors import StoreFormatError
 from smstore.read.views import portable_source, restored_source
 from smstore.write.pack import numpy_dtype
 
-__all__ = ["TokenWindows"]
+__all__ = ["TokenDocuments", "TokenWindows", "positive_length"]
 
 
 def group_key(seed: int, epoch: int, shard: int, lo: int, hi: int) -> bytes:
@@ -54,7 +54,139 @@ class _Group(NamedTuple):
         return int(self.order[j]), token - (int(self.ends[j - 1]) if j else 0)
 
 
-class TokenWindows:
+def positive_length(length: object, path: str) -> int:
+    """``length`` checked: a positive number of tokens (a sample's, a bin's)."""
+    if not isinstance(length, int) or isinstance(length, bool) or length < 1:
+        msg = f"{path}: length must be a positive number of tokens, not {length!r}"
+        raise ValueError(msg)
+    return length
+
+
+class TokenDocuments:
+    """The documents of tokens of a dataset, each followed by ``eod`` when one is given, read by
+    segments: what :class:`TokenWindows` and :class:`~smstore.PackedBins` sample from.
+
+    A segment ``(document, first, count)`` is ``count`` tokens of a document from token ``first``,
+    where the document's ``eod`` (when there is one) is its token at its length. :meth:`gather`
+    copies segments into a sample: the one place tokens are read.
+
+    Args:
+        source: A blob or sharded dataset of token documents (``npy:<dtype>`` records of
+            integers): its path, a :class:`~smstore.SharedStoreDataset` (read through its store:
+            the daemon's copy, or the files), or an open ``Store`` / ``ShardedStore``.
+        eod: The end-of-document token after every document, or None (the default): none.
+        dtype: The samples' dtype (default int64, as Megatron's).
+
+    Raises:
+        StoreFormatError: The records are not ``npy:`` arrays of integers.
+        ValueError: An ``eod`` that ``dtype`` cannot hold.
+    """
+
+    def __init__(self, source: Any, *, eod: int | None = None, dtype: Any = np.int64) -> None:
+        if isinstance(source, str) or hasattr(source, "__fspath__"):
+            from smstore.read.store import open as open_path
+
+            source = open_path(source, raw=True)
+        self.source = source
+        self.eod = None if eod is None else int(eod)
+        self.dtype = np.dtype(dtype)
+        store = self._store()
+        self.path = str(store.path)
+        self.token_dtype = numpy_dtype(str(store.encoding), self.path)
+        if self.token_dtype.kind not in "iu" or self.dtype.kind not in "iu":
+            msg = f"{self.path}: token windows read integer tokens ({self.token_dtype} records, {self.dtype} samples)"
+            raise StoreFormatError(msg)
+        if self.eod is not None and not np.can_cast(np.min_scalar_type(self.eod), self.dtype):
+            msg = f"eod={self.eod} does not fit the samples' dtype {self.dtype}"
+            raise ValueError(msg)
+        item = self.token_dtype.itemsize
+        per_doc = 0 if self.eod is None else 1
+        # Tokens and records before each shard, from the manifest's sizes (a blob is one shard): no
+        # shard opened, 16 bytes a shard.
+        manifest = getattr(store, "manifest", None)
+        if isinstance(store, _core.ShardedStore) and manifest is not None:
+            n = len(manifest.shards)
+            data = np.fromiter((s.data_bytes for s in manifest.shards), np.int64, n)
+            records = np.fromiter((s.records for s in manifest.shards), np.int64, n)
+        else:
+            data = np.array([int(store.offsets[-1])], dtype=np.int64)
+            records = np.array([len(store)], dtype=np.int64)
+        self._record_starts = np.concatenate(([0], np.cumsum(records)))
+        self._token_starts = np.concatenate(([0], np.cumsum(data // item + per_doc * records)))
+        self.tokens = int(self._token_starts[-1])
+        self.documents = int(self._record_starts[-1])
+
+    def _store(self) -> Any:
+        return getattr(self.source, "store", self.source)
+
+    def _offsets(self, shard: int) -> np.ndarray[Any, Any]:
+        store = self._store()
+        return (store.shard(shard) if isinstance(store, _core.ShardedStore) else store).offsets
+
+    def lengths(self, first: int, stop: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """The tokens of documents ``[first, stop)``, ``eod`` included: from the offsets indexes of
+        the shards that hold them, no record read."""
+        parts = []
+        k = int(np.searchsorted(self._record_starts, first, side="right")) - 1
+        while first < stop:
+            base, end = int(self._record_starts[k]), min(stop, int(self._record_starts[k + 1]))
+            offsets = self._offsets(k)[first - base : end - base + 1].astype(np.int64)
+            parts.append(np.diff(offsets) // self.token_dtype.itemsize)
+            first, k = end, k + 1
+        tokens = np.concatenate(parts) if parts else np.zeros(0, np.int64)
+        return tokens + (0 if self.eod is None else 1)
+
+    def locate(self, token: int) -> tuple[int, int]:
+        """``(document, offset)``: the document holding ``token`` of the stream and the token's
+        place in it (its ``eod`` is at the document's length), by binary searches: of the shards'
+        token counts, then of the shard's offsets index (O(log n) reads, nothing built)."""
+        shard, j, at, _ = self._place(token)
+        return int(self._record_starts[shard]) + j, at
+
+    def _place(self, token: int) -> tuple[int, int, int, memoryview]:
+        """``locate``'s answer as (shard, record in the shard, offset, the shard's offsets as a
+        memoryview: its items read as ints, no numpy scalars)."""
+        if not 0 <= token < self.tokens:
+            msg = f"token {token} is outside a stream of {self.tokens}"
+            raise IndexError(msg)
+        k = int(np.searchsorted(self._token_starts, token, side="right")) - 1
+        offsets = self._offsets(k).data
+        item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
+        t = token - int(self._token_starts[k])
+        # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
+        lo, hi = 0, len(offsets) - 2
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if offsets[mid] // item + per_doc * mid <= t:
+                lo = mid
+            else:
+                hi = mid - 1
+        return k, lo, t - (offsets[lo] // item + per_doc * lo), offsets
+
+    def gather(
+        self, segments: np.ndarray[Any, Any] | list[tuple[int, int, int]], out: np.ndarray[Any, Any]
+    ) -> int:
+        """Copy ``segments`` (rows ``(document, first, count)``) one after another into ``out``;
+        returns the tokens written. The one reader of token segments (a C++ gather can replace it)."""
+        store, at = self._store(), 0
+        rows = segments.tolist() if isinstance(segments, np.ndarray) else segments
+        for doc, first, count in rows:
+            tokens = np.frombuffer(store[doc], dtype=self.token_dtype)
+            take = tokens[first : first + count]
+            out[at : at + take.size] = take
+            if take.size < count:  # the segment ends with the document's eod
+                out[at + take.size] = self.eod
+            at += count
+        return at
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "source": portable_source(self.source)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, source=restored_source(state["source"]))
+
+
+class TokenWindows(TokenDocuments):
     """Samples of ``length + 1`` tokens over the documents of a dataset concatenated.
 
     Sample ``k`` is tokens ``[k * length, (k + 1) * length + 1)`` of the stream of every document
@@ -106,52 +238,16 @@ class TokenWindows:
         epoch: int = 0,
         group: int = 1024,
     ) -> None:
-        if isinstance(source, str) or hasattr(source, "__fspath__"):
-            from smstore.read.store import open as open_path
-
-            source = open_path(source, raw=True)
-        if not isinstance(length, int) or isinstance(length, bool) or length < 1:
-            msg = f"length must be a positive number of tokens, not {length!r}"
-            raise ValueError(msg)
+        super().__init__(source, eod=eod, dtype=dtype)
+        self.length = positive_length(length, self.path)
         if not isinstance(group, int) or isinstance(group, bool) or group < 2:
             msg = f"group must be a number of parts of at least 2, not {group!r}"
             raise ValueError(msg)
-        self.source = source
-        self.length = length
-        self.eod = None if eod is None else int(eod)
-        self.dtype = np.dtype(dtype)
         self.seed = None if seed is None else int(seed)
         self.group = group
         self.epoch = int(epoch)
         self._groups: dict[int, tuple[tuple[int, int, int], _Group]] = {}
-        store = self._store()
-        self.path = str(store.path)
-        self.token_dtype = numpy_dtype(str(store.encoding), self.path)
-        if self.token_dtype.kind not in "iu" or self.dtype.kind not in "iu":
-            msg = f"{self.path}: token windows read integer tokens ({self.token_dtype} records, {self.dtype} samples)"
-            raise StoreFormatError(msg)
-        if self.eod is not None and not np.can_cast(np.min_scalar_type(self.eod), self.dtype):
-            msg = f"eod={self.eod} does not fit the samples' dtype {self.dtype}"
-            raise ValueError(msg)
-        item = self.token_dtype.itemsize
-        per_doc = 0 if self.eod is None else 1
-        # Tokens and records before each shard, from the manifest's sizes (a blob is one shard): no
-        # shard opened, 16 bytes a shard.
-        manifest = getattr(store, "manifest", None)
-        if isinstance(store, _core.ShardedStore) and manifest is not None:
-            n = len(manifest.shards)
-            data = np.fromiter((s.data_bytes for s in manifest.shards), np.int64, n)
-            records = np.fromiter((s.records for s in manifest.shards), np.int64, n)
-        else:
-            data = np.array([int(store.offsets[-1])], dtype=np.int64)
-            records = np.array([len(store)], dtype=np.int64)
-        self._record_starts = np.concatenate(([0], np.cumsum(records)))
-        self._token_starts = np.concatenate(([0], np.cumsum(data // item + per_doc * records)))
-        self.tokens = int(self._token_starts[-1])
         self._len = max(0, (self.tokens - 1) // length)
-
-    def _store(self) -> Any:
-        return getattr(self.source, "store", self.source)
 
     def __len__(self) -> int:
         return self._len
@@ -168,28 +264,12 @@ class TokenWindows:
 
         In stored order: binary searches of the shards' token counts, then of the shard's offsets
         index (O(log n) reads, nothing built). Shuffled: the descent of the class's docstring."""
+        if self.seed is None:
+            return super().locate(token)
         if not 0 <= token < self.tokens:
             msg = f"token {token} is outside a stream of {self.tokens}"
             raise IndexError(msg)
-        if self.seed is not None:
-            return self._locate_shuffled(token)
-        k = int(np.searchsorted(self._token_starts, token, side="right")) - 1
-        offsets = self._offsets(k)
-        item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
-        t = token - int(self._token_starts[k])
-        # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
-        lo, hi = 0, len(offsets) - 2
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if int(offsets[mid]) // item + per_doc * mid <= t:
-                lo = mid
-            else:
-                hi = mid - 1
-        return int(self._record_starts[k]) + lo, t - (int(offsets[lo]) // item + per_doc * lo)
-
-    def _offsets(self, shard: int) -> np.ndarray[Any, Any]:
-        store = self._store()
-        return (store.shard(shard) if isinstance(store, _core.ShardedStore) else store).offsets
+        return self._locate_shuffled(token)
 
     def _locate_shuffled(self, token: int) -> tuple[int, int]:
         shard, t = self._group_of(0, -1, 0, len(self._token_starts) - 1).find(token)
@@ -229,29 +309,50 @@ class TokenWindows:
         self._groups[level] = ((shard, lo, hi), group)
         return group
 
-    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
-        """Sample ``index``: ``length + 1`` tokens, a new array."""
+    def segments(self, index: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+        """Sample ``index``'s segments ``(document, first, count)``, int64 rows, in order."""
+        return np.array(self._rows(index), dtype=np.int64).reshape(-1, 3)
+
+    def _rows(self, index: int) -> list[tuple[int, int, int]]:
         k = int(index)
         if k < 0:
             k += self._len
         if not 0 <= k < self._len:
             msg = f"sample {index} out of range for {self._len} token windows of {self.path}"
             raise IndexError(msg)
+        if self.seed is not None:
+            return self._shuffled_rows(k)
+        shard, j, at, offsets = self._place(k * self.length)
+        doc, rows, left = int(self._record_starts[shard]) + j, [], self.length + 1
+        end = int(self._record_starts[shard + 1])
+        item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
+        while left:
+            while doc == end:
+                shard += 1
+                offsets, end = self._offsets(shard).data, int(self._record_starts[shard + 1])
+            j = doc - int(self._record_starts[shard])
+            count = min(left, (offsets[j + 1] - offsets[j]) // item + per_doc - at)
+            if count:
+                rows.append((doc, at, count))
+            left, doc, at = left - count, doc + 1, 0
+        return rows
+
+    def _shuffled_rows(self, k: int) -> list[tuple[int, int, int]]:
+        """Window ``k``'s segments in a shuffled epoch: each next document is the shuffled
+        stream's at the next token (``locate``), its length from the offsets."""
+        rows, filled, size = [], 0, self.length + 1
+        while filled < size:
+            doc, at = self._locate_shuffled(k * self.length + filled)
+            count = min(size - filled, int(self.lengths(doc, doc + 1)[0]) - at)
+            rows.append((doc, at, count))
+            filled += count
+        return rows
+
+    def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
+        """Sample ``index``: ``length + 1`` tokens, a new array."""
         out = np.empty(self.length + 1, dtype=self.dtype)
-        doc, at = self.locate(k * self.length)
-        store, filled = self._store(), 0
-        while True:
-            tokens = np.frombuffer(store[doc], dtype=self.token_dtype)
-            take = tokens[at : at + out.size - filled]
-            out[filled : filled + take.size] = take
-            filled += take.size
-            if filled < out.size and self.eod is not None:
-                out[filled] = self.eod
-                filled += 1
-            if filled == out.size:
-                return out
-            # The next document: the next stored one, or the shuffled stream's at the next token.
-            doc, at = (doc + 1, 0) if self.seed is None else self.locate(k * self.length + filled)
+        self.gather(self._rows(index), out)
+        return out
 
     def __getitems__(self, indices: Sequence[int]) -> list[np.ndarray[Any, Any]]:
         return [self[i] for i in indices]
@@ -261,10 +362,7 @@ class TokenWindows:
             yield self[k]
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "source": portable_source(self.source), "_groups": {}}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, source=restored_source(state["source"]))
+        return {**super().__getstate__(), "_groups": {}}
 
     def __repr__(self) -> str:
         eod = "" if self.eod is None else f", eod={self.eod}"

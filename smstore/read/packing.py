@@ -1,0 +1,261 @@
+"""Packed bins: documents of tokens packed best-fit into samples of ``length`` tokens, in bounded memory.
+
+Pretraining on documents without crossing their boundaries packs them into bins of ``length``
+tokens, attention kept within each document by ``cu_seqlens`` / ``position_ids``. Here the
+documents are cut into consecutive groups of ``group`` documents, and each group is packed on its
+own (best-fit over a buffer of at most ``open_bins`` open bins), so bin ``k``'s contents are found
+by packing its group only: never a pass with the whole dataset in memory, and the same bins in
+every process (a function of the data, ``length``, the options and ``seed``).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import OrderedDict
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Any
+
+import numpy as np
+
+from smstore.read.tokens import TokenDocuments, positive_length
+
+__all__ = ["ALGORITHMS", "CLOSES", "PackedBins", "pack_lengths"]
+
+ALGORITHMS = ("best-fit", "first-fit")
+CLOSES = ("fullest", "oldest")
+
+Int64s = np.ndarray[Any, np.dtype[np.int64]]
+
+
+def pack_lengths(
+    lengths: Sequence[int] | Int64s,
+    length: int,
+    *,
+    open_bins: int = 16,
+    algorithm: str = "best-fit",
+    close: str = "fullest",
+) -> tuple[Int64s, Int64s]:
+    """Pack documents of ``lengths`` tokens, in the order given, into bins of ``length`` tokens.
+
+    A document longer than a bin is split: its first ``length``-token pieces are whole bins of
+    their own, its rest is packed as a document. Each piece goes into an open bin with room for it,
+    the fullest that has (``"best-fit"``) or the oldest (``"first-fit"``); when none has, a new
+    bin opens, and when more than ``open_bins`` are open the fullest is closed (``close="fullest"``,
+    the default) or the oldest (``"oldest"``: a FIFO buffer, for comparison). Memory is
+    O(documents + open_bins), whatever the bins hold.
+
+    Returns:
+        ``(segments, starts)``: int64 rows ``(position, first, count)`` (``position`` in
+        ``lengths``), bin ``b``'s rows being ``segments[starts[b]:starts[b + 1]]``, bins in the
+        order they were opened.
+    """
+    if algorithm not in ALGORITHMS:
+        msg = f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}"
+        raise ValueError(msg)
+    if close not in CLOSES:
+        msg = f"close must be one of {CLOSES}, not {close!r}"
+        raise ValueError(msg)
+    if open_bins < 1:
+        msg = f"open_bins must be at least 1, not {open_bins!r}"
+        raise ValueError(msg)
+    best, oldest = algorithm == "best-fit", itemgetter(1)
+    bins: list[list[tuple[int, int, int]]] = []
+    # The open bins as (free tokens, place in `bins`), sorted: the fullest first, the oldest first
+    # among equals; so the best fit is one bisection away.
+    open_: list[tuple[int, int]] = []
+    for doc, n in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
+        first = 0
+        while n - first >= length:
+            bins.append([(doc, first, length)])
+            first += length
+        piece = n - first
+        if not piece:
+            continue
+        i = bisect.bisect_left(open_, (piece, -1))
+        if i < len(open_):
+            room, b = open_.pop(i) if best else open_.pop(open_.index(min(open_[i:], key=oldest), i))
+        else:
+            if len(open_) == open_bins:
+                del open_[0 if close == "fullest" else open_.index(min(open_, key=oldest))]
+            room, b = length, len(bins)
+            bins.append([])
+        bins[b].append((doc, first, piece))
+        bisect.insort(open_, (room - piece, b))
+    starts = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in bins], out=starts[1:])
+    segments = np.array([s for b in bins for s in b], dtype=np.int64).reshape(-1, 3)
+    return segments, starts
+
+
+class PackedBins(TokenDocuments):
+    """Samples of at most ``length`` tokens, each whole documents (or pieces of long ones) packed together.
+
+    The documents (records, each followed by ``eod`` when one is given) are taken in groups of
+    ``group`` consecutive documents (shuffled within the group by ``seed`` when one is given), and
+    each group is packed by :func:`pack_lengths` (best-fit, at most ``open_bins`` bins open): a
+    document longer than ``length`` is split into ``length``-token pieces, as Megatron's and
+    Grain's packing split them, each piece its own sequence. Bin ``k`` belongs to one group, so it
+    is found by packing that group alone; the last ``cache_groups`` groups' packings are kept.
+
+    **Memory.** Packing a group holds O(``group`` + ``open_bins``) rows; the object keeps one
+    int64 per group (the bins before it) and the cached groups' segments: never the dataset.
+    Construction packs every group once to count its bins (the documents' lengths from the
+    offsets indexes, no token read), O(documents) time in bounded memory.
+
+    **Order.** A map-style dataset: ``len(bins)`` bins, so any sampler shuffles them, with
+    :class:`~smstore.GlobalShuffleSampler`'s exact resumable order at any world size. Bins in
+    random order each repack their group (unless ``cache_groups`` holds them all);
+    ``WindowedShuffleSampler(bins.group_sizes, window=w)`` with ``cache_groups > w`` shuffles
+    bins within windows of ``w`` random groups and packs each group once per epoch.
+
+    A bin (``bins[k]``) is a dict: ``tokens`` (``length`` of ``dtype``, the tail filled with
+    ``pad``; or just the bin's tokens when ``pad`` is None), ``cu_seqlens`` (int32, FlashAttention
+    varlen's ``[0, end of sequence 1, ...]`` over the bin's real tokens), ``position_ids`` (int64,
+    from 0 at each sequence, 0 on padding) and ``segments`` (:meth:`segments`).
+
+    Args:
+        source: A blob or sharded dataset of token documents (as :class:`~smstore.TokenWindows`).
+        length: Tokens a bin holds at most.
+        eod: The end-of-document token after every document, or None (the default): none.
+        pad: The token filling a bin to ``length`` (default 0), or None: bins not padded.
+        dtype: The tokens' dtype (default int64).
+        group: Documents packed together (default 4096).
+        open_bins: Bins open at once while packing a group (default 16).
+        algorithm: ``"best-fit"`` (the default) or ``"first-fit"``.
+        seed: Shuffles the documents within each group (None, the default: stored order).
+        cache_groups: Packed groups kept (default 4).
+
+    Raises:
+        StoreFormatError: The records are not ``npy:`` arrays of integers.
+        ValueError: ``length`` below 1, a bad option, or ``eod`` / ``pad`` that ``dtype`` cannot hold.
+    """
+
+    def __init__(
+        self,
+        source: Any,
+        length: int,
+        *,
+        eod: int | None = None,
+        pad: int | None = 0,
+        dtype: Any = np.int64,
+        group: int = 4096,
+        open_bins: int = 16,
+        algorithm: str = "best-fit",
+        seed: int | None = None,
+        cache_groups: int = 4,
+    ) -> None:
+        super().__init__(source, eod=eod, dtype=dtype)
+        self.length = positive_length(length, self.path)
+        for name, value in (("group", group), ("open_bins", open_bins), ("cache_groups", cache_groups)):
+            if not isinstance(value, int) or value < 1:
+                msg = f"{self.path}: {name} must be a positive integer, not {value!r}"
+                raise ValueError(msg)
+        if pad is not None and not np.can_cast(np.min_scalar_type(int(pad)), self.dtype):
+            msg = f"pad={pad} does not fit the bins' dtype {self.dtype}"
+            raise ValueError(msg)
+        self.pad = None if pad is None else int(pad)
+        self.group, self.open_bins, self.algorithm = group, open_bins, algorithm
+        self.seed, self.cache_groups = seed, cache_groups
+        self._cache: OrderedDict[int, tuple[Int64s, Int64s]] = OrderedDict()
+        groups = -(-self.documents // group)
+        sizes = [len(self._packed(g, keep=False)[1]) - 1 for g in range(groups)]
+        self.group_sizes = tuple(sizes)
+        self._bin_starts = [0]
+        for size in sizes:
+            self._bin_starts.append(self._bin_starts[-1] + size)
+
+    def _packed(self, g: int, *, keep: bool = True) -> tuple[Int64s, Int64s]:
+        """Group ``g`` packed: its bins' segments (documents numbered in the dataset) and starts."""
+        if g in self._cache:
+            self._cache.move_to_end(g)
+            return self._cache[g]
+        first = g * self.group
+        stop = min(first + self.group, self.documents)
+        order = np.arange(first, stop, dtype=np.int64)
+        if self.seed is not None:
+            order = first + np.random.default_rng([self.seed, g]).permutation(stop - first)
+        lengths = self.lengths(first, stop)[order - first]
+        segments, starts = pack_lengths(
+            lengths, self.length, open_bins=self.open_bins, algorithm=self.algorithm
+        )
+        segments[:, 0] = order[segments[:, 0]]
+        if keep:
+            self._cache[g] = (segments, starts)
+            while len(self._cache) > self.cache_groups:
+                self._cache.popitem(last=False)
+        return segments, starts
+
+    def __len__(self) -> int:
+        return self._bin_starts[-1]
+
+    def segments(self, index: int) -> Int64s:
+        """Bin ``index``'s segments: int64 rows ``(document, first, count)``, in the bin's order
+        (a document's ``eod`` is its token at its length): what a gather of tokens reads."""
+        k = int(index)
+        if k < 0:
+            k += len(self)
+        if not 0 <= k < len(self):
+            msg = f"bin {index} out of range for {len(self)} packed bins of {self.path}"
+            raise IndexError(msg)
+        g = bisect.bisect_right(self._bin_starts, k) - 1
+        segments, starts = self._packed(g)
+        b = k - self._bin_starts[g]
+        rows: Int64s = segments[int(starts[b]) : int(starts[b + 1])].copy()
+        return rows
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
+        """Bin ``index``: ``tokens``, ``cu_seqlens``, ``position_ids`` and ``segments``, new arrays."""
+        segments = self.segments(index)
+        counts = segments[:, 2]
+        used = int(counts.sum())
+        size = used if self.pad is None else self.length
+        tokens = np.full(size, 0 if self.pad is None else self.pad, dtype=self.dtype)
+        self.gather(segments, tokens)
+        cu_seqlens = np.zeros(len(counts) + 1, dtype=np.int32)
+        np.cumsum(counts, out=cu_seqlens[1:])
+        position_ids = np.zeros(size, dtype=np.int64)
+        position_ids[:used] = np.arange(used) - np.repeat(cu_seqlens[:-1], counts)
+        return {
+            "tokens": tokens,
+            "cu_seqlens": cu_seqlens,
+            "position_ids": position_ids,
+            "segments": segments,
+        }
+
+    def __getitems__(self, indices: Sequence[int]) -> list[dict[str, np.ndarray[Any, Any]]]:
+        return [self[i] for i in indices]
+
+    @staticmethod
+    def collate(batch: Sequence[dict[str, np.ndarray[Any, Any]]]) -> dict[str, np.ndarray[Any, Any]]:
+        """Padded bins as one batch (a DataLoader's ``collate_fn``; wrap in ``torch.from_numpy``):
+        ``tokens`` and ``position_ids`` stacked ``[B, length]``, ``cu_seqlens`` (int32) over the
+        ``B * length`` tokens flattened, each bin's padding a sequence of its own so that the
+        sequences cover the batch (FlashAttention varlen), and ``segments`` with the bin's row in
+        the batch first: ``(row, document, first, count)``."""
+        sizes = {len(b["tokens"]) for b in batch}
+        if len(sizes) != 1:
+            msg = f"bins of {sorted(sizes)} tokens do not stack: make PackedBins with a pad token"
+            raise ValueError(msg)
+        length, cu = sizes.pop(), [np.zeros(1, dtype=np.int64)]
+        for row, b in enumerate(batch):
+            ends = b["cu_seqlens"][1:].astype(np.int64)
+            cu.append(row * length + (ends if ends[-1] == length else np.append(ends, length)))
+        return {
+            "tokens": np.stack([b["tokens"] for b in batch]),
+            "position_ids": np.stack([b["position_ids"] for b in batch]),
+            "cu_seqlens": np.concatenate(cu).astype(np.int32),
+            "segments": np.concatenate(
+                [
+                    np.column_stack([np.full(len(b["segments"]), row), b["segments"]])
+                    for row, b in enumerate(batch)
+                ]
+            ),
+        }
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_cache": OrderedDict()}
+
+    def __repr__(self) -> str:
+        eod = "" if self.eod is None else f", eod={self.eod}"
+        return f"PackedBins({self.path!r}, length={self.length}{eod}, bins={len(self)}, {self.algorithm})"
