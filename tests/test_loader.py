@@ -860,3 +860,132 @@ def test_a_sampler_that_closes_the_loader_mid_draw_is_refused_not_a_crash(
     )
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "loader is closed" in r.stdout, r.stdout
+
+
+# -- token windows ----------------------------------------------------------------------------
+
+
+def token_stream(eod: int | None) -> np.ndarray:
+    """The documents of the u2 stores concatenated, each followed by eod when given."""
+    tail = [] if eod is None else [eod]
+    return np.concatenate([np.r_[record(i), tail].astype(np.int64) for i in range(N)])
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
+@pytest.mark.parametrize(("length", "eod"), [(1, None), (7, 65001), (40, None), (300, 0)])
+@pytest.mark.parametrize("data", DATA)
+def test_token_windows_are_the_dataloaders_batches(
+    stores: dict[str, Path], data: str, length: int, eod: int | None, dtype: Any, threads: int
+) -> None:
+    windows = smstore.TokenWindows(stores[data], length, eod=eod, dtype=dtype)
+    sampler = GlobalShuffleSampler(len(windows), seed=4, rank=0, world_size=1)
+    expected = list(DataLoader(windows, batch_size=5, sampler=sampler))  # the default collate
+    with Loader(windows, sampler=sampler, batch_size=5, threads=threads) as loader:
+        got = list(loader)
+    assert len(got) == len(expected) == len(loader)
+    whole, order = token_stream(eod), list(sampler)
+    for n, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert list(g) == ["tokens", "indices"]
+        assert g["tokens"].dtype == e.dtype
+        assert g["tokens"].shape == e.shape
+        assert g["tokens"].numpy().tobytes() == e.numpy().tobytes()
+        assert g["indices"].tolist() == order[n * 5 : n * 5 + 5]
+        # And against the stream itself (not TokenWindows' own reads).
+        for row, k in zip(g["tokens"].numpy(), g["indices"].tolist(), strict=True):
+            assert np.array_equal(row, whole[k * length : k * length + length + 1].astype(dtype))
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_token_windows_locate_is_the_cores_rule(stores: dict[str, Path], data: str) -> None:
+    # TokenWindows.locate and the Loader's threads share one rule (_core.locate_in_shard): check
+    # it against the stream's own document boundaries, for every token, with and without eod.
+    for eod in (None, 5):
+        windows = smstore.TokenWindows(stores[data], 7, eod=eod)
+        per_doc = 0 if eod is None else 1
+        starts = np.cumsum([0] + [len(record(i)) + per_doc for i in range(N)])
+        for t in range(windows.tokens):
+            doc = int(np.searchsorted(starts, t, side="right")) - 1
+            assert windows.locate(t) == (doc, t - int(starts[doc])), t
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8), (1, 3)])
+@pytest.mark.parametrize("data", DATA)
+def test_token_windows_resume_at_another_world_size(
+    stores: dict[str, Path], data: str, world_before: int, world_after: int
+) -> None:
+    windows = smstore.TokenWindows(stores[data], 9, eod=0)
+
+    def make(rank: int, world: int) -> Any:
+        return GlobalShuffleSampler(len(windows), seed=2, rank=rank, world_size=world)
+
+    b, k = 3, 4
+    order = flat_indices(list(Loader(windows, sampler=make(0, 1), batch_size=b)))
+    states, first = [], []
+    for rank in range(world_before):
+        with Loader(windows, sampler=make(rank, world_before), batch_size=b) as loader:
+            it = iter(loader)
+            first.append(flat_indices([next(it) for _ in range(k)]))
+            states.append(loader.state_dict())
+    assert states[0]["consumed"] == k * b * world_before
+    rest = []
+    for rank in range(world_after):
+        with Loader(windows, sampler=make(rank, world_after), batch_size=b) as loader:
+            loader.load_state_dict(states[0])
+            rest.append(flat_indices(list(loader)))
+    seen = [x for step in zip(*first, strict=True) for x in step]
+    seen += [x for step in zip(*rest, strict=True) for x in step]
+    assert seen[: len(order)] == order
+    assert len(seen) - len(order) < world_after
+
+
+def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_path: Path) -> None:
+    windows = smstore.TokenWindows(stores["u2-sharded"], 16)
+    n = len(windows)
+    with (
+        Loader(windows, sampler=[0, n], batch_size=2) as loader,
+        pytest.raises(
+            smstore.RecordIndexError, match=r"u2-sharded.*the sampler gave record index \d+, out of range"
+        ),
+    ):
+        list(loader)
+    with pytest.raises(TypeError, match="no collate"):
+        Loader(windows, dtype=torch.long)
+    # Windows made over other data than the store now holds: refused at once, or named per batch.
+    other = smstore.TokenWindows(stores["u2"], 16)
+    other._record_starts = [0, N + 1]
+    with pytest.raises(
+        smstore.StoreFormatError, match=r"u2\.smst: the token windows were made over 241 records"
+    ):
+        list(Loader(other, batch_size=2))
+    longer = smstore.TokenWindows(stores["u2"], 16)
+    longer._token_starts = [0, longer.tokens + 1000]  # as if the blob had more tokens
+    with (
+        Loader(longer, sampler=[len(longer) + 50], batch_size=1) as loader,
+        pytest.raises(smstore.StoreFormatError, match=r"u2\.smst: document \d+ .*made over other data"),
+    ):
+        list(loader)
+    # Records that are not whole tokens (an odd number of bytes under npy:<u2>).
+    odd = tmp_path / "odd.smst"
+    w = smstore._core.Writer(str(odd), False)
+    w.extend([b"\x01\x00", b"\x01\x00\x02\x00\x03"])
+    w.finish(build_metadata("npy:<u2"))
+    with (
+        Loader(smstore.TokenWindows(odd, 1), sampler=[1], batch_size=1) as loader,
+        pytest.raises(
+            smstore.StoreFormatError,
+            match=r"odd\.smst: record 1 of 5 bytes is not a whole number of 2-byte tokens",
+        ),
+    ):
+        list(loader)
+
+
+def test_token_windows_close_and_new_pass(stores: dict[str, Path]) -> None:
+    windows = smstore.TokenWindows(stores["u2-sharded"], 11, eod=1)
+    loader = Loader(windows, batch_size=4, threads=2)
+    first = next(iter(loader))
+    again = next(iter(loader))  # a new pass starts over
+    assert torch.equal(first["tokens"], again["tokens"])
+    loader.close()
+    assert torch.equal(first["tokens"], torch.from_numpy(np.stack([windows[k] for k in range(4)])))
+    assert "TokenWindows" in repr(loader)

@@ -2,6 +2,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -100,14 +101,16 @@ std::pair<uint64_t, std::string> size_and_label(py::handle store) {
 }
 
 py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
+    if (spec.windows) throw py::value_error("collate_batch batches records: token windows go through a Batcher");
     std::vector<uint64_t> idx = normalize_indices(indices, size_and_label(store).first);  // may run Python code
     std::shared_ptr<const Records> keep = records_of(store, idx);
     ReadyBatch ready;
     {
         py::gil_scoped_release release;
-        ready.layout = plan_batch(*keep, spec, idx.data(), idx.size());
+        std::vector<Segment> none;
+        ready.layout = plan_batch(*keep, spec, idx.data(), idx.size(), none);
         ready.block = std::make_shared<Block>(ready.layout.bytes, pinned);
-        fill_batch(*keep, spec, idx.data(), idx.size(), ready.layout, ready.block->data());
+        fill_batch(*keep, spec, idx.data(), idx.size(), ready.layout, none, ready.block->data());
     }
     return batch_arrays(spec, ready, BatchDtypes(spec));
 }
@@ -120,6 +123,7 @@ public:
     PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
         : spec_(spec), store_(py::reinterpret_borrow<py::object>(store)) {
         std::tie(count_, label_) = size_and_label(store);
+        if (spec.windows) count_ = checked_stream(store, *spec.windows, count_, label_);
         if (!is_sharded(store.ptr())) records_ = records_of(store, {});
         batcher_ = std::make_shared<Batcher>(label_, spec, threads, depth, pinned);
     }
@@ -264,7 +268,34 @@ private:
 
     // What batches of `indices` read: for a ShardedStore, after opening the shards they lie in.
     std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
-        return records_ ? records_ : records_of(store_, indices);
+        if (records_) return records_;
+        if (!spec_.windows) return records_of(store_, indices);
+        // Token windows: the first document of every shard a window's tokens lie in (a window
+        // may cross from one shard into the next ones).
+        const TokenStream& stream = *spec_.windows;
+        std::vector<uint64_t> documents;
+        size_t last = SIZE_MAX;
+        for (uint64_t w : indices) {
+            size_t from = stream.shard_of(w * stream.length), to = stream.shard_of(w * stream.length + stream.length);
+            for (size_t k = from == last ? from + 1 : from; k <= to; ++k)
+                documents.push_back(stream.record_starts[k]);
+            last = to;
+        }
+        return records_of(store_, documents);
+    }
+
+    // The windows of `stream` over `store` (`records` records), checked against the store.
+    static uint64_t checked_stream(py::handle store, const TokenStream& stream, uint64_t records,
+                                   const std::string& label) {
+        size_t shards = is_sharded(store.ptr()) ? py_sharded_from(store.ptr())->shard_count() : 1;
+        if (stream.record_starts.size() != shards + 1 || stream.record_starts.back() != records) {
+            throw Error(Error::Kind::Format, label + ": the token windows were made over " +
+                                                 std::to_string(stream.record_starts.back()) + " records in " +
+                                                 std::to_string(stream.record_starts.size() - 1) +
+                                                 " shards, this store has " + std::to_string(records) + " in " +
+                                                 std::to_string(shards) + ": make them again over it");
+        }
+        return stream.windows();
     }
 
     void check_index(Py_ssize_t value) const {
@@ -320,8 +351,53 @@ void register_loader(py::module_& m) {
              }),
              py::kw_only(), py::arg("pack"), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("pad_value") = 0,
              py::arg("max_length") = py::none(), py::arg("truncate_left") = false, py::arg("pad_left") = false,
-             py::arg("fixed_length") = false, py::arg("multiple") = 1, py::arg("with_indices") = false);
+             py::arg("fixed_length") = false, py::arg("multiple") = 1, py::arg("with_indices") = false)
+        .def_static(
+            "windows",
+            [](const std::string& in_dtype, const std::string& out_dtype, uint64_t length, std::optional<int64_t> eod,
+               std::vector<uint64_t> token_starts, std::vector<uint64_t> record_starts) {
+                CollateSpec s;
+                s.in = parse_dtype(in_dtype);
+                s.out = parse_dtype(out_dtype);
+                if (is_float(s.in) || is_float(s.out)) throw py::value_error("token windows are integers");
+                if (length == 0) throw py::value_error("length must be >= 1");
+                bool sorted = std::is_sorted(token_starts.begin(), token_starts.end()) &&
+                              std::is_sorted(record_starts.begin(), record_starts.end());
+                if (token_starts.size() < 2 || token_starts.size() != record_starts.size() || !sorted ||
+                    token_starts[0] != 0 || record_starts[0] != 0) {
+                    throw py::value_error(
+                        "token_starts and record_starts: one entry per shard and one more, from 0, "
+                        "never decreasing");
+                }
+                auto stream = std::make_shared<TokenStream>();
+                stream->token_starts = std::move(token_starts);
+                stream->record_starts = std::move(record_starts);
+                stream->item = dtype_size(s.in);
+                stream->length = length;
+                stream->has_eod = eod.has_value();
+                stream->eod = eod.value_or(0);
+                s.windows = std::move(stream);
+                s.with_indices = true;
+                return s;
+            },
+            py::kw_only(), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("length"), py::arg("eod"),
+            py::arg("token_starts"), py::arg("record_starts"),
+            "Token windows of `length` + 1 tokens over a stream of documents (TokenWindows): per shard, the "
+            "stream positions and records it starts at, and one more entry for the end.");
 
+    m.def(
+        "locate_in_shard",
+        [](const py::array_t<uint64_t, py::array::c_style>& offsets, uint64_t item, uint64_t per_doc, uint64_t t) {
+            if (offsets.ndim() != 1 || offsets.size() < 2 || item == 0) {
+                throw py::value_error("offsets must be a shard's offsets index (1-D, 2 or more) and item >= 1");
+            }
+            DocumentAt at =
+                locate_in_shard(offsets.data(), static_cast<uint64_t>(offsets.size()) - 1, item, per_doc, t);
+            return py::make_tuple(at.record, at.offset);
+        },
+        py::arg("offsets"), py::arg("item"), py::arg("per_doc"), py::arg("token"),
+        "(record, offset): where token t of a shard's stream lies (each record's tokens, then per_doc eod "
+        "tokens), by a binary search of its offsets index: the one rule of TokenWindows and the Loader.");
     m.def("collate_batch", &collate_batch, py::arg("spec"), py::arg("store"), py::arg("indices"),
           py::arg("pinned") = false,
           "One TokenCollator batch of `store`'s records at `indices`, gathered with the GIL released: "

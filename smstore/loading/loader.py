@@ -121,7 +121,13 @@ class Loader:
         pin_memory: bool = False,
         **collate_options: Any,
     ) -> None:
-        if collate is None:
+        tokens = sys.modules.get("smstore.read.tokens")  # not loaded: source is no TokenWindows
+        windows = source if tokens is not None and isinstance(source, tokens.TokenWindows) else None
+        if windows is not None:
+            if collate is not None or collate_options:
+                msg = f"{windows!r} gives its samples as they are: pass no collate= or TokenCollator options"
+                raise TypeError(msg)
+        elif collate is None:
             if source is None:
                 msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
                 raise TypeError(msg)
@@ -137,17 +143,25 @@ class Loader:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 msg = f"{name} must be an integer >= {least}, not {value!r}"
                 raise ValueError(msg)
-        spec, store = collate.batch_spec(), collate.store
-        if spec is None:
-            msg = (
-                f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
-                f"{collate.dtype}, store {type(collate.store).__name__}): it reads integer or float records "
-                "into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
-            )
-            raise ValueError(msg)
+        if windows is not None:
+            spec, store, count = windows.batch_spec(), windows._store(), len(windows)
+            if spec is None:
+                msg = f"smstore.Loader cannot batch {windows!r} (tokens not in native byte order): use a DataLoader"
+                raise ValueError(msg)
+        else:
+            assert collate is not None
+            spec, store, count = collate.batch_spec(), collate.store, len(collate)
+            if spec is None:
+                msg = (
+                    f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
+                    f"{collate.dtype}, store {type(collate.store).__name__}): it reads integer or float records "
+                    "into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
+                )
+                raise ValueError(msg)
         self.collate = collate
+        self.windows = windows
         self.store = store
-        self.sampler: Iterable[int] = sampler if sampler is not None else range(len(collate))
+        self.sampler: Iterable[int] = sampler if sampler is not None else range(count)
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.depth = depth
@@ -195,7 +209,9 @@ class Loader:
         # The per-batch work on the loop's thread is kept to a few operations: batches are queued
         # in chunks (the index count kept here, not asked of C++ per batch), and each is turned
         # into tensors inline (what batch_tensors does).
-        from_numpy, pack = torch.from_numpy, self.collate.layout == "pack"
+        from_numpy = torch.from_numpy
+        pack = self.collate is not None and self.collate.layout == "pack"
+        windows = self.windows is not None  # {"tokens", "indices"}: the windows' default collate
         pid, chunk, depth, size = self._pid, max(self.depth, 8), self.depth, self.batch_size
         drop_last, copy_to_pinned = self.drop_last, self._copy_to_pinned
         take = batcher.next
@@ -215,7 +231,8 @@ class Loader:
                 batch = {"tokens": from_numpy(tokens)}
                 if pack:
                     batch["cu_seqlens"] = from_numpy(cu_seqlens)
-                batch["lengths"] = from_numpy(lengths)
+                if not windows:
+                    batch["lengths"] = from_numpy(lengths)
                 if ids is not None:
                     batch["indices"] = from_numpy(ids)
                 if copy_to_pinned:
@@ -309,7 +326,7 @@ class Loader:
 
     def __repr__(self) -> str:
         return (
-            f"Loader({self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
+            f"Loader({self.windows or self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
             f"threads={self.threads}, pinned={self._pinned})"
         )
 

@@ -102,16 +102,24 @@ class TokenWindows:
         store = self._store()
         offsets = (store.shard(k) if isinstance(store, _core.ShardedStore) else store).offsets
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
-        t = token - self._token_starts[k]
-        # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
-        lo, hi = 0, len(offsets) - 2
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if int(offsets[mid]) // item + per_doc * mid <= t:
-                lo = mid
-            else:
-                hi = mid - 1
-        return self._record_starts[k] + lo, t - (int(offsets[lo]) // item + per_doc * lo)
+        # The last record j whose first token is at or before t: the core's one rule, which
+        # smstore.Loader's threads apply too.
+        j, at = _core.locate_in_shard(offsets, item, per_doc, token - self._token_starts[k])
+        return self._record_starts[k] + j, at
+
+    def batch_spec(self) -> _core.BatchSpec | None:
+        """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options;
+        None for tokens or samples in a byte order not this machine's."""
+        if not (self.token_dtype.isnative and self.dtype.isnative):
+            return None
+        return _core.BatchSpec.windows(
+            in_dtype=f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
+            out_dtype=f"{self.dtype.kind}{self.dtype.itemsize}",
+            length=self.length,
+            eod=self.eod,
+            token_starts=self._token_starts,
+            record_starts=self._record_starts,
+        )
 
     def __getitem__(self, index: int) -> np.ndarray[Any, Any]:
         """Sample ``index``: ``length + 1`` tokens, a new array."""
