@@ -32,6 +32,35 @@ Records::Records(std::shared_ptr<const ShardIndex> index, std::vector<std::share
     }
 }
 
+namespace {
+
+std::shared_ptr<const ShardIndex> concatenated(const std::vector<std::shared_ptr<const Records>>& parts) {
+    std::vector<uint64_t> starts{0};
+    for (const auto& part : parts) {
+        const uint64_t base = starts.back();
+        if (!part->sharded()) {
+            starts.push_back(base + part->size());
+            continue;
+        }
+        const std::vector<uint64_t>& own = part->index().starts();
+        for (size_t k = 1; k < own.size(); ++k)
+            starts.push_back(base + own[k]);
+    }
+    return std::make_shared<const ShardIndex>(std::move(starts));
+}
+
+}  // namespace
+
+Records::Records(const std::vector<std::shared_ptr<const Records>>& parts, std::string label)
+    : index_(concatenated(parts)), size_(index_->size()), label_(std::move(label)) {
+    for (const auto& part : parts) {
+        stores_.insert(stores_.end(), part->stores_.begin(), part->stores_.end());
+        offsets_.insert(offsets_.end(), part->offsets_.begin(), part->offsets_.end());
+        data_.insert(data_.end(), part->data_.begin(), part->data_.end());
+        data_size_.insert(data_size_.end(), part->data_size_.begin(), part->data_size_.end());
+    }
+}
+
 const Store& Records::open_shard(size_t k, uint64_t i) const {
     if (!stores_[k]) {
         throw Error(Error::Kind::Closed, label_ + ": record " + std::to_string(i) + " is in shard " +

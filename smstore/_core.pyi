@@ -307,7 +307,12 @@ def pinned_blocks_available() -> bool: ...
 
 class Batcher:
     def __init__(
-        self, store: Store | ShardedStore, spec: BatchSpec, threads: int, depth: int, pinned: bool = False
+        self,
+        store: Store | ShardedStore | list[Store | ShardedStore],
+        spec: BatchSpec,
+        threads: int,
+        depth: int,
+        pinned: bool = False,
     ) -> None: ...
     def submit_from(
         self, iterator: Iterator[SupportsIndex], batch_size: int, max_batches: int, drop_last: bool

@@ -909,6 +909,31 @@ def test_token_windows_locate_is_the_cores_rule(stores: dict[str, Path], data: s
             assert windows.locate(t) == (doc, t - int(starts[doc])), t
 
 
+def assert_resumes_exactly(
+    loader_of: Any, make: Any, world_before: int, world_after: int, k: int = 4
+) -> list[dict[str, Any]]:
+    """Every rank of world_before stops after k batches (more prefetched) and saves its state; every
+    rank of world_after resumes from rank 0's: the ranks' batches interleaved are the order of
+    world size 1, continued exactly (the last step padded). Returns the states saved."""
+    order = flat_indices(list(loader_of(make(0, 1))))
+    states, first, rest = [], [], []
+    for rank in range(world_before):
+        with loader_of(make(rank, world_before)) as loader:
+            it = iter(loader)
+            first.append(flat_indices([next(it) for _ in range(k)]))
+            states.append(loader.state_dict())
+    assert all(s["consumed"] == states[0]["consumed"] for s in states)
+    for rank in range(world_after):
+        with loader_of(make(rank, world_after)) as loader:
+            loader.load_state_dict(states[0])
+            rest.append(flat_indices(list(loader)))
+    seen = [x for step in zip(*first, strict=True) for x in step]
+    seen += [x for step in zip(*rest, strict=True) for x in step]
+    assert seen[: len(order)] == order
+    assert len(seen) - len(order) < world_after
+    return states
+
+
 @pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8), (1, 3)])
 @pytest.mark.parametrize("data", DATA)
 def test_token_windows_resume_at_another_world_size(
@@ -919,24 +944,10 @@ def test_token_windows_resume_at_another_world_size(
     def make(rank: int, world: int) -> Any:
         return GlobalShuffleSampler(len(windows), seed=2, rank=rank, world_size=world)
 
-    b, k = 3, 4
-    order = flat_indices(list(Loader(windows, sampler=make(0, 1), batch_size=b)))
-    states, first = [], []
-    for rank in range(world_before):
-        with Loader(windows, sampler=make(rank, world_before), batch_size=b) as loader:
-            it = iter(loader)
-            first.append(flat_indices([next(it) for _ in range(k)]))
-            states.append(loader.state_dict())
-    assert states[0]["consumed"] == k * b * world_before
-    rest = []
-    for rank in range(world_after):
-        with Loader(windows, sampler=make(rank, world_after), batch_size=b) as loader:
-            loader.load_state_dict(states[0])
-            rest.append(flat_indices(list(loader)))
-    seen = [x for step in zip(*first, strict=True) for x in step]
-    seen += [x for step in zip(*rest, strict=True) for x in step]
-    assert seen[: len(order)] == order
-    assert len(seen) - len(order) < world_after
+    states = assert_resumes_exactly(
+        lambda sampler: Loader(windows, sampler=sampler, batch_size=3), make, world_before, world_after
+    )
+    assert states[0]["consumed"] == 4 * 3 * world_before
 
 
 def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_path: Path) -> None:
@@ -949,7 +960,7 @@ def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_p
         ),
     ):
         list(loader)
-    with pytest.raises(TypeError, match="no collate"):
+    with pytest.raises(TypeError, match="no TokenCollator options"):
         Loader(windows, dtype=torch.long)
     # Windows made over other data than the store now holds: refused at once, or named per batch.
     other = smstore.TokenWindows(stores["u2"], 16)
@@ -989,3 +1000,90 @@ def test_token_windows_close_and_new_pass(stores: dict[str, Path]) -> None:
     loader.close()
     assert torch.equal(first["tokens"], torch.from_numpy(np.stack([windows[k] for k in range(4)])))
     assert "TokenWindows" in repr(loader)
+
+
+# -- mixtures of several stores ---------------------------------------------------------------
+
+
+def mixture_of(stores: dict[str, Path], weights: tuple[float, ...] = (0.5, 0.3, 0.2)) -> Any:
+    """Three sources of uint16 records: a blob, a sharded dataset (as a SharedStoreDataset) and another blob."""
+    from smstore.sampling import MixtureDataset
+
+    sources = [
+        smstore.open(stores["u2"], raw=True),
+        smstore.SharedStoreDataset(stores["big-sharded"], mode="mmap"),
+        smstore.open(stores["big"], raw=True),
+    ]
+    return MixtureDataset(sources, list(weights))
+
+
+MIXTURE_OPTIONS = [{}, {"layout": "pack"}, {"dtype": torch.long, "max_length": 6, "pad_value": -1}]
+
+
+@pytest.mark.parametrize("options", MIXTURE_OPTIONS, ids=["default", "pack", "long,max6"])
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (3, 1)])
+def test_mixture_of_stores_is_the_dataloaders_batches(
+    stores: dict[str, Path], world: int, rank: int, options: dict[str, Any]
+) -> None:
+    ds = mixture_of(stores)
+
+    def make() -> Any:
+        return MixtureSampler(ds, seed=6, rank=rank, world_size=world)
+
+    # The slow path: the DataLoader reads each record through the MixtureDataset, TokenCollator
+    # collates the records it is given.
+    collate = TokenCollator(ds.sources[0], **options)
+    expected = list(DataLoader(ds, sampler=make(), batch_size=11, collate_fn=collate))
+    order = list(make())
+    with Loader(ds, sampler=make(), batch_size=11, threads=2, **options) as loader:
+        got = list(loader)
+    assert len(got) == len(expected)
+    for n, g in enumerate(got):
+        assert g["indices"].tolist() == order[n * 11 : n * 11 + 11]
+        del g["indices"]
+    assert_same_batches(got, expected)
+    assert "MixtureDataset" in repr(loader)
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8)])
+def test_mixture_of_stores_resumes_at_another_world_size(
+    stores: dict[str, Path], world_before: int, world_after: int
+) -> None:
+    ds = mixture_of(stores)
+
+    def make(rank: int, world: int) -> Any:
+        return MixtureSampler(ds, seed=9, rank=rank, world_size=world)
+
+    b = 8
+    states = assert_resumes_exactly(
+        lambda sampler: Loader(ds, sampler=sampler, batch_size=b, depth=3), make, world_before, world_after
+    )
+    assert len(states[0]["store_checksum"]) == 3
+    # A state of other sources is refused.
+    with Loader(mixture_of(stores, (0.2, 0.3, 0.5)), batch_size=b) as other:
+        other.sampler = make(0, 1)
+        state = dict(states[0], store_checksum=[1, 2, 3])
+        with pytest.raises(smstore.StoreChangedError, match=r"u2\.smst, .*big-sharded"):
+            other.load_state_dict(state)
+
+
+def test_mixture_bad_input_is_a_store_error(stores: dict[str, Path]) -> None:
+    from smstore.sampling import MixtureDataset
+
+    ds = mixture_of(stores)
+    n = len(ds)
+    with (
+        Loader(ds, sampler=[0, n], batch_size=2) as loader,
+        pytest.raises(
+            smstore.RecordIndexError,
+            match=r"a mixture of 3 sources \(.*u2\.smst, .*big-sharded.*record index \d+",
+        ),
+    ):
+        list(loader)
+    mixed = MixtureDataset(
+        [smstore.open(stores["u2"], raw=True), smstore.open(stores["i4"], raw=True)], [1, 1]
+    )
+    with pytest.raises(ValueError, match="one dtype is needed"):
+        Loader(mixed, batch_size=2)
+    with pytest.raises(TypeError, match="not with collate="):
+        Loader(ds, collate=TokenCollator(stores["u2"]))

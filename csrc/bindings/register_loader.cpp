@@ -100,6 +100,53 @@ std::pair<uint64_t, std::string> size_and_label(py::handle store) {
     return {core.size(), core.label()};
 }
 
+// A mixture's sources (each a Store or a ShardedStore) read as one run of records: source s holds
+// the mixture's global records [starts[s], starts[s + 1]), as MixtureDataset.locate splits them.
+class MixtureSources {
+public:
+    explicit MixtureSources(py::handle sources) {
+        std::string names;
+        for (py::handle source : sources) {
+            auto [count, label] = size_and_label(source);
+            sources_.push_back(py::reinterpret_borrow<py::object>(source));
+            starts_.push_back(starts_.back() + count);
+            parts_.push_back(is_sharded(source.ptr()) ? nullptr : records_of(source, {}));
+            names += (names.empty() ? "" : ", ") + label;
+        }
+        if (sources_.empty()) throw py::value_error("a mixture needs at least one source");
+        label_ = "a mixture of " + std::to_string(sources_.size()) + " sources (" + names + ")";
+    }
+    uint64_t size() const noexcept { return starts_.back(); }
+    const std::string& label() const noexcept { return label_; }
+
+    // What batches of the global records `indices` (each < size()) read: every source's records
+    // (a sharded one's after opening the shards these lie in), as one view, made again only when
+    // a source's own view changed.
+    std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
+        std::vector<std::vector<uint64_t>> local(sources_.size());
+        for (uint64_t i : indices) {
+            auto s = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), i) - starts_.begin()) - 1;
+            local[s].push_back(i - starts_[s]);
+        }
+        bool changed = !view_;
+        for (size_t s = 0; s < sources_.size(); ++s) {
+            if (!is_sharded(sources_[s].ptr())) continue;  // a blob's view never changes
+            std::shared_ptr<const Records> part = records_of(sources_[s], local[s]);  // may run Python code
+            changed = changed || part != parts_[s];
+            parts_[s] = std::move(part);
+        }
+        if (changed) view_ = std::make_shared<const Records>(parts_, label_);
+        return view_;
+    }
+
+private:
+    std::vector<py::object> sources_;
+    std::vector<uint64_t> starts_{0};
+    std::vector<std::shared_ptr<const Records>> parts_;  // each source's view as of the last batch
+    std::shared_ptr<const Records> view_;               // theirs, one after another
+    std::string label_;
+};
+
 py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
     if (spec.windows) throw py::value_error("collate_batch batches records: token windows go through a Batcher");
     std::vector<uint64_t> idx = normalize_indices(indices, size_and_label(store).first);  // may run Python code
@@ -122,9 +169,16 @@ class PyBatcher {
 public:
     PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
         : spec_(spec), store_(py::reinterpret_borrow<py::object>(store)) {
-        std::tie(count_, label_) = size_and_label(store);
-        if (spec.windows) count_ = checked_stream(store, *spec.windows, count_, label_);
-        if (!is_sharded(store.ptr())) records_ = records_of(store, {});
+        if (py::isinstance<py::list>(store)) {
+            if (spec.windows) throw py::value_error("token windows read one store, not a mixture's sources");
+            mixture_.emplace(store);
+            count_ = mixture_->size();
+            label_ = mixture_->label();
+        } else {
+            std::tie(count_, label_) = size_and_label(store);
+            if (spec.windows) count_ = checked_stream(store, *spec.windows, count_, label_);
+            if (!is_sharded(store.ptr())) records_ = records_of(store, {});
+        }
         batcher_ = std::make_shared<Batcher>(label_, spec, threads, depth, pinned);
     }
 
@@ -269,6 +323,7 @@ private:
     // What batches of `indices` read: for a ShardedStore, after opening the shards they lie in.
     std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
         if (records_) return records_;
+        if (mixture_) return mixture_->records_for(indices);
         if (!spec_.windows) return records_of(store_, indices);
         // Token windows: the first document of every shard a window's tokens lie in (a window
         // may cross from one shard into the next ones).
@@ -313,6 +368,7 @@ private:
     CollateSpec spec_;
     py::object store_;
     std::shared_ptr<const Records> records_;  // a Store's (one view for every batch); null for a ShardedStore
+    std::optional<MixtureSources> mixture_;   // a list of stores: a mixture's sources
     BatchDtypes dtypes_{spec_};
     uint64_t count_ = 0;
     std::string label_;

@@ -121,20 +121,6 @@ class Loader:
         pin_memory: bool = False,
         **collate_options: Any,
     ) -> None:
-        tokens = sys.modules.get("smstore.read.tokens")  # not loaded: source is no TokenWindows
-        windows = source if tokens is not None and isinstance(source, tokens.TokenWindows) else None
-        if windows is not None:
-            if collate is not None or collate_options:
-                msg = f"{windows!r} gives its samples as they are: pass no collate= or TokenCollator options"
-                raise TypeError(msg)
-        elif collate is None:
-            if source is None:
-                msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
-                raise TypeError(msg)
-            collate = TokenCollator(source, **collate_options)
-        elif source is not None or collate_options:
-            msg = "pass either collate= or a source with TokenCollator's options, not both"
-            raise TypeError(msg)
         for name, value, least in (
             ("batch_size", batch_size, 1),
             ("depth", depth, 1),
@@ -143,15 +129,42 @@ class Loader:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 msg = f"{name} must be an integer >= {least}, not {value!r}"
                 raise ValueError(msg)
+        windows = source if _is_instance(source, "smstore.read.tokens", "TokenWindows") else None
+        mixture = source if _is_instance(source, "smstore.sampling.mixture", "MixtureDataset") else None
+        if (windows is not None or mixture is not None) and collate is not None:
+            msg = f"pass {source!r} alone (with TokenCollator's options for a mixture), not with collate="
+            raise TypeError(msg)
+        store: Any
         if windows is not None:
+            if collate_options:
+                msg = f"{windows!r} gives its samples as they are: pass no TokenCollator options"
+                raise TypeError(msg)
             spec, store, count = windows.batch_spec(), windows._store(), len(windows)
             if spec is None:
                 msg = f"smstore.Loader cannot batch {windows!r} (tokens not in native byte order): use a DataLoader"
                 raise ValueError(msg)
         else:
-            assert collate is not None
-            spec, store, count = collate.batch_spec(), collate.store, len(collate)
-            if spec is None:
+            if mixture is not None:
+                # One collator per source: the same options, and the same record dtype, or refused.
+                collators = [TokenCollator(s, **collate_options) for s in mixture.sources]
+                collate, store, count = collators[0], [c.store for c in collators], len(mixture)
+                dtypes = {c.record_dtype for c in collators}
+                if len(dtypes) > 1:
+                    msg = f"{mixture!r}: its sources hold records of {sorted(map(str, dtypes))}; one dtype is needed"
+                    raise ValueError(msg)
+            elif collate is None:
+                if source is None:
+                    msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
+                    raise TypeError(msg)
+                collate = TokenCollator(source, **collate_options)
+                store, count = collate.store, len(collate)
+            elif source is not None or collate_options:
+                msg = "pass either collate= or a source with TokenCollator's options, not both"
+                raise TypeError(msg)
+            else:
+                store, count = collate.store, len(collate)
+            spec = collate.batch_spec()
+            if spec is None or (mixture is not None and not all(c.batch_spec() for c in collators)):
                 msg = (
                     f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
                     f"{collate.dtype}, store {type(collate.store).__name__}): it reads integer or float records "
@@ -160,7 +173,8 @@ class Loader:
                 raise ValueError(msg)
         self.collate = collate
         self.windows = windows
-        self.store = store
+        self.mixture = mixture
+        self.store = store  # what the C++ batcher reads: a Store, a ShardedStore, or a mixture's list of them
         self.sampler: Iterable[int] = sampler if sampler is not None else range(count)
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
@@ -272,7 +286,7 @@ class Loader:
             raise TypeError(msg)
         local = sys.maxsize if self._exhausted else self._received * self.batch_size
         state = dict(state_of(local_consumed=local))
-        state["store_checksum"] = self.store.checksum
+        state["store_checksum"] = _checksum(self.store)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -282,11 +296,16 @@ class Loader:
             StoreChangedError: The state was saved over other data.
             ValueError: The sampler refuses the state (another dataset size, malformed).
         """
-        checksum = state.get("store_checksum")
-        if checksum is not None and checksum != self.store.checksum:
+        checksum, ours = state.get("store_checksum"), _checksum(self.store)
+        if checksum is not None and checksum != ours:
+            paths = (
+                ", ".join(str(s.path) for s in self.store)
+                if isinstance(self.store, list)
+                else self.store.path
+            )
             msg = (
-                f"{self.store.path}: the loader state was saved over data with checksum {checksum}, "
-                f"this store has {self.store.checksum}: its positions would name other records"
+                f"{paths}: the loader state was saved over data with checksum {checksum}, "
+                f"this data has {ours}: its positions would name other records"
             )
             raise StoreChangedError(msg)
         load = getattr(self.sampler, "load_state_dict", None)
@@ -326,7 +345,7 @@ class Loader:
 
     def __repr__(self) -> str:
         return (
-            f"Loader({self.windows or self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
+            f"Loader({self.windows or self.mixture or self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
             f"threads={self.threads}, pinned={self._pinned})"
         )
 
@@ -374,6 +393,17 @@ def _array_feed(batcher: _core.Batcher, chunks: Iterator[np.ndarray[Any, np.dtyp
         return submit_array(indices, size, drop_last), exhausted
 
     return feed
+
+
+def _is_instance(value: Any, module: str, name: str) -> bool:
+    """isinstance(value, module.name), without importing the module (not loaded: it is not one)."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(value, getattr(loaded, name))
+
+
+def _checksum(store: Any) -> Any:
+    """What a state records of the data: the store's checksum, or a mixture's sources' in order."""
+    return [s.checksum for s in store] if isinstance(store, list) else store.checksum
 
 
 def _cuda_available() -> bool:
