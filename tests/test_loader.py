@@ -1087,3 +1087,98 @@ def test_mixture_bad_input_is_a_store_error(stores: dict[str, Path]) -> None:
         Loader(mixed, batch_size=2)
     with pytest.raises(TypeError, match="not with collate="):
         Loader(ds, collate=TokenCollator(stores["u2"]))
+
+
+# -- through a real daemon: windows of shards, block windows, token windows, mixtures, object storage --
+
+
+def daemon_sampler(kind: str, ds: Any) -> Any:
+    if kind == "windowed":
+        return WindowedShuffleSampler(ds, window=2, seed=7, rank=0, world_size=1, lag=32)
+    return BlockWindowSampler(ds, block=150, spread=2, seed=7, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("kind", ["windowed", "block"])
+def test_windows_and_blocks_of_a_dataset_served_by_the_daemon(
+    stores: dict[str, Path], start_daemon: Any, kind: str, tmp_path: Path
+) -> None:
+    """The daemon loads what each sampler holds (whole shards, or blocks of records); the Loader
+    opens each shard a batch reads through the dataset's opener and yields the DataLoader's batches."""
+    import shutil
+
+    data = tmp_path / "ds"
+    shutil.copytree(stores["big-sharded"], data)
+    start_daemon(loaded=0)
+    mmapped = smstore.SharedStoreDataset(data, mode="mmap")
+    reference_sampler = daemon_sampler(kind, mmapped)
+    expected = reference(data, reference_sampler, 16, False, max_length=9)
+    getattr(reference_sampler, "close", lambda: None)()
+    # The daemon serves whole shards to a window's readers; a block window's pieces are read by a
+    # BlockReader, not a dataset's opener: the Loader (as the DataLoader over the dataset) reads
+    # the shard files there (mode "auto", which says so once).
+    ds = smstore.SharedStoreDataset(data, mode="daemon" if kind == "windowed" else "auto")
+    sampler = daemon_sampler(kind, ds)
+    try:
+        with Loader(ds, sampler=sampler, batch_size=16, max_length=9, depth=3) as loader:
+            got = list(loader)
+        assert sampler.residency.kind == "daemon"
+    finally:
+        sampler.close()
+    assert_same_batches(got, expected)
+
+
+def test_token_windows_and_a_mixture_over_a_dataset_served_by_the_daemon(
+    stores: dict[str, Path], start_daemon: Any, tmp_path: Path
+) -> None:
+    import shutil
+
+    from smstore.sampling import MixtureDataset
+
+    data = tmp_path / "ds"
+    shutil.copytree(stores["u2-sharded"], data)
+    shards = sorted(data.glob("*.smst"))
+    start_daemon(*shards)  # every shard loaded: a global shuffle holds none
+    ds = smstore.SharedStoreDataset(data, mode="daemon")
+    windows = smstore.TokenWindows(ds, 33, eod=0)
+    sampler = GlobalShuffleSampler(len(windows), seed=1, rank=0, world_size=1)
+    expected = list(DataLoader(windows, batch_size=6, sampler=sampler))
+    with Loader(windows, sampler=sampler, batch_size=6) as loader:
+        got = [b["tokens"] for b in loader]
+    assert [g.numpy().tobytes() for g in got] == [e.numpy().tobytes() for e in expected]
+    mixture = MixtureDataset([ds, smstore.open(stores["u2"], raw=True)], [0.6, 0.4])
+    sampler = MixtureSampler(mixture, seed=1, rank=0, world_size=1)
+    expected = list(
+        DataLoader(mixture, sampler=sampler, batch_size=6, collate_fn=TokenCollator(stores["u2"]))
+    )
+    with Loader(mixture, sampler=sampler, batch_size=6) as loader:
+        got = list(loader)
+    for g in got:
+        del g["indices"]
+    assert_same_batches(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["windowed", "block"])
+def test_shards_in_object_storage_through_the_daemon(
+    request: pytest.FixtureRequest, start_daemon: Any, kind: str, tmp_path: Path
+) -> None:
+    """A manifest naming its shards by URL (moto's S3): the daemon fetches what the sampler holds,
+    the Loader reads it and yields the batches of the same records read from local files."""
+    for module in ("obstore", "boto3", "moto.server"):
+        pytest.importorskip(module, reason="the remote extra and moto[server] are needed")
+    from remote_testlib import remote_dataset
+
+    manifest, _data, _checksums = remote_dataset(request.getfixturevalue("s3"), tmp_path, f"loader-{kind}")
+    local = tmp_path / f"loader-{kind}-local"  # the same shards, as files
+    mmapped = smstore.SharedStoreDataset(local, mode="mmap")
+    reference_sampler = daemon_sampler(kind, mmapped)
+    expected = reference(local, reference_sampler, 32, False, layout="pack")
+    getattr(reference_sampler, "close", lambda: None)()
+    start_daemon(loaded=0)
+    ds = smstore.SharedStoreDataset(manifest, mode="daemon")
+    sampler = daemon_sampler(kind, ds)
+    try:
+        with Loader(ds, sampler=sampler, batch_size=32, layout="pack", depth=3) as loader:
+            got = list(loader)
+    finally:
+        sampler.close()
+    assert_same_batches(got, expected)
