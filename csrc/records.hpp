@@ -13,11 +13,12 @@
 
 namespace smstore {
 
-// An immutable view of records 0..size()-1: one blob, the shards of a dataset that were open
-// when it was made, or several of those one after another. It holds each of its stores (so their mappings outlive a close() or a release
-// of them elsewhere while a batch reads them) and, per shard, what a read needs: the offsets index,
-// the data section and its size. A shard that was not open has no offsets: reading one of its
-// records is an error (the caller opens every shard a batch reads before making the view).
+// An immutable view of records 0..size()-1: one blob, the shards of a dataset that were open when
+// it was made, or several of those one after another. It holds each of its stores (so their
+// mappings outlive a close() or a release of them elsewhere while a batch reads them) and, per
+// shard, what a read needs: the offsets index, the data section and its size. A shard that was not
+// open has no offsets: reading one of its records is an error (the caller opens every shard a
+// batch reads before making the view).
 class Records {
 public:
     explicit Records(std::shared_ptr<const Store> store);

@@ -130,7 +130,7 @@ public:
         }
         bool changed = !view_;
         for (size_t s = 0; s < sources_.size(); ++s) {
-            if (!is_sharded(sources_[s].ptr())) continue;  // a blob's view never changes
+            if (!is_sharded(sources_[s].ptr())) continue;                             // a blob's view never changes
             std::shared_ptr<const Records> part = records_of(sources_[s], local[s]);  // may run Python code
             changed = changed || part != parts_[s];
             parts_[s] = std::move(part);
@@ -143,7 +143,7 @@ private:
     std::vector<py::object> sources_;
     std::vector<uint64_t> starts_{0};
     std::vector<std::shared_ptr<const Records>> parts_;  // each source's view as of the last batch
-    std::shared_ptr<const Records> view_;               // theirs, one after another
+    std::shared_ptr<const Records> view_;                // theirs, one after another
     std::string label_;
 };
 

@@ -73,8 +73,8 @@ class Loader:
 
     Args:
         source: What ``TokenCollator`` takes: a ``.smst`` path or a sharded dataset's manifest, a
-            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``. Leave it out when
-            passing ``collate``.
+            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``; or a ``TokenWindows``
+            or a ``MixtureDataset`` (above). Leave it out when passing ``collate``.
         sampler: An iterable of record indices (by default ``range(len(store))``).
         batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
         collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
@@ -92,6 +92,19 @@ class Loader:
             cores. With 0, each batch is made on the loop's thread when asked for.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
+    **Token windows.** ``Loader(windows, sampler=S, batch_size=B)`` over a
+    :class:`~smstore.TokenWindows` yields ``{"tokens": [B, length + 1], "indices": [B]}``: the
+    tokens byte for byte what ``DataLoader(windows, sampler=S, batch_size=B)``'s default collate
+    stacks (the windows' dtype), each window located by the threads from the offsets indexes (the
+    rule of ``TokenWindows.locate``) and gathered as segments of documents with the eod token
+    between them. No collate options: a window is given as it is.
+
+    **Mixtures.** ``Loader(mixture, sampler=MixtureSampler(mixture, ...), batch_size=B, **options)``
+    over a :class:`~smstore.sampling.MixtureDataset` whose sources are blobs or sharded datasets
+    (stores or ``SharedStoreDataset``) of one record dtype: the batches of the DataLoader
+    over the ``MixtureDataset`` with ``TokenCollator(**options)`` collating its records (plus
+    ``indices``, the mixture's), the sources read as one run of records.
+
     **Sharded datasets.** A manifest (or a ``SharedStoreDataset`` of one) is read the same way:
     before a chunk of batches is queued, the shards its records lie in are opened on the loop's
     thread through the dataset's own opener (the daemon's copy, waited for as a DataLoader worker
@@ -101,7 +114,11 @@ class Loader:
 
     Raises:
         ValueError: Options the C++ batcher cannot do (bfloat16 tokens, float records to integer
-            tokens: use a DataLoader with ``TokenCollator`` for those).
+            tokens: use a DataLoader with ``TokenCollator`` for those); a mixture's sources of
+            different record dtypes.
+        TypeError: ``collate=`` with windows or a mixture, or collate options with windows.
+        StoreFormatError: (while iterating) windows made over other data than their store holds,
+            or a document that is not a whole number of tokens.
         RecordIndexError: (while iterating) the sampler gave an index outside the dataset.
         StoreChangedError: (while iterating) a shard differs from the manifest's record of it.
         StoreError: (while iterating) a shard could not be opened (missing, or the daemon cannot
