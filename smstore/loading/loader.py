@@ -156,7 +156,7 @@ class Loader:
             if collate_options:
                 msg = f"{windows!r} gives its samples as they are: pass no TokenCollator options"
                 raise TypeError(msg)
-            spec, store, count = windows.batch_spec(), windows._store(), len(windows)
+            spec, store, count = windows.batch_spec(), windows.store, len(windows)
             if spec is None:
                 msg = f"smstore.Loader cannot batch {windows!r} (tokens not in native byte order): use a DataLoader"
                 raise ValueError(msg)

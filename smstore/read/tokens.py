@@ -88,6 +88,11 @@ class TokenWindows:
     def _store(self) -> Any:
         return getattr(self.source, "store", self.source)
 
+    @property
+    def store(self) -> Any:
+        """The ``Store`` or ``ShardedStore`` the windows read (a dataset source's, attached in this process)."""
+        return self._store()
+
     def __len__(self) -> int:
         return self._len
 
