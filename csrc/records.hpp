@@ -29,6 +29,11 @@ public:
     // The records of `parts` one after another (a mixture's sources): their shards, in order, are
     // this view's shards, each kept as its part keeps it.
     Records(const std::vector<std::shared_ptr<const Records>>& parts, std::string label);
+    // Shard k of `index` is records [firsts[k], firsts[k] + its size) of stores[k] (null where it
+    // is not open): a block window's blocks, each the daemon's piece (first 0) or a run of records
+    // of its shard's file. Throws std::invalid_argument where a run does not fit its store.
+    Records(std::shared_ptr<const ShardIndex> index, std::vector<std::shared_ptr<const Store>> stores,
+            const std::vector<uint64_t>& firsts, std::string label);
 
     uint64_t size() const noexcept { return size_; }
     const std::string& label() const noexcept { return label_; }

@@ -308,7 +308,7 @@ def pinned_blocks_available() -> bool: ...
 class Batcher:
     def __init__(
         self,
-        store: Store | ShardedStore | list[Store | ShardedStore],
+        store: Store | ShardedStore | list[Store | ShardedStore] | Any,
         spec: BatchSpec,
         threads: int,
         depth: int,

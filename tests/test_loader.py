@@ -1113,18 +1113,26 @@ def test_windows_and_blocks_of_a_dataset_served_by_the_daemon(
     reference_sampler = daemon_sampler(kind, mmapped)
     expected = reference(data, reference_sampler, 16, False, max_length=9)
     getattr(reference_sampler, "close", lambda: None)()
-    # The daemon serves whole shards to a window's readers; a block window's pieces are read by a
-    # BlockReader, not a dataset's opener: the Loader (as the DataLoader over the dataset) reads
-    # the shard files there (mode "auto", which says so once).
-    ds = smstore.SharedStoreDataset(data, mode="daemon" if kind == "windowed" else "auto")
+    ds = smstore.SharedStoreDataset(data, mode="daemon")
     sampler = daemon_sampler(kind, ds)
+    source = ds if kind == "windowed" else block_reader(data, sampler)
     try:
-        with Loader(ds, sampler=sampler, batch_size=16, max_length=9, depth=3) as loader:
+        with Loader(source, sampler=sampler, batch_size=16, max_length=9, depth=3) as loader:
             got = list(loader)
         assert sampler.residency.kind == "daemon"
+        if kind == "block":  # the daemon's pieces were read, not (only) the files
+            assert source.block_reads > 0
     finally:
         sampler.close()
+        getattr(source, "close", lambda: None)()
     assert_same_batches(got, expected)
+
+
+def block_reader(data: Path, sampler: Any) -> Any:
+    """What a block window's records are read through: the daemon's pieces, else the shard files."""
+    from smstore.wire.blocks import BlockReader
+
+    return BlockReader(data, block=sampler.block, keep=sampler.keep)
 
 
 def test_token_windows_and_a_mixture_over_a_dataset_served_by_the_daemon(
@@ -1173,12 +1181,51 @@ def test_shards_in_object_storage_through_the_daemon(
     reference_sampler = daemon_sampler(kind, mmapped)
     expected = reference(local, reference_sampler, 32, False, layout="pack")
     getattr(reference_sampler, "close", lambda: None)()
-    start_daemon(loaded=0)
+    d = start_daemon(loaded=0)
     ds = smstore.SharedStoreDataset(manifest, mode="daemon")
     sampler = daemon_sampler(kind, ds)
+    source = ds if kind == "windowed" else block_reader(manifest, sampler)
     try:
-        with Loader(ds, sampler=sampler, batch_size=32, layout="pack", depth=3) as loader:
+        with Loader(source, sampler=sampler, batch_size=32, layout="pack", depth=3) as loader:
             got = list(loader)
     finally:
         sampler.close()
+        getattr(source, "close", lambda: None)()
     assert_same_batches(got, expected)
+    # Each shard's bytes fetched once: as whole shards, or as the blocks held (never both).
+    shards = sum(p.stat().st_size for p in local.glob("*.smst"))
+    assert d.status()["metrics"]["fetched_bytes"] <= 1.1 * shards
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_block_windows_through_a_block_reader_without_a_daemon(
+    stores: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world_size: int
+) -> None:
+    """No daemon answers: the reader gives each block as a run of its shard's file, and the
+    Loader's batches are the DataLoader's; an index outside the dataset names its manifest."""
+    from smstore.wire.blocks import BlockReader
+
+    monkeypatch.setenv("SMSTORE_SOCKET", str(tmp_path / "none.sock"))
+    data = stores["big-sharded"]
+    for rank in range(world_size):
+        sampler = BlockWindowSampler(
+            smstore.SharedStoreDataset(data, mode="mmap"),
+            block=170,
+            spread=3,
+            seed=2,
+            rank=rank,
+            world_size=world_size,
+            residency=False,
+        )
+        expected = reference(data, sampler, 12, False, layout="pack")
+        reader = BlockReader(data, block=170, keep=sampler.keep)
+        with Loader(reader, sampler=sampler, batch_size=12, layout="pack") as loader:
+            assert_same_batches(list(loader), expected)
+        assert reader.file_reads > 0
+        assert reader.block_reads == 0
+        with (
+            Loader(reader, sampler=[0, BIG], batch_size=2) as loader,
+            pytest.raises(smstore.RecordIndexError, match=r"big-sharded.*record index 3000"),
+        ):
+            list(loader)
+        reader.close()

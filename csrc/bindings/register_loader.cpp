@@ -147,6 +147,43 @@ private:
     std::string label_;
 };
 
+// A block window's reader (smstore.wire.blocks.BlockReader): its blocks are the shards of a view,
+// each opened through the reader (the daemon's piece, else a run of its shard's file) before
+// the batches that read it are queued, so the Loader reads what a DataLoader worker would.
+class BlockSource {
+public:
+    explicit BlockSource(py::handle reader)
+        : reader_(py::reinterpret_borrow<py::object>(reader)),
+          index_(std::make_shared<const ShardIndex>(reader.attr("block_starts")().cast<std::vector<uint64_t>>())),
+          label_(py::str(reader.attr("path")).cast<std::string>()) {}
+    uint64_t size() const noexcept { return index_->size(); }
+    const std::string& label() const noexcept { return label_; }
+
+    // What batches of `indices` (each < size()) read: the blocks they lie in, each as the reader
+    // gives it now (a view of these alone: the reader detaches the pieces it moved past, and this
+    // view must not keep them mapped).
+    std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
+        std::vector<std::shared_ptr<const Store>> stores(index_->shard_count());
+        std::vector<uint64_t> firsts(index_->shard_count(), 0);
+        py::object block_store = reader_.attr("block_store");
+        for (uint64_t i : indices) {
+            size_t b = index_->locate(i).first;
+            if (stores[b]) continue;
+            py::tuple got = block_store(b);  // may run Python code (a wait for the daemon)
+            PyStore* store = py_store_from(got[0].ptr());
+            if (!store) throw py::error_already_set();
+            stores[b] = store->shared();
+            firsts[b] = got[1].cast<uint64_t>();
+        }
+        return std::make_shared<const Records>(index_, std::move(stores), firsts, label_);
+    }
+
+private:
+    py::object reader_;
+    std::shared_ptr<const ShardIndex> index_;  // one "shard" per block
+    std::string label_;
+};
+
 py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
     if (spec.windows) throw py::value_error("collate_batch batches records: token windows go through a Batcher");
     std::vector<uint64_t> idx = normalize_indices(indices, size_and_label(store).first);  // may run Python code
@@ -169,7 +206,12 @@ class PyBatcher {
 public:
     PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
         : spec_(spec), store_(py::reinterpret_borrow<py::object>(store)) {
-        if (py::isinstance<py::list>(store)) {
+        if (py::hasattr(store, "block_store")) {
+            if (spec.windows) throw py::value_error("token windows read one store, not a block reader");
+            blocks_.emplace(store);
+            count_ = blocks_->size();
+            label_ = blocks_->label();
+        } else if (py::isinstance<py::list>(store)) {
             if (spec.windows) throw py::value_error("token windows read one store, not a mixture's sources");
             mixture_.emplace(store);
             count_ = mixture_->size();
@@ -324,6 +366,7 @@ private:
     std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
         if (records_) return records_;
         if (mixture_) return mixture_->records_for(indices);
+        if (blocks_) return blocks_->records_for(indices);
         if (!spec_.windows) return records_of(store_, indices);
         // Token windows: the first document of every shard a window's tokens lie in (a window
         // may cross from one shard into the next ones).
@@ -369,6 +412,7 @@ private:
     py::object store_;
     std::shared_ptr<const Records> records_;  // a Store's (one view for every batch); null for a ShardedStore
     std::optional<MixtureSources> mixture_;   // a list of stores: a mixture's sources
+    std::optional<BlockSource> blocks_;       // a block window's reader
     BatchDtypes dtypes_{spec_};
     uint64_t count_ = 0;
     std::string label_;

@@ -73,8 +73,8 @@ class Loader:
 
     Args:
         source: What ``TokenCollator`` takes: a ``.smst`` path or a sharded dataset's manifest, a
-            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``; or a ``TokenWindows``
-            or a ``MixtureDataset`` (above). Leave it out when passing ``collate``.
+            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``; or a ``TokenWindows``,
+            a ``MixtureDataset`` or a ``BlockReader`` (above). Leave it out when passing ``collate``.
         sampler: An iterable of record indices (by default ``range(len(store))``).
         batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
         collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
@@ -104,6 +104,11 @@ class Loader:
     (stores or ``SharedStoreDataset``) of one record dtype: the batches of the DataLoader
     over the ``MixtureDataset`` with ``TokenCollator(**options)`` collating its records (plus
     ``indices``, the mixture's), the sources read as one run of records.
+
+    **Block windows.** Under a ``BlockWindowSampler``, pass the ``BlockReader`` a DataLoader
+    worker would read through (``smstore.wire.blocks``) as the source: each block a batch reads
+    is the daemon's piece, else a run of its shard's file, handed over by the reader on the
+    loop's thread before the batch is queued.
 
     **Sharded datasets.** A manifest (or a ``SharedStoreDataset`` of one) is read the same way:
     before a chunk of batches is queued, the shards its records lie in are opened on the loop's
@@ -148,7 +153,8 @@ class Loader:
                 raise ValueError(msg)
         windows = source if _is_instance(source, "smstore.read.tokens", "TokenWindows") else None
         mixture = source if _is_instance(source, "smstore.sampling.mixture", "MixtureDataset") else None
-        if (windows is not None or mixture is not None) and collate is not None:
+        blocks = source if _is_instance(source, "smstore.wire.blocks", "BlockReader") else None
+        if (windows is not None or mixture is not None or blocks is not None) and collate is not None:
             msg = f"pass {source!r} alone (with TokenCollator's options for a mixture), not with collate="
             raise TypeError(msg)
         store: Any
@@ -169,6 +175,14 @@ class Loader:
                 if len(dtypes) > 1:
                     msg = f"{mixture!r}: its sources hold records of {sorted(map(str, dtypes))}; one dtype is needed"
                     raise ValueError(msg)
+            elif blocks is not None:
+                # The manifest's encoding and checksum (no shard opened: shards in object storage
+                # are opened through the daemon); the records are read through the reader.
+                mode = "daemon" if any(blocks.remote) else "mmap"
+                collate = TokenCollator(
+                    blocks.path, **{"mode": mode, "socket": blocks.socket, **collate_options}
+                )
+                store, count = collate.store, len(blocks)
             elif collate is None:
                 if source is None:
                     msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
@@ -191,7 +205,8 @@ class Loader:
         self.collate = collate
         self.windows = windows
         self.mixture = mixture
-        self.store = store  # what the C++ batcher reads: a Store, a ShardedStore, or a mixture's list of them
+        self.store = store  # the data: a Store, a ShardedStore, or a mixture's list of them
+        self._reads: Any = blocks if blocks is not None else store  # what the C++ batcher reads
         self.sampler: Iterable[int] = sampler if sampler is not None else range(count)
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
@@ -220,7 +235,7 @@ class Loader:
         self._pass += 1
         self._received, self._exhausted = 0, False
         self._pid = os.getpid()
-        batcher = _core.Batcher(self.store, self._spec, self.threads, self.depth, self._pinned)
+        batcher = _core.Batcher(self._reads, self._spec, self.threads, self.depth, self._pinned)
         self._batcher = batcher
         ours = sys.modules.get("smstore.sampling.sampler")  # not loaded: the sampler is not one of ours
         if ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
