@@ -160,12 +160,14 @@ public:
     const std::string& label() const noexcept { return label_; }
 
     // What batches of `indices` (each < size()) read: the blocks they lie in, each as the reader
-    // gives it now (a view of these alone: the reader detaches the pieces it moved past, and this
-    // view must not keep them mapped).
+    // gives it now, in a view of those alone (the reader detaches the pieces it moved past, and a
+    // view must not keep them mapped for long). The last view is used again while every block
+    // read is in it as the reader gives it (a view is O(blocks) to make).
     std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
         std::vector<std::shared_ptr<const Store>> stores(index_->shard_count());
         std::vector<uint64_t> firsts(index_->shard_count(), 0);
         py::object block_store = reader_.attr("block_store");
+        bool same = view_ != nullptr;
         for (uint64_t i : indices) {
             size_t b = index_->locate(i).first;
             if (stores[b]) continue;
@@ -174,13 +176,16 @@ public:
             if (!store) throw py::error_already_set();
             stores[b] = store->shared();
             firsts[b] = got[1].cast<uint64_t>();
+            same = same && view_->shard(b) == stores[b].get() && view_->offsets(b) == stores[b]->offsets() + firsts[b];
         }
-        return std::make_shared<const Records>(index_, std::move(stores), firsts, label_);
+        if (!same) view_ = std::make_shared<const Records>(index_, std::move(stores), firsts, label_);
+        return view_;
     }
 
 private:
     py::object reader_;
     std::shared_ptr<const ShardIndex> index_;  // one "shard" per block
+    std::shared_ptr<const Records> view_;      // the last view made
     std::string label_;
 };
 
