@@ -1,6 +1,6 @@
 """Token batches at memory speed: smstore.Loader against TokenCollator in-process and the DataLoader (issue 26).
 
-    python benchmarks/bench_loader.py             # writes benchmarks/results/loader.md (~1 min on 2 cores)
+    python benchmarks/bench_loader.py             # writes benchmarks/results/loader.md (~3 min on 2 cores)
     python benchmarks/bench_loader.py --quick --out /tmp/loader.md
 
 Every figure is measured in this one run, on the same store: 400k records of 128 uint16 tokens,
@@ -28,6 +28,15 @@ written as a sharded dataset of 64 shards (the same bytes, byte for byte):
    batches into a Loader's pass, less the same process just before the Loader was made (torch
    loaded and set up), at depth 4 and 16: the ring is (depth + 2) x batch (the store's pages are
    file-backed: `Pss_File`, shared with every process that maps it).
+6. **A 3-source mixture and token windows** (issue 39): `MixtureSampler` over a `MixtureDataset` of
+   3 blobs (weights 0.5 / 0.3 / 0.2) and `TokenWindows` of L=2048 (log-normal documents of median
+   700 tokens with an eod token, uint16 samples, `GlobalShuffleSampler` order), each checked
+   against the copy's bytes first: the Loader (2 threads) against a plain copy of the same bytes
+   (`numpy.take` of rows of a private copy: the sources' records concatenated, or the stream's
+   windows laid out as rows), of 4096-token records for the mixture as for the 64-shard row (and,
+   without a goal, of 128-token records); and against a DataLoader with 2 workers and a
+   user-written collate (a numpy pad to int64 of the MixtureDataset's records, `np.stack` of the
+   windows).
 """
 
 from __future__ import annotations
@@ -90,30 +99,97 @@ def make_sharded(blob: Path, out: Path) -> Path:
     return out
 
 
+def rows_of(batch: Any) -> int:
+    """Samples in a batch: a dict with ``lengths`` (TokenCollator's) or a tensor of rows."""
+    return len(batch["lengths"]) if isinstance(batch, dict) else len(batch)
+
+
 def rate_of(batches: Any, limit: int, seconds: float) -> float:
     """Records a second over batches of `batches` from the second one on, for at most `limit` batches or `seconds`."""
     it = iter(batches)
     next(it)  # start-up (workers, threads) is not what is measured
     n, t0 = 0, time.perf_counter()
     for b in it:
-        n += len(b["lengths"])
+        n += rows_of(b)
         if n >= limit * BATCH or time.perf_counter() - t0 > seconds:
             break
     return n / (time.perf_counter() - t0)
 
 
-def loader_rate(path: Path, sampler: Any, seconds: float, **kw: Any) -> float:
-    """Records a second of a Loader over whole passes of `sampler`, best pass of those in `seconds`."""
+def loader_rate(source: Any, sampler: Any, seconds: float, **kw: Any) -> float:
+    """Records (or windows) a second of a Loader over whole passes of `sampler`, best pass of those in
+    `seconds`. Records are padded to int64 unless `dtype` says otherwise; windows come as they are."""
     import torch
 
+    if not isinstance(source, smstore.TokenWindows):
+        kw = {"dtype": torch.long, **kw}
     best, t_end = 0.0, time.perf_counter() + seconds
-    with Loader(path, sampler=sampler, batch_size=BATCH, **{"dtype": torch.long, **kw}) as loader:
+    with Loader(source, sampler=sampler, batch_size=BATCH, **kw) as loader:
         while time.perf_counter() < t_end:
             n, t0 = 0, time.perf_counter()
             for b in loader:
-                n += len(b["lengths"])
+                n += len(b["indices"])
             best = max(best, n / (time.perf_counter() - t0))
     return best
+
+
+def copy_rate(rows: np.ndarray[Any, Any], order: np.ndarray[Any, Any], seconds: float) -> float:
+    """Rows a second of a plain copy: numpy.take of `rows` (a private copy of the same bytes) in
+    `order`, a batch at a time into one reused buffer, on one thread (best pass in `seconds`)."""
+    dst = np.empty((BATCH, *rows.shape[1:]), dtype=rows.dtype)
+    best, t_end = 0.0, time.perf_counter() + seconds
+    while time.perf_counter() < t_end:
+        t0 = time.perf_counter()
+        for i in range(0, len(order) - BATCH + 1, BATCH):
+            np.take(rows, order[i : i + BATCH], axis=0, out=dst)
+        best = max(best, (len(order) // BATCH) * BATCH / (time.perf_counter() - t0))
+    return best
+
+
+def stack_windows(samples: list[np.ndarray[Any, Any]]) -> Any:
+    """A user-written collate of token windows (what a DataLoader user writes): the rows stacked."""
+    import torch
+
+    return torch.from_numpy(np.stack(samples))
+
+
+def pad_records(records: list[Any]) -> dict[str, Any]:
+    """A user-written collate of records (memoryviews of uint16 tokens), padded into int64 rows."""
+    import torch
+
+    arrays = [np.frombuffer(r, dtype=np.uint16) for r in records]
+    lengths = [len(a) for a in arrays]
+    out = np.zeros((len(arrays), max(lengths)), dtype=np.int64)
+    for k, a in enumerate(arrays):
+        out[k, : len(a)] = a
+    return {"tokens": torch.from_numpy(out), "lengths": torch.tensor(lengths)}
+
+
+WINDOW = 2048  # the token windows' L: samples of L + 1 tokens
+WINDOW_TOKENS = 24_000_000  # tokens in the documents of the windows rows (about 11.7k windows)
+
+
+def make_documents(path: Path, tokens: int) -> None:
+    """Documents of uint16 tokens with log-normal lengths of median 700 (none holding the eod 0)."""
+    rng = np.random.default_rng(1)
+    lengths = np.maximum(1, rng.lognormal(np.log(700), 1.0, size=2 * tokens // 700).astype(np.int64))
+    lengths = lengths[: int(np.searchsorted(np.cumsum(lengths), tokens)) + 1]
+    smstore.pack_arrays(
+        (rng.integers(1, 65000, int(n), dtype=np.uint16) for n in lengths), path, dtype=np.uint16
+    )
+
+
+def stream_rows(windows: Any) -> np.ndarray[Any, Any]:
+    """The windows' bytes as rows of a private array (window k: tokens k L .. k L + L of the stream of
+    documents and eod tokens), so that the plain copy is numpy.take of whole rows, as for records."""
+    with smstore.open(windows.path) as store:
+        data, offsets = store.gather(range(len(store)))
+    docs = np.split(data.view(np.uint16), (np.asarray(offsets[1:-1]) // 2).astype(np.int64))
+    stream = np.concatenate([np.append(d, np.uint16(windows.eod)) for d in docs])
+    view = np.lib.stride_tricks.as_strided(
+        stream, (len(windows), WINDOW + 1), (WINDOW * 2, 2), writeable=False
+    )
+    return np.ascontiguousarray(view)
 
 
 class IndexByIndex:
@@ -363,14 +439,7 @@ def main(argv: list[str] | None = None) -> None:
         with smstore.open(long_path) as long_store:
             data, _ = long_store.gather(range(long_records))  # a private copy: rows of 4096 uint16, in order
         rows = data.view(np.uint16).reshape(long_records, 4096)
-        long_order = np.array(list(long_sampler), dtype=np.int64)
-        dst = np.empty((BATCH, 4096), dtype=np.uint16)
-        t_end, copy_rate = time.perf_counter() + sec, 0.0
-        while time.perf_counter() < t_end:  # the same records' bytes, copied by numpy row by row
-            t0 = time.perf_counter()
-            for i in range(0, len(long_order) - BATCH + 1, BATCH):
-                np.take(rows, long_order[i : i + BATCH], axis=0, out=dst)
-            copy_rate = max(copy_rate, (len(long_order) // BATCH) * BATCH / (time.perf_counter() - t0))
+        long_copy = copy_rate(rows, np.array(list(long_sampler), dtype=np.int64), sec)
         del data, rows
         long16 = loader_rate(long_path, long_sampler, sec * 2, dtype=None, threads=2)
         long16_one = loader_rate(long_path, long_sampler, sec, dtype=None, threads=1)
@@ -380,31 +449,159 @@ def main(argv: list[str] | None = None) -> None:
         report.compare(
             "4096-token records, Loader (uint16 tokens, 2 threads) vs a plain copy of the same records (numpy.take, 1 thread)",
             f"{long16 * per_gib:.1f} GiB/s ({long16 / 1e3:.0f} k records/s)",
-            f"{copy_rate * per_gib:.1f} GiB/s",
-            long16 / copy_rate,
+            f"{long_copy * per_gib:.1f} GiB/s",
+            long16 / long_copy,
             ">= 0.5x",
-            long16 / copy_rate >= 0.5,
+            long16 / long_copy >= 0.5,
         )
         report.compare(
             "same, Loader with 1 thread",
             f"{long16_one * per_gib:.1f} GiB/s ({long16_one / 1e3:.0f} k records/s)",
-            f"{copy_rate * per_gib:.1f} GiB/s",
-            long16_one / copy_rate,
+            f"{long_copy * per_gib:.1f} GiB/s",
+            long16_one / long_copy,
             ">= 0.5x",
-            long16_one / copy_rate >= 0.5,
+            long16_one / long_copy >= 0.5,
         )
         report.compare(
             f"same records in {SHARDS} shards, Loader (uint16 tokens, 2 threads) vs the plain copy",
             f"{long_shards * per_gib:.1f} GiB/s ({long_shards / 1e3:.0f} k records/s)",
-            f"{copy_rate * per_gib:.1f} GiB/s",
-            long_shards / copy_rate,
+            f"{long_copy * per_gib:.1f} GiB/s",
+            long_shards / long_copy,
             ">= 0.5x",
-            long_shards / copy_rate >= 0.5,
+            long_shards / long_copy >= 0.5,
         )
         report.add(
             "4096-token records, Loader padded to int64 (4x the bytes written)",
             f"{long64 / 1e3:.0f} k records/s ({long64 * per_gib:.1f} GiB/s read, {4 * long64 * per_gib:.1f} GiB/s written)",
         )
+
+        log(f"6. a 3-source mixture and token windows of L={WINDOW}, against a copy and the DataLoader")
+        # Two mixtures of 3 blobs each, weights 0.5 / 0.3 / 0.2: of 128-token records (the first
+        # source the store of rows 1 and 2) against the DataLoader, and of 4096-token records (the
+        # first source the store of row 3) against a plain copy, as the 64-shard rows are.
+        from smstore.sampling import MixtureDataset
+
+        def mixture_over(first: Path, count: int, tokens: int, stem: str) -> tuple[Any, Any, Any, Any]:
+            paths = [first, tmp / f"{stem}1.smst", tmp / f"{stem}2.smst"]
+            for p, n in zip(paths[1:], (count // 4, count // 2), strict=True):
+                make_store(p, n, tokens)
+            sources = [smstore.open(p, raw=True) for p in paths]
+            ds = MixtureDataset(sources, [0.5, 0.3, 0.2])
+            mix_sampler = smstore.MixtureSampler(ds, seed=0, rank=0, world_size=1)
+            order = np.array(list(mix_sampler), dtype=np.int64)
+            rows = np.concatenate(
+                [s.gather(range(len(s)))[0].view(np.uint16).reshape(-1, tokens) for s in sources]
+            )
+            with Loader(ds, sampler=mix_sampler, batch_size=BATCH, threads=2) as loader:
+                b = next(iter(loader))
+                assert b["tokens"].numpy().tobytes() == rows[order[:BATCH]].tobytes()  # the same bytes
+            return ds, mix_sampler, order, rows
+
+        mixture, mix_sampler, mix_order, mix_rows = mixture_over(path, records, 128, "mix")
+        long_mixture, long_mix_sampler, long_mix_order, long_mix_rows = mixture_over(
+            long_path, long_records, 4096, "long-mix"
+        )
+        docs_path = tmp / "documents.smst"
+        make_documents(docs_path, WINDOW_TOKENS)
+        windows = smstore.TokenWindows(docs_path, WINDOW, eod=0, dtype=np.uint16)
+        win_rows = stream_rows(windows)
+        win_sampler = GlobalShuffleSampler(len(windows), seed=0, rank=0, world_size=1)
+        win_order = np.array(list(win_sampler), dtype=np.int64)
+        with Loader(windows, sampler=win_sampler, batch_size=BATCH, threads=2) as loader:
+            b = next(iter(loader))
+            assert b["tokens"].numpy().tobytes() == win_rows[win_order[:BATCH]].tobytes()  # the same bytes
+
+        def mixture_dataloader(t: float) -> float:
+            loader = DataLoader(
+                mixture, sampler=mix_sampler, batch_size=BATCH, num_workers=2, collate_fn=pad_records
+            )
+            return rate_of(loader, 2000, t)
+
+        def windows_dataloader(t: float) -> float:
+            loader = DataLoader(
+                windows, sampler=win_sampler, batch_size=BATCH, num_workers=2, collate_fn=stack_windows
+            )
+            return rate_of(loader, 200, t)
+
+        rows6: dict[str, Any] = {
+            "mix_copy": lambda t: copy_rate(mix_rows, mix_order, t),
+            "mix_loader": lambda t: loader_rate(mixture, mix_sampler, t, dtype=None, threads=2),
+            "long_mix_copy": lambda t: copy_rate(long_mix_rows, long_mix_order, t),
+            "long_mix_loader": lambda t: loader_rate(
+                long_mixture, long_mix_sampler, t, dtype=None, threads=2
+            ),
+            "mix_loader_long": lambda t: loader_rate(mixture, mix_sampler, t, threads=2),
+            "mix_dl2": mixture_dataloader,
+            "win_copy": lambda t: copy_rate(win_rows, win_order, t),
+            "win_loader": lambda t: loader_rate(windows, win_sampler, t, threads=2),
+            "win_dl2": windows_dataloader,
+        }
+        best6 = dict.fromkeys(rows6, 0.0)
+        for _ in range(args.rounds):
+            for name, measure in rows6.items():
+                best6[name] = max(best6[name], measure(sec * 2 if "dl2" in name else sec))
+        mix_gib, win_gib = 128 * 2 / 2**30, (WINDOW + 1) * 2 / 2**30
+        report.add(
+            "3-source mixture of 128-token records, Loader (uint16, 2 threads) vs a plain copy of the same "
+            "records (numpy.take, 1 thread): short records, where the per-batch and per-record work weighs",
+            f"{best6['mix_loader'] * mix_gib:.2f} GiB/s ({best6['mix_loader'] / 1e6:.2f} M records/s)",
+            baseline=f"{best6['mix_copy'] * mix_gib:.2f} GiB/s",
+            ratio=f"{best6['mix_loader'] / best6['mix_copy']:.2f}x",
+        )
+        for label, ours6, base6, unit, goal, target in (
+            (
+                (
+                    "3-source mixture of 4096-token records (MixtureSampler over 3 blobs), Loader (uint16, 2 "
+                    "threads) vs a plain copy of the same records (numpy.take, 1 thread)"
+                ),
+                best6["long_mix_loader"],
+                best6["long_mix_copy"],
+                4096 * 2 / 2**30,
+                ">= 0.5x",
+                0.5,
+            ),
+            (
+                (
+                    "3-source mixture of 128-token records, Loader padded to int64 (2 threads) vs DataLoader 2 workers over the MixtureDataset "
+                    "with a user-written collate (numpy pad to int64)"
+                ),
+                best6["mix_loader_long"],
+                best6["mix_dl2"],
+                mix_gib,
+                ">= 20x",
+                20,
+            ),
+            (
+                (
+                    f"token windows of L={WINDOW} (log-normal documents of median 700 tokens, eod), Loader (uint16, 2 "
+                    "threads) vs a plain copy of the same windows' bytes (numpy.take of the stream's rows, 1 thread)"
+                ),
+                best6["win_loader"],
+                best6["win_copy"],
+                win_gib,
+                ">= 0.5x",
+                0.5,
+            ),
+            (
+                (
+                    f"token windows of L={WINDOW}, Loader (uint16, 2 threads) vs DataLoader 2 workers over the "
+                    "TokenWindows with a user-written collate (np.stack)"
+                ),
+                best6["win_loader"],
+                best6["win_dl2"],
+                win_gib,
+                ">= 20x",
+                20,
+            ),
+        ):
+            report.compare(
+                label,
+                f"{ours6 * unit:.2f} GiB/s ({ours6 / 1e3:.1f} k samples/s)",
+                f"{base6 * unit:.2f} GiB/s ({base6 / 1e3:.1f} k samples/s)",
+                ours6 / base6,
+                goal,
+                ours6 / base6 >= target,
+            )
 
         log("4. R=2")
         procs = [

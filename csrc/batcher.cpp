@@ -174,6 +174,44 @@ void fill_typed(const Records& records, const CollateSpec& spec, const uint64_t*
     }
 }
 
+// Writes the segments back to back at dst: each one's tokens (widened), then its fill tokens.
+// Returns the end of what it wrote.
+template <typename In, typename Out>
+Out* gather_segments(const Records& records, const Segment* segments, size_t count, Out* dst, Out fill) noexcept {
+    for (size_t m = 0; m < count; ++m) {
+        const Segment& s = segments[m];
+        auto [k, j] = records.locate(s.document);
+        copy_widen<In, Out>(dst, records.data(k) + records.offsets(k)[j] + s.first * sizeof(In), s.count);
+        dst += s.count;
+        fill_value(dst, s.fill, fill);
+        dst += s.fill;
+    }
+    return dst;
+}
+
+// Token windows: row k is the segments of window indices[k], width (length + 1) tokens in all.
+template <typename In, typename Out>
+void fill_windows(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
+                  const BatchLayout& l, const std::vector<Segment>& segments, unsigned char* out) noexcept {
+    auto* tokens = reinterpret_cast<Out*>(out + l.tokens_at);
+    auto* lengths = reinterpret_cast<int64_t*>(out + l.lengths_at);
+    const Out eod = static_cast<Out>(spec.windows->eod);
+    const Segment* seg = segments.data();
+    for (size_t k = 0; k < n; ++k) {
+        Out* row = tokens + k * l.width;
+        const Segment* first = seg;
+        for (uint64_t filled = 0; filled < l.width; ++seg)
+            filled += seg->count + seg->fill;
+        gather_segments<In, Out>(records, first, static_cast<size_t>(seg - first), row, eod);
+        lengths[k] = static_cast<int64_t>(l.width);
+    }
+    if (spec.with_indices) {
+        auto* idx = reinterpret_cast<int64_t*>(out + l.indices_at);
+        for (size_t k = 0; k < n; ++k)
+            idx[k] = static_cast<int64_t>(indices[k]);
+    }
+}
+
 // Calls f with a value of the C++ type that d names (the one table from Dtype to types).
 template <typename F>
 decltype(auto) with_type(Dtype d, F&& f) {
@@ -208,7 +246,56 @@ size_t dtype_size(Dtype d) noexcept {
     return with_type(d, [](auto v) { return sizeof(v); });
 }
 
-BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n) {
+// The layout of n rows of `width` tokens (pad), or of `total` tokens back to back (pack).
+static BatchLayout layout_of(const CollateSpec& spec, size_t n, uint64_t width, uint64_t total,
+                             const std::string& label) {
+    BatchLayout l;
+    l.rows = n;
+    const uint64_t out_item = dtype_size(spec.out);
+    uint64_t token_bytes;
+    if (spec.pack) {
+        l.width = total;
+        l.cu_int64 = total >= (uint64_t{1} << 31);
+        token_bytes = mul_checked(total, out_item, label);
+    } else {
+        l.width = width;
+        if (spec.multiple > 1) l.width = (l.width + spec.multiple - 1) / spec.multiple * spec.multiple;
+        token_bytes = mul_checked(mul_checked(l.width, n, label), out_item, label);
+    }
+    l.tokens_at = 0;
+    l.lengths_at = align_up(token_bytes);
+    uint64_t end = l.lengths_at + 8 * n;
+    if (spec.pack) {
+        l.cu_at = align_up(end);
+        end = l.cu_at + (l.cu_int64 ? 8 : 4) * (n + 1);
+    }
+    if (spec.with_indices) {
+        l.indices_at = align_up(end);
+        end = l.indices_at + 8 * n;
+    }
+    l.bytes = align_up(std::max<uint64_t>(end, 1));
+    return l;
+}
+
+// Token windows: each index a window of the stream, listed as its segments.
+static BatchLayout plan_windows(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
+                                std::vector<Segment>& segments) {
+    const TokenStream& stream = *spec.windows;
+    const uint64_t count = stream.windows();
+    for (size_t k = 0; k < n; ++k) {
+        if (indices[k] >= count) {
+            throw Error(Error::Kind::Index, records.label() + ": token window " + std::to_string(indices[k]) +
+                                                " out of range for " + std::to_string(count) + " windows");
+        }
+        window_segments(records, stream, indices[k], segments);
+    }
+    return layout_of(spec, n, stream.length + 1, 0, records.label());
+}
+
+BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
+                       std::vector<Segment>& segments) {
+    segments.clear();
+    if (spec.windows) return plan_windows(records, spec, indices, n, segments);
     const uint64_t item = dtype_size(spec.in), count = records.size();
     const std::string& label = records.label();
     uint64_t longest = 0, total = 0;
@@ -235,41 +322,18 @@ BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const ui
         longest = std::max(longest, kept);
         total += kept;  // at most the data section's size: no overflow
     }
-    BatchLayout l;
-    l.rows = n;
-    const uint64_t out_item = dtype_size(spec.out);
-    uint64_t token_bytes;
-    if (spec.pack) {
-        l.width = total;
-        l.cu_int64 = total >= (uint64_t{1} << 31);
-        token_bytes = mul_checked(total, out_item, label);
-    } else {
-        l.width = spec.fixed_length ? spec.max_length : longest;
-        if (spec.multiple > 1) l.width = (l.width + spec.multiple - 1) / spec.multiple * spec.multiple;
-        token_bytes = mul_checked(mul_checked(l.width, n, label), out_item, label);
-    }
-    l.tokens_at = 0;
-    l.lengths_at = align_up(token_bytes);
-    uint64_t end = l.lengths_at + 8 * n;
-    if (spec.pack) {
-        l.cu_at = align_up(end);
-        end = l.cu_at + (l.cu_int64 ? 8 : 4) * (n + 1);
-    }
-    if (spec.with_indices) {
-        l.indices_at = align_up(end);
-        end = l.indices_at + 8 * n;
-    }
-    l.bytes = align_up(std::max<uint64_t>(end, 1));
-    return l;
+    return layout_of(spec, n, spec.fixed_length ? spec.max_length : longest, total, label);
 }
 
 void fill_batch(const Records& r, const CollateSpec& spec, const uint64_t* i, size_t n, const BatchLayout& l,
-                unsigned char* out) noexcept {
+                const std::vector<Segment>& segments, unsigned char* out) noexcept {
     with_type(spec.in, [&](auto in) {
         with_type(spec.out, [&](auto to) {
             using In = decltype(in);
             using Out = decltype(to);
-            if (r.sharded()) {
+            if (spec.windows) {
+                fill_windows<In, Out>(r, spec, i, n, l, segments, out);
+            } else if (r.sharded()) {
                 fill_typed<In, Out, true>(r, spec, i, n, l, out);
             } else {
                 fill_typed<In, Out, false>(r, spec, i, n, l, out);
@@ -374,7 +438,8 @@ uint64_t Batcher::pending() const {
 
 void Batcher::fill(Slot& slot, const Job& job) {
     const std::vector<uint64_t>& indices = job.indices;
-    BatchLayout l = plan_batch(*job.records, spec_, indices.data(), indices.size());
+    std::vector<Segment> segments;  // token windows' (none for records)
+    BatchLayout l = plan_batch(*job.records, spec_, indices.data(), indices.size(), segments);
     // use_count() == 1: no batch handed out still holds this block. The fence pairs with the
     // release in the last holder's decrement, so its reads of the old batch come before our writes.
     bool reusable = slot.block && slot.block.use_count() == 1 && slot.block->capacity() >= l.bytes;
@@ -383,7 +448,7 @@ void Batcher::fill(Slot& slot, const Job& job) {
         slot.block.reset();
         slot.block = std::make_shared<Block>(l.bytes + l.bytes / 4, pinned_);  // room to grow a little
     }
-    fill_batch(*job.records, spec_, indices.data(), indices.size(), l, slot.block->data());
+    fill_batch(*job.records, spec_, indices.data(), indices.size(), l, segments, slot.block->data());
     slot.layout = l;
 }
 

@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "records.hpp"
+#include "tokens.hpp"
 
 namespace smstore {
 
@@ -35,6 +36,10 @@ struct CollateSpec {
     bool fixed_length = false;  // pad to max_length, not to the longest record
     uint64_t multiple = 1;      // the padded width is rounded up to a multiple of this
     bool with_indices = false;  // also write the batch's record indices (int64)
+    // Token windows instead of records: an index is a window of this stream, gathered as its
+    // segments into a row of length + 1 tokens (lengths all length + 1; the options above but
+    // `in`, `out` and `with_indices` unused).
+    std::shared_ptr<const TokenStream> windows;
 };
 
 // Where the parts of one collated batch lie in its buffer (byte offsets, each 64-byte aligned).
@@ -49,11 +54,13 @@ struct BatchLayout {
 };
 
 // Checks the batch (every index below records.size(), its shard open, every record inside its data
-// section and a whole number of items) and returns its layout. Throws Error.
-BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n);
-// Writes the batch planned by plan_batch into out (layout.bytes, 64-byte aligned).
+// section and a whole number of items) and returns its layout; for token windows, also lists the
+// windows' segments in `segments` (cleared first). Throws Error.
+BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
+                       std::vector<Segment>& segments);
+// Writes the batch planned by plan_batch (with its segments) into out (layout.bytes, 64-byte aligned).
 void fill_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
-                const BatchLayout& layout, unsigned char* out) noexcept;
+                const BatchLayout& layout, const std::vector<Segment>& segments, unsigned char* out) noexcept;
 
 // Memory a batch is written to; page-locked (through the CUDA runtime already loaded in this
 // process) when asked for and possible. Owned through shared_ptr: a buffer handed to Python is

@@ -17,18 +17,61 @@ Records::Records(std::shared_ptr<const Store> store)
 
 Records::Records(std::shared_ptr<const ShardIndex> index, std::vector<std::shared_ptr<const Store>> shards,
                  std::string label)
-    : index_(std::move(index)), stores_(std::move(shards)), size_(index_->size()), label_(std::move(label)) {
-    if (stores_.size() != index_->shard_count()) throw std::invalid_argument("one store per shard is needed");
+    : Records(index, std::move(shards), std::vector<uint64_t>(index->shard_count(), 0), std::move(label)) {
+    for (size_t k = 0; k < stores_.size(); ++k) {
+        if (stores_[k] && stores_[k]->size() != index_->shard_size(k)) {
+            throw std::invalid_argument("a shard's record count differs");
+        }
+    }
+}
+
+Records::Records(std::shared_ptr<const ShardIndex> index, std::vector<std::shared_ptr<const Store>> stores,
+                 const std::vector<uint64_t>& firsts, std::string label)
+    : index_(std::move(index)), stores_(std::move(stores)), size_(index_->size()), label_(std::move(label)) {
+    if (stores_.size() != index_->shard_count() || firsts.size() != stores_.size()) {
+        throw std::invalid_argument("one store and first record per shard are needed");
+    }
     offsets_.assign(stores_.size(), nullptr);
     data_.assign(stores_.size(), nullptr);
     data_size_.assign(stores_.size(), 0);
     for (size_t k = 0; k < stores_.size(); ++k) {
         const Store* s = stores_[k].get();
         if (!s) continue;
-        if (s->size() != index_->shard_size(k)) throw std::invalid_argument("a shard's record count differs");
-        offsets_[k] = s->offsets();
+        if (firsts[k] > s->size() || s->size() - firsts[k] < index_->shard_size(k)) {
+            throw std::invalid_argument("a run of records does not fit its store");
+        }
+        offsets_[k] = s->offsets() + firsts[k];
         data_[k] = s->data();
         data_size_[k] = s->data_size();
+    }
+}
+
+namespace {
+
+std::shared_ptr<const ShardIndex> concatenated(const std::vector<std::shared_ptr<const Records>>& parts) {
+    std::vector<uint64_t> starts{0};
+    for (const auto& part : parts) {
+        const uint64_t base = starts.back();
+        if (!part->sharded()) {
+            starts.push_back(base + part->size());
+            continue;
+        }
+        const std::vector<uint64_t>& own = part->index().starts();
+        for (size_t k = 1; k < own.size(); ++k)
+            starts.push_back(base + own[k]);
+    }
+    return std::make_shared<const ShardIndex>(std::move(starts));
+}
+
+}  // namespace
+
+Records::Records(const std::vector<std::shared_ptr<const Records>>& parts, std::string label)
+    : index_(concatenated(parts)), size_(index_->size()), label_(std::move(label)) {
+    for (const auto& part : parts) {
+        stores_.insert(stores_.end(), part->stores_.begin(), part->stores_.end());
+        offsets_.insert(offsets_.end(), part->offsets_.begin(), part->offsets_.end());
+        data_.insert(data_.end(), part->data_.begin(), part->data_.end());
+        data_size_.insert(data_size_.end(), part->data_size_.begin(), part->data_size_.end());
     }
 }
 

@@ -13,11 +13,12 @@
 
 namespace smstore {
 
-// An immutable view of records 0..size()-1: one blob, or the shards of a dataset that were open
-// when it was made. It holds each of its stores (so their mappings outlive a close() or a release
-// of them elsewhere while a batch reads them) and, per shard, what a read needs: the offsets index,
-// the data section and its size. A shard that was not open has no offsets: reading one of its
-// records is an error (the caller opens every shard a batch reads before making the view).
+// An immutable view of records 0..size()-1: one blob, the shards of a dataset that were open when
+// it was made, or several of those one after another. It holds each of its stores (so their
+// mappings outlive a close() or a release of them elsewhere while a batch reads them) and, per
+// shard, what a read needs: the offsets index, the data section and its size. A shard that was not
+// open has no offsets: reading one of its records is an error (the caller opens every shard a
+// batch reads before making the view).
 class Records {
 public:
     explicit Records(std::shared_ptr<const Store> store);
@@ -25,10 +26,20 @@ public:
     // the dataset in errors.
     Records(std::shared_ptr<const ShardIndex> index, std::vector<std::shared_ptr<const Store>> shards,
             std::string label);
+    // The records of `parts` one after another (a mixture's sources): their shards, in order, are
+    // this view's shards, each kept as its part keeps it.
+    Records(const std::vector<std::shared_ptr<const Records>>& parts, std::string label);
+    // Shard k of `index` is records [firsts[k], firsts[k] + its size) of stores[k] (null where it
+    // is not open): a block window's blocks, each the daemon's piece (first 0) or a run of records
+    // of its shard's file. Throws std::invalid_argument where a run does not fit its store.
+    Records(std::shared_ptr<const ShardIndex> index, std::vector<std::shared_ptr<const Store>> stores,
+            const std::vector<uint64_t>& firsts, std::string label);
 
     uint64_t size() const noexcept { return size_; }
     const std::string& label() const noexcept { return label_; }
     bool sharded() const noexcept { return index_ != nullptr; }
+    // Which shard holds a record: only when sharded().
+    const ShardIndex& index() const noexcept { return *index_; }
 
     // (shard, index within it) of record i < size().
     std::pair<size_t, uint64_t> locate(uint64_t i) const noexcept {

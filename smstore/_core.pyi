@@ -286,7 +286,20 @@ class BatchSpec:
         multiple: int = 1,
         with_indices: bool = False,
     ) -> None: ...
+    @staticmethod
+    def windows(
+        *,
+        in_dtype: str,
+        out_dtype: str,
+        length: int,
+        eod: int | None,
+        token_starts: Sequence[int],
+        record_starts: Sequence[int],
+    ) -> BatchSpec: ...
 
+def locate_in_shard(
+    offsets: npt.NDArray[np.uint64], item: int, per_doc: int, token: int
+) -> tuple[int, int]: ...
 def collate_batch(
     spec: BatchSpec, store: Store | ShardedStore, indices: _Indices, pinned: bool = False
 ) -> _BatchArrays: ...
@@ -294,7 +307,12 @@ def pinned_blocks_available() -> bool: ...
 
 class Batcher:
     def __init__(
-        self, store: Store | ShardedStore, spec: BatchSpec, threads: int, depth: int, pinned: bool = False
+        self,
+        store: Store | ShardedStore | list[Store | ShardedStore] | Any,
+        spec: BatchSpec,
+        threads: int,
+        depth: int,
+        pinned: bool = False,
     ) -> None: ...
     def submit_from(
         self, iterator: Iterator[SupportsIndex], batch_size: int, max_batches: int, drop_last: bool

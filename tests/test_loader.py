@@ -860,3 +860,376 @@ def test_a_sampler_that_closes_the_loader_mid_draw_is_refused_not_a_crash(
     )
     assert r.returncode == 0, (r.returncode, r.stderr[-2000:])
     assert "loader is closed" in r.stdout, r.stdout
+
+
+# -- token windows ----------------------------------------------------------------------------
+
+
+def token_stream(eod: int | None) -> np.ndarray:
+    """The documents of the u2 stores concatenated, each followed by eod when given."""
+    tail = [] if eod is None else [eod]
+    return np.concatenate([np.r_[record(i), tail].astype(np.int64) for i in range(N)])
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("dtype", [np.int64, np.int32, np.uint16])
+@pytest.mark.parametrize(("length", "eod"), [(1, None), (7, 65001), (40, None), (300, 0)])
+@pytest.mark.parametrize("data", DATA)
+def test_token_windows_are_the_dataloaders_batches(
+    stores: dict[str, Path], data: str, length: int, eod: int | None, dtype: Any, threads: int
+) -> None:
+    windows = smstore.TokenWindows(stores[data], length, eod=eod, dtype=dtype)
+    sampler = GlobalShuffleSampler(len(windows), seed=4, rank=0, world_size=1)
+    expected = list(DataLoader(windows, batch_size=5, sampler=sampler))  # the default collate
+    with Loader(windows, sampler=sampler, batch_size=5, threads=threads) as loader:
+        got = list(loader)
+    assert len(got) == len(expected) == len(loader)
+    whole, order = token_stream(eod), list(sampler)
+    for n, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert list(g) == ["tokens", "indices"]
+        assert g["tokens"].dtype == e.dtype
+        assert g["tokens"].shape == e.shape
+        assert g["tokens"].numpy().tobytes() == e.numpy().tobytes()
+        assert g["indices"].tolist() == order[n * 5 : n * 5 + 5]
+        # And against the stream itself (not TokenWindows' own reads).
+        for row, k in zip(g["tokens"].numpy(), g["indices"].tolist(), strict=True):
+            assert np.array_equal(row, whole[k * length : k * length + length + 1].astype(dtype))
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_token_windows_locate_is_the_cores_rule(stores: dict[str, Path], data: str) -> None:
+    # TokenWindows.locate and the Loader's threads share one rule (_core.locate_in_shard): check
+    # it against the stream's own document boundaries, for every token, with and without eod.
+    for eod in (None, 5):
+        windows = smstore.TokenWindows(stores[data], 7, eod=eod)
+        per_doc = 0 if eod is None else 1
+        starts = np.cumsum([0] + [len(record(i)) + per_doc for i in range(N)])
+        for t in range(windows.tokens):
+            doc = int(np.searchsorted(starts, t, side="right")) - 1
+            assert windows.locate(t) == (doc, t - int(starts[doc])), t
+
+
+def assert_resumes_exactly(
+    loader_of: Any, make: Any, world_before: int, world_after: int, k: int = 4
+) -> list[dict[str, Any]]:
+    """Every rank of world_before stops after k batches (more prefetched) and saves its state; every
+    rank of world_after resumes from rank 0's: the ranks' batches interleaved are the order of
+    world size 1, continued exactly (the last step padded). Returns the states saved."""
+    order = flat_indices(list(loader_of(make(0, 1))))
+    states, first, rest = [], [], []
+    for rank in range(world_before):
+        with loader_of(make(rank, world_before)) as loader:
+            it = iter(loader)
+            first.append(flat_indices([next(it) for _ in range(k)]))
+            states.append(loader.state_dict())
+    assert all(s["consumed"] == states[0]["consumed"] for s in states)
+    for rank in range(world_after):
+        with loader_of(make(rank, world_after)) as loader:
+            loader.load_state_dict(states[0])
+            rest.append(flat_indices(list(loader)))
+    seen = [x for step in zip(*first, strict=True) for x in step]
+    seen += [x for step in zip(*rest, strict=True) for x in step]
+    assert seen[: len(order)] == order
+    assert len(seen) - len(order) < world_after
+    return states
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8), (1, 3)])
+@pytest.mark.parametrize("data", DATA)
+def test_token_windows_resume_at_another_world_size(
+    stores: dict[str, Path], data: str, world_before: int, world_after: int
+) -> None:
+    windows = smstore.TokenWindows(stores[data], 9, eod=0)
+
+    def make(rank: int, world: int) -> Any:
+        return GlobalShuffleSampler(len(windows), seed=2, rank=rank, world_size=world)
+
+    states = assert_resumes_exactly(
+        lambda sampler: Loader(windows, sampler=sampler, batch_size=3), make, world_before, world_after
+    )
+    assert states[0]["consumed"] == 4 * 3 * world_before
+
+
+def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_path: Path) -> None:
+    windows = smstore.TokenWindows(stores["u2-sharded"], 16)
+    n = len(windows)
+    with (
+        Loader(windows, sampler=[0, n], batch_size=2) as loader,
+        pytest.raises(
+            smstore.RecordIndexError, match=r"u2-sharded.*the sampler gave record index \d+, out of range"
+        ),
+    ):
+        list(loader)
+    with pytest.raises(TypeError, match="no TokenCollator options"):
+        Loader(windows, dtype=torch.long)
+    with pytest.raises(ValueError, match="documents shuffled per epoch"):
+        Loader(smstore.TokenWindows(stores["u2-sharded"], 16, seed=0), batch_size=2)
+    # Windows made over other data than the store now holds: refused at once, or named per batch.
+    other = smstore.TokenWindows(stores["u2"], 16)
+    other._record_starts = np.array([0, N + 1], dtype=np.int64)
+    with pytest.raises(
+        smstore.StoreFormatError, match=r"u2\.smst: the token windows were made over 241 records"
+    ):
+        list(Loader(other, batch_size=2))
+    longer = smstore.TokenWindows(stores["u2"], 16)
+    longer._token_starts = np.array(
+        [0, longer.tokens + 1000], dtype=np.int64
+    )  # as if the blob had more tokens
+    with (
+        Loader(longer, sampler=[len(longer) + 50], batch_size=1) as loader,
+        pytest.raises(smstore.StoreFormatError, match=r"u2\.smst: document \d+ .*made over other data"),
+    ):
+        list(loader)
+    # Records that are not whole tokens (an odd number of bytes under npy:<u2>).
+    odd = tmp_path / "odd.smst"
+    w = smstore._core.Writer(str(odd), False)
+    w.extend([b"\x01\x00", b"\x01\x00\x02\x00\x03"])
+    w.finish(build_metadata("npy:<u2"))
+    with (
+        Loader(smstore.TokenWindows(odd, 1), sampler=[1], batch_size=1) as loader,
+        pytest.raises(
+            smstore.StoreFormatError,
+            match=r"odd\.smst: record 1 of 5 bytes is not a whole number of 2-byte tokens",
+        ),
+    ):
+        list(loader)
+
+
+def test_token_windows_close_and_new_pass(stores: dict[str, Path]) -> None:
+    windows = smstore.TokenWindows(stores["u2-sharded"], 11, eod=1)
+    loader = Loader(windows, batch_size=4, threads=2)
+    first = next(iter(loader))
+    again = next(iter(loader))  # a new pass starts over
+    assert torch.equal(first["tokens"], again["tokens"])
+    loader.close()
+    assert torch.equal(first["tokens"], torch.from_numpy(np.stack([windows[k] for k in range(4)])))
+    assert "TokenWindows" in repr(loader)
+
+
+# -- mixtures of several stores ---------------------------------------------------------------
+
+
+def mixture_of(stores: dict[str, Path], weights: tuple[float, ...] = (0.5, 0.3, 0.2)) -> Any:
+    """Three sources of uint16 records: a blob, a sharded dataset (as a SharedStoreDataset) and another blob."""
+    from smstore.sampling import MixtureDataset
+
+    sources = [
+        smstore.open(stores["u2"], raw=True),
+        smstore.SharedStoreDataset(stores["big-sharded"], mode="mmap"),
+        smstore.open(stores["big"], raw=True),
+    ]
+    return MixtureDataset(sources, list(weights))
+
+
+MIXTURE_OPTIONS = [{}, {"layout": "pack"}, {"dtype": torch.long, "max_length": 6, "pad_value": -1}]
+
+
+@pytest.mark.parametrize("options", MIXTURE_OPTIONS, ids=["default", "pack", "long,max6"])
+@pytest.mark.parametrize(("world", "rank"), [(1, 0), (3, 1)])
+def test_mixture_of_stores_is_the_dataloaders_batches(
+    stores: dict[str, Path], world: int, rank: int, options: dict[str, Any]
+) -> None:
+    ds = mixture_of(stores)
+
+    def make() -> Any:
+        return MixtureSampler(ds, seed=6, rank=rank, world_size=world)
+
+    # The slow path: the DataLoader reads each record through the MixtureDataset, TokenCollator
+    # collates the records it is given.
+    collate = TokenCollator(ds.sources[0], **options)
+    expected = list(DataLoader(ds, sampler=make(), batch_size=11, collate_fn=collate))
+    order = list(make())
+    with Loader(ds, sampler=make(), batch_size=11, threads=2, **options) as loader:
+        got = list(loader)
+    assert len(got) == len(expected)
+    for n, g in enumerate(got):
+        assert g["indices"].tolist() == order[n * 11 : n * 11 + 11]
+        del g["indices"]
+    assert_same_batches(got, expected)
+    assert "MixtureDataset" in repr(loader)
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8)])
+def test_mixture_of_stores_resumes_at_another_world_size(
+    stores: dict[str, Path], world_before: int, world_after: int
+) -> None:
+    ds = mixture_of(stores)
+
+    def make(rank: int, world: int) -> Any:
+        return MixtureSampler(ds, seed=9, rank=rank, world_size=world)
+
+    b = 8
+    states = assert_resumes_exactly(
+        lambda sampler: Loader(ds, sampler=sampler, batch_size=b, depth=3), make, world_before, world_after
+    )
+    assert len(states[0]["store_checksum"]) == 3
+    # A state of other sources is refused.
+    with Loader(mixture_of(stores, (0.2, 0.3, 0.5)), batch_size=b) as other:
+        other.sampler = make(0, 1)
+        state = dict(states[0], store_checksum=[1, 2, 3])
+        with pytest.raises(smstore.StoreChangedError, match=r"u2\.smst, .*big-sharded"):
+            other.load_state_dict(state)
+
+
+def test_mixture_bad_input_is_a_store_error(stores: dict[str, Path]) -> None:
+    from smstore.sampling import MixtureDataset
+
+    ds = mixture_of(stores)
+    n = len(ds)
+    with (
+        Loader(ds, sampler=[0, n], batch_size=2) as loader,
+        pytest.raises(
+            smstore.RecordIndexError,
+            match=r"a mixture of 3 sources \(.*u2\.smst, .*big-sharded.*record index \d+",
+        ),
+    ):
+        list(loader)
+    mixed = MixtureDataset(
+        [smstore.open(stores["u2"], raw=True), smstore.open(stores["i4"], raw=True)], [1, 1]
+    )
+    with pytest.raises(ValueError, match="one dtype is needed"):
+        Loader(mixed, batch_size=2)
+    with pytest.raises(TypeError, match="not with collate="):
+        Loader(ds, collate=TokenCollator(stores["u2"]))
+
+
+# -- through a real daemon: windows of shards, block windows, token windows, mixtures, object storage --
+
+
+def daemon_sampler(kind: str, ds: Any) -> Any:
+    if kind == "windowed":
+        return WindowedShuffleSampler(ds, window=2, seed=7, rank=0, world_size=1, lag=32)
+    return BlockWindowSampler(ds, block=150, spread=2, seed=7, rank=0, world_size=1)
+
+
+@pytest.mark.parametrize("kind", ["windowed", "block"])
+def test_windows_and_blocks_of_a_dataset_served_by_the_daemon(
+    stores: dict[str, Path], start_daemon: Any, kind: str, tmp_path: Path
+) -> None:
+    """The daemon loads what each sampler holds (whole shards, or blocks of records); the Loader
+    opens each shard a batch reads through the dataset's opener and yields the DataLoader's batches."""
+    import shutil
+
+    data = tmp_path / "ds"
+    shutil.copytree(stores["big-sharded"], data)
+    start_daemon(loaded=0)
+    mmapped = smstore.SharedStoreDataset(data, mode="mmap")
+    reference_sampler = daemon_sampler(kind, mmapped)
+    expected = reference(data, reference_sampler, 16, False, max_length=9)
+    getattr(reference_sampler, "close", lambda: None)()
+    ds = smstore.SharedStoreDataset(data, mode="daemon")
+    sampler = daemon_sampler(kind, ds)
+    source = ds if kind == "windowed" else block_reader(data, sampler)
+    try:
+        with Loader(source, sampler=sampler, batch_size=16, max_length=9, depth=3) as loader:
+            got = list(loader)
+        assert sampler.residency.kind == "daemon"
+        if kind == "block":  # the daemon's pieces were read, not (only) the files
+            assert source.block_reads > 0
+    finally:
+        sampler.close()
+        getattr(source, "close", lambda: None)()
+    assert_same_batches(got, expected)
+
+
+def block_reader(data: Path, sampler: Any) -> Any:
+    """What a block window's records are read through: the daemon's pieces, else the shard files."""
+    from smstore.wire.blocks import BlockReader
+
+    return BlockReader(data, block=sampler.block, keep=sampler.keep)
+
+
+def test_token_windows_and_a_mixture_over_a_dataset_served_by_the_daemon(
+    stores: dict[str, Path], start_daemon: Any, tmp_path: Path
+) -> None:
+    import shutil
+
+    from smstore.sampling import MixtureDataset
+
+    data = tmp_path / "ds"
+    shutil.copytree(stores["u2-sharded"], data)
+    shards = sorted(data.glob("*.smst"))
+    start_daemon(*shards)  # every shard loaded: a global shuffle holds none
+    ds = smstore.SharedStoreDataset(data, mode="daemon")
+    windows = smstore.TokenWindows(ds, 33, eod=0)
+    sampler = GlobalShuffleSampler(len(windows), seed=1, rank=0, world_size=1)
+    expected = list(DataLoader(windows, batch_size=6, sampler=sampler))
+    with Loader(windows, sampler=sampler, batch_size=6) as loader:
+        got = [b["tokens"] for b in loader]
+    assert [g.numpy().tobytes() for g in got] == [e.numpy().tobytes() for e in expected]
+    mixture = MixtureDataset([ds, smstore.open(stores["u2"], raw=True)], [0.6, 0.4])
+    sampler = MixtureSampler(mixture, seed=1, rank=0, world_size=1)
+    expected = list(
+        DataLoader(mixture, sampler=sampler, batch_size=6, collate_fn=TokenCollator(stores["u2"]))
+    )
+    with Loader(mixture, sampler=sampler, batch_size=6) as loader:
+        got = list(loader)
+    for g in got:
+        del g["indices"]
+    assert_same_batches(got, expected)
+
+
+@pytest.mark.parametrize("kind", ["windowed", "block"])
+def test_shards_in_object_storage_through_the_daemon(
+    request: pytest.FixtureRequest, start_daemon: Any, kind: str, tmp_path: Path
+) -> None:
+    """A manifest naming its shards by URL (moto's S3): the daemon fetches what the sampler holds,
+    the Loader reads it and yields the batches of the same records read from local files."""
+    for module in ("obstore", "boto3", "moto.server"):
+        pytest.importorskip(module, reason="the remote extra and moto[server] are needed")
+    from remote_testlib import remote_dataset
+
+    manifest, _data, _checksums = remote_dataset(request.getfixturevalue("s3"), tmp_path, f"loader-{kind}")
+    local = tmp_path / f"loader-{kind}-local"  # the same shards, as files
+    mmapped = smstore.SharedStoreDataset(local, mode="mmap")
+    reference_sampler = daemon_sampler(kind, mmapped)
+    expected = reference(local, reference_sampler, 32, False, layout="pack")
+    getattr(reference_sampler, "close", lambda: None)()
+    d = start_daemon(loaded=0)
+    ds = smstore.SharedStoreDataset(manifest, mode="daemon")
+    sampler = daemon_sampler(kind, ds)
+    source = ds if kind == "windowed" else block_reader(manifest, sampler)
+    try:
+        with Loader(source, sampler=sampler, batch_size=32, layout="pack", depth=3) as loader:
+            got = list(loader)
+    finally:
+        sampler.close()
+        getattr(source, "close", lambda: None)()
+    assert_same_batches(got, expected)
+    # Each shard's bytes fetched once: as whole shards, or as the blocks held (never both).
+    shards = sum(p.stat().st_size for p in local.glob("*.smst"))
+    assert d.status()["metrics"]["fetched_bytes"] <= 1.1 * shards
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_block_windows_through_a_block_reader_without_a_daemon(
+    stores: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch, world_size: int
+) -> None:
+    """No daemon answers: the reader gives each block as a run of its shard's file, and the
+    Loader's batches are the DataLoader's; an index outside the dataset names its manifest."""
+    from smstore.wire.blocks import BlockReader
+
+    monkeypatch.setenv("SMSTORE_SOCKET", str(tmp_path / "none.sock"))
+    data = stores["big-sharded"]
+    for rank in range(world_size):
+        sampler = BlockWindowSampler(
+            smstore.SharedStoreDataset(data, mode="mmap"),
+            block=170,
+            spread=3,
+            seed=2,
+            rank=rank,
+            world_size=world_size,
+            residency=False,
+        )
+        expected = reference(data, sampler, 12, False, layout="pack")
+        reader = BlockReader(data, block=170, keep=sampler.keep)
+        with Loader(reader, sampler=sampler, batch_size=12, layout="pack") as loader:
+            assert_same_batches(list(loader), expected)
+        assert reader.file_reads > 0
+        assert reader.block_reads == 0
+        with (
+            Loader(reader, sampler=[0, BIG], batch_size=2) as loader,
+            pytest.raises(smstore.RecordIndexError, match=r"big-sharded.*record index 3000"),
+        ):
+            list(loader)
+        reader.close()

@@ -2,6 +2,7 @@
 #include <pybind11/numpy.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <iterator>
 #include <optional>
 #include <string>
@@ -99,15 +100,106 @@ std::pair<uint64_t, std::string> size_and_label(py::handle store) {
     return {core.size(), core.label()};
 }
 
+// A mixture's sources (each a Store or a ShardedStore) read as one run of records: source s holds
+// the mixture's global records [starts[s], starts[s + 1]), as MixtureDataset.locate splits them.
+class MixtureSources {
+public:
+    explicit MixtureSources(py::handle sources) {
+        std::string names;
+        for (py::handle source : sources) {
+            auto [count, label] = size_and_label(source);
+            sources_.push_back(py::reinterpret_borrow<py::object>(source));
+            starts_.push_back(starts_.back() + count);
+            parts_.push_back(is_sharded(source.ptr()) ? nullptr : records_of(source, {}));
+            names += (names.empty() ? "" : ", ") + label;
+        }
+        if (sources_.empty()) throw py::value_error("a mixture needs at least one source");
+        label_ = "a mixture of " + std::to_string(sources_.size()) + " sources (" + names + ")";
+    }
+    uint64_t size() const noexcept { return starts_.back(); }
+    const std::string& label() const noexcept { return label_; }
+
+    // What batches of the global records `indices` (each < size()) read: every source's records
+    // (a sharded one's after opening the shards these lie in), as one view, made again only when
+    // a source's own view changed.
+    std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
+        std::vector<std::vector<uint64_t>> local(sources_.size());
+        for (uint64_t i : indices) {
+            auto s = static_cast<size_t>(std::upper_bound(starts_.begin(), starts_.end(), i) - starts_.begin()) - 1;
+            local[s].push_back(i - starts_[s]);
+        }
+        bool changed = !view_;
+        for (size_t s = 0; s < sources_.size(); ++s) {
+            if (!is_sharded(sources_[s].ptr())) continue;                             // a blob's view never changes
+            std::shared_ptr<const Records> part = records_of(sources_[s], local[s]);  // may run Python code
+            changed = changed || part != parts_[s];
+            parts_[s] = std::move(part);
+        }
+        if (changed) view_ = std::make_shared<const Records>(parts_, label_);
+        return view_;
+    }
+
+private:
+    std::vector<py::object> sources_;
+    std::vector<uint64_t> starts_{0};
+    std::vector<std::shared_ptr<const Records>> parts_;  // each source's view as of the last batch
+    std::shared_ptr<const Records> view_;                // theirs, one after another
+    std::string label_;
+};
+
+// A block window's reader (smstore.wire.blocks.BlockReader): its blocks are the shards of a view,
+// each opened through the reader (the daemon's piece, else a run of its shard's file) before
+// the batches that read it are queued, so the Loader reads what a DataLoader worker would.
+class BlockSource {
+public:
+    explicit BlockSource(py::handle reader)
+        : reader_(py::reinterpret_borrow<py::object>(reader)),
+          index_(std::make_shared<const ShardIndex>(reader.attr("block_starts")().cast<std::vector<uint64_t>>())),
+          label_(py::str(reader.attr("path")).cast<std::string>()) {}
+    uint64_t size() const noexcept { return index_->size(); }
+    const std::string& label() const noexcept { return label_; }
+
+    // What batches of `indices` (each < size()) read: the blocks they lie in, each as the reader
+    // gives it now, in a view of those alone (the reader detaches the pieces it moved past, and a
+    // view must not keep them mapped for long). The last view is used again while every block
+    // read is in it as the reader gives it (a view is O(blocks) to make).
+    std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
+        std::vector<std::shared_ptr<const Store>> stores(index_->shard_count());
+        std::vector<uint64_t> firsts(index_->shard_count(), 0);
+        py::object block_store = reader_.attr("block_store");
+        bool same = view_ != nullptr;
+        for (uint64_t i : indices) {
+            size_t b = index_->locate(i).first;
+            if (stores[b]) continue;
+            py::tuple got = block_store(b);  // may run Python code (a wait for the daemon)
+            PyStore* store = py_store_from(got[0].ptr());
+            if (!store) throw py::error_already_set();
+            stores[b] = store->shared();
+            firsts[b] = got[1].cast<uint64_t>();
+            same = same && view_->shard(b) == stores[b].get() && view_->offsets(b) == stores[b]->offsets() + firsts[b];
+        }
+        if (!same) view_ = std::make_shared<const Records>(index_, std::move(stores), firsts, label_);
+        return view_;
+    }
+
+private:
+    py::object reader_;
+    std::shared_ptr<const ShardIndex> index_;  // one "shard" per block
+    std::shared_ptr<const Records> view_;      // the last view made
+    std::string label_;
+};
+
 py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
+    if (spec.windows) throw py::value_error("collate_batch batches records: token windows go through a Batcher");
     std::vector<uint64_t> idx = normalize_indices(indices, size_and_label(store).first);  // may run Python code
     std::shared_ptr<const Records> keep = records_of(store, idx);
     ReadyBatch ready;
     {
         py::gil_scoped_release release;
-        ready.layout = plan_batch(*keep, spec, idx.data(), idx.size());
+        std::vector<Segment> none;
+        ready.layout = plan_batch(*keep, spec, idx.data(), idx.size(), none);
         ready.block = std::make_shared<Block>(ready.layout.bytes, pinned);
-        fill_batch(*keep, spec, idx.data(), idx.size(), ready.layout, ready.block->data());
+        fill_batch(*keep, spec, idx.data(), idx.size(), ready.layout, none, ready.block->data());
     }
     return batch_arrays(spec, ready, BatchDtypes(spec));
 }
@@ -119,8 +211,21 @@ class PyBatcher {
 public:
     PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
         : spec_(spec), store_(py::reinterpret_borrow<py::object>(store)) {
-        std::tie(count_, label_) = size_and_label(store);
-        if (!is_sharded(store.ptr())) records_ = records_of(store, {});
+        if (py::hasattr(store, "block_store")) {
+            if (spec.windows) throw py::value_error("token windows read one store, not a block reader");
+            blocks_.emplace(store);
+            count_ = blocks_->size();
+            label_ = blocks_->label();
+        } else if (py::isinstance<py::list>(store)) {
+            if (spec.windows) throw py::value_error("token windows read one store, not a mixture's sources");
+            mixture_.emplace(store);
+            count_ = mixture_->size();
+            label_ = mixture_->label();
+        } else {
+            std::tie(count_, label_) = size_and_label(store);
+            if (spec.windows) count_ = checked_stream(store, *spec.windows, count_, label_);
+            if (!is_sharded(store.ptr())) records_ = records_of(store, {});
+        }
         batcher_ = std::make_shared<Batcher>(label_, spec, threads, depth, pinned);
     }
 
@@ -264,7 +369,36 @@ private:
 
     // What batches of `indices` read: for a ShardedStore, after opening the shards they lie in.
     std::shared_ptr<const Records> records_for(const std::vector<uint64_t>& indices) {
-        return records_ ? records_ : records_of(store_, indices);
+        if (records_) return records_;
+        if (mixture_) return mixture_->records_for(indices);
+        if (blocks_) return blocks_->records_for(indices);
+        if (!spec_.windows) return records_of(store_, indices);
+        // Token windows: the first document of every shard a window's tokens lie in (a window
+        // may cross from one shard into the next ones).
+        const TokenStream& stream = *spec_.windows;
+        std::vector<uint64_t> documents;
+        size_t last = SIZE_MAX;
+        for (uint64_t w : indices) {
+            size_t from = stream.shard_of(w * stream.length), to = stream.shard_of(w * stream.length + stream.length);
+            for (size_t k = from == last ? from + 1 : from; k <= to; ++k)
+                documents.push_back(stream.record_starts[k]);
+            last = to;
+        }
+        return records_of(store_, documents);
+    }
+
+    // The windows of `stream` over `store` (`records` records), checked against the store.
+    static uint64_t checked_stream(py::handle store, const TokenStream& stream, uint64_t records,
+                                   const std::string& label) {
+        size_t shards = is_sharded(store.ptr()) ? py_sharded_from(store.ptr())->shard_count() : 1;
+        if (stream.record_starts.size() != shards + 1 || stream.record_starts.back() != records) {
+            throw Error(Error::Kind::Format, label + ": the token windows were made over " +
+                                                 std::to_string(stream.record_starts.back()) + " records in " +
+                                                 std::to_string(stream.record_starts.size() - 1) +
+                                                 " shards, this store has " + std::to_string(records) + " in " +
+                                                 std::to_string(shards) + ": make them again over it");
+        }
+        return stream.windows();
     }
 
     void check_index(Py_ssize_t value) const {
@@ -282,6 +416,8 @@ private:
     CollateSpec spec_;
     py::object store_;
     std::shared_ptr<const Records> records_;  // a Store's (one view for every batch); null for a ShardedStore
+    std::optional<MixtureSources> mixture_;   // a list of stores: a mixture's sources
+    std::optional<BlockSource> blocks_;       // a block window's reader
     BatchDtypes dtypes_{spec_};
     uint64_t count_ = 0;
     std::string label_;
@@ -320,8 +456,53 @@ void register_loader(py::module_& m) {
              }),
              py::kw_only(), py::arg("pack"), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("pad_value") = 0,
              py::arg("max_length") = py::none(), py::arg("truncate_left") = false, py::arg("pad_left") = false,
-             py::arg("fixed_length") = false, py::arg("multiple") = 1, py::arg("with_indices") = false);
+             py::arg("fixed_length") = false, py::arg("multiple") = 1, py::arg("with_indices") = false)
+        .def_static(
+            "windows",
+            [](const std::string& in_dtype, const std::string& out_dtype, uint64_t length, std::optional<int64_t> eod,
+               std::vector<uint64_t> token_starts, std::vector<uint64_t> record_starts) {
+                CollateSpec s;
+                s.in = parse_dtype(in_dtype);
+                s.out = parse_dtype(out_dtype);
+                if (is_float(s.in) || is_float(s.out)) throw py::value_error("token windows are integers");
+                if (length == 0) throw py::value_error("length must be >= 1");
+                bool sorted = std::is_sorted(token_starts.begin(), token_starts.end()) &&
+                              std::is_sorted(record_starts.begin(), record_starts.end());
+                if (token_starts.size() < 2 || token_starts.size() != record_starts.size() || !sorted ||
+                    token_starts[0] != 0 || record_starts[0] != 0) {
+                    throw py::value_error(
+                        "token_starts and record_starts: one entry per shard and one more, from 0, "
+                        "never decreasing");
+                }
+                auto stream = std::make_shared<TokenStream>();
+                stream->token_starts = std::move(token_starts);
+                stream->record_starts = std::move(record_starts);
+                stream->item = dtype_size(s.in);
+                stream->length = length;
+                stream->has_eod = eod.has_value();
+                stream->eod = eod.value_or(0);
+                s.windows = std::move(stream);
+                s.with_indices = true;
+                return s;
+            },
+            py::kw_only(), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("length"), py::arg("eod"),
+            py::arg("token_starts"), py::arg("record_starts"),
+            "Token windows of `length` + 1 tokens over a stream of documents (TokenWindows): per shard, the "
+            "stream positions and records it starts at, and one more entry for the end.");
 
+    m.def(
+        "locate_in_shard",
+        [](const py::array_t<uint64_t, py::array::c_style>& offsets, uint64_t item, uint64_t per_doc, uint64_t t) {
+            if (offsets.ndim() != 1 || offsets.size() < 2 || item == 0) {
+                throw py::value_error("offsets must be a shard's offsets index (1-D, 2 or more) and item >= 1");
+            }
+            DocumentAt at =
+                locate_in_shard(offsets.data(), static_cast<uint64_t>(offsets.size()) - 1, item, per_doc, t);
+            return py::make_tuple(at.record, at.offset);
+        },
+        py::arg("offsets"), py::arg("item"), py::arg("per_doc"), py::arg("token"),
+        "(record, offset): where token t of a shard's stream lies (each record's tokens, then per_doc eod "
+        "tokens), by a binary search of its offsets index: the one rule of TokenWindows and the Loader.");
     m.def("collate_batch", &collate_batch, py::arg("spec"), py::arg("store"), py::arg("indices"),
           py::arg("pinned") = false,
           "One TokenCollator batch of `store`'s records at `indices`, gathered with the GIL released: "

@@ -73,8 +73,8 @@ class Loader:
 
     Args:
         source: What ``TokenCollator`` takes: a ``.smst`` path or a sharded dataset's manifest, a
-            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``. Leave it out when
-            passing ``collate``.
+            ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``; or a ``TokenWindows``,
+            a ``MixtureDataset`` or a ``BlockReader`` (above). Leave it out when passing ``collate``.
         sampler: An iterable of record indices (by default ``range(len(store))``).
         batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
         collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
@@ -92,6 +92,24 @@ class Loader:
             cores. With 0, each batch is made on the loop's thread when asked for.
         pin_memory: Page-locked buffers, when ``torch.cuda.is_available()`` (ignored otherwise).
 
+    **Token windows.** ``Loader(windows, sampler=S, batch_size=B)`` over a
+    :class:`~smstore.TokenWindows` yields ``{"tokens": [B, length + 1], "indices": [B]}``: the
+    tokens byte for byte what ``DataLoader(windows, sampler=S, batch_size=B)``'s default collate
+    stacks (the windows' dtype), each window located by the threads from the offsets indexes (the
+    rule of ``TokenWindows.locate``) and gathered as segments of documents with the eod token
+    between them. No collate options: a window is given as it is.
+
+    **Mixtures.** ``Loader(mixture, sampler=MixtureSampler(mixture, ...), batch_size=B, **options)``
+    over a :class:`~smstore.sampling.MixtureDataset` whose sources are blobs or sharded datasets
+    (stores or ``SharedStoreDataset``) of one record dtype: the batches of the DataLoader
+    over the ``MixtureDataset`` with ``TokenCollator(**options)`` collating its records (plus
+    ``indices``, the mixture's), the sources read as one run of records.
+
+    **Block windows.** Under a ``BlockWindowSampler``, pass the ``BlockReader`` a DataLoader
+    worker would read through (``smstore.wire.blocks``) as the source: each block a batch reads
+    is the daemon's piece, else a run of its shard's file, handed over by the reader on the
+    loop's thread before the batch is queued.
+
     **Sharded datasets.** A manifest (or a ``SharedStoreDataset`` of one) is read the same way:
     before a chunk of batches is queued, the shards its records lie in are opened on the loop's
     thread through the dataset's own opener (the daemon's copy, waited for as a DataLoader worker
@@ -101,7 +119,11 @@ class Loader:
 
     Raises:
         ValueError: Options the C++ batcher cannot do (bfloat16 tokens, float records to integer
-            tokens: use a DataLoader with ``TokenCollator`` for those).
+            tokens: use a DataLoader with ``TokenCollator`` for those); a mixture's sources of
+            different record dtypes.
+        TypeError: ``collate=`` with windows or a mixture, or collate options with windows.
+        StoreFormatError: (while iterating) windows made over other data than their store holds,
+            or a document that is not a whole number of tokens.
         RecordIndexError: (while iterating) the sampler gave an index outside the dataset.
         StoreChangedError: (while iterating) a shard differs from the manifest's record of it.
         StoreError: (while iterating) a shard could not be opened (missing, or the daemon cannot
@@ -121,14 +143,6 @@ class Loader:
         pin_memory: bool = False,
         **collate_options: Any,
     ) -> None:
-        if collate is None:
-            if source is None:
-                msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
-                raise TypeError(msg)
-            collate = TokenCollator(source, **collate_options)
-        elif source is not None or collate_options:
-            msg = "pass either collate= or a source with TokenCollator's options, not both"
-            raise TypeError(msg)
         for name, value, least in (
             ("batch_size", batch_size, 1),
             ("depth", depth, 1),
@@ -137,17 +151,68 @@ class Loader:
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 msg = f"{name} must be an integer >= {least}, not {value!r}"
                 raise ValueError(msg)
-        spec, store = collate.batch_spec(), collate.store
-        if spec is None:
-            msg = (
-                f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
-                f"{collate.dtype}, store {type(collate.store).__name__}): it reads integer or float records "
-                "into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
-            )
-            raise ValueError(msg)
+        windows = source if _is_instance(source, "smstore.read.tokens", "TokenWindows") else None
+        mixture = source if _is_instance(source, "smstore.sampling.mixture", "MixtureDataset") else None
+        blocks = source if _is_instance(source, "smstore.wire.blocks", "BlockReader") else None
+        if (windows is not None or mixture is not None or blocks is not None) and collate is not None:
+            msg = f"pass {source!r} alone (with TokenCollator's options for a mixture), not with collate="
+            raise TypeError(msg)
+        store: Any
+        if windows is not None:
+            if collate_options:
+                msg = f"{windows!r} gives its samples as they are: pass no TokenCollator options"
+                raise TypeError(msg)
+            spec, store, count = windows.batch_spec(), windows.store, len(windows)
+            if spec is None:
+                why = (
+                    "documents shuffled per epoch"
+                    if windows.seed is not None
+                    else "tokens not in native byte order"
+                )
+                msg = f"smstore.Loader cannot batch {windows!r} ({why}): use a DataLoader"
+                raise ValueError(msg)
+        else:
+            if mixture is not None:
+                # One collator per source: the same options, and the same record dtype, or refused.
+                collators = [TokenCollator(s, **collate_options) for s in mixture.sources]
+                collate, store, count = collators[0], [c.store for c in collators], len(mixture)
+                dtypes = {c.record_dtype for c in collators}
+                if len(dtypes) > 1:
+                    msg = f"{mixture!r}: its sources hold records of {sorted(map(str, dtypes))}; one dtype is needed"
+                    raise ValueError(msg)
+            elif blocks is not None:
+                # The manifest's encoding and checksum (no shard opened: shards in object storage
+                # are opened through the daemon); the records are read through the reader.
+                mode = "daemon" if any(blocks.remote) else "mmap"
+                collate = TokenCollator(
+                    blocks.path, **{"mode": mode, "socket": blocks.socket, **collate_options}
+                )
+                store, count = collate.store, len(blocks)
+            elif collate is None:
+                if source is None:
+                    msg = "Loader needs a source (a path, dataset or Store) or a collate=TokenCollator(...)"
+                    raise TypeError(msg)
+                collate = TokenCollator(source, **collate_options)
+                store, count = collate.store, len(collate)
+            elif source is not None or collate_options:
+                msg = "pass either collate= or a source with TokenCollator's options, not both"
+                raise TypeError(msg)
+            else:
+                store, count = collate.store, len(collate)
+            spec = collate.batch_spec()
+            if spec is None or (mixture is not None and not all(c.batch_spec() for c in collators)):
+                msg = (
+                    f"smstore.Loader cannot batch {collate!r} (records {collate.record_dtype}, tokens "
+                    f"{collate.dtype}, store {type(collate.store).__name__}): it reads integer or float records "
+                    "into integer or float tokens; use DataLoader(collate_fn=TokenCollator(...))"
+                )
+                raise ValueError(msg)
         self.collate = collate
-        self.store = store
-        self.sampler: Iterable[int] = sampler if sampler is not None else range(len(collate))
+        self.windows = windows
+        self.mixture = mixture
+        self.store = store  # the data: a Store, a ShardedStore, or a mixture's list of them
+        self._reads: Any = blocks if blocks is not None else store  # what the C++ batcher reads
+        self.sampler: Iterable[int] = sampler if sampler is not None else range(count)
         self.batch_size = batch_size
         self.drop_last = bool(drop_last)
         self.depth = depth
@@ -175,7 +240,7 @@ class Loader:
         self._pass += 1
         self._received, self._exhausted = 0, False
         self._pid = os.getpid()
-        batcher = _core.Batcher(self.store, self._spec, self.threads, self.depth, self._pinned)
+        batcher = _core.Batcher(self._reads, self._spec, self.threads, self.depth, self._pinned)
         self._batcher = batcher
         ours = sys.modules.get("smstore.sampling.sampler")  # not loaded: the sampler is not one of ours
         if ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
@@ -195,7 +260,9 @@ class Loader:
         # The per-batch work on the loop's thread is kept to a few operations: batches are queued
         # in chunks (the index count kept here, not asked of C++ per batch), and each is turned
         # into tensors inline (what batch_tensors does).
-        from_numpy, pack = torch.from_numpy, self.collate.layout == "pack"
+        from_numpy = torch.from_numpy
+        pack = self.collate is not None and self.collate.layout == "pack"
+        windows = self.windows is not None  # {"tokens", "indices"}: the windows' default collate
         pid, chunk, depth, size = self._pid, max(self.depth, 8), self.depth, self.batch_size
         drop_last, copy_to_pinned = self.drop_last, self._copy_to_pinned
         take = batcher.next
@@ -215,7 +282,8 @@ class Loader:
                 batch = {"tokens": from_numpy(tokens)}
                 if pack:
                     batch["cu_seqlens"] = from_numpy(cu_seqlens)
-                batch["lengths"] = from_numpy(lengths)
+                if not windows:
+                    batch["lengths"] = from_numpy(lengths)
                 if ids is not None:
                     batch["indices"] = from_numpy(ids)
                 if copy_to_pinned:
@@ -255,7 +323,7 @@ class Loader:
             raise TypeError(msg)
         local = sys.maxsize if self._exhausted else self._received * self.batch_size
         state = dict(state_of(local_consumed=local))
-        state["store_checksum"] = self.store.checksum
+        state["store_checksum"] = _checksum(self.store)
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -265,11 +333,16 @@ class Loader:
             StoreChangedError: The state was saved over other data.
             ValueError: The sampler refuses the state (another dataset size, malformed).
         """
-        checksum = state.get("store_checksum")
-        if checksum is not None and checksum != self.store.checksum:
+        checksum, ours = state.get("store_checksum"), _checksum(self.store)
+        if checksum is not None and checksum != ours:
+            paths = (
+                ", ".join(str(s.path) for s in self.store)
+                if isinstance(self.store, list)
+                else self.store.path
+            )
             msg = (
-                f"{self.store.path}: the loader state was saved over data with checksum {checksum}, "
-                f"this store has {self.store.checksum}: its positions would name other records"
+                f"{paths}: the loader state was saved over data with checksum {checksum}, "
+                f"this data has {ours}: its positions would name other records"
             )
             raise StoreChangedError(msg)
         load = getattr(self.sampler, "load_state_dict", None)
@@ -309,7 +382,7 @@ class Loader:
 
     def __repr__(self) -> str:
         return (
-            f"Loader({self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
+            f"Loader({self.windows or self.mixture or self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
             f"threads={self.threads}, pinned={self._pinned})"
         )
 
@@ -357,6 +430,17 @@ def _array_feed(batcher: _core.Batcher, chunks: Iterator[np.ndarray[Any, np.dtyp
         return submit_array(indices, size, drop_last), exhausted
 
     return feed
+
+
+def _is_instance(value: Any, module: str, name: str) -> bool:
+    """isinstance(value, module.name), without importing the module (not loaded: it is not one)."""
+    loaded = sys.modules.get(module)
+    return loaded is not None and isinstance(value, getattr(loaded, name))
+
+
+def _checksum(store: Any) -> Any:
+    """What a state records of the data: the store's checksum, or a mixture's sources' in order."""
+    return [s.checksum for s in store] if isinstance(store, list) else store.checksum
 
 
 def _cuda_available() -> bool:

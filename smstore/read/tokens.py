@@ -119,6 +119,12 @@ class TokenDocuments:
     def _store(self) -> Any:
         return getattr(self.source, "store", self.source)
 
+    @property
+    def store(self) -> Any:
+        """The ``Store`` or ``ShardedStore`` the documents are read from (a dataset source's,
+        attached in this process)."""
+        return self._store()
+
     def _offsets(self, shard: int) -> np.ndarray[Any, Any]:
         store = self._store()
         return (store.shard(shard) if isinstance(store, _core.ShardedStore) else store).offsets
@@ -152,16 +158,10 @@ class TokenDocuments:
         k = int(np.searchsorted(self._token_starts, token, side="right")) - 1
         offsets = self._offsets(k).data
         item, per_doc = self.token_dtype.itemsize, 0 if self.eod is None else 1
-        t = token - int(self._token_starts[k])
-        # The last record j whose first token is at or before t: offsets[j] / item + per_doc * j <= t.
-        lo, hi = 0, len(offsets) - 2
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if offsets[mid] // item + per_doc * mid <= t:
-                lo = mid
-            else:
-                hi = mid - 1
-        return k, lo, t - (offsets[lo] // item + per_doc * lo), offsets
+        # The last record j whose first token is at or before t: the core's one rule, which
+        # smstore.Loader's threads apply too.
+        j, at = _core.locate_in_shard(self._offsets(k), item, per_doc, token - int(self._token_starts[k]))
+        return k, j, at, offsets
 
     def gather(
         self, segments: np.ndarray[Any, Any] | list[tuple[int, int, int]], out: np.ndarray[Any, Any]
@@ -308,6 +308,21 @@ class TokenWindows(TokenDocuments):
         group = _Group(bounds, order, np.cumsum(spans[order], dtype=np.int64))
         self._groups[level] = ((shard, lo, hi), group)
         return group
+
+    def batch_spec(self) -> _core.BatchSpec | None:
+        """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options;
+        None for tokens or samples in a byte order not this machine's, or documents shuffled per
+        epoch (the threads locate windows in stored order only)."""
+        if self.seed is not None or not (self.token_dtype.isnative and self.dtype.isnative):
+            return None
+        return _core.BatchSpec.windows(
+            in_dtype=f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
+            out_dtype=f"{self.dtype.kind}{self.dtype.itemsize}",
+            length=self.length,
+            eod=self.eod,
+            token_starts=self._token_starts.tolist(),
+            record_starts=self._record_starts.tolist(),
+        )
 
     def segments(self, index: int) -> np.ndarray[Any, np.dtype[np.int64]]:
         """Sample ``index``'s segments ``(document, first, count)``, int64 rows, in order."""

@@ -131,6 +131,31 @@ class BlockReader:
         self.file_reads += 1
         return bytes(self._file(k)[i - self.starts[k]])
 
+    def block_starts(self) -> list[int]:
+        """The dataset's global record at which each block begins (shard by shard, as
+        :func:`shard_block` cuts each shard), then the record count: what smstore.Loader indexes by."""
+        if not hasattr(self, "_blocks"):
+            self._blocks: list[Piece] = []
+            for k in range(len(self.starts) - 1):
+                records = self.starts[k + 1] - self.starts[k]
+                m = max(1, records // self.block)
+                self._blocks += [Piece(k, t * records // m, (t + 1) * records // m) for t in range(m)]
+        return [self.starts[p.shard] + p.first for p in self._blocks] + [self.starts[-1]]
+
+    def block_store(self, b: int) -> tuple[_core.Store, int]:
+        """Block ``b``'s records as ``(store, first)``: records ``first ..`` of the store, the daemon's
+        piece (first 0) if it serves it, else the shard's file (as :meth:`__getitem__` reads them)."""
+        if self._pid != os.getpid():  # a forked child: its own connection and mappings
+            self._pieces, self._files, self._pid = OrderedDict(), {}, os.getpid()
+        self.block_starts()
+        piece = self._blocks[b]
+        store = self._piece(piece)
+        if store is not None:
+            self.block_reads += 1
+            return store, 0
+        self.file_reads += 1
+        return self._file(piece.shard), piece.first
+
     def _piece(self, piece: Piece) -> _core.Store | None:
         key = piece_id(self.shards[piece.shard][1], piece.first, piece.end)
         entry = self._pieces.get(key)

@@ -1,0 +1,62 @@
+// Token streams: documents of tokens concatenated (an end-of-document token after each, or none),
+// read as windows of length + 1 tokens (Megatron GPTDataset's samples) through gathers of segments.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <vector>
+
+#include "records.hpp"
+
+namespace smstore {
+
+// `count` tokens of document (global record) `document` from its token `first`, then `fill`
+// fill tokens (a window's end-of-document token; a packed bin's padding). A window, or a bin, is
+// a run of these gathered back to back.
+struct Segment {
+    uint64_t document = 0;
+    uint64_t first = 0;
+    uint64_t count = 0;
+    uint64_t fill = 0;
+};
+
+// The stream of a dataset's documents in stored order: shard k's documents are records
+// [record_starts[k], record_starts[k + 1]) and its tokens (eod included) stream positions
+// [token_starts[k], token_starts[k + 1]).
+struct TokenStream {
+    std::vector<uint64_t> token_starts;
+    std::vector<uint64_t> record_starts;
+    uint64_t item = 1;     // bytes of a stored token
+    uint64_t length = 1;   // a window holds length + 1 tokens; window k starts at token k * length
+    bool has_eod = false;  // an end-of-document token follows every document
+    int64_t eod = 0;       // its value
+    uint64_t windows() const noexcept;
+    // The shard holding stream token t < token_starts.back() (never one without tokens).
+    size_t shard_of(uint64_t t) const noexcept;
+};
+
+// The one rule of where a stream position lies inside one shard: the last record j of the
+// `records` whose first token is at or before t, i.e. offsets[j] / item + per_doc * j <= t (a
+// binary search of the offsets index, O(log n) reads), and t's place in it (its eod is at the
+// document's length). TokenWindows.locate calls this too.
+struct DocumentAt {
+    uint64_t record = 0;  // within the shard
+    uint64_t offset = 0;
+};
+DocumentAt locate_in_shard(const uint64_t* offsets, uint64_t records, uint64_t item, uint64_t per_doc,
+                           uint64_t t) noexcept;
+
+// Stream position t -> (global document, offset): the step a shuffled document order replaces.
+// The shard holding t must be open in `records`. Throws Error when its offsets disagree with the
+// stream's token counts (data other than the stream was built from).
+struct StreamPosition {
+    uint64_t document = 0;
+    uint64_t offset = 0;
+};
+StreamPosition stream_locate(const Records& records, const TokenStream& stream, uint64_t t);
+
+// Appends window `sample`'s segments (length + 1 tokens in all) to `out`, checking every document
+// it reads (inside its shard's data, a whole number of tokens). Throws Error.
+void window_segments(const Records& records, const TokenStream& stream, uint64_t sample, std::vector<Segment>& out);
+
+}  // namespace smstore
