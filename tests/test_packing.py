@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import pickle
 from pathlib import Path
@@ -15,6 +14,7 @@ from hypothesis import strategies as st
 from smstore_testlib import (
     interleave,
     packed_bins_digest,
+    reference_pack_lengths,
     run_child,
     token_datasets,
     token_documents,
@@ -154,37 +154,6 @@ def test_a_batch_of_bins_collates_for_varlen_attention_in_a_dataloader(token_dat
         PackedBins.collate([{"tokens": np.zeros(3)}, {"tokens": np.zeros(4)}])
 
 
-def reference_pack(
-    lengths: list[int], length: int, open_bins: int, algorithm: str, close: str
-) -> list[list[tuple[int, int, int]]]:
-    """The packer's rule written plainly (the oracle of the C++ one): bins of rows (document, first, count)."""
-    bins: list[list[tuple[int, int, int]]] = []
-    open_: list[tuple[int, int]] = []  # (room, bin) sorted: the fullest, then the oldest, first
-    for doc, n in enumerate(lengths):
-        first = 0
-        while n - first >= length:
-            bins.append([(doc, first, length)])
-            first += length
-        piece = n - first
-        if not piece:
-            continue
-        fits = [(room, b) for room, b in open_ if room >= piece]
-        if fits:
-            room, b = fits[0] if algorithm == "best-fit" else min(fits, key=lambda o: o[1])
-            open_.remove((room, b))
-        else:
-            if len(open_) == open_bins:
-                if close == "all":
-                    open_.clear()
-                else:
-                    open_.remove(open_[0] if close == "fullest" else min(open_, key=lambda o: o[1]))
-            room, b = length, len(bins)
-            bins.append([])
-        bins[b].append((doc, first, piece))
-        bisect.insort(open_, (room - piece, b))
-    return bins
-
-
 def as_bins(segments: np.ndarray, starts: np.ndarray) -> list[list[tuple[int, int, int]]]:
     return [[tuple(r) for r in segments[starts[b] : starts[b + 1]].tolist()] for b in range(len(starts) - 1)]
 
@@ -202,10 +171,10 @@ def test_the_cpp_packer_equals_the_reference(
     for algorithm, close in itertools.product(ALGORITHMS, CLOSES):
         rule = {"open_bins": open_bins, "algorithm": algorithm, "close": close}
         got = as_bins(*pack_lengths(lengths, length, **rule))
-        assert got == reference_pack(lengths, length, open_bins, algorithm, close)
+        assert got == as_bins(*reference_pack_lengths(lengths, length, **rule))
         counts = _core.count_bins(np.array(lengths, dtype=np.int64), group, length=length, **rule)
         expect = [
-            len(reference_pack(lengths[a : a + group], length, open_bins, algorithm, close))
+            len(reference_pack_lengths(lengths[a : a + group], length, **rule)[1]) - 1
             for a in range(0, len(lengths), group)
         ]
         assert counts.tolist() == expect
