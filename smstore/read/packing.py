@@ -65,15 +65,16 @@ class PackedBins(TokenDocuments):
 
     The documents (records, each followed by ``eod`` when one is given) are taken in groups of
     ``group`` consecutive documents (shuffled within the group by ``seed`` when one is given), and
-    each group is packed by :func:`pack_lengths` (best-fit, at most ``open_bins`` bins open): a
+    each group is packed by :func:`pack_lengths` (best-fit, at most ``open_bins`` bins open, the
+    fullest closed first; ``close=`` picks another rule): a
     document longer than ``length`` is split into ``length``-token pieces, as Megatron's and
     Grain's packing split them, each piece its own sequence. Bin ``k`` belongs to one group, so it
     is found by packing that group alone; the last ``cache_groups`` groups' packings are kept.
 
     **Memory.** Packing a group holds O(``group`` + ``open_bins``) rows; the object keeps one
     int64 per group (the bins before it) and the cached groups' segments: never the dataset.
-    Construction packs every group once to count its bins (the documents' lengths from the
-    offsets indexes, no token read), O(documents) time in bounded memory.
+    Construction counts every group's bins (the documents' lengths from the offsets indexes, no
+    token read; the C++ packer over a chunk of groups a call), O(documents) time in bounded memory.
 
     **Order.** A map-style dataset: ``len(bins)`` bins, so any sampler shuffles them, with
     :class:`~smstore.GlobalShuffleSampler`'s exact resumable order at any world size. Bins in
@@ -157,7 +158,7 @@ class PackedBins(TokenDocuments):
         order: Int64s = np.random.default_rng([self.seed, g]).permutation(size)
         return order
 
-    def _count_bins(self, chunk: int = 1 << 22) -> Int64s:
+    def _count_bins(self, chunk: int = 1 << 20) -> Int64s:
         """Every group's bins, counted in C++ a chunk of whole groups at a time (the lengths from the
         offsets indexes, no token read): bounded memory, no per-group call in stored order."""
         per_chunk = self.group * max(1, chunk // self.group)
