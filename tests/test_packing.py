@@ -66,13 +66,16 @@ def check_bins(bins: PackedBins, docs: list[np.ndarray], eod: int | None) -> Non
 
 @pytest.mark.parametrize("kind", ["blob", "sharded"])
 @pytest.mark.parametrize(
-    ("eod", "algorithm", "seed"), [(None, "best-fit", None), (0, "first-fit", 3), (0, "best-fit", 4)]
+    ("eod", "algorithm", "seed", "close"),
+    [(None, "best-fit", None, "fullest"), (0, "first-fit", 3, "all"), (0, "best-fit", 4, "oldest")],
 )
 def test_every_token_of_every_document_is_in_exactly_one_bin(
-    token_data: Data, kind: str, eod: int | None, algorithm: str, seed: int | None
+    token_data: Data, kind: str, eod: int | None, algorithm: str, seed: int | None, close: str
 ) -> None:
     paths, docs = token_data
-    bins = PackedBins(paths[kind], 128, eod=eod, group=500, open_bins=4, algorithm=algorithm, seed=seed)
+    bins = PackedBins(
+        paths[kind], 128, eod=eod, group=500, open_bins=4, algorithm=algorithm, seed=seed, close=close
+    )
     assert sum(bins.group_sizes) == len(bins)
     assert len(bins.group_sizes) == 6
     check_bins(bins, docs, eod)
@@ -294,6 +297,8 @@ def test_bad_input_is_refused_naming_the_file(tmp_path: Path) -> None:
         PackedBins(tmp_path / "u.smst", 8, group=0)
     with pytest.raises(ValueError, match="algorithm"):
         PackedBins(tmp_path / "u.smst", 8, algorithm="worst-fit")
+    with pytest.raises(ValueError, match="close"):
+        PackedBins(tmp_path / "u.smst", 8, close="emptiest")
     with pytest.raises(ValueError, match="pad"):
         PackedBins(tmp_path / "u.smst", 8, pad=-1, dtype=np.uint16)
     bins = PackedBins(tmp_path / "u.smst", 8)
