@@ -100,6 +100,24 @@ class WindowedOrder:
     def strided(self, first: int, step: int, count: int, wrap: int) -> list[int]: ...
     def strided_array(self, first: int, step: int, count: int, wrap: int) -> npt.NDArray[np.int64]: ...
 
+def pack_lengths(
+    lengths: npt.ArrayLike,
+    length: int,
+    *,
+    open_bins: int,
+    algorithm: str,
+    close: str,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
+def count_bins(
+    lengths: npt.ArrayLike,
+    group: int,
+    *,
+    length: int,
+    open_bins: int,
+    algorithm: str,
+    close: str,
+) -> npt.NDArray[np.int64]: ...
+
 class MixtureTree:
     def __init__(
         self,

@@ -625,6 +625,46 @@ def outcome_past_a_fifo(fn: Callable[[], Any], fifo: str | os.PathLike[str], wha
     return outcome[0]
 
 
+def reference_pack_lengths(
+    lengths: Sequence[int] | Any, length: int, *, open_bins: int, algorithm: str, close: str
+) -> tuple[Any, Any]:
+    """The packer written in Python (the C++ one's oracle, and bench_packing's "before"): the rule of
+    smstore.read.packing.pack_lengths, the same (segments, starts), an open bin found by bisection."""
+    import bisect
+    from operator import itemgetter
+
+    import numpy as np
+
+    best, oldest = algorithm == "best-fit", itemgetter(1)
+    bins: list[list[tuple[int, int, int]]] = []
+    open_: list[tuple[int, int]] = []  # (room, bin) sorted: the fullest first, the oldest among equals
+    for doc, n in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
+        first = 0
+        while n - first >= length:
+            bins.append([(doc, first, length)])
+            first += length
+        piece = n - first
+        if not piece:
+            continue
+        i = bisect.bisect_left(open_, (piece, -1))
+        if i < len(open_):
+            room, b = open_.pop(i) if best else open_.pop(open_.index(min(open_[i:], key=oldest), i))
+        else:
+            if len(open_) == open_bins:
+                if close == "all":
+                    open_.clear()
+                else:
+                    del open_[0 if close == "fullest" else open_.index(min(open_, key=oldest))]
+            room, b = length, len(bins)
+            bins.append([])
+        bins[b].append((doc, first, piece))
+        bisect.insort(open_, (room - piece, b))
+    starts = np.zeros(len(bins) + 1, dtype=np.int64)
+    np.cumsum([len(b) for b in bins], out=starts[1:])
+    segments = np.array([s for b in bins for s in b], dtype=np.int64).reshape(-1, 3)
+    return segments, starts
+
+
 def packed_bins_digest(path: str, options: dict[str, Any], q: Any) -> None:
     """A spawned child: the hash of every bin's segments and tokens of PackedBins(path, **options)."""
     import hashlib

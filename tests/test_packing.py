@@ -9,9 +9,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from smstore_testlib import (
     interleave,
     packed_bins_digest,
+    reference_pack_lengths,
     run_child,
     token_datasets,
     token_documents,
@@ -19,8 +22,9 @@ from smstore_testlib import (
 )
 
 import smstore
+from smstore import _core
 from smstore.errors import StoreFormatError
-from smstore.read.packing import PackedBins, pack_lengths
+from smstore.read.packing import ALGORITHMS, CLOSES, PackedBins, pack_lengths
 
 Data = tuple[dict[str, Path], list[np.ndarray]]
 
@@ -62,13 +66,16 @@ def check_bins(bins: PackedBins, docs: list[np.ndarray], eod: int | None) -> Non
 
 @pytest.mark.parametrize("kind", ["blob", "sharded"])
 @pytest.mark.parametrize(
-    ("eod", "algorithm", "seed"), [(None, "best-fit", None), (0, "first-fit", 3), (0, "best-fit", 4)]
+    ("eod", "algorithm", "seed", "close"),
+    [(None, "best-fit", None, "fullest"), (0, "first-fit", 3, "all"), (0, "best-fit", 4, "oldest")],
 )
 def test_every_token_of_every_document_is_in_exactly_one_bin(
-    token_data: Data, kind: str, eod: int | None, algorithm: str, seed: int | None
+    token_data: Data, kind: str, eod: int | None, algorithm: str, seed: int | None, close: str
 ) -> None:
     paths, docs = token_data
-    bins = PackedBins(paths[kind], 128, eod=eod, group=500, open_bins=4, algorithm=algorithm, seed=seed)
+    bins = PackedBins(
+        paths[kind], 128, eod=eod, group=500, open_bins=4, algorithm=algorithm, seed=seed, close=close
+    )
     assert sum(bins.group_sizes) == len(bins)
     assert len(bins.group_sizes) == 6
     check_bins(bins, docs, eod)
@@ -148,6 +155,64 @@ def test_a_batch_of_bins_collates_for_varlen_attention_in_a_dataloader(token_dat
         assert batch["segments"][:, 0].tolist() == [r for r, b in enumerate(got) for _ in b["segments"]]
     with pytest.raises(ValueError, match="pad"):
         PackedBins.collate([{"tokens": np.zeros(3)}, {"tokens": np.zeros(4)}])
+
+
+def as_bins(segments: np.ndarray, starts: np.ndarray) -> list[list[tuple[int, int, int]]]:
+    return [[tuple(r) for r in segments[starts[b] : starts[b + 1]].tolist()] for b in range(len(starts) - 1)]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 40), max_size=120),
+    length=st.integers(1, 24),
+    open_bins=st.integers(1, 6),
+    group=st.integers(1, 50),
+)
+def test_the_cpp_packer_equals_the_reference(
+    lengths: list[int], length: int, open_bins: int, group: int
+) -> None:
+    for algorithm, close in itertools.product(ALGORITHMS, CLOSES):
+        rule = {"open_bins": open_bins, "algorithm": algorithm, "close": close}
+        got = as_bins(*pack_lengths(lengths, length, **rule))
+        assert got == as_bins(*reference_pack_lengths(lengths, length, **rule))
+        counts = _core.count_bins(np.array(lengths, dtype=np.int64), group, length=length, **rule)
+        expect = [
+            len(reference_pack_lengths(lengths[a : a + group], length, **rule)[1]) - 1
+            for a in range(0, len(lengths), group)
+        ]
+        assert counts.tolist() == expect
+
+
+def test_the_packer_refuses_bad_arguments_and_takes_big_lengths() -> None:
+    rule: dict[str, Any] = {"open_bins": 2, "algorithm": "best-fit", "close": "all"}
+    for bad in (
+        {"algorithm": "worst-fit"},
+        {"close": "emptiest"},
+        {"open_bins": 0},
+        {"length": 0},
+        {"lengths": [3, -1]},
+        {"lengths": [[1, 2]]},
+    ):
+        args = {"lengths": [1], "length": 10, **rule, **bad}
+        with pytest.raises(ValueError, match=next(iter(bad)).rstrip("s")):
+            _core.pack_lengths(args.pop("lengths"), args.pop("length"), **args)
+    with pytest.raises(ValueError, match="group"):
+        _core.count_bins(np.ones(3, np.int64), 0, length=4, **rule)
+    big = 3 * 2**31 + 5  # longer than int32 and than a bin: whole bins, then its rest packed
+    segments, starts = pack_lengths([big, 7], 2**31, **rule)
+    assert as_bins(segments, starts) == [
+        [(0, 0, 2**31)],
+        [(0, 2**31, 2**31)],
+        [(0, 2**32, 2**31)],
+        [(0, 3 * 2**31, 5), (1, 0, 7)],
+    ]
+    assert _core.count_bins(np.array([big, 2**40], np.int64), 1, length=2**31, **rule).tolist() == [4, 2**9]
+
+
+def test_grain_closing_rule_closes_every_open_bin() -> None:
+    # Two open bins (rooms 3 and 1); 5 fits neither: Grain's rule closes both, so 3 joins 5.
+    segments, starts = pack_lengths([7, 9, 5, 3, 2], 10, open_bins=2, close="all")
+    assert as_bins(segments, starts) == [[(0, 0, 7)], [(1, 0, 9)], [(2, 0, 5), (3, 0, 3), (4, 0, 2)]]
 
 
 def test_pack_lengths_best_fit_first_fit_and_splits() -> None:
@@ -232,6 +297,8 @@ def test_bad_input_is_refused_naming_the_file(tmp_path: Path) -> None:
         PackedBins(tmp_path / "u.smst", 8, group=0)
     with pytest.raises(ValueError, match="algorithm"):
         PackedBins(tmp_path / "u.smst", 8, algorithm="worst-fit")
+    with pytest.raises(ValueError, match="close"):
+        PackedBins(tmp_path / "u.smst", 8, close="emptiest")
     with pytest.raises(ValueError, match="pad"):
         PackedBins(tmp_path / "u.smst", 8, pad=-1, dtype=np.uint16)
     bins = PackedBins(tmp_path / "u.smst", 8)

@@ -13,6 +13,7 @@ PYBIND11_MODULE(_core, m) {  // needs the GIL: stores and writers are not safe w
     smstore::bindings::register_shm(m);
     smstore::bindings::register_sampler(m);
     smstore::bindings::register_mixture(m);
+    smstore::bindings::register_bins(m);
     smstore::bindings::register_loader(m);
     smstore::bindings::register_hash(m);
 }

@@ -73,6 +73,13 @@ struct FsPath {
     std::string value;
 };
 
+// The length of a 1-D array argument (a py::array_t) named `name`; ValueError for any other shape.
+template <typename Array>
+size_t flat_size(const Array& array, const char* name) {
+    if (array.ndim() != 1) throw pybind11::value_error(std::string(name) + " must be a 1-D array");
+    return static_cast<size_t>(array.size());
+}
+
 // The DataLoader takes indices one at a time from a sampler: a list of ints is what it wants.
 pybind11::list to_list(const std::vector<int64_t>& values);
 
@@ -85,6 +92,7 @@ void register_packers(pybind11::module_& m);
 void register_shm(pybind11::module_& m);
 void register_sampler(pybind11::module_& m);
 void register_mixture(pybind11::module_& m);
+void register_bins(pybind11::module_& m);
 void register_loader(pybind11::module_& m);
 void register_hash(pybind11::module_& m);
 

@@ -19,15 +19,10 @@ namespace {
 using Positions = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>;
 using Int64s = py::array_t<int64_t>;
 
-size_t flat_size(const Positions& positions) {
-    if (positions.ndim() != 1) throw py::value_error("positions must be a 1-D array");
-    return static_cast<size_t>(positions.size());
-}
-
 // Two int64 arrays the size of positions, filled by f(in, first, second, count) without the GIL.
 template <class F>
 std::pair<Int64s, Int64s> two_arrays(const Positions& positions, F&& f) {
-    size_t count = flat_size(positions);
+    size_t count = flat_size(positions, "positions");
     Int64s first(static_cast<py::ssize_t>(count)), second(static_cast<py::ssize_t>(count));
     const uint64_t* in = positions.data();
     int64_t* x = first.mutable_data();
@@ -82,7 +77,7 @@ void register_mixture(py::module_& m) {
         .def(
             "__call__",
             [](MixtureOrder& o, const Positions& positions) {
-                size_t count = flat_size(positions);
+                size_t count = flat_size(positions, "positions");
                 Int64s out(static_cast<py::ssize_t>(count));
                 const uint64_t* in = positions.data();
                 int64_t* dst = out.mutable_data();

@@ -10,20 +10,19 @@ every process (a function of the data, ``length``, the options and ``seed``).
 
 from __future__ import annotations
 
-import bisect
 from collections import OrderedDict
 from collections.abc import Sequence
-from operator import itemgetter
 from typing import Any
 
 import numpy as np
 
+from smstore import _core
 from smstore.read.tokens import TokenDocuments, positive_length
 
 __all__ = ["ALGORITHMS", "CLOSES", "PackedBins", "pack_lengths"]
 
 ALGORITHMS = ("best-fit", "first-fit")
-CLOSES = ("fullest", "oldest")
+CLOSES = ("fullest", "oldest", "all")
 
 Int64s = np.ndarray[Any, np.dtype[np.int64]]
 
@@ -40,52 +39,25 @@ def pack_lengths(
 
     A document longer than a bin is split: its first ``length``-token pieces are whole bins of
     their own, its rest is packed as a document. Each piece goes into an open bin with room for it,
-    the fullest that has (``"best-fit"``) or the oldest (``"first-fit"``); when none has, a new
-    bin opens, and when more than ``open_bins`` are open the fullest is closed (``close="fullest"``,
-    the default) or the oldest (``"oldest"``: a FIFO buffer, for comparison). Memory is
-    O(documents + open_bins), whatever the bins hold.
+    the fullest that has (``"best-fit"``; the oldest of equals) or the oldest (``"first-fit"``);
+    when none has, a new bin opens, and when ``open_bins`` are open already one is closed first:
+    the fullest (``close="fullest"``, the default), the oldest (``"oldest"``: a FIFO buffer), or
+    all of them (``"all"``: Grain's packers, which emit their whole batch of ``open_bins`` rows
+    when an element fits none). The C++ core runs it without the GIL: O(``open_bins``) a
+    document, memory O(pieces + ``open_bins``).
 
     Returns:
         ``(segments, starts)``: int64 rows ``(position, first, count)`` (``position`` in
         ``lengths``), bin ``b``'s rows being ``segments[starts[b]:starts[b + 1]]``, bins in the
         order they were opened.
+
+    Raises:
+        ValueError: A bad ``algorithm`` or ``close``, ``length`` or ``open_bins`` below 1, or a
+            negative length.
     """
-    if algorithm not in ALGORITHMS:
-        msg = f"algorithm must be one of {ALGORITHMS}, not {algorithm!r}"
-        raise ValueError(msg)
-    if close not in CLOSES:
-        msg = f"close must be one of {CLOSES}, not {close!r}"
-        raise ValueError(msg)
-    if open_bins < 1:
-        msg = f"open_bins must be at least 1, not {open_bins!r}"
-        raise ValueError(msg)
-    best, oldest = algorithm == "best-fit", itemgetter(1)
-    bins: list[list[tuple[int, int, int]]] = []
-    # The open bins as (free tokens, place in `bins`), sorted: the fullest first, the oldest first
-    # among equals; so the best fit is one bisection away.
-    open_: list[tuple[int, int]] = []
-    for doc, n in enumerate(np.asarray(lengths, dtype=np.int64).tolist()):
-        first = 0
-        while n - first >= length:
-            bins.append([(doc, first, length)])
-            first += length
-        piece = n - first
-        if not piece:
-            continue
-        i = bisect.bisect_left(open_, (piece, -1))
-        if i < len(open_):
-            room, b = open_.pop(i) if best else open_.pop(open_.index(min(open_[i:], key=oldest), i))
-        else:
-            if len(open_) == open_bins:
-                del open_[0 if close == "fullest" else open_.index(min(open_, key=oldest))]
-            room, b = length, len(bins)
-            bins.append([])
-        bins[b].append((doc, first, piece))
-        bisect.insort(open_, (room - piece, b))
-    starts = np.zeros(len(bins) + 1, dtype=np.int64)
-    np.cumsum([len(b) for b in bins], out=starts[1:])
-    segments = np.array([s for b in bins for s in b], dtype=np.int64).reshape(-1, 3)
-    return segments, starts
+    return _core.pack_lengths(
+        np.asarray(lengths, dtype=np.int64), length, open_bins=open_bins, algorithm=algorithm, close=close
+    )
 
 
 class PackedBins(TokenDocuments):
@@ -93,15 +65,16 @@ class PackedBins(TokenDocuments):
 
     The documents (records, each followed by ``eod`` when one is given) are taken in groups of
     ``group`` consecutive documents (shuffled within the group by ``seed`` when one is given), and
-    each group is packed by :func:`pack_lengths` (best-fit, at most ``open_bins`` bins open): a
+    each group is packed by :func:`pack_lengths` (best-fit, at most ``open_bins`` bins open, the
+    fullest closed first; ``close=`` picks another rule): a
     document longer than ``length`` is split into ``length``-token pieces, as Megatron's and
     Grain's packing split them, each piece its own sequence. Bin ``k`` belongs to one group, so it
     is found by packing that group alone; the last ``cache_groups`` groups' packings are kept.
 
     **Memory.** Packing a group holds O(``group`` + ``open_bins``) rows; the object keeps one
     int64 per group (the bins before it) and the cached groups' segments: never the dataset.
-    Construction packs every group once to count its bins (the documents' lengths from the
-    offsets indexes, no token read), O(documents) time in bounded memory.
+    Construction counts every group's bins (the documents' lengths from the offsets indexes, no
+    token read; the C++ packer over a chunk of groups a call), O(documents) time in bounded memory.
 
     **Order.** A map-style dataset: ``len(bins)`` bins, so any sampler shuffles them, with
     :class:`~smstore.GlobalShuffleSampler`'s exact resumable order at any world size. Bins in
@@ -123,6 +96,9 @@ class PackedBins(TokenDocuments):
         group: Documents packed together (default 4096).
         open_bins: Bins open at once while packing a group (default 16).
         algorithm: ``"best-fit"`` (the default) or ``"first-fit"``.
+        close: The open bin closed when a piece fits none and ``open_bins`` are open:
+            ``"fullest"`` (the default), ``"oldest"``, or ``"all"`` (Grain's rule); see
+            :func:`pack_lengths`.
         seed: Shuffles the documents within each group (None, the default: stored order).
         cache_groups: Packed groups kept (default 4).
 
@@ -143,6 +119,7 @@ class PackedBins(TokenDocuments):
         open_bins: int = 16,
         algorithm: str = "best-fit",
         seed: int | None = None,
+        close: str = "fullest",
         cache_groups: int = 4,
     ) -> None:
         super().__init__(source, eod=eod, dtype=dtype)
@@ -155,39 +132,65 @@ class PackedBins(TokenDocuments):
             msg = f"pad={pad} does not fit the bins' dtype {self.dtype}"
             raise ValueError(msg)
         self.pad = None if pad is None else int(pad)
-        self.group, self.open_bins, self.algorithm = group, open_bins, algorithm
+        if algorithm not in ALGORITHMS or close not in CLOSES:
+            msg = f"{self.path}: algorithm must be one of {ALGORITHMS} and close one of {CLOSES}, not {algorithm!r}, {close!r}"
+            raise ValueError(msg)
+        self.group, self.open_bins, self.algorithm, self.close = group, open_bins, algorithm, close
         self.seed, self.cache_groups = seed, cache_groups
         self._cache: OrderedDict[int, tuple[Int64s, Int64s]] = OrderedDict()
-        groups = -(-self.documents // group)
-        sizes = [len(self._packed(g, keep=False)[1]) - 1 for g in range(groups)]
-        self.group_sizes = tuple(sizes)
-        self._bin_starts = [0]
-        for size in sizes:
-            self._bin_starts.append(self._bin_starts[-1] + size)
+        self.group_sizes = tuple(self._count_bins().tolist())
+        self._bin_starts = np.zeros(len(self.group_sizes) + 1, dtype=np.int64)
+        np.cumsum(self.group_sizes, out=self._bin_starts[1:])
 
-    def _packed(self, g: int, *, keep: bool = True) -> tuple[Int64s, Int64s]:
+    def _rule(self) -> dict[str, Any]:
+        return {
+            "length": self.length,
+            "open_bins": self.open_bins,
+            "algorithm": self.algorithm,
+            "close": self.close,
+        }
+
+    def _order(self, g: int) -> Int64s | None:
+        """Group ``g``'s documents (offsets in the group) in packing order: None for stored order."""
+        if self.seed is None:
+            return None
+        size = min(self.group, self.documents - g * self.group)
+        order: Int64s = np.random.default_rng([self.seed, g]).permutation(size)
+        return order
+
+    def _count_bins(self, chunk: int = 1 << 20) -> Int64s:
+        """Every group's bins, counted in C++ a chunk of whole groups at a time (the lengths from the
+        offsets indexes, no token read): bounded memory, no per-group call in stored order."""
+        per_chunk = self.group * max(1, chunk // self.group)
+        counts = []
+        for first in range(0, self.documents, per_chunk):
+            lengths = self.lengths(first, min(first + per_chunk, self.documents))
+            if self.seed is not None:
+                for at in range(0, len(lengths), self.group):
+                    order = self._order((first + at) // self.group)
+                    lengths[at : at + len(order)] = lengths[at : at + len(order)][order]  # type: ignore[arg-type]
+            counts.append(_core.count_bins(lengths, self.group, **self._rule()))
+        return np.concatenate(counts) if counts else np.zeros(0, np.int64)
+
+    def _packed(self, g: int) -> tuple[Int64s, Int64s]:
         """Group ``g`` packed: its bins' segments (documents numbered in the dataset) and starts."""
         if g in self._cache:
             self._cache.move_to_end(g)
             return self._cache[g]
         first = g * self.group
-        stop = min(first + self.group, self.documents)
-        order = np.arange(first, stop, dtype=np.int64)
-        if self.seed is not None:
-            order = first + np.random.default_rng([self.seed, g]).permutation(stop - first)
-        lengths = self.lengths(first, stop)[order - first]
-        segments, starts = pack_lengths(
-            lengths, self.length, open_bins=self.open_bins, algorithm=self.algorithm
-        )
-        segments[:, 0] = order[segments[:, 0]]
-        if keep:
-            self._cache[g] = (segments, starts)
-            while len(self._cache) > self.cache_groups:
-                self._cache.popitem(last=False)
+        lengths = self.lengths(first, min(first + self.group, self.documents))
+        order = self._order(g)
+        if order is not None:
+            lengths = lengths[order]
+        segments, starts = _core.pack_lengths(lengths, **self._rule())
+        segments[:, 0] = first + (segments[:, 0] if order is None else order[segments[:, 0]])
+        self._cache[g] = (segments, starts)
+        while len(self._cache) > self.cache_groups:
+            self._cache.popitem(last=False)
         return segments, starts
 
     def __len__(self) -> int:
-        return self._bin_starts[-1]
+        return int(self._bin_starts[-1])
 
     def segments(self, index: int) -> Int64s:
         """Bin ``index``'s segments: int64 rows ``(document, first, count)``, in the bin's order
@@ -198,9 +201,9 @@ class PackedBins(TokenDocuments):
         if not 0 <= k < len(self):
             msg = f"bin {index} out of range for {len(self)} packed bins of {self.path}"
             raise IndexError(msg)
-        g = bisect.bisect_right(self._bin_starts, k) - 1
+        g = int(np.searchsorted(self._bin_starts, k, side="right")) - 1
         segments, starts = self._packed(g)
-        b = k - self._bin_starts[g]
+        b = k - int(self._bin_starts[g])
         rows: Int64s = segments[int(starts[b]) : int(starts[b + 1])].copy()
         return rows
 
