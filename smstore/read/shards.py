@@ -68,7 +68,7 @@ class ShardedStore(_core.ShardedStore):
         opener: ``opener(source) -> Store`` opens one shard, given its source in the manifest
             (default: a file mapping).
         check_files: Check up front that every shard exists with the size the manifest records
-            (one ``stat`` each). Off when shards are served by the daemon.
+            (one ``stat`` per distinct file). Off when shards are served by the daemon.
         keep_alive: Objects that live as long as the store (the daemon connection its shards are
             attached through, what attaches held shards before they are read).
 
