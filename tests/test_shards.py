@@ -32,7 +32,7 @@ from smstore import (
     StoreTruncatedError,
     StoreVersionError,
 )
-from smstore.format.manifest import MANIFEST_NAME, read_manifest
+from smstore.format.manifest import MANIFEST_NAME, describe_shard, read_manifest, write_manifest
 from smstore.write.packfiles import plan_parts
 
 
@@ -429,6 +429,37 @@ def test_missing_shard_is_named(dataset: Path) -> None:
         s[s.starts[2]]
 
 
+def test_open_stats_each_shard_file_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A manifest naming one file as many shards (a Repeat at the size of a dataset) stats it once
+    at open; a missing or resized file is still named at open, as its first shard."""
+    shard = tmp_path / "ds" / "shard.smst"
+    shard.parent.mkdir()
+    smstore.pack([b"abc", b"de"], shard, durable=False)
+    info, encoding = describe_shard(shard, stored_path="shard.smst")
+    write_manifest(shard.parent / MANIFEST_NAME, encoding, [info] * 50, durable=False)
+    stats: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: str | os.PathLike[str], *args: object, **kwargs: object) -> os.stat_result:
+        stats.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "stat", counting_stat)
+    with smstore.open(shard.parent) as s:
+        assert len(s) == 100
+        assert bytes(s[99]) == b"de"
+    assert stats.count(os.fspath(shard)) == 1, stats
+    monkeypatch.undo()
+    shard.write_bytes(shard.read_bytes() + b"\0")
+    with pytest.raises(
+        StoreChangedError, match=r"shard 0 \(.*shard\.smst\) is \d+ bytes, the manifest records"
+    ):
+        smstore.open(shard.parent)
+    shard.unlink()
+    with pytest.raises(StoreNotFoundError, match=r"manifest\.json: shard 0 \(.*shard\.smst\) is missing"):
+        smstore.open(shard.parent)
+
+
 def test_shard_of_another_dataset_is_refused(tmp_path: Path, dataset: Path) -> None:
     """A shard swapped for another of the same size (another dataset's): caught by its checksum."""
     shards = sorted(p for p in dataset.iterdir() if p.suffix == ".smst")
@@ -491,6 +522,10 @@ HUGE_INTEGERS = [
         (lambda d: d.update(version=99), "manifest version 99 is newer"),
         (lambda d: d["shards"][1].update(records=-1), r"shards\[1\]\.records must be an integer >= 0"),
         (lambda d: d["shards"][0].update(checksum="XYZ"), r"shards\[0\]\.checksum must be 16"),
+        (lambda d: d["shards"][1].update(records=True), r"shards\[1\]\.records must be an integer >= 0"),
+        (lambda d: d["shards"][1].pop("file_size"), r"shards\[1\]\.file_size must be an integer >= 4096"),
+        (lambda d: d["shards"].__setitem__(2, []), r"shards\[2\] must be an object"),
+        (lambda d: d["shards"][2].update(path="a\0b"), r"shards\[2\]\.path must be a non-empty path"),
         (lambda d: d["shards"][2].update(path=""), r"shards\[2\]\.path"),
         (lambda d: d.update(records=d["records"] + 1), "records is .* its shards add up to"),
         (lambda d: d.update(shards={}), "shards must be a list"),

@@ -204,14 +204,17 @@ class Manifest:
         """Each shard's source, decided once from the manifest: an object where the manifest names
         the shard by URL (``s3://...``) or is itself in object storage (a relative path is then a
         key under its prefix, checked when the manifest was read), else a local file."""
+        # source_of's rule, with the directory made absolute once: an abspath per shard is a
+        # getcwd() system call per shard.
+        directory = self.directory
         out: list[Source] = []
         for s in self.shards:
-            if source_of(s.path).remote:
+            if is_remote_url(s.path):
                 out.append(RemoteObject(s.path, s.file_size, s.checksum))
             elif self.remote:
-                out.append(RemoteObject(self.directory + s.path, s.file_size, s.checksum))
+                out.append(RemoteObject(directory + s.path, s.file_size, s.checksum))
             else:
-                out.append(LocalFile(os.path.join(self.directory, s.path), s.file_size, s.checksum))
+                out.append(LocalFile(os.path.join(directory, s.path), s.file_size, s.checksum))
         return tuple(out)
 
     def shard_path(self, k: int) -> str:
@@ -406,38 +409,62 @@ def _parse(p: str, raw: bytes, *, remote: bool = False) -> Manifest:
     entries = doc.get("shards")
     if not isinstance(entries, list):
         raise _bad(p, "shards must be a list")
-    shards = []
-    for k, entry in enumerate(entries):
-        where = f"shards[{k}]"
-        if not isinstance(entry, dict):
-            raise _bad(p, f"{where} must be an object")
-        spath = entry.get("path")
-        if not isinstance(spath, str) or not spath or "\0" in spath:
-            raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
-        if not is_utf8(spath):  # a "\udcff" escape: a file name the daemon and its readers cannot pass on
-            raise _bad(
-                p, f"{where}.path {spath!r} is not valid UTF-8; rename the shard and write the manifest again"
-            )
-        checksum = entry.get("checksum")
-        if not is_checksum(checksum):
-            raise _bad(p, f"{where}.checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
-        shards.append(
-            ShardInfo(
-                spath,
-                _int_field(p, where, entry, "records"),
-                _int_field(p, where, entry, "data_bytes"),
-                _int_field(p, where, entry, "file_size", 4096),
-                checksum,
-            )
-        )
+    shards = [_shard_info(p, k, entry) for k, entry in enumerate(entries)]
     manifest = Manifest(p, encoding, tuple(shards), {k: v for k, v in doc.items() if k != "shards"}, remote)
-    for key in ("records", "data_bytes", "file_size"):
-        total = sum(getattr(s, key) for s in shards)
+    totals = {
+        "records": sum(s.records for s in shards),
+        "data_bytes": sum(s.data_bytes for s in shards),
+        "file_size": sum(s.file_size for s in shards),
+    }
+    for key, total in totals.items():
         if total >= _INT_LIMIT:
             raise _bad(p, f"the shards' {key} add up to {total}, more than 2**63 - 1")
         if key != "file_size" and _int_field(p, "", doc, key) != total:
             raise _bad(p, f"{key} is {doc.get(key)!r}, but its shards add up to {total}")
     return manifest
+
+
+def _shard_info(p: str, k: int, entry: object) -> ShardInfo:
+    """Shard `k` of the manifest at `p`, its `entry` validated (every fault raised names the field)."""
+    if type(entry) is dict:
+        # The usual entry, checked in one expression (a dataset lists thousands); any fault is
+        # found again below, one field at a time, for its message.
+        spath, checksum = entry.get("path"), entry.get("checksum")
+        records, data_bytes, size = entry.get("records"), entry.get("data_bytes"), entry.get("file_size")
+        if (
+            type(spath) is str
+            and spath
+            and "\0" not in spath
+            and is_utf8(spath)
+            and is_checksum(checksum)
+            and type(records) is int
+            and type(data_bytes) is int
+            and type(size) is int
+            and 0 <= records < _INT_LIMIT
+            and 0 <= data_bytes < _INT_LIMIT
+            and 4096 <= size < _INT_LIMIT
+        ):
+            return ShardInfo(spath, records, data_bytes, size, checksum)
+    where = f"shards[{k}]"
+    if not isinstance(entry, dict):
+        raise _bad(p, f"{where} must be an object")
+    spath = entry.get("path")
+    if not isinstance(spath, str) or not spath or "\0" in spath:
+        raise _bad(p, f"{where}.path must be a non-empty path, not {spath!r}")
+    if not is_utf8(spath):  # a "\udcff" escape: a file name the daemon and its readers cannot pass on
+        raise _bad(
+            p, f"{where}.path {spath!r} is not valid UTF-8; rename the shard and write the manifest again"
+        )
+    checksum = entry.get("checksum")
+    if not is_checksum(checksum):
+        raise _bad(p, f"{where}.checksum must be {CHECKSUM_WORDING}, not {checksum!r}")
+    return ShardInfo(
+        spath,
+        _int_field(p, where, entry, "records"),
+        _int_field(p, where, entry, "data_bytes"),
+        _int_field(p, where, entry, "file_size", 4096),
+        checksum,
+    )
 
 
 def write_manifest(

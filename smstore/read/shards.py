@@ -68,7 +68,7 @@ class ShardedStore(_core.ShardedStore):
         opener: ``opener(source) -> Store`` opens one shard, given its source in the manifest
             (default: a file mapping).
         check_files: Check up front that every shard exists with the size the manifest records
-            (one ``stat`` each). Off when shards are served by the daemon.
+            (one ``stat`` per distinct file). Off when shards are served by the daemon.
         keep_alive: Objects that live as long as the store (the daemon connection its shards are
             attached through, what attaches held shards before they are read).
 
@@ -99,17 +99,20 @@ class ShardedStore(_core.ShardedStore):
         self.auto_release = True
 
     def check_files(self) -> None:
-        """Check that every shard exists with the size the manifest records (one stat each)."""
+        """Check that every shard exists with the size the manifest records (one stat per distinct file)."""
         m = self.manifest
+        sizes: dict[str, int] = {}  # a file the manifest lists again is the same file within one open
         for k, (shard, source) in enumerate(zip(m.shards, m.sources, strict=True)):
             source.require_daemon("a shard", 'open the dataset with mode="daemon"')
             spath = source.location
-            try:
-                size = os.stat(spath).st_size
-            except FileNotFoundError:
-                raise StoreNotFoundError(2, f"{m.path}: shard {k} ({spath}) is missing") from None
-            except OSError as e:
-                raise StoreIOError(e.errno or 5, f"{m.path}: shard {k} ({spath}): {e.strerror}") from None
+            size = sizes.get(spath)
+            if size is None:
+                try:
+                    size = sizes[spath] = os.stat(spath).st_size
+                except FileNotFoundError:
+                    raise StoreNotFoundError(2, f"{m.path}: shard {k} ({spath}) is missing") from None
+                except OSError as e:
+                    raise StoreIOError(e.errno or 5, f"{m.path}: shard {k} ({spath}): {e.strerror}") from None
             if size != shard.file_size:
                 raise self._changed(k, f"is {size} bytes, the manifest records {shard.file_size}")
 

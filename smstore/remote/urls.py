@@ -75,7 +75,10 @@ def is_remote_url(value: object) -> bool:
     dataset, ``read_manifest``, the command line); past that the answer travels as data (a
     manifest's shard sources, :class:`smstore.format.manifest.Source`).
     """
-    return isinstance(value, str) and re.match(r"[A-Za-z][A-Za-z0-9+.-]*://", value) is not None
+    return isinstance(value, str) and _SCHEME.match(value) is not None
+
+
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")  # compiled once: a manifest asks once a shard
 
 
 def needs_daemon(
