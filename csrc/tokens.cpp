@@ -2,9 +2,11 @@
 #include "tokens.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "error.hpp"
+#include "feistel.hpp"
 #include "store.hpp"
 
 namespace smstore {
@@ -17,6 +19,53 @@ uint64_t TokenStream::windows() const noexcept {
 size_t TokenStream::shard_of(uint64_t t) const noexcept {
     auto it = std::upper_bound(token_starts.begin(), token_starts.end(), t);
     return static_cast<size_t>(it - token_starts.begin()) - 1;
+}
+
+size_t ShuffleGroup::position(uint64_t t) const noexcept {
+    return static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), t) - ends.begin());
+}
+
+namespace {
+
+// Makes g the group of parts of [lo, hi) of `shard` (-1: the shards, lo 0 and hi their count) in
+// the epoch's order: the bounds of smstore.read.tokens.group_bounds, the order of
+// FeistelPermutation(parts, group_key(seed, epoch, shard, lo, hi)). tokens_at(b): the stream
+// position of bound b.
+template <typename TokensAt>
+void make_group(ShuffleGroup& g, const DocumentShuffle& shuffle, int64_t shard, uint64_t lo, uint64_t hi,
+                TokensAt tokens_at) {
+    g.shard = shard;
+    g.lo = lo;
+    g.hi = hi;
+    uint64_t parts = shard < 0 || hi - lo <= shuffle.group ? hi - lo : shuffle.group;
+    g.bounds.resize(parts + 1);
+    for (uint64_t p = 0; p <= parts; ++p)
+        g.bounds[p] = parts == hi - lo ? lo + p : lo + p * (hi - lo) / parts;
+    std::string key = "smstore-token-docs:" + std::to_string(shuffle.seed) + ":" + std::to_string(shuffle.epoch) + ":" +
+                      std::to_string(shard) + ":" + std::to_string(lo) + ":" + std::to_string(hi);
+    Feistel perm(parts, feistel_round_keys(key));
+    g.order.resize(parts);
+    g.ends.resize(parts);
+    for (uint64_t i = 0; i < parts; ++i)
+        g.order[i] = i;
+    // In place: apply reads each lane of positions before it writes their images.
+    perm.apply(g.order.data(), reinterpret_cast<int64_t*>(g.order.data()), parts);
+    uint64_t end = 0;
+    for (uint64_t i = 0; i < parts; ++i) {
+        uint64_t p = g.order[i];
+        end += tokens_at(g.bounds[p + 1]) - tokens_at(g.bounds[p]);
+        g.ends[i] = end;
+    }
+}
+
+std::atomic<uint64_t> next_stream_id{1};
+
+}  // namespace
+
+void TokenStream::set_shuffle(const DocumentShuffle& order) {
+    shuffle = order;
+    id = next_stream_id.fetch_add(1);
+    make_group(shards, order, -1, 0, token_starts.size() - 1, [this](uint64_t k) { return token_starts[k]; });
 }
 
 DocumentAt locate_in_shard(const uint64_t* offsets, uint64_t records, uint64_t item, uint64_t per_doc,
@@ -58,22 +107,77 @@ uint64_t document_tokens(const Records& records, const TokenStream& stream, uint
 
 }  // namespace
 
-StreamPosition stream_locate(const Records& records, const TokenStream& stream, uint64_t t) {
-    size_t k = stream.shard_of(t);
+namespace {
+
+// Shard k's offsets index, checked to lie inside its data.
+const uint64_t* shard_offsets(const Records& records, const TokenStream& stream, size_t k) {
     uint64_t first = stream.record_starts[k], count = stream.record_starts[k + 1] - first;
     const uint64_t* offsets = records.offsets(k);
     if (!offsets) records.open_shard(k, first);  // throws: not open
     if (!Store::span_inside(0, offsets[count], records.data_size(k))) {
         stream_mismatch(records, first + count - 1, "ends past its shard's data");
     }
+    return offsets;
+}
+
+// The groups this thread built last, one per level below the shards', for the stream `id`: the
+// next window (and a window's next document) most often lies in the same ones.
+struct GroupCache {
+    uint64_t id = 0;
+    std::vector<ShuffleGroup> levels;
+};
+thread_local GroupCache group_cache;
+
+// The shuffled stream's descent: the shard holding t, then the part of each level's group down to
+// a group of documents.
+StreamPosition shuffled_locate(const Records& records, const TokenStream& stream, uint64_t t) {
+    const DocumentShuffle& shuffle = *stream.shuffle;
+    size_t j = stream.shards.position(t);
+    size_t k = static_cast<size_t>(stream.shards.order[j]);
+    t -= j ? stream.shards.ends[j - 1] : 0;
+    const uint64_t* offsets = shard_offsets(records, stream, k);
+    const uint64_t first = stream.record_starts[k], item = stream.item, per_doc = stream.has_eod ? 1 : 0;
+    auto tokens_at = [offsets, item, per_doc](uint64_t b) { return offsets[b] / item + per_doc * b; };
+    GroupCache& cache = group_cache;
+    if (cache.id != stream.id) cache = GroupCache{stream.id, {}};
+    uint64_t lo = 0, hi = stream.record_starts[k + 1] - first;
+    for (size_t level = 0;; ++level) {
+        if (cache.levels.size() <= level) cache.levels.emplace_back();
+        ShuffleGroup& g = cache.levels[level];
+        if (g.shard != static_cast<int64_t>(k) || g.lo != lo || g.hi != hi || g.order.empty()) {
+            make_group(g, shuffle, static_cast<int64_t>(k), lo, hi, tokens_at);
+        }
+        size_t at = g.position(t);
+        if (at == g.ends.size()) stream_mismatch(records, first + hi - 1, "ends before the stream's token counts say");
+        uint64_t part = g.order[at];
+        t -= at ? g.ends[at - 1] : 0;
+        if (hi - lo <= shuffle.group) return {first + lo + part, t};
+        lo = g.bounds[part];
+        hi = g.bounds[part + 1];
+    }
+}
+
+}  // namespace
+
+StreamPosition stream_locate(const Records& records, const TokenStream& stream, uint64_t t) {
+    if (stream.shuffle) return shuffled_locate(records, stream, t);
+    size_t k = stream.shard_of(t);
+    uint64_t first = stream.record_starts[k], count = stream.record_starts[k + 1] - first;
+    const uint64_t* offsets = shard_offsets(records, stream, k);
     DocumentAt at = locate_in_shard(offsets, count, stream.item, stream.has_eod ? 1 : 0, t - stream.token_starts[k]);
     return {first + at.record, at.offset};
 }
 
 void window_segments(const Records& records, const TokenStream& stream, uint64_t sample, std::vector<Segment>& out) {
-    StreamPosition p = stream_locate(records, stream, sample * stream.length);
+    uint64_t t = sample * stream.length;
+    StreamPosition p = stream_locate(records, stream, t);
     uint64_t left = stream.length + 1, doc = p.document, at = p.offset;
     while (left) {
+        if (stream.shuffle && left < stream.length + 1) {  // the next document is the shuffled stream's
+            p = stream_locate(records, stream, t);
+            doc = p.document;
+            at = p.offset;
+        }
         uint64_t tokens = document_tokens(records, stream, doc);
         if (at > tokens || (at == tokens && !stream.has_eod && tokens)) {
             stream_mismatch(records, doc, "is shorter than the stream's token counts say");
@@ -85,6 +189,7 @@ void window_segments(const Records& records, const TokenStream& stream, uint64_t
             --left;
         }
         out.push_back(seg);
+        t += seg.count + seg.fill;
         ++doc;
         at = 0;
     }

@@ -962,8 +962,6 @@ def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_p
         list(loader)
     with pytest.raises(TypeError, match="no TokenCollator options"):
         Loader(windows, dtype=torch.long)
-    with pytest.raises(ValueError, match="documents shuffled per epoch"):
-        Loader(smstore.TokenWindows(stores["u2-sharded"], 16, seed=0), batch_size=2)
     # Windows made over other data than the store now holds: refused at once, or named per batch.
     other = smstore.TokenWindows(stores["u2"], 16)
     other._record_starts = np.array([0, N + 1], dtype=np.int64)
@@ -991,6 +989,79 @@ def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_p
             smstore.StoreFormatError,
             match=r"odd\.smst: record 1 of 5 bytes is not a whole number of 2-byte tokens",
         ),
+    ):
+        list(loader)
+
+
+@pytest.mark.parametrize("group", [2, 3, 1024])
+@pytest.mark.parametrize(("length", "eod"), [(1, None), (7, 65001), (40, 0)])
+@pytest.mark.parametrize("data", DATA)
+def test_shuffled_token_windows_are_the_dataloaders_batches_every_epoch(
+    stores: dict[str, Path], data: str, length: int, eod: int | None, group: int
+) -> None:
+    # Every window in turn (every token of the stream) and a global shuffle of them, for several
+    # epochs: the threads' descent of the groups (keys, bounds, order) is TokenWindows'.
+    windows = smstore.TokenWindows(stores[data], length, eod=eod, dtype=np.int32, seed=3, group=group)
+    sampler = GlobalShuffleSampler(len(windows), seed=4, rank=0, world_size=1)
+    firsts = []
+    with Loader(windows, sampler=sampler, batch_size=6, threads=2) as shuffled:
+        for epoch in range(3):
+            shuffled.set_epoch(epoch)  # the sampler's and the windows' epoch
+            assert windows.epoch == epoch
+            expected = list(DataLoader(windows, batch_size=6, sampler=sampler))
+            with Loader(windows, batch_size=6, threads=1) as in_turn:
+                every = list(in_turn)
+            assert_same_windows(every, list(DataLoader(windows, batch_size=6)))
+            got = list(shuffled)
+            assert_same_windows(got, expected)
+            firsts.append(every[0]["tokens"].numpy().tobytes())
+    assert len(set(firsts)) > 1  # the epochs' orders differ
+
+
+def assert_same_windows(got: list[dict[str, Any]], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g["tokens"].dtype == e.dtype
+        assert g["tokens"].numpy().tobytes() == e.numpy().tobytes()
+
+
+def test_set_epoch_on_the_windows_reaches_the_next_pass(stores: dict[str, Path]) -> None:
+    windows = smstore.TokenWindows(stores["u2-sharded"], 9, eod=1, seed=7, group=4)
+    loader = Loader(windows, batch_size=8)
+    for epoch in (2, 0, 5):
+        windows.set_epoch(epoch)  # not through the Loader: its next pass still reads this order
+        assert_same_windows(list(loader), list(DataLoader(windows, batch_size=8)))
+    loader.close()
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8)])
+@pytest.mark.parametrize("data", DATA)
+def test_shuffled_token_windows_resume_at_another_world_size(
+    stores: dict[str, Path], data: str, world_before: int, world_after: int
+) -> None:
+    windows = smstore.TokenWindows(stores[data], 9, eod=0, seed=11, epoch=1, group=3)
+
+    def make(rank: int, world: int) -> Any:
+        sampler = GlobalShuffleSampler(len(windows), seed=2, rank=rank, world_size=world)
+        sampler.set_epoch(1)
+        return sampler
+
+    def loader_of(sampler: Any) -> Loader:
+        return Loader(windows, sampler=sampler, batch_size=3)
+
+    assert_resumes_exactly(loader_of, make, world_before, world_after)
+    # And the tokens the resumed ranks receive are the windows' (the document order of epoch 1).
+    with loader_of(make(1, world_after)) as loader:
+        got = list(loader)
+    assert_same_windows(got, list(DataLoader(windows, sampler=make(1, world_after), batch_size=3)))
+
+
+def test_shuffled_windows_over_other_data_are_named(stores: dict[str, Path]) -> None:
+    longer = smstore.TokenWindows(stores["u2"], 16, seed=1, group=2)
+    longer._token_starts = np.array([0, longer.tokens + 1000], dtype=np.int64)
+    with (
+        Loader(longer, sampler=[len(longer) + 50], batch_size=1) as loader,
+        pytest.raises(smstore.StoreFormatError, match=r"u2\.smst: document \d+ .*made over other data"),
     ):
         list(loader)
 

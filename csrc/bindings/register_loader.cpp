@@ -377,13 +377,12 @@ private:
         // may cross from one shard into the next ones).
         const TokenStream& stream = *spec_.windows;
         std::vector<uint64_t> documents;
-        size_t last = SIZE_MAX;
         for (uint64_t w : indices) {
-            size_t from = stream.shard_of(w * stream.length), to = stream.shard_of(w * stream.length + stream.length);
-            for (size_t k = from == last ? from + 1 : from; k <= to; ++k)
-                documents.push_back(stream.record_starts[k]);
-            last = to;
+            stream.for_shards(w * stream.length, w * stream.length + stream.length,
+                              [&](size_t k) { documents.push_back(stream.record_starts[k]); });
         }
+        std::sort(documents.begin(), documents.end());
+        documents.erase(std::unique(documents.begin(), documents.end()), documents.end());
         return records_of(store_, documents);
     }
 
@@ -460,7 +459,8 @@ void register_loader(py::module_& m) {
         .def_static(
             "windows",
             [](const std::string& in_dtype, const std::string& out_dtype, uint64_t length, std::optional<int64_t> eod,
-               std::vector<uint64_t> token_starts, std::vector<uint64_t> record_starts) {
+               std::vector<uint64_t> token_starts, std::vector<uint64_t> record_starts, std::optional<int64_t> seed,
+               int64_t epoch, uint64_t group) {
                 CollateSpec s;
                 s.in = parse_dtype(in_dtype);
                 s.out = parse_dtype(out_dtype);
@@ -481,14 +481,20 @@ void register_loader(py::module_& m) {
                 stream->length = length;
                 stream->has_eod = eod.has_value();
                 stream->eod = eod.value_or(0);
+                if (seed) {
+                    if (group < 2) throw py::value_error("group must be >= 2");
+                    stream->set_shuffle(DocumentShuffle{*seed, epoch, group});
+                }
                 s.windows = std::move(stream);
                 s.with_indices = true;
                 return s;
             },
             py::kw_only(), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("length"), py::arg("eod"),
-            py::arg("token_starts"), py::arg("record_starts"),
+            py::arg("token_starts"), py::arg("record_starts"), py::arg("seed") = py::none(), py::arg("epoch") = 0,
+            py::arg("group") = 1024,
             "Token windows of `length` + 1 tokens over a stream of documents (TokenWindows): per shard, the "
-            "stream positions and records it starts at, and one more entry for the end.");
+            "stream positions and records it starts at, and one more entry for the end; with a seed, the "
+            "documents in epoch `epoch`'s shuffled order (groups of at most `group` parts).");
 
     m.def(
         "locate_in_shard",

@@ -164,12 +164,7 @@ class Loader:
                 raise TypeError(msg)
             spec, store, count = windows.batch_spec(), windows.store, len(windows)
             if spec is None:
-                why = (
-                    "documents shuffled per epoch"
-                    if windows.seed is not None
-                    else "tokens not in native byte order"
-                )
-                msg = f"smstore.Loader cannot batch {windows!r} ({why}): use a DataLoader"
+                msg = f"smstore.Loader cannot batch {windows!r} (tokens not in native byte order): use a DataLoader"
                 raise ValueError(msg)
         else:
             if mixture is not None:
@@ -240,6 +235,9 @@ class Loader:
         self._pass += 1
         self._received, self._exhausted = 0, False
         self._pid = os.getpid()
+        if self.windows is not None and self.windows.seed is not None:
+            # The document order of the windows' epoch now (set_epoch, here or on the windows).
+            self._spec = self.windows.batch_spec()
         batcher = _core.Batcher(self._reads, self._spec, self.threads, self.depth, self._pinned)
         self._batcher = batcher
         ours = sys.modules.get("smstore.sampling.sampler")  # not loaded: the sampler is not one of ours
@@ -304,10 +302,13 @@ class Loader:
             raise StoreClosedError(msg)
 
     def set_epoch(self, epoch: int) -> None:
-        """``sampler.set_epoch(epoch)``, for samplers that have it."""
+        """``sampler.set_epoch(epoch)``, for samplers that have it, and ``windows.set_epoch(epoch)``
+        for token windows with documents shuffled per epoch: the next pass reads that epoch's order."""
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+        if self.windows is not None and self.windows.seed is not None:
+            self.windows.set_epoch(epoch)
 
     # -- state ------------------------------------------------------------------------------
 

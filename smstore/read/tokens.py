@@ -310,10 +310,10 @@ class TokenWindows(TokenDocuments):
         return group
 
     def batch_spec(self) -> _core.BatchSpec | None:
-        """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options;
-        None for tokens or samples in a byte order not this machine's, or documents shuffled per
-        epoch (the threads locate windows in stored order only)."""
-        if self.seed is not None or not (self.token_dtype.isnative and self.dtype.isnative):
+        """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options,
+        with the document order of the current epoch (the threads descend the same groups, keyed the
+        same way); None for tokens or samples in a byte order not this machine's."""
+        if not (self.token_dtype.isnative and self.dtype.isnative):
             return None
         return _core.BatchSpec.windows(
             in_dtype=f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
@@ -322,6 +322,9 @@ class TokenWindows(TokenDocuments):
             eod=self.eod,
             token_starts=self._token_starts.tolist(),
             record_starts=self._record_starts.tolist(),
+            seed=self.seed,
+            epoch=self.epoch,
+            group=self.group,
         )
 
     def segments(self, index: int) -> np.ndarray[Any, np.dtype[np.int64]]:
