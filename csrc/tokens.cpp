@@ -86,23 +86,23 @@ namespace {
 
 [[noreturn]] void stream_mismatch(const Records& records, uint64_t document, const std::string& what) {
     throw Error(Error::Kind::Format, records.label() + ": document " + std::to_string(document) + " " + what +
-                                         "; the token windows were made over other data (make them again)");
+                                         "; the token windows or bins were made over other data (make them again)");
 }
 
-// Document d's token count, its record checked (inside its shard's data, whole tokens).
-uint64_t document_tokens(const Records& records, const TokenStream& stream, uint64_t d) {
+// Document d's token count, its record checked (inside its shard's data, whole `item`-byte tokens).
+uint64_t document_tokens(const Records& records, uint64_t item, uint64_t d) {
     if (d >= records.size()) stream_mismatch(records, d, "is past the dataset's end");
     auto [s, j] = records.locate(d);
     const Store& shard = records.open_shard(s, d);
     uint64_t b = records.offsets(s)[j], e = records.offsets(s)[j + 1];
     if (!Store::span_inside(b, e, records.data_size(s))) throw shard.span_error(j, b, e);
-    if ((e - b) % stream.item) {
+    if ((e - b) % item) {
         throw Error(Error::Kind::Format, records.label() + ": record " + std::to_string(d) + " of " +
                                              std::to_string(e - b) + " bytes is not a whole number of " +
-                                             std::to_string(stream.item) +
+                                             std::to_string(item) +
                                              "-byte tokens; the blob was written wrongly, re-pack it");
     }
-    return (e - b) / stream.item;
+    return (e - b) / item;
 }
 
 }  // namespace
@@ -178,7 +178,7 @@ void window_segments(const Records& records, const TokenStream& stream, uint64_t
             doc = p.document;
             at = p.offset;
         }
-        uint64_t tokens = document_tokens(records, stream, doc);
+        uint64_t tokens = document_tokens(records, stream.item, doc);
         if (at > tokens || (at == tokens && !stream.has_eod && tokens)) {
             stream_mismatch(records, doc, "is shorter than the stream's token counts say");
         }
@@ -193,6 +193,29 @@ void window_segments(const Records& records, const TokenStream& stream, uint64_t
         ++doc;
         at = 0;
     }
+}
+
+uint64_t bin_segments(const Records& records, uint64_t item, bool has_eod, const int64_t* rows, size_t count,
+                      size_t stride, std::vector<Segment>& out) {
+    uint64_t total = 0;
+    for (size_t m = 0; m < count; ++m, rows += stride) {
+        if (rows[0] < 0 || rows[1] < 0 || rows[2] < 0) {
+            throw Error(Error::Kind::Format, records.label() + ": a packed bin's segment (" + std::to_string(rows[0]) +
+                                                 ", " + std::to_string(rows[1]) + ", " + std::to_string(rows[2]) +
+                                                 ") is negative; make the bins again over this data");
+        }
+        auto doc = static_cast<uint64_t>(rows[0]), first = static_cast<uint64_t>(rows[1]);
+        auto want = static_cast<uint64_t>(rows[2]);
+        uint64_t tokens = document_tokens(records, item, doc);
+        uint64_t ends = tokens + (has_eod ? 1 : 0);
+        if (first > ends || want > ends - first)
+            stream_mismatch(records, doc, "is shorter than a packed bin's segment");
+        Segment seg{doc, first, std::min(want, tokens - std::min(first, tokens)), 0};
+        seg.fill = want - seg.count;  // the eod
+        out.push_back(seg);
+        total += want;
+    }
+    return total;
 }
 
 }  // namespace smstore

@@ -20,6 +20,7 @@ struct Segment {
     uint64_t first = 0;
     uint64_t count = 0;
     uint64_t fill = 0;
+    uint64_t row = 0;  // a packed bin's row in its batch (windows: unused)
 };
 
 // One group of a shuffled document order (TokenWindows' seed=, smstore/read/tokens.py): parts of
@@ -97,6 +98,13 @@ struct StreamPosition {
     uint64_t offset = 0;
 };
 StreamPosition stream_locate(const Records& records, const TokenStream& stream, uint64_t t);
+
+// Appends a packed bin's segments to `out`: `count` rows (document, first, count) of int64, each
+// `stride` apart, as PackedBins.segments gives them (a document's eod, when `has_eod`, is its token
+// at its length: a fill token here), checking every document it reads. Returns the bin's tokens.
+// Throws Error.
+uint64_t bin_segments(const Records& records, uint64_t item, bool has_eod, const int64_t* rows, size_t count,
+                      size_t stride, std::vector<Segment>& out);
 
 // Appends window `sample`'s segments (length + 1 tokens in all) to `out`, checking every document
 // it reads (inside its shard's data, a whole number of tokens). Throws Error.

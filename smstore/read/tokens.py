@@ -179,6 +179,16 @@ class TokenDocuments:
             at += count
         return at
 
+    def _batch_dtypes(self) -> dict[str, str] | None:
+        """The stored tokens' and the samples' dtypes as the C++ batcher names them; None when
+        either is not in this machine's byte order (the batcher reads native tokens only)."""
+        if not (self.token_dtype.isnative and self.dtype.isnative):
+            return None
+        return {
+            "in_dtype": f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
+            "out_dtype": f"{self.dtype.kind}{self.dtype.itemsize}",
+        }
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "source": portable_source(self.source)}
 
@@ -313,11 +323,11 @@ class TokenWindows(TokenDocuments):
         """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options,
         with the document order of the current epoch (the threads descend the same groups, keyed the
         same way); None for tokens or samples in a byte order not this machine's."""
-        if not (self.token_dtype.isnative and self.dtype.isnative):
+        dtypes = self._batch_dtypes()
+        if dtypes is None:
             return None
         return _core.BatchSpec.windows(
-            in_dtype=f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
-            out_dtype=f"{self.dtype.kind}{self.dtype.itemsize}",
+            **dtypes,
             length=self.length,
             eod=self.eod,
             token_starts=self._token_starts.tolist(),
