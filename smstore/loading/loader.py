@@ -304,10 +304,9 @@ class Loader:
                     batch["position_ids"] = from_numpy(lengths)
                     batch["cu_seqlens"] = from_numpy(cu_seqlens)
                     batch["segments"] = from_numpy(segments.popleft())
-                    lengths = None
-                if pack:
+                elif pack:
                     batch["cu_seqlens"] = from_numpy(cu_seqlens)
-                if lengths is not None and not windows:
+                if not windows and segments is None:
                     batch["lengths"] = from_numpy(lengths)
                 if ids is not None:
                     batch["indices"] = from_numpy(ids)
