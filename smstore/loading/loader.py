@@ -77,7 +77,7 @@ class Loader:
     Args:
         source: What ``TokenCollator`` takes: a ``.smst`` path or a sharded dataset's manifest, a
             ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``; or a ``TokenWindows``,
-            a ``MixtureDataset`` or a ``BlockReader`` (above). Leave it out when passing ``collate``.
+            a ``PackedBins``, a ``MixtureDataset`` or a ``BlockReader`` (below). Leave it out when passing ``collate``.
         sampler: An iterable of record indices (by default ``range(len(store))``).
         batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
         collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
@@ -100,7 +100,15 @@ class Loader:
     tokens byte for byte what ``DataLoader(windows, sampler=S, batch_size=B)``'s default collate
     stacks (the windows' dtype), each window located by the threads from the offsets indexes (the
     rule of ``TokenWindows.locate``) and gathered as segments of documents with the eod token
-    between them. No collate options: a window is given as it is.
+    between them. No collate options: a window is given as it is. Windows over documents shuffled
+    per epoch (``seed=``) are located by the threads in the same order as ``TokenWindows.locate``
+    (the same groups and keys); each pass reads the windows' epoch when it starts, and
+    :meth:`set_epoch` sets it.
+
+    **Packed bins.** ``Loader(bins, sampler=S, batch_size=B)`` over a padded
+    :class:`~smstore.PackedBins` yields ``PackedBins.collate``'s batch byte for byte as tensors
+    (``tokens``, ``position_ids``, ``cu_seqlens``, ``segments``) plus ``indices``: each batch's
+    segments from ``bins.batch_segments`` on the loop's thread, the tokens gathered by the threads.
 
     **Mixtures.** ``Loader(mixture, sampler=MixtureSampler(mixture, ...), batch_size=B, **options)``
     over a :class:`~smstore.sampling.MixtureDataset` whose sources are blobs or sharded datasets
@@ -123,11 +131,11 @@ class Loader:
     Raises:
         ValueError: Options the C++ batcher cannot do (bfloat16 tokens, float records to integer
             tokens: use a DataLoader with ``TokenCollator`` for those); a mixture's sources of
-            different record dtypes.
-        TypeError: ``collate=`` with windows or a mixture, or collate options with windows.
+            different record dtypes; packed bins not padded (``pad=None``).
+        TypeError: ``collate=`` with windows, bins or a mixture, or collate options with windows or bins.
         StoreFormatError: (while iterating) windows made over other data than their store holds,
             or a document that is not a whole number of tokens.
-        RecordIndexError: (while iterating) the sampler gave an index outside the dataset.
+        RecordIndexError: (while iterating) the sampler gave an index outside the dataset (or bins).
         StoreChangedError: (while iterating) a shard differs from the manifest's record of it.
         StoreError: (while iterating) a shard could not be opened (missing, or the daemon cannot
             serve it): what ``TokenCollator`` in a DataLoader worker raises.
