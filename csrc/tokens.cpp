@@ -25,15 +25,8 @@ size_t ShuffleGroup::position(uint64_t t) const noexcept {
     return static_cast<size_t>(std::upper_bound(ends.begin(), ends.end(), t) - ends.begin());
 }
 
-namespace {
-
-// Makes g the group of parts of [lo, hi) of `shard` (-1: the shards, lo 0 and hi their count) in
-// the epoch's order: the bounds of smstore.read.tokens.group_bounds, the order of
-// FeistelPermutation(parts, group_key(seed, epoch, shard, lo, hi)). tokens_at(b): the stream
-// position of bound b.
-template <typename TokensAt>
 void make_group(ShuffleGroup& g, const DocumentShuffle& shuffle, int64_t shard, uint64_t lo, uint64_t hi,
-                TokensAt tokens_at) {
+                const uint64_t* offsets, uint64_t item, uint64_t per_doc) {
     g.shard = shard;
     g.lo = lo;
     g.hi = hi;
@@ -50,6 +43,7 @@ void make_group(ShuffleGroup& g, const DocumentShuffle& shuffle, int64_t shard, 
         g.order[i] = i;
     // In place: apply reads each lane of positions before it writes their images.
     perm.apply(g.order.data(), reinterpret_cast<int64_t*>(g.order.data()), parts);
+    auto tokens_at = [offsets, item, per_doc](uint64_t b) { return offsets[b] / item + per_doc * b; };
     uint64_t end = 0;
     for (uint64_t i = 0; i < parts; ++i) {
         uint64_t p = g.order[i];
@@ -58,6 +52,8 @@ void make_group(ShuffleGroup& g, const DocumentShuffle& shuffle, int64_t shard, 
     }
 }
 
+namespace {
+
 std::atomic<uint64_t> next_stream_id{1};
 
 }  // namespace
@@ -65,7 +61,7 @@ std::atomic<uint64_t> next_stream_id{1};
 void TokenStream::set_shuffle(const DocumentShuffle& order) {
     shuffle = order;
     id = next_stream_id.fetch_add(1);
-    make_group(shards, order, -1, 0, token_starts.size() - 1, [this](uint64_t k) { return token_starts[k]; });
+    make_group(shards, order, -1, 0, token_starts.size() - 1, token_starts.data(), 1, 0);
 }
 
 DocumentAt locate_in_shard(const uint64_t* offsets, uint64_t records, uint64_t item, uint64_t per_doc,
@@ -136,8 +132,7 @@ StreamPosition shuffled_locate(const Records& records, const TokenStream& stream
     size_t k = static_cast<size_t>(stream.shards.order[j]);
     t -= j ? stream.shards.ends[j - 1] : 0;
     const uint64_t* offsets = shard_offsets(records, stream, k);
-    const uint64_t first = stream.record_starts[k], item = stream.item, per_doc = stream.has_eod ? 1 : 0;
-    auto tokens_at = [offsets, item, per_doc](uint64_t b) { return offsets[b] / item + per_doc * b; };
+    const uint64_t first = stream.record_starts[k], per_doc = stream.has_eod ? 1 : 0;
     GroupCache& cache = group_cache;
     if (cache.id != stream.id) cache = GroupCache{stream.id, {}};
     uint64_t lo = 0, hi = stream.record_starts[k + 1] - first;
@@ -145,7 +140,7 @@ StreamPosition shuffled_locate(const Records& records, const TokenStream& stream
         if (cache.levels.size() <= level) cache.levels.emplace_back();
         ShuffleGroup& g = cache.levels[level];
         if (g.shard != static_cast<int64_t>(k) || g.lo != lo || g.hi != hi || g.order.empty()) {
-            make_group(g, shuffle, static_cast<int64_t>(k), lo, hi, tokens_at);
+            make_group(g, shuffle, static_cast<int64_t>(k), lo, hi, offsets, stream.item, per_doc);
         }
         size_t at = g.position(t);
         if (at == g.ends.size()) stream_mismatch(records, first + hi - 1, "ends before the stream's token counts say");

@@ -42,6 +42,14 @@ struct DocumentShuffle {
     uint64_t group = 1024;
 };
 
+// Makes g the group of parts of [lo, hi) of `shard` (-1: the shards, lo 0 and hi their count) in
+// the epoch's order: the bounds of smstore.read.tokens.group_bounds, the order of
+// FeistelPermutation(parts, group_key(seed, epoch, shard, lo, hi)), and the token spans of bound
+// b at offsets[b] / item + per_doc * b (a shard's offsets index; the stream's token_starts with
+// item 1 and per_doc 0 for the shards). TokenWindows' groups are made here too.
+void make_group(ShuffleGroup& g, const DocumentShuffle& shuffle, int64_t shard, uint64_t lo, uint64_t hi,
+                const uint64_t* offsets, uint64_t item, uint64_t per_doc);
+
 // The stream of a dataset's documents, in stored order or shuffled: shard k's documents are records
 // [record_starts[k], record_starts[k + 1]) and its tokens (eod included) stream positions
 // [token_starts[k], token_starts[k + 1]) in stored order.

@@ -303,6 +303,17 @@ class BatchSpec:
     @staticmethod
     def bins(*, in_dtype: str, out_dtype: str, length: int, eod: int | None, pad: int) -> BatchSpec: ...
 
+def shuffle_group(
+    offsets: npt.NDArray[np.uint64],
+    item: int,
+    per_doc: int,
+    seed: int,
+    epoch: int,
+    shard: int,
+    lo: int,
+    hi: int,
+    group: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.int64]]: ...
 def locate_in_shard(
     offsets: npt.NDArray[np.uint64], item: int, per_doc: int, token: int
 ) -> tuple[int, int]: ...

@@ -558,6 +558,31 @@ void register_loader(py::module_& m) {
             "`pad` after each bin's tokens, with position ids and cu_seqlens as PackedBins.collate makes them.");
 
     m.def(
+        "shuffle_group",
+        [](const py::array_t<uint64_t, py::array::c_style>& offsets, uint64_t item, uint64_t per_doc, int64_t seed,
+           int64_t epoch, int64_t shard, uint64_t lo, uint64_t hi, uint64_t group) {
+            if (offsets.ndim() != 1 || item == 0 || group < 2 || lo >= hi ||
+                hi >= static_cast<uint64_t>(offsets.size()) || (shard < 0 && lo != 0)) {
+                throw py::value_error("shuffle_group: offsets (1-D) past hi, item >= 1, group >= 2, lo < hi");
+            }
+            ShuffleGroup g;
+            {
+                py::gil_scoped_release release;
+                make_group(g, DocumentShuffle{seed, epoch, group}, shard, lo, hi, offsets.data(), item, per_doc);
+            }
+            auto array = [](const std::vector<uint64_t>& v) {
+                py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+                std::copy(v.begin(), v.end(), out.mutable_data());
+                return out;
+            };
+            return py::make_tuple(array(g.bounds), array(g.order), array(g.ends));
+        },
+        py::arg("offsets"), py::arg("item"), py::arg("per_doc"), py::arg("seed"), py::arg("epoch"), py::arg("shard"),
+        py::arg("lo"), py::arg("hi"), py::arg("group"),
+        "(bounds, order, ends) of a group of TokenWindows' shuffled document order, as int64 arrays: the "
+        "one rule of the Loader's threads (offsets: a shard's index, or the stream's token starts with item 1 "
+        "and per_doc 0 for shard -1).");
+    m.def(
         "locate_in_shard",
         [](const py::array_t<uint64_t, py::array::c_style>& offsets, uint64_t item, uint64_t per_doc, uint64_t t) {
             if (offsets.ndim() != 1 || offsets.size() < 2 || item == 0) {

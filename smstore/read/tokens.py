@@ -28,7 +28,8 @@ __all__ = ["TokenDocuments", "TokenWindows", "positive_length"]
 
 def group_key(seed: int, epoch: int, shard: int, lo: int, hi: int) -> bytes:
     """The Feistel key that orders the parts of documents ``[lo, hi)`` of ``shard`` in an epoch
-    (``shard`` -1: the order of the shards themselves)."""
+    (``shard`` -1: the order of the shards themselves): the definition of what the core's
+    ``_core.shuffle_group`` hashes (tests/test_tokens.py holds them equal)."""
     return b"smstore-token-docs:%d:%d:%d:%d:%d" % (seed, epoch, shard, lo, hi)
 
 
@@ -299,23 +300,15 @@ class TokenWindows(TokenDocuments):
         if hit is not None and hit[0] == (shard, lo, hi):
             return hit[1]
         assert self.seed is not None
-        # Here, not at the top: smstore.sampling's package imports its samplers, which import torch
-        # when it is installed, and stored-order windows need neither.
-        from smstore.sampling.orders import FeistelPermutation
-
+        # The core's rule (bounds, keys, order and spans), which smstore.Loader's threads apply.
         if shard < 0:
-            bounds = np.arange(hi + 1, dtype=np.int64)
-            tokens = self._token_starts
+            offsets, item, per_doc = self._token_starts.view(np.uint64), 1, 0
         else:
-            bounds = group_bounds(lo, hi, self.group)
+            offsets, item = self._offsets(shard), self.token_dtype.itemsize
             per_doc = 0 if self.eod is None else 1
-            item = self.token_dtype.itemsize
-            tokens = self._offsets(shard)[bounds].astype(np.int64) // item + per_doc * bounds
-        spans = np.diff(tokens)
-        order = FeistelPermutation(len(spans), group_key(self.seed, self.epoch, shard, lo, hi))(
-            np.arange(len(spans), dtype=np.uint64)
+        group = _Group(
+            *_core.shuffle_group(offsets, item, per_doc, self.seed, self.epoch, shard, lo, hi, self.group)
         )
-        group = _Group(bounds, order, np.cumsum(spans[order], dtype=np.int64))
         self._groups[level] = ((shard, lo, hi), group)
         return group
 
