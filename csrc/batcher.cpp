@@ -212,6 +212,43 @@ void fill_windows(const Records& records, const CollateSpec& spec, const uint64_
     }
 }
 
+// Packed bins: row k is bin k's segments, then pad tokens to the row's width; its position ids
+// count from 0 in each segment (0 on padding), and cu_seqlens run over the rows flattened, each
+// row's padding a sequence of its own (PackedBins.collate).
+template <typename In, typename Out>
+void fill_bins(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n, const BatchLayout& l,
+               const std::vector<Segment>& segments, unsigned char* out) noexcept {
+    auto* tokens = reinterpret_cast<Out*>(out + l.tokens_at);
+    auto* positions = reinterpret_cast<int64_t*>(out + l.lengths_at);
+    auto* cu = reinterpret_cast<int32_t*>(out + l.cu_at);
+    const Segment* seg = segments.data();
+    const Segment* end = seg + segments.size();
+    *cu++ = 0;
+    for (size_t k = 0; k < n; ++k) {
+        Out* row = tokens + k * l.width;
+        int64_t* pos = positions + k * l.width;
+        const Segment* first = seg;
+        uint64_t used = 0;
+        for (; seg != end && seg->row == k; ++seg) {
+            uint64_t count = seg->count + seg->fill;
+            for (uint64_t p = 0; p < count; ++p)
+                pos[used + p] = static_cast<int64_t>(p);
+            used += count;
+            *cu++ = static_cast<int32_t>(k * l.width + used);
+        }
+        Out* at =
+            gather_segments<In, Out>(records, first, static_cast<size_t>(seg - first), row, static_cast<Out>(spec.eod));
+        fill_value(at, l.width - used, static_cast<Out>(spec.pad_value));
+        fill_value(pos + used, l.width - used, int64_t{0});
+        if (used < l.width) *cu++ = static_cast<int32_t>((k + 1) * l.width);
+    }
+    if (spec.with_indices) {
+        auto* idx = reinterpret_cast<int64_t*>(out + l.indices_at);
+        for (size_t k = 0; k < n; ++k)
+            idx[k] = static_cast<int64_t>(indices[k]);
+    }
+}
+
 // Calls f with a value of the C++ type that d names (the one table from Dtype to types).
 template <typename F>
 decltype(auto) with_type(Dtype d, F&& f) {
@@ -292,6 +329,57 @@ static BatchLayout plan_windows(const Records& records, const CollateSpec& spec,
     return layout_of(spec, n, stream.length + 1, 0, records.label());
 }
 
+BatchLayout plan_bins(const Records& records, const CollateSpec& spec, size_t n, const int64_t* rows, size_t count,
+                      std::vector<Segment>& segments) {
+    segments.clear();
+    const std::string& label = records.label();
+    uint64_t cu = 1;
+    for (size_t m = 0; m < count;) {
+        auto k = static_cast<uint64_t>(rows[4 * m]);
+        if (rows[4 * m] < 0 || k >= n || (m && k < segments.back().row)) {
+            throw Error(Error::Kind::Format, label + ": a packed bin's segment names row " +
+                                                 std::to_string(rows[4 * m]) + " of a batch of " + std::to_string(n) +
+                                                 " bins (rows in order)");
+        }
+        size_t stop = m;
+        while (stop < count && rows[4 * stop] == rows[4 * m])
+            ++stop;
+        size_t before = segments.size();
+        uint64_t used =
+            bin_segments(records, dtype_size(spec.in), spec.has_eod, rows + 4 * m + 1, stop - m, 4, segments);
+        if (used > spec.bin_length) {
+            throw Error(Error::Kind::Format, label + ": a packed bin of " + std::to_string(used) +
+                                                 " tokens does not fit bins of " + std::to_string(spec.bin_length));
+        }
+        for (size_t q = before; q < segments.size(); ++q)
+            segments[q].row = k;
+        cu += (stop - m) + (used < spec.bin_length ? 1 : 0);
+        m = stop;
+    }
+    // Rows with no segment (empty bins) are padding only.
+    for (size_t k = 0, m = 0; k < n; ++k) {
+        bool any = m < segments.size() && segments[m].row == k;
+        while (m < segments.size() && segments[m].row == k)
+            ++m;
+        if (!any) ++cu;
+    }
+    BatchLayout l;
+    l.rows = n;
+    l.width = spec.bin_length;
+    l.cu_count = cu;
+    uint64_t cells = mul_checked(spec.bin_length, n, label);
+    l.tokens_at = 0;
+    l.lengths_at = align_up(mul_checked(cells, dtype_size(spec.out), label));
+    l.cu_at = align_up(l.lengths_at + mul_checked(cells, 8, label));
+    uint64_t end = l.cu_at + 4 * cu;
+    if (spec.with_indices) {
+        l.indices_at = align_up(end);
+        end = l.indices_at + 8 * n;
+    }
+    l.bytes = align_up(std::max<uint64_t>(end, 1));
+    return l;
+}
+
 BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
                        std::vector<Segment>& segments) {
     segments.clear();
@@ -331,7 +419,9 @@ void fill_batch(const Records& r, const CollateSpec& spec, const uint64_t* i, si
         with_type(spec.out, [&](auto to) {
             using In = decltype(in);
             using Out = decltype(to);
-            if (spec.windows) {
+            if (spec.bins) {
+                fill_bins<In, Out>(r, spec, i, n, l, segments, out);
+            } else if (spec.windows) {
                 fill_windows<In, Out>(r, spec, i, n, l, segments, out);
             } else if (r.sharded()) {
                 fill_typed<In, Out, true>(r, spec, i, n, l, out);
@@ -421,11 +511,24 @@ void Batcher::submit(std::shared_ptr<const Records> records, const uint64_t* ind
         std::lock_guard<std::mutex> lock(mutex_);
         if (stop_) throw Error(Error::Kind::Closed, label_ + ": this loader is closed");
         for (size_t b = 0; b < batches; ++b) {
-            queue_.push_back(Job{std::vector<uint64_t>(indices, indices + sizes[b]), records});
+            queue_.push_back(Job{std::vector<uint64_t>(indices, indices + sizes[b]), records, {}});
             indices += sizes[b];
         }
         submitted_ += batches;
         if (!prefetch_ || !idle_threads_) return;  // no thread to wake, or none that would work now
+    }
+    work_cv_.notify_all();
+}
+
+void Batcher::submit_bins(std::shared_ptr<const Records> records, std::vector<uint64_t> indices,
+                          std::vector<int64_t> rows) {
+    refuse_if_forked(*this, label_);
+    {
+        std::lock_guard<std::mutex> lock(mutex_);
+        if (stop_) throw Error(Error::Kind::Closed, label_ + ": this loader is closed");
+        queue_.push_back(Job{std::move(indices), std::move(records), std::move(rows)});
+        submitted_ += 1;
+        if (!prefetch_ || !idle_threads_) return;
     }
     work_cv_.notify_all();
 }
@@ -438,8 +541,10 @@ uint64_t Batcher::pending() const {
 
 void Batcher::fill(Slot& slot, const Job& job) {
     const std::vector<uint64_t>& indices = job.indices;
-    std::vector<Segment> segments;  // token windows' (none for records)
-    BatchLayout l = plan_batch(*job.records, spec_, indices.data(), indices.size(), segments);
+    std::vector<Segment> segments;  // token windows' or bins' (none for records)
+    BatchLayout l = spec_.bins
+                        ? plan_bins(*job.records, spec_, indices.size(), job.rows.data(), job.rows.size() / 4, segments)
+                        : plan_batch(*job.records, spec_, indices.data(), indices.size(), segments);
     // use_count() == 1: no batch handed out still holds this block. The fence pairs with the
     // release in the last holder's decrement, so its reads of the old batch come before our writes.
     bool reusable = slot.block && slot.block.use_count() == 1 && slot.block->capacity() >= l.bytes;

@@ -40,6 +40,13 @@ struct CollateSpec {
     // segments into a row of length + 1 tokens (lengths all length + 1; the options above but
     // `in`, `out` and `with_indices` unused).
     std::shared_ptr<const TokenStream> windows;
+    // Packed bins instead of records (PackedBins): each batch comes with its bins' segments, each
+    // bin gathered into a row of `bin_length` tokens (`pad_value` after its own), with position ids
+    // and cu_seqlens as PackedBins.collate makes them (`in`, `out`, `with_indices` used too).
+    bool bins = false;
+    uint64_t bin_length = 0;
+    bool has_eod = false;
+    int64_t eod = 0;
 };
 
 // Where the parts of one collated batch lie in its buffer (byte offsets, each 64-byte aligned).
@@ -51,6 +58,8 @@ struct BatchLayout {
     uint64_t width = 0;
     bool cu_int64 = false;
     uint64_t tokens_at = 0, lengths_at = 0, cu_at = 0, indices_at = 0, bytes = 0;
+    // Packed bins: position ids [rows, width] (int64) at lengths_at, and cu_count cu_seqlens (int32).
+    uint64_t cu_count = 0;
 };
 
 // Checks the batch (every index below records.size(), its shard open, every record inside its data
@@ -58,6 +67,10 @@ struct BatchLayout {
 // windows' segments in `segments` (cleared first). Throws Error.
 BatchLayout plan_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
                        std::vector<Segment>& segments);
+// Packed bins: the batch of bins whose segments are `rows` ((row in the batch, document, first,
+// count) int64, rows in order, `count` of them), listed in `segments`. Throws Error.
+BatchLayout plan_bins(const Records& records, const CollateSpec& spec, size_t n, const int64_t* rows, size_t count,
+                      std::vector<Segment>& segments);
 // Writes the batch planned by plan_batch (with its segments) into out (layout.bytes, 64-byte aligned).
 void fill_batch(const Records& records, const CollateSpec& spec, const uint64_t* indices, size_t n,
                 const BatchLayout& layout, const std::vector<Segment>& segments, unsigned char* out) noexcept;
@@ -115,6 +128,8 @@ public:
     // records.size(), in a shard open in `records`). The batches keep `records`, and so the stores
     // they read, until they are made.
     void submit(std::shared_ptr<const Records> records, const uint64_t* indices, const uint64_t* sizes, size_t batches);
+    // Queues one batch of packed bins: `indices` and the bins' segment rows (see plan_bins).
+    void submit_bins(std::shared_ptr<const Records> records, std::vector<uint64_t> indices, std::vector<int64_t> rows);
     // Batches submitted that the consumer has not received yet.
     uint64_t pending() const;
     // Waits for the next batch (blocking; call without the GIL). Rethrows the error that batch met.
@@ -139,6 +154,7 @@ private:
     struct Job {  // a submitted batch
         std::vector<uint64_t> indices;
         std::shared_ptr<const Records> records;
+        std::vector<int64_t> rows;  // packed bins' segments (see plan_bins)
     };
     void work() noexcept;
     // Takes the next queued batch and makes it into its slot: `lock` is held on entry and on

@@ -3,6 +3,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
 #include <vector>
 
 namespace smstore {
@@ -12,6 +13,11 @@ namespace smstore {
 // Each round maps the halves (A, B) of a bits()-wide value to (B, A xor F(B)), F being
 // splitmix64's finalizer of B + key; the halves trade widths every round. Values the network sends
 // to [n, 2^bits) go through it again until they land in [0, n).
+// The round keys of the permutation keyed by `key`: `rounds` (at most 8) 64-bit words, little-endian,
+// of the BLAKE2b digest of `key` (8 * rounds bytes, personalization "smstore-feistel"): the rule
+// of smstore.sampling.orders.round_keys, which calls this.
+std::vector<uint64_t> feistel_round_keys(std::string_view key, unsigned rounds = 6);
+
 class Feistel {
 public:
     Feistel(uint64_t n, std::vector<uint64_t> round_keys);

@@ -962,8 +962,6 @@ def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_p
         list(loader)
     with pytest.raises(TypeError, match="no TokenCollator options"):
         Loader(windows, dtype=torch.long)
-    with pytest.raises(ValueError, match="documents shuffled per epoch"):
-        Loader(smstore.TokenWindows(stores["u2-sharded"], 16, seed=0), batch_size=2)
     # Windows made over other data than the store now holds: refused at once, or named per batch.
     other = smstore.TokenWindows(stores["u2"], 16)
     other._record_starts = np.array([0, N + 1], dtype=np.int64)
@@ -995,6 +993,79 @@ def test_token_windows_bad_input_is_a_store_error(stores: dict[str, Path], tmp_p
         list(loader)
 
 
+@pytest.mark.parametrize("group", [2, 3, 1024])
+@pytest.mark.parametrize(("length", "eod"), [(1, None), (7, 65001), (40, 0)])
+@pytest.mark.parametrize("data", DATA)
+def test_shuffled_token_windows_are_the_dataloaders_batches_every_epoch(
+    stores: dict[str, Path], data: str, length: int, eod: int | None, group: int
+) -> None:
+    # Every window in turn (every token of the stream) and a global shuffle of them, for several
+    # epochs: the threads' descent of the groups (keys, bounds, order) is TokenWindows'.
+    windows = smstore.TokenWindows(stores[data], length, eod=eod, dtype=np.int32, seed=3, group=group)
+    sampler = GlobalShuffleSampler(len(windows), seed=4, rank=0, world_size=1)
+    firsts = []
+    with Loader(windows, sampler=sampler, batch_size=6, threads=2) as shuffled:
+        for epoch in range(3):
+            shuffled.set_epoch(epoch)  # the sampler's and the windows' epoch
+            assert windows.epoch == epoch
+            expected = list(DataLoader(windows, batch_size=6, sampler=sampler))
+            with Loader(windows, batch_size=6, threads=1) as in_turn:
+                every = list(in_turn)
+            assert_same_windows(every, list(DataLoader(windows, batch_size=6)))
+            got = list(shuffled)
+            assert_same_windows(got, expected)
+            firsts.append(every[0]["tokens"].numpy().tobytes())
+    assert len(set(firsts)) > 1  # the epochs' orders differ
+
+
+def assert_same_windows(got: list[dict[str, Any]], expected: list[Any]) -> None:
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected, strict=True):
+        assert g["tokens"].dtype == e.dtype
+        assert g["tokens"].numpy().tobytes() == e.numpy().tobytes()
+
+
+def test_set_epoch_on_the_windows_reaches_the_next_pass(stores: dict[str, Path]) -> None:
+    windows = smstore.TokenWindows(stores["u2-sharded"], 9, eod=1, seed=7, group=4)
+    loader = Loader(windows, batch_size=8)
+    for epoch in (2, 0, 5):
+        windows.set_epoch(epoch)  # not through the Loader: its next pass still reads this order
+        assert_same_windows(list(loader), list(DataLoader(windows, batch_size=8)))
+    loader.close()
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8)])
+@pytest.mark.parametrize("data", DATA)
+def test_shuffled_token_windows_resume_at_another_world_size(
+    stores: dict[str, Path], data: str, world_before: int, world_after: int
+) -> None:
+    windows = smstore.TokenWindows(stores[data], 9, eod=0, seed=11, epoch=1, group=3)
+
+    def make(rank: int, world: int) -> Any:
+        sampler = GlobalShuffleSampler(len(windows), seed=2, rank=rank, world_size=world)
+        sampler.set_epoch(1)
+        return sampler
+
+    def loader_of(sampler: Any) -> Loader:
+        return Loader(windows, sampler=sampler, batch_size=3)
+
+    assert_resumes_exactly(loader_of, make, world_before, world_after)
+    # And the tokens the resumed ranks receive are the windows' (the document order of epoch 1).
+    with loader_of(make(1, world_after)) as loader:
+        got = list(loader)
+    assert_same_windows(got, list(DataLoader(windows, sampler=make(1, world_after), batch_size=3)))
+
+
+def test_shuffled_windows_over_other_data_are_named(stores: dict[str, Path]) -> None:
+    longer = smstore.TokenWindows(stores["u2"], 16, seed=1, group=2)
+    longer._token_starts = np.array([0, longer.tokens + 1000], dtype=np.int64)
+    with (
+        Loader(longer, sampler=[len(longer) + 50], batch_size=1) as loader,
+        pytest.raises(smstore.StoreFormatError, match=r"u2\.smst: document \d+ .*made over other data"),
+    ):
+        list(loader)
+
+
 def test_token_windows_close_and_new_pass(stores: dict[str, Path]) -> None:
     windows = smstore.TokenWindows(stores["u2-sharded"], 11, eod=1)
     loader = Loader(windows, batch_size=4, threads=2)
@@ -1004,6 +1075,100 @@ def test_token_windows_close_and_new_pass(stores: dict[str, Path]) -> None:
     loader.close()
     assert torch.equal(first["tokens"], torch.from_numpy(np.stack([windows[k] for k in range(4)])))
     assert "TokenWindows" in repr(loader)
+
+
+# -- packed bins ------------------------------------------------------------------------------
+
+
+def assert_same_bins(
+    got: list[dict[str, Any]], expected: list[dict[str, Any]], order: list[int], size: int
+) -> None:
+    assert len(got) == len(expected)
+    for n, (g, e) in enumerate(zip(got, expected, strict=True)):
+        assert list(g) == [*e, "indices"]
+        for key in e:
+            assert str(g[key].numpy().dtype) == str(e[key].dtype), key
+            assert g[key].shape == e[key].shape, key
+            assert g[key].numpy().tobytes() == e[key].tobytes(), key
+        assert g["indices"].tolist() == order[n * size : n * size + size]
+
+
+@pytest.mark.parametrize("threads", [0, 2])
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize(
+    ("length", "eod", "pad", "dtype"),
+    [(16, None, 0, np.int64), (16, 65001, 7, np.int32), (40, 0, 65535, np.uint16), (1, None, 3, np.int64)],
+)
+@pytest.mark.parametrize("data", DATA)
+def test_packed_bins_are_the_dataloaders_batches(
+    stores: dict[str, Path],
+    data: str,
+    length: int,
+    eod: int | None,
+    pad: int,
+    dtype: Any,
+    drop_last: bool,
+    threads: int,
+) -> None:
+    bins = smstore.PackedBins(stores[data], length, eod=eod, pad=pad, dtype=dtype, group=50, seed=1)
+    sampler = GlobalShuffleSampler(len(bins), seed=4, rank=0, world_size=1)
+    expected = list(
+        DataLoader(
+            bins, sampler=sampler, batch_size=7, drop_last=drop_last, collate_fn=smstore.PackedBins.collate
+        )
+    )
+    with Loader(bins, sampler=sampler, batch_size=7, drop_last=drop_last, threads=threads) as loader:
+        got = list(loader)
+        assert len(got) == len(loader)
+    assert_same_bins(got, expected, list(sampler), 7)
+
+
+@pytest.mark.parametrize(("world_before", "world_after"), [(4, 3), (4, 8)])
+@pytest.mark.parametrize("data", DATA)
+def test_packed_bins_resume_at_another_world_size(
+    stores: dict[str, Path], data: str, world_before: int, world_after: int
+) -> None:
+    bins = smstore.PackedBins(stores[data], 24, eod=0, group=64)
+
+    def make(rank: int, world: int) -> Any:
+        return GlobalShuffleSampler(len(bins), seed=9, rank=rank, world_size=world)
+
+    states = assert_resumes_exactly(
+        lambda sampler: Loader(bins, sampler=sampler, batch_size=2), make, world_before, world_after
+    )
+    assert states[0]["consumed"] == 4 * 2 * world_before
+    with Loader(bins, sampler=make(2, world_after), batch_size=2) as loader:
+        loader.load_state_dict(states[0])
+        got = list(loader)
+    rest = make(2, world_after)
+    rest.load_state_dict({k: v for k, v in states[0].items() if k != "store_checksum"})
+    expected = list(DataLoader(bins, sampler=rest, batch_size=2, collate_fn=smstore.PackedBins.collate))
+    assert_same_bins(got, expected, [k for b in got for k in b["indices"].tolist()], 2)
+
+
+def test_packed_bins_bad_input_is_refused(stores: dict[str, Path]) -> None:
+    bins = smstore.PackedBins(stores["u2-sharded"], 16, eod=1, group=50)
+    with pytest.raises(ValueError, match="bins not padded do not stack"):
+        Loader(smstore.PackedBins(stores["u2"], 16, pad=None), batch_size=2)
+    with pytest.raises(TypeError, match="no TokenCollator options"):
+        Loader(bins, dtype=torch.long)
+    with pytest.raises(TypeError, match="not with collate="):
+        Loader(bins, collate=TokenCollator(stores["u2"]))
+    for index in (len(bins), -1):
+        with (
+            Loader(bins, sampler=[0, index], batch_size=1) as loader,
+            pytest.raises(smstore.RecordIndexError, match=rf"u2-sharded.*bin index {index}, out of range"),
+        ):
+            list(loader)
+    # Bins whose segments name more tokens than their document holds (made over other data).
+    other = smstore.PackedBins(stores["u2"], 16, eod=1, group=50)
+    other.batch_segments = lambda ks: np.array([[0, 2, 0, 15]], dtype=np.int64)  # type: ignore[method-assign]
+    with (
+        Loader(other, sampler=[0], batch_size=1) as loader,
+        pytest.raises(smstore.StoreFormatError, match=r"u2\.smst: document 2 .*made over other data"),
+    ):
+        list(loader)
+    assert "PackedBins" in repr(Loader(bins))
 
 
 # -- mixtures of several stores ---------------------------------------------------------------

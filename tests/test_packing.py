@@ -306,3 +306,17 @@ def test_bad_input_is_refused_naming_the_file(tmp_path: Path) -> None:
     assert bins.segments(0).tolist() == [[0, 0, 4]]
     with pytest.raises(IndexError, match=r"u\.smst"):
         bins.segments(1)
+
+
+def test_batch_segments_are_what_collate_lists(token_data: Data) -> None:
+    paths, _ = token_data
+    bins = PackedBins(paths["blob"], 64, eod=0, group=100, seed=3, cache_groups=2)
+    rng = np.random.default_rng(5)
+    for size in (1, 7, 40):
+        ids = rng.integers(-len(bins), len(bins), size).tolist()
+        expected = PackedBins.collate([bins[k] for k in ids])["segments"]
+        got = bins.batch_segments(ids)
+        assert got.dtype == np.int64
+        assert np.array_equal(got, expected)
+    with pytest.raises(IndexError, match=f"bin {len(bins)} out of range"):
+        bins.batch_segments([0, len(bins)])

@@ -239,3 +239,36 @@ def test_a_group_of_fewer_than_two_parts_is_refused(tmp_path: Path) -> None:
     smstore.pack_arrays([np.ones(4, np.uint16)], tmp_path / "u.smst", durable=False)
     with pytest.raises(ValueError, match="group"):
         TokenWindows(tmp_path / "u.smst", 2, seed=0, group=1)
+
+
+@pytest.mark.parametrize(("seed", "epoch"), [(2**63, 0), (-(2**63) - 1, 0), (1.5, 0), (0, -1), (0, 2**63)])
+def test_a_seed_or_epoch_the_shuffle_keys_cannot_hold_is_refused_when_given(
+    tmp_path: Path, seed: Any, epoch: int
+) -> None:
+    """The core keys shuffled groups with 64-bit seeds and epochs: one outside is refused by name at
+    construction or set_epoch, not as a binding's TypeError at the first read."""
+    smstore.pack_arrays([np.ones(4, np.uint16)], tmp_path / "u.smst", durable=False)
+    what = "seed" if epoch == 0 else "epoch"
+    with pytest.raises(ValueError, match=f"{what} must be an integer"):
+        TokenWindows(tmp_path / "u.smst", 2, seed=seed, epoch=epoch)
+    windows = TokenWindows(tmp_path / "u.smst", 2, seed=-(2**63), epoch=2**63 - 1)
+    assert windows[0].tolist() == [1, 1, 1]
+    if what == "epoch":
+        with pytest.raises(ValueError, match="epoch must be an integer"):
+            windows.set_epoch(epoch)
+
+
+def test_the_cores_round_keys_are_blake2b_of_the_key() -> None:
+    # The Loader's threads key the shuffled groups with the core's BLAKE2b: it is hashlib's, for
+    # keys of every block count.
+    import hashlib
+
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 27, 127, 128, 129, 256, 300):
+        key = rng.integers(0, 256, size, dtype=np.uint8).tobytes()
+        for rounds in (1, 6, 8):
+            digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
+            want = [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
+            assert smstore._core.feistel_round_keys(key, rounds) == want
+    with pytest.raises(ValueError, match="1 to 8 rounds"):
+        smstore._core.feistel_round_keys(b"x", 9)

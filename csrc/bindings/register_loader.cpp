@@ -59,6 +59,14 @@ py::tuple batch_arrays(const CollateSpec& spec, const ReadyBatch& ready, const B
     unsigned char* base = ready.block->data();
     auto rows = static_cast<py::ssize_t>(l.rows), width = static_cast<py::ssize_t>(l.width);
     const py::dtype& out = dt.out;
+    if (spec.bins) {  // tokens and position ids over the block, then copies of cu_seqlens and indices
+        py::array tokens(out, {rows, width}, {}, base + l.tokens_at, owner);
+        py::array positions(dt.i64, {rows, width}, {}, base + l.lengths_at, owner);
+        py::array cu(dt.i32, {static_cast<py::ssize_t>(l.cu_count)}, {}, base + l.cu_at);
+        py::object indices = py::none();
+        if (spec.with_indices) indices = py::array(dt.i64, {rows}, {}, base + l.indices_at);
+        return py::make_tuple(std::move(tokens), std::move(positions), std::move(cu), std::move(indices));
+    }
     py::array tokens;
     if (spec.pack) {
         tokens = py::array(out, {width}, {}, base + l.tokens_at, owner);
@@ -190,7 +198,9 @@ private:
 };
 
 py::tuple collate_batch(const CollateSpec& spec, py::handle store, py::handle indices, bool pinned) {
-    if (spec.windows) throw py::value_error("collate_batch batches records: token windows go through a Batcher");
+    if (spec.windows || spec.bins) {
+        throw py::value_error("collate_batch batches records: token windows and bins go through a Batcher");
+    }
     std::vector<uint64_t> idx = normalize_indices(indices, size_and_label(store).first);  // may run Python code
     std::shared_ptr<const Records> keep = records_of(store, idx);
     ReadyBatch ready;
@@ -211,13 +221,14 @@ class PyBatcher {
 public:
     PyBatcher(py::handle store, const CollateSpec& spec, size_t threads, size_t depth, bool pinned)
         : spec_(spec), store_(py::reinterpret_borrow<py::object>(store)) {
+        if ((spec.windows || spec.bins) && (py::hasattr(store, "block_store") || py::isinstance<py::list>(store))) {
+            throw py::value_error("token windows and bins read one store, not a block reader or a mixture's sources");
+        }
         if (py::hasattr(store, "block_store")) {
-            if (spec.windows) throw py::value_error("token windows read one store, not a block reader");
             blocks_.emplace(store);
             count_ = blocks_->size();
             label_ = blocks_->label();
         } else if (py::isinstance<py::list>(store)) {
-            if (spec.windows) throw py::value_error("token windows read one store, not a mixture's sources");
             mixture_.emplace(store);
             count_ = mixture_->size();
             label_ = mixture_->label();
@@ -304,6 +315,35 @@ public:
         return sizes.size();
     }
 
+    // Queues one batch of packed bins: their indices (for the batch's "indices") and their
+    // segments, rows (row in the batch, document, first, count) in order (PackedBins.collate's).
+    void submit_bins(const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& indices,
+                     const py::array_t<int64_t, py::array::c_style | py::array::forcecast>& rows) {
+        core();
+        if (!spec_.bins) throw py::value_error("submit_bins needs a spec of packed bins");
+        if (indices.ndim() != 1 || rows.ndim() != 2 || rows.shape(1) != 4) {
+            throw py::value_error("indices must be 1-D and rows an [n, 4] array of (row, document, first, count)");
+        }
+        const int64_t* r = rows.data();
+        auto count = static_cast<size_t>(rows.shape(0));
+        std::vector<uint64_t> documents;
+        documents.reserve(count);
+        for (size_t m = 0; m < count; ++m) {
+            check_index(static_cast<Py_ssize_t>(r[4 * m + 1]));  // a document of the store
+            documents.push_back(static_cast<uint64_t>(r[4 * m + 1]));
+        }
+        std::sort(documents.begin(), documents.end());
+        documents.erase(std::unique(documents.begin(), documents.end()), documents.end());
+        std::shared_ptr<const Records> records = records_ ? records_ : records_of(store_, documents);
+        std::vector<uint64_t> ids;
+        ids.reserve(static_cast<size_t>(indices.size()));
+        for (py::ssize_t i = 0; i < indices.size(); ++i) {
+            if (indices.data()[i] < 0) throw py::value_error("bin indices are >= 0");
+            ids.push_back(static_cast<uint64_t>(indices.data()[i]));
+        }
+        core().submit_bins(std::move(records), std::move(ids), std::vector<int64_t>(r, r + 4 * count));
+    }
+
     py::tuple next() {
         // Our own reference: another Python thread may close the loader while this one waits
         // without the GIL; the Batcher then stops (next() throws Closed) but lives until we return.
@@ -377,13 +417,12 @@ private:
         // may cross from one shard into the next ones).
         const TokenStream& stream = *spec_.windows;
         std::vector<uint64_t> documents;
-        size_t last = SIZE_MAX;
         for (uint64_t w : indices) {
-            size_t from = stream.shard_of(w * stream.length), to = stream.shard_of(w * stream.length + stream.length);
-            for (size_t k = from == last ? from + 1 : from; k <= to; ++k)
-                documents.push_back(stream.record_starts[k]);
-            last = to;
+            stream.for_shards(w * stream.length, w * stream.length + stream.length,
+                              [&](size_t k) { documents.push_back(stream.record_starts[k]); });
         }
+        std::sort(documents.begin(), documents.end());
+        documents.erase(std::unique(documents.begin(), documents.end()), documents.end());
         return records_of(store_, documents);
     }
 
@@ -460,7 +499,8 @@ void register_loader(py::module_& m) {
         .def_static(
             "windows",
             [](const std::string& in_dtype, const std::string& out_dtype, uint64_t length, std::optional<int64_t> eod,
-               std::vector<uint64_t> token_starts, std::vector<uint64_t> record_starts) {
+               std::vector<uint64_t> token_starts, std::vector<uint64_t> record_starts, std::optional<int64_t> seed,
+               int64_t epoch, uint64_t group) {
                 CollateSpec s;
                 s.in = parse_dtype(in_dtype);
                 s.out = parse_dtype(out_dtype);
@@ -481,15 +521,67 @@ void register_loader(py::module_& m) {
                 stream->length = length;
                 stream->has_eod = eod.has_value();
                 stream->eod = eod.value_or(0);
+                if (seed) {
+                    if (group < 2) throw py::value_error("group must be >= 2");
+                    stream->set_shuffle(DocumentShuffle{*seed, epoch, group});
+                }
                 s.windows = std::move(stream);
                 s.with_indices = true;
                 return s;
             },
             py::kw_only(), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("length"), py::arg("eod"),
-            py::arg("token_starts"), py::arg("record_starts"),
+            py::arg("token_starts"), py::arg("record_starts"), py::arg("seed") = py::none(), py::arg("epoch") = 0,
+            py::arg("group") = 1024,
             "Token windows of `length` + 1 tokens over a stream of documents (TokenWindows): per shard, the "
-            "stream positions and records it starts at, and one more entry for the end.");
+            "stream positions and records it starts at, and one more entry for the end; with a seed, the "
+            "documents in epoch `epoch`'s shuffled order (groups of at most `group` parts).")
+        .def_static(
+            "bins",
+            [](const std::string& in_dtype, const std::string& out_dtype, uint64_t length, std::optional<int64_t> eod,
+               int64_t pad) {
+                CollateSpec s;
+                s.in = parse_dtype(in_dtype);
+                s.out = parse_dtype(out_dtype);
+                if (is_float(s.in) || is_float(s.out)) throw py::value_error("packed bins are integer tokens");
+                if (length == 0) throw py::value_error("length must be >= 1");
+                s.bins = true;
+                s.bin_length = length;
+                s.has_eod = eod.has_value();
+                s.eod = eod.value_or(0);
+                s.pad_value = pad;
+                s.with_indices = true;
+                return s;
+            },
+            py::kw_only(), py::arg("in_dtype"), py::arg("out_dtype"), py::arg("length"), py::arg("eod"), py::arg("pad"),
+            "Packed bins of `length` tokens (PackedBins): each batch's bins gathered from their segments "
+            "(submit_bins), "
+            "`pad` after each bin's tokens, with position ids and cu_seqlens as PackedBins.collate makes them.");
 
+    m.def(
+        "shuffle_group",
+        [](const py::array_t<uint64_t, py::array::c_style>& offsets, uint64_t item, uint64_t per_doc, int64_t seed,
+           int64_t epoch, int64_t shard, uint64_t lo, uint64_t hi, uint64_t group) {
+            if (offsets.ndim() != 1 || item == 0 || group < 2 || lo >= hi ||
+                hi >= static_cast<uint64_t>(offsets.size()) || (shard < 0 && lo != 0)) {
+                throw py::value_error("shuffle_group: offsets (1-D) past hi, item >= 1, group >= 2, lo < hi");
+            }
+            ShuffleGroup g;
+            {
+                py::gil_scoped_release release;
+                make_group(g, DocumentShuffle{seed, epoch, group}, shard, lo, hi, offsets.data(), item, per_doc);
+            }
+            auto array = [](const std::vector<uint64_t>& v) {
+                py::array_t<int64_t> out(static_cast<py::ssize_t>(v.size()));
+                std::copy(v.begin(), v.end(), out.mutable_data());
+                return out;
+            };
+            return py::make_tuple(array(g.bounds), array(g.order), array(g.ends));
+        },
+        py::arg("offsets"), py::arg("item"), py::arg("per_doc"), py::arg("seed"), py::arg("epoch"), py::arg("shard"),
+        py::arg("lo"), py::arg("hi"), py::arg("group"),
+        "(bounds, order, ends) of a group of TokenWindows' shuffled document order, as int64 arrays: the "
+        "one rule of the Loader's threads (offsets: a shard's index, or the stream's token starts with item 1 "
+        "and per_doc 0 for shard -1).");
     m.def(
         "locate_in_shard",
         [](const py::array_t<uint64_t, py::array::c_style>& offsets, uint64_t item, uint64_t per_doc, uint64_t t) {
@@ -517,6 +609,7 @@ void register_loader(py::module_& m) {
              py::arg("max_batches"), py::arg("drop_last"))
         .def("submit_array", checked(&PyBatcher::submit_array), py::arg("indices"), py::arg("batch_size"),
              py::arg("drop_last"))
+        .def("submit_bins", checked(&PyBatcher::submit_bins), py::arg("indices"), py::arg("rows"))
         .def("next", checked(&PyBatcher::next))
         .def("pending", checked(&PyBatcher::pending))
         .def_property_readonly("threads", checked(&PyBatcher::threads))

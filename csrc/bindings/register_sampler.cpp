@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "feistel.hpp"
@@ -42,6 +43,13 @@ py::list to_list(const std::vector<int64_t>& values) {
 }
 
 void register_sampler(py::module_& m) {
+    m.def(
+        "feistel_round_keys",
+        [](const py::bytes& key, unsigned rounds) {
+            return feistel_round_keys(static_cast<std::string_view>(key), rounds);
+        },
+        py::arg("key"), py::arg("rounds") = 6,
+        "A Feistel permutation's round keys: 64-bit little-endian words of BLAKE2b(key, person=b'smstore-feistel').");
     m.def(
         "feistel_permute",
         [](const Positions& positions, uint64_t n, std::vector<uint64_t> round_keys) {

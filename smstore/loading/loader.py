@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
+import operator
 import os
 import sys
 import weakref
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import numpy as np
 
 from smstore import _core
-from smstore.errors import StoreChangedError, StoreClosedError
+from smstore.errors import RecordIndexError, StoreChangedError, StoreClosedError
 from smstore.loading.collate import TokenCollator
 from smstore.loading.stats import LoaderStats
 from smstore.wire import fork as _fork
@@ -74,7 +77,7 @@ class Loader:
     Args:
         source: What ``TokenCollator`` takes: a ``.smst`` path or a sharded dataset's manifest, a
             ``SharedStoreDataset`` or an open ``Store`` or ``ShardedStore``; or a ``TokenWindows``,
-            a ``MixtureDataset`` or a ``BlockReader`` (above). Leave it out when passing ``collate``.
+            a ``PackedBins``, a ``MixtureDataset`` or a ``BlockReader`` (below). Leave it out when passing ``collate``.
         sampler: An iterable of record indices (by default ``range(len(store))``).
         batch_size: Records per batch; the last batch of a pass is shorter unless ``drop_last``.
         collate: A ``TokenCollator`` whose options (and store) to use; otherwise ``collate_options``
@@ -97,7 +100,15 @@ class Loader:
     tokens byte for byte what ``DataLoader(windows, sampler=S, batch_size=B)``'s default collate
     stacks (the windows' dtype), each window located by the threads from the offsets indexes (the
     rule of ``TokenWindows.locate``) and gathered as segments of documents with the eod token
-    between them. No collate options: a window is given as it is.
+    between them. No collate options: a window is given as it is. Windows over documents shuffled
+    per epoch (``seed=``) are located by the threads in the same order as ``TokenWindows.locate``
+    (the same groups and keys); each pass reads the windows' epoch when it starts, and
+    :meth:`set_epoch` sets it.
+
+    **Packed bins.** ``Loader(bins, sampler=S, batch_size=B)`` over a padded
+    :class:`~smstore.PackedBins` yields ``PackedBins.collate``'s batch byte for byte as tensors
+    (``tokens``, ``position_ids``, ``cu_seqlens``, ``segments``) plus ``indices``: each batch's
+    segments from ``bins.batch_segments`` on the loop's thread, the tokens gathered by the threads.
 
     **Mixtures.** ``Loader(mixture, sampler=MixtureSampler(mixture, ...), batch_size=B, **options)``
     over a :class:`~smstore.sampling.MixtureDataset` whose sources are blobs or sharded datasets
@@ -120,11 +131,11 @@ class Loader:
     Raises:
         ValueError: Options the C++ batcher cannot do (bfloat16 tokens, float records to integer
             tokens: use a DataLoader with ``TokenCollator`` for those); a mixture's sources of
-            different record dtypes.
-        TypeError: ``collate=`` with windows or a mixture, or collate options with windows.
+            different record dtypes; packed bins not padded (``pad=None``).
+        TypeError: ``collate=`` with windows, bins or a mixture, or collate options with windows or bins.
         StoreFormatError: (while iterating) windows made over other data than their store holds,
             or a document that is not a whole number of tokens.
-        RecordIndexError: (while iterating) the sampler gave an index outside the dataset.
+        RecordIndexError: (while iterating) the sampler gave an index outside the dataset (or bins).
         StoreChangedError: (while iterating) a shard differs from the manifest's record of it.
         StoreError: (while iterating) a shard could not be opened (missing, or the daemon cannot
             serve it): what ``TokenCollator`` in a DataLoader worker raises.
@@ -152,24 +163,26 @@ class Loader:
                 msg = f"{name} must be an integer >= {least}, not {value!r}"
                 raise ValueError(msg)
         windows = source if _is_instance(source, "smstore.read.tokens", "TokenWindows") else None
+        bins = source if _is_instance(source, "smstore.read.packing", "PackedBins") else None
         mixture = source if _is_instance(source, "smstore.sampling.mixture", "MixtureDataset") else None
         blocks = source if _is_instance(source, "smstore.wire.blocks", "BlockReader") else None
-        if (windows is not None or mixture is not None or blocks is not None) and collate is not None:
+        given = windows if windows is not None else bins  # samples given as they are, no collate options
+        if (given is not None or mixture is not None or blocks is not None) and collate is not None:
             msg = f"pass {source!r} alone (with TokenCollator's options for a mixture), not with collate="
             raise TypeError(msg)
         store: Any
-        if windows is not None:
+        if given is not None:
             if collate_options:
-                msg = f"{windows!r} gives its samples as they are: pass no TokenCollator options"
+                msg = f"{given!r} gives its samples as they are: pass no TokenCollator options"
                 raise TypeError(msg)
-            spec, store, count = windows.batch_spec(), windows.store, len(windows)
+            spec, store, count = given.batch_spec(), given.store, len(given)
             if spec is None:
                 why = (
-                    "documents shuffled per epoch"
-                    if windows.seed is not None
-                    else "tokens not in native byte order"
+                    "bins not padded do not stack: make PackedBins with a pad token"
+                    if bins is not None and bins.pad is None
+                    else "tokens not in native byte order: use a DataLoader"
                 )
-                msg = f"smstore.Loader cannot batch {windows!r} ({why}): use a DataLoader"
+                msg = f"smstore.Loader cannot batch {given!r} ({why})"
                 raise ValueError(msg)
         else:
             if mixture is not None:
@@ -209,6 +222,7 @@ class Loader:
                 raise ValueError(msg)
         self.collate = collate
         self.windows = windows
+        self.bins = bins
         self.mixture = mixture
         self.store = store  # the data: a Store, a ShardedStore, or a mixture's list of them
         self._reads: Any = blocks if blocks is not None else store  # what the C++ batcher reads
@@ -240,10 +254,18 @@ class Loader:
         self._pass += 1
         self._received, self._exhausted = 0, False
         self._pid = os.getpid()
+        if self.windows is not None and self.windows.seed is not None:
+            # The document order of the windows' epoch now (set_epoch, here or on the windows).
+            self._spec = self.windows.batch_spec()
         batcher = _core.Batcher(self._reads, self._spec, self.threads, self.depth, self._pinned)
         self._batcher = batcher
         ours = sys.modules.get("smstore.sampling.sampler")  # not loaded: the sampler is not one of ours
-        if ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
+        if self.bins is not None:
+            # Bins' segments come from the packer in Python, a batch at a time; C++ gathers them.
+            segments: deque[np.ndarray[Any, np.dtype[np.int64]]] = deque()
+            feed = _bins_feed(batcher, self.bins, iter(self.sampler), segments)
+            run = self._run(self._pass, batcher, feed, segments)
+        elif ours is not None and isinstance(self.sampler, ours.GlobalShuffleSampler):
             # Our samplers hand their chunks over as int64 arrays: no Python int per index.
             run = self._run(self._pass, batcher, _array_feed(batcher, self.sampler._chunks()))
         else:
@@ -254,7 +276,13 @@ class Loader:
         """How long the loop waited for each batch and the share of its steps that was (every pass)."""
         return self._stats
 
-    def _run(self, token: int, batcher: _core.Batcher, feed: _Feed) -> Iterator[dict[str, Any]]:
+    def _run(
+        self,
+        token: int,
+        batcher: _core.Batcher,
+        feed: _Feed,
+        segments: deque[np.ndarray[Any, np.dtype[np.int64]]] | None = None,
+    ) -> Iterator[dict[str, Any]]:
         import torch
 
         # The per-batch work on the loop's thread is kept to a few operations: batches are queued
@@ -280,9 +308,13 @@ class Loader:
                 tokens, lengths, cu_seqlens, ids = take()
                 pending -= 1
                 batch = {"tokens": from_numpy(tokens)}
-                if pack:
+                if segments is not None:  # packed bins: PackedBins.collate's keys, then indices
+                    batch["position_ids"] = from_numpy(lengths)
                     batch["cu_seqlens"] = from_numpy(cu_seqlens)
-                if not windows:
+                    batch["segments"] = from_numpy(segments.popleft())
+                elif pack:
+                    batch["cu_seqlens"] = from_numpy(cu_seqlens)
+                if not windows and segments is None:
                     batch["lengths"] = from_numpy(lengths)
                 if ids is not None:
                     batch["indices"] = from_numpy(ids)
@@ -304,10 +336,13 @@ class Loader:
             raise StoreClosedError(msg)
 
     def set_epoch(self, epoch: int) -> None:
-        """``sampler.set_epoch(epoch)``, for samplers that have it."""
+        """``sampler.set_epoch(epoch)``, for samplers that have it, and ``windows.set_epoch(epoch)``
+        for token windows with documents shuffled per epoch: the next pass reads that epoch's order."""
         set_epoch = getattr(self.sampler, "set_epoch", None)
         if callable(set_epoch):
             set_epoch(epoch)
+        if self.windows is not None and self.windows.seed is not None:
+            self.windows.set_epoch(epoch)
 
     # -- state ------------------------------------------------------------------------------
 
@@ -382,7 +417,7 @@ class Loader:
 
     def __repr__(self) -> str:
         return (
-            f"Loader({self.windows or self.mixture or self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
+            f"Loader({self.windows or self.bins or self.mixture or self.collate!r}, batch_size={self.batch_size}, depth={self.depth}, "
             f"threads={self.threads}, pinned={self._pinned})"
         )
 
@@ -398,6 +433,40 @@ def _iterator_feed(batcher: _core.Batcher, indices: Iterator[int]) -> _Feed:
 
     def feed(size: int, max_batches: int, drop_last: bool) -> tuple[int, bool]:
         return submit_from(indices, size, max_batches, drop_last)
+
+    return feed
+
+
+def _bins_feed(
+    batcher: _core.Batcher,
+    bins: Any,
+    indices: Iterator[int],
+    queued_segments: deque[np.ndarray[Any, np.dtype[np.int64]]],
+) -> _Feed:
+    """Packed bins: each batch's bins drawn from the sampler, their segments packed in Python
+    (PackedBins.batch_segments) as PackedBins.collate lists them, ``(row, document, first,
+    count)``, and queued with the batch (kept in ``queued_segments`` for the loop, in order)."""
+    submit_bins, count = batcher.submit_bins, len(bins)
+
+    def feed(size: int, max_batches: int, drop_last: bool) -> tuple[int, bool]:
+        for queued in range(max_batches):
+            ids = [operator.index(k) for k in itertools.islice(indices, size)]
+            if not ids or (drop_last and len(ids) < size):
+                return queued, True
+            bad = [k for k in ids if not 0 <= k < count]
+            if bad:
+                msg = (
+                    f"{bins.path}: the sampler gave bin index {bad[0]}, out of range for {count} packed "
+                    "bins (is it a sampler of another dataset?)"
+                )
+                raise RecordIndexError(msg)
+            chosen = np.asarray(ids, dtype=np.int64)
+            rows = bins.batch_segments(chosen)
+            submit_bins(chosen, rows)
+            queued_segments.append(rows)
+            if len(ids) < size:
+                return queued + 1, True
+        return max_batches, False
 
     return feed
 

@@ -207,6 +207,37 @@ class PackedBins(TokenDocuments):
         rows: Int64s = segments[int(starts[b]) : int(starts[b + 1])].copy()
         return rows
 
+    def batch_segments(self, indices: Sequence[int] | Int64s) -> Int64s:
+        """The segments of bins ``indices`` as :meth:`collate` lists them: int64 rows ``(row,
+        document, first, count)``, ``row`` the bin's place in ``indices`` (what smstore.Loader
+        hands its threads: a few numpy operations per group the bins lie in, none per bin)."""
+        ks = np.asarray(indices, dtype=np.int64).reshape(-1)
+        n = len(self)
+        bad = ks[(ks < -n) | (ks >= n)]
+        if bad.size:
+            msg = f"bin {int(bad[0])} out of range for {n} packed bins of {self.path}"
+            raise IndexError(msg)
+        ks = np.where(ks < 0, ks + n, ks)
+        bin_starts = np.asarray(self._bin_starts, dtype=np.int64)
+        groups = np.searchsorted(bin_starts, ks, side="right") - 1
+        lo, hi = np.empty_like(ks), np.empty_like(ks)
+        for g in np.unique(groups).tolist():
+            mask = groups == g
+            starts = self._packed(g)[1]
+            b = ks[mask] - bin_starts[g]
+            lo[mask], hi[mask] = starts[b], starts[b + 1]
+        counts = hi - lo
+        at = np.cumsum(counts) - counts  # each bin's first row in the output
+        within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(at, counts)
+        out = np.empty((len(within), 4), dtype=np.int64)
+        out[:, 0] = np.repeat(np.arange(len(ks), dtype=np.int64), counts)
+        for g in np.unique(groups).tolist():
+            mask = groups == g
+            segments, c = self._packed(g)[0], counts[mask]
+            offset = within[np.repeat(mask, counts)]
+            out[np.repeat(at[mask], c) + offset, 1:] = segments[np.repeat(lo[mask], c) + offset]
+        return out
+
     def __getitem__(self, index: int) -> dict[str, np.ndarray[Any, Any]]:
         """Bin ``index``: ``tokens``, ``cu_seqlens``, ``position_ids`` and ``segments``, new arrays."""
         segments = self.segments(index)
@@ -255,6 +286,15 @@ class PackedBins(TokenDocuments):
                 ]
             ),
         }
+
+    def batch_spec(self) -> _core.BatchSpec | None:
+        """These bins for the C++ batcher (smstore.Loader: :meth:`collate`'s batches, the tokens
+        gathered from :meth:`segments` by C++ threads); None for bins not padded (``pad=None``: they
+        do not stack) or tokens not in this machine's byte order."""
+        dtypes = self._batch_dtypes()
+        if self.pad is None or dtypes is None:
+            return None
+        return _core.BatchSpec.bins(**dtypes, length=self.length, eod=self.eod, pad=self.pad)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**super().__getstate__(), "_cache": OrderedDict()}

@@ -28,7 +28,8 @@ __all__ = ["TokenDocuments", "TokenWindows", "positive_length"]
 
 def group_key(seed: int, epoch: int, shard: int, lo: int, hi: int) -> bytes:
     """The Feistel key that orders the parts of documents ``[lo, hi)`` of ``shard`` in an epoch
-    (``shard`` -1: the order of the shards themselves)."""
+    (``shard`` -1: the order of the shards themselves): the definition of what the core's
+    ``_core.shuffle_group`` hashes (tests/test_tokens.py holds them equal)."""
     return b"smstore-token-docs:%d:%d:%d:%d:%d" % (seed, epoch, shard, lo, hi)
 
 
@@ -38,6 +39,14 @@ def group_bounds(lo: int, hi: int, group: int) -> np.ndarray[Any, np.dtype[np.in
     if hi - lo <= group:
         return np.arange(lo, hi + 1, dtype=np.int64)
     return lo + np.arange(group + 1, dtype=np.int64) * (hi - lo) // group
+
+
+def _int64(value: object, what: str, low: int) -> int:
+    """``value`` as an int in ``[low, 2**63)``: what the core's shuffle keys take."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value < 2**63:
+        msg = f"{what} must be an integer in [{low}, 2**63), not {value!r}"
+        raise ValueError(msg)
+    return int(value)
 
 
 class _Group(NamedTuple):
@@ -179,6 +188,16 @@ class TokenDocuments:
             at += count
         return at
 
+    def _batch_dtypes(self) -> dict[str, str] | None:
+        """The stored tokens' and the samples' dtypes as the C++ batcher names them; None when
+        either is not in this machine's byte order (the batcher reads native tokens only)."""
+        if not (self.token_dtype.isnative and self.dtype.isnative):
+            return None
+        return {
+            "in_dtype": f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
+            "out_dtype": f"{self.dtype.kind}{self.dtype.itemsize}",
+        }
+
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "source": portable_source(self.source)}
 
@@ -224,7 +243,8 @@ class TokenWindows(TokenDocuments):
 
     Raises:
         StoreFormatError: The records are not ``npy:`` arrays of integers.
-        ValueError: ``length`` below 1, ``group`` below 2, or an ``eod`` that ``dtype`` cannot hold.
+        ValueError: ``length`` below 1, ``group`` below 2, a ``seed`` or ``epoch`` outside 64 bits
+            (an epoch below 0), or an ``eod`` that ``dtype`` cannot hold.
     """
 
     def __init__(
@@ -243,9 +263,9 @@ class TokenWindows(TokenDocuments):
         if not isinstance(group, int) or isinstance(group, bool) or group < 2:
             msg = f"group must be a number of parts of at least 2, not {group!r}"
             raise ValueError(msg)
-        self.seed = None if seed is None else int(seed)
+        self.seed = None if seed is None else _int64(seed, "seed", -(2**63))
         self.group = group
-        self.epoch = int(epoch)
+        self.epoch = _int64(epoch, "epoch", 0)
         self._groups: dict[int, tuple[tuple[int, int, int], _Group]] = {}
         self._len = max(0, (self.tokens - 1) // length)
 
@@ -255,7 +275,7 @@ class TokenWindows(TokenDocuments):
     def set_epoch(self, epoch: int) -> None:
         """Read the document order of ``epoch`` from now on (the same order again for the same
         seed and epoch, in any process); stored order is every epoch's without a ``seed``."""
-        self.epoch = int(epoch)
+        self.epoch = _int64(epoch, "epoch", 0)
         self._groups.clear()
 
     def locate(self, token: int) -> tuple[int, int]:
@@ -289,39 +309,34 @@ class TokenWindows(TokenDocuments):
         if hit is not None and hit[0] == (shard, lo, hi):
             return hit[1]
         assert self.seed is not None
-        # Here, not at the top: smstore.sampling's package imports its samplers, which import torch
-        # when it is installed, and stored-order windows need neither.
-        from smstore.sampling.orders import FeistelPermutation
-
+        # The core's rule (bounds, keys, order and spans), which smstore.Loader's threads apply.
         if shard < 0:
-            bounds = np.arange(hi + 1, dtype=np.int64)
-            tokens = self._token_starts
+            offsets, item, per_doc = self._token_starts.view(np.uint64), 1, 0
         else:
-            bounds = group_bounds(lo, hi, self.group)
+            offsets, item = self._offsets(shard), self.token_dtype.itemsize
             per_doc = 0 if self.eod is None else 1
-            item = self.token_dtype.itemsize
-            tokens = self._offsets(shard)[bounds].astype(np.int64) // item + per_doc * bounds
-        spans = np.diff(tokens)
-        order = FeistelPermutation(len(spans), group_key(self.seed, self.epoch, shard, lo, hi))(
-            np.arange(len(spans), dtype=np.uint64)
+        group = _Group(
+            *_core.shuffle_group(offsets, item, per_doc, self.seed, self.epoch, shard, lo, hi, self.group)
         )
-        group = _Group(bounds, order, np.cumsum(spans[order], dtype=np.int64))
         self._groups[level] = ((shard, lo, hi), group)
         return group
 
     def batch_spec(self) -> _core.BatchSpec | None:
-        """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options;
-        None for tokens or samples in a byte order not this machine's, or documents shuffled per
-        epoch (the threads locate windows in stored order only)."""
-        if self.seed is not None or not (self.token_dtype.isnative and self.dtype.isnative):
+        """These windows for the C++ batcher (smstore.Loader): the stream's shards and its options,
+        with the document order of the current epoch (the threads descend the same groups, keyed the
+        same way); None for tokens or samples in a byte order not this machine's."""
+        dtypes = self._batch_dtypes()
+        if dtypes is None:
             return None
         return _core.BatchSpec.windows(
-            in_dtype=f"{self.token_dtype.kind}{self.token_dtype.itemsize}",
-            out_dtype=f"{self.dtype.kind}{self.dtype.itemsize}",
+            **dtypes,
             length=self.length,
             eod=self.eod,
             token_starts=self._token_starts.tolist(),
             record_starts=self._record_starts.tolist(),
+            seed=self.seed,
+            epoch=self.epoch,
+            group=self.group,
         )
 
     def segments(self, index: int) -> np.ndarray[Any, np.dtype[np.int64]]:

@@ -129,9 +129,9 @@ def map_positions(
 
 
 def round_keys(key: bytes, rounds: int = 6) -> list[int]:
-    """A Feistel permutation's round keys: 64 bits each, from BLAKE2b of ``key``."""
-    digest = hashlib.blake2b(key, digest_size=8 * rounds, person=b"smstore-feistel").digest()
-    return [int.from_bytes(digest[8 * i : 8 * i + 8], "little") for i in range(rounds)]
+    """A Feistel permutation's round keys: 64 bits each, from BLAKE2b of ``key`` (the core's rule,
+    which smstore.Loader's threads apply to shuffled token windows too)."""
+    return _core.feistel_round_keys(key, rounds)
 
 
 class WindowedOrder:
