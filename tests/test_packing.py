@@ -320,3 +320,25 @@ def test_batch_segments_are_what_collate_lists(token_data: Data) -> None:
         assert np.array_equal(got, expected)
     with pytest.raises(IndexError, match=f"bin {len(bins)} out of range"):
         bins.batch_segments([0, len(bins)])
+
+
+def test_a_batch_over_more_groups_than_the_cache_packs_each_group_once(
+    token_data: Data, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """batch_segments packs each group its bins lie in once, even when they outnumber
+    cache_groups (the old code packed the evicted groups a second time for the copy)."""
+    paths, _ = token_data
+    bins = PackedBins(paths["blob"], 64, eod=0, group=100, cache_groups=2)
+    ids = [int(bins._bin_starts[g]) for g in range(6)]  # the first bin of six groups
+    packed: list[int] = []
+    pack = _core.pack_lengths
+
+    def counting(lengths: np.ndarray, *args: object, **kwargs: object) -> object:
+        packed.append(len(lengths))
+        return pack(lengths, *args, **kwargs)
+
+    monkeypatch.setattr(_core, "pack_lengths", counting)
+    got = bins.batch_segments(ids)
+    assert len(packed) == 6
+    monkeypatch.undo()
+    assert np.array_equal(got, PackedBins.collate([bins[k] for k in ids])["segments"])

@@ -220,10 +220,12 @@ class PackedBins(TokenDocuments):
         ks = np.where(ks < 0, ks + n, ks)
         bin_starts = np.asarray(self._bin_starts, dtype=np.int64)
         groups = np.searchsorted(bin_starts, ks, side="right") - 1
+        # Each group packed once for the batch: a batch over more groups than the cache holds
+        # would otherwise pack the evicted ones again for the copy below.
+        packed = {g: self._packed(g) for g in np.unique(groups).tolist()}
         lo, hi = np.empty_like(ks), np.empty_like(ks)
-        for g in np.unique(groups).tolist():
+        for g, (_, starts) in packed.items():
             mask = groups == g
-            starts = self._packed(g)[1]
             b = ks[mask] - bin_starts[g]
             lo[mask], hi[mask] = starts[b], starts[b + 1]
         counts = hi - lo
@@ -231,9 +233,9 @@ class PackedBins(TokenDocuments):
         within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(at, counts)
         out = np.empty((len(within), 4), dtype=np.int64)
         out[:, 0] = np.repeat(np.arange(len(ks), dtype=np.int64), counts)
-        for g in np.unique(groups).tolist():
+        for g, (segments, _) in packed.items():
             mask = groups == g
-            segments, c = self._packed(g)[0], counts[mask]
+            c = counts[mask]
             offset = within[np.repeat(mask, counts)]
             out[np.repeat(at[mask], c) + offset, 1:] = segments[np.repeat(lo[mask], c) + offset]
         return out
