@@ -17,10 +17,25 @@ from smstore_testlib import token_documents as documents
 
 import smstore
 from smstore.errors import StoreFormatError
-from smstore.read.tokens import TokenWindows, group_bounds, group_key
+from smstore.read.tokens import TokenWindows
 from smstore.sampling.orders import FeistelPermutation
 
 from .smstore_testlib import interleave, run_ranks, whole_order
+
+
+def group_key(seed: int, epoch: int, shard: int, lo: int, hi: int) -> bytes:
+    """The Feistel key that orders the parts of documents ``[lo, hi)`` of ``shard`` in an epoch
+    (``shard`` -1: the order of the shards themselves): the oracle's, which the core's
+    ``_core.shuffle_group`` must hash alike."""
+    return b"smstore-token-docs:%d:%d:%d:%d:%d" % (seed, epoch, shard, lo, hi)
+
+
+def group_bounds(lo: int, hi: int, group: int) -> np.ndarray[Any, np.dtype[np.int64]]:
+    """The bounds of the parts of documents ``[lo, hi)`` (the oracle's): each document when there
+    are at most ``group`` of them, else ``group`` runs of consecutive documents of nearly equal counts."""
+    if hi - lo <= group:
+        return np.arange(lo, hi + 1, dtype=np.int64)
+    return lo + np.arange(group + 1, dtype=np.int64) * (hi - lo) // group
 
 
 def stream(docs: list[np.ndarray], eod: int | None) -> np.ndarray:

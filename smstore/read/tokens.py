@@ -26,21 +26,6 @@ from smstore.write.pack import numpy_dtype
 __all__ = ["TokenDocuments", "TokenWindows", "positive_length"]
 
 
-def group_key(seed: int, epoch: int, shard: int, lo: int, hi: int) -> bytes:
-    """The Feistel key that orders the parts of documents ``[lo, hi)`` of ``shard`` in an epoch
-    (``shard`` -1: the order of the shards themselves): the definition of what the core's
-    ``_core.shuffle_group`` hashes (tests/test_tokens.py holds them equal)."""
-    return b"smstore-token-docs:%d:%d:%d:%d:%d" % (seed, epoch, shard, lo, hi)
-
-
-def group_bounds(lo: int, hi: int, group: int) -> np.ndarray[Any, np.dtype[np.int64]]:
-    """The bounds of the parts of documents ``[lo, hi)``: each document when there are at most
-    ``group`` of them, else ``group`` runs of consecutive documents of nearly equal counts."""
-    if hi - lo <= group:
-        return np.arange(lo, hi + 1, dtype=np.int64)
-    return lo + np.arange(group + 1, dtype=np.int64) * (hi - lo) // group
-
-
 def _int64(value: object, what: str, low: int) -> int:
     """``value`` as an int in ``[low, 2**63)``: what the core's shuffle keys take."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or not low <= value < 2**63:
