@@ -207,6 +207,16 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def how_run(cmd: str, started: float, load_before: tuple[float, ...]) -> str:
+    """A results page's first line: the command, when, how long since ``started`` (perf_counter)
+    and the load average (1 min) before and now."""
+    return (
+        f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
+        f"{time.perf_counter() - started:.0f} s; load average (1 min) before / after: "
+        f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}."
+    )
+
+
 def yes_no(ok: bool) -> str:
     return "yes" if ok else "**no**"
 

@@ -21,12 +21,12 @@ import statistics
 import sys
 import time
 from collections.abc import Callable, Iterable, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from bench_core import MiB, Report, command_line, log, machine_info, temp_dir, write_results
+import procs
+from bench_core import MiB, Report, command_line, how_run, log, machine_info, temp_dir, write_results
 from procs import descendants, pss_bytes
 
 import smstore
@@ -75,12 +75,7 @@ def pss_mib() -> float:
 
 def cpu_seconds() -> float:
     """User + system CPU time of this process and its workers so far (/proc/PID/stat)."""
-    total = 0
-    for pid in descendants([os.getpid()]):
-        with contextlib.suppress(OSError, IndexError, ValueError):
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-            total += int(fields[11]) + int(fields[12])
-    return total / os.sysconf("SC_CLK_TCK")
+    return procs.cpu_seconds(descendants([os.getpid()]))
 
 
 def run_queue_seconds() -> float:
@@ -243,18 +238,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "TransformLoader / DataLoader (lower is better)."
         ),
     ]
-    load_after = os.getloadavg()
     cmd = command_line("python benchmarks/bench_transform.py", argv)
     write_results(
         args.out,
         "Decoded records: TransformLoader vs DataLoader",
-        [
-            (
-                f"`{cmd}` on {datetime.now(timezone.utc):%Y-%m-%d %H:%M} UTC, "
-                f"{time.perf_counter() - started:.0f} s; load average (1 min) before / after: "
-                f"{load_before[0]:.2f} / {load_after[0]:.2f}."
-            )
-        ],
+        [how_run(cmd, started, load_before)],
         header,
         report,
     )

@@ -720,12 +720,22 @@ def dir_bytes(path: Path) -> int:
 
 
 @contextlib.contextmanager
-def daemon(sock: Path, *blobs: Path) -> Iterator[subprocess.Popen[bytes]]:
-    """``smstore serve`` on its own socket, serving ``blobs``, until the block ends (stopped by its pid)."""
+def daemon(sock: Path, *blobs: Path, options: Sequence[str] = ()) -> Iterator[subprocess.Popen[bytes]]:
+    """``smstore serve`` on its own socket, serving ``blobs``, until the block ends (stopped by its pid);
+    ``options`` go on its command line (``("--shm-limit", "64M")``)."""
     from smstore.wire.client import daemon_request
 
     proc = subprocess.Popen(
-        [sys.executable, "-m", "smstore", "serve", "--socket", os.fspath(sock), *map(os.fspath, blobs)],
+        [
+            sys.executable,
+            "-m",
+            "smstore",
+            "serve",
+            "--socket",
+            os.fspath(sock),
+            *options,
+            *map(os.fspath, blobs),
+        ],
         stderr=subprocess.DEVNULL,
         cwd=sock.parent,  # not a checkout, whose smstore/ may hold only sources
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -39,3 +40,26 @@ def descendants(roots: Sequence[int]) -> list[int]:
         out.append(pid)
         todo.extend(children.get(pid, []))
     return out
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds of these processes so far (``/proc/PID/stat``; one that is gone counts 0)."""
+    ticks = 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def mapping_pss(pid: int, name: str) -> int:
+    """PSS in bytes of the mappings of one process whose path contains ``name`` (``/proc/PID/smaps``; 0 if it is gone)."""
+    total, matched = 0, False
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+            head = line.split(maxsplit=5)
+            if head and not head[0].endswith(":"):  # a mapping: "start-end perms offset dev inode [path]"
+                matched = len(head) == 6 and name in head[5]
+            elif matched and head[0] == "Pss:":
+                total += int(head[1]) * 1024
+    return total
