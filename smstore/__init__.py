@@ -56,6 +56,7 @@ if TYPE_CHECKING:
     from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.loading.collate import TokenCollator
     from smstore.loading.loader import Loader
+    from smstore.loading.node_cache import NodeCache
     from smstore.loading.stats import LoaderStats
     from smstore.loading.transform_loader import TransformLoader
     from smstore.read.dataset import SharedStoreDataset
@@ -98,6 +99,7 @@ __all__ = [
     "MixtureError",
     "MixtureSampler",
     "MixtureSchedule",
+    "NodeCache",
     "ObjectStore",
     "PackInputError",
     "PackStats",
@@ -186,6 +188,7 @@ _LAZY = {
     "PackedBins": "smstore.read.packing",
     "select": "smstore.read.views",
     "TransformLoader": "smstore.loading.transform_loader",
+    "NodeCache": "smstore.loading.node_cache",
 }
 
 

@@ -16,4 +16,5 @@ PYBIND11_MODULE(_core, m) {  // needs the GIL: stores and writers are not safe w
     smstore::bindings::register_bins(m);
     smstore::bindings::register_loader(m);
     smstore::bindings::register_hash(m);
+    smstore::bindings::register_claims(m);
 }

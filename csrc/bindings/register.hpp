@@ -95,6 +95,7 @@ void register_mixture(pybind11::module_& m);
 void register_bins(pybind11::module_& m);
 void register_loader(pybind11::module_& m);
 void register_hash(pybind11::module_& m);
+void register_claims(pybind11::module_& m);
 
 }  // namespace smstore::bindings
 

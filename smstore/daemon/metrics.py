@@ -81,6 +81,21 @@ METRICS: dict[str, tuple[str, str, str | None, str]] = {
         "Shards named by URL fetched into the node cache",
     ),
     "cache_bytes": ("smstore_cache_bytes", "gauge", None, "Bytes of the node cache's entries"),
+    "decoded_hits": ("smstore_decoded_hits", "counter", None, "Decoded samples read from a node cache"),
+    "decoded_fills": ("smstore_decoded_fills", "counter", None, "Decoded samples written into a node cache"),
+    "decoded_uncached": (
+        "smstore_decoded_uncached",
+        "counter",
+        None,
+        "Decoded samples of chunks that did not fit the budget (decoded, not cached)",
+    ),
+    "decoded_evictions": (
+        "smstore_decoded_evictions",
+        "counter",
+        None,
+        "Parts of idle decoded caches evicted for room",
+    ),
+    "decoded_bytes": ("smstore_decoded_bytes", "gauge", None, "Bytes of the decoded caches' parts"),
     "connections": ("smstore_connections", "gauge", "uid", "Open connections, by the peer's uid"),
     "refusals": ("smstore_refusals", "counter", "reason", "Requests refused, by the reply's error code"),
 }
@@ -95,6 +110,10 @@ COUNTED: dict[str, Any] = {
     "attach_waits": 0,
     "attach_wait_seconds": 0.0,
     "refusals": {},
+    "decoded_hits": 0,
+    "decoded_fills": 0,
+    "decoded_uncached": 0,
+    "decoded_evictions": 0,
 }
 
 

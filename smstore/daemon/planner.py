@@ -19,13 +19,14 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from smstore.daemon.segments import Segment, SegmentTable, pages
+from smstore.daemon.segments import CachePart, Segment, SegmentTable, pages
 from smstore.daemon.sources import NO_IDENTITY, FileIdentity, Index, Source
 from smstore.errors import StoreError
 from smstore.format.manifest import Manifest, absolute, manifest_file, read_manifest
 from smstore.wire.protocol import BAD_REQUEST, LOAD_FAILED, NO_ROOM, NOT_FOUND, Location, Piece, ProtocolError
 
 __all__ = [
+    "CACHED",
     "FETCH_BACKOFF",
     "MAX_FETCH_BACKOFF",
     "MAX_MANIFESTS",
@@ -188,6 +189,7 @@ class Held:
 # What a segment is marked with (`Segment.mark`).
 MANAGED = "managed"  # loaded for holds: released when no connection holds it
 UNCLAIMED = "unclaimed"  # adopted from a dead predecessor that loaded it for holds, not held since
+CACHED = "cached"  # a part of a node cache of decoded samples (smstore/daemon/caches.py)
 
 
 @dataclass
@@ -229,6 +231,7 @@ class Planner:
         shm_limit_from: Where ``shm_limit`` came from, for the messages that refuse a load.
         is_owner: Whether a connection is one of the owner's (only those pin a released segment).
         release: Takes a released segment out of the table and frees it (off the event loop).
+        evicted: Told of each part of a decoded cache evicted (for the metrics), before its release.
         fetch_backoff: Seconds before a shard in object storage whose fetch failed is fetched
             again for a hold (doubled at each failure in a row, up to ten minutes).
     """
@@ -242,8 +245,10 @@ class Planner:
         is_owner: Callable[[int], bool],
         release: Callable[[Segment], None],
         fetch_backoff: float = FETCH_BACKOFF,
+        evicted: Callable[[Segment], None] = lambda _seg: None,
     ) -> None:
         self.segments = segments
+        self._evicted = evicted
         self.shm_limit = shm_limit
         self.shm_limit_from = shm_limit_from
         self._is_owner = is_owner
@@ -457,6 +462,9 @@ class Planner:
                 elif key in samplers and (spare := self._readers_only(samplers)):
                     seg = min(spare, key=lambda s: s.loaded_at)
                     self._drop_reader_holds(seg.checksum)
+                elif idle := self.idle_cache_parts():
+                    seg = idle[0]  # then the decoded caches no process uses any more
+                    self._evicted(seg)
                 else:
                     break
                 plan.released.append(self.release(seg))
@@ -474,6 +482,54 @@ class Planner:
             plan.loads.append((h, size))
         self.waiting_room = frozenset(waiting)
         return plan
+
+    # ---- decoded caches: parts budgeted here, beside the holds -----------------------------------
+
+    def idle_cache_parts(self, keep: str | None = None) -> list[Segment]:
+        """The parts of the decoded caches no process uses (none maps its meta page), but `keep`'s,
+        in the order to evict them: the oldest cache first, its chunks before its meta page."""
+        idle: dict[str, float] = {}  # cache -> when its meta page was made
+        parts: list[tuple[CachePart, Segment]] = []
+        for seg in self.segments.values():
+            if seg.cache is not None and seg.cache.cache != keep:
+                parts.append((seg.cache, seg))
+                if seg.cache.chunk < 0 and not seg.clients:
+                    idle[seg.cache.cache] = seg.loaded_at
+        parts = [(part, seg) for part, seg in parts if part.cache in idle]
+        parts.sort(key=lambda ps: (idle[ps[0].cache], ps[0].chunk < 0, ps[1].loaded_at))
+        return [seg for _part, seg in parts]
+
+    def holds_need(self) -> int:
+        """Bytes the held pieces not resident nor loading still need (a cache leaves them their room)."""
+        need = 0
+        for key, h in self.wanted().items():
+            if key in self.segments or h.label in self.loading or self.failed(h.source):
+                continue
+            with contextlib.suppress(OSError):
+                size = h.source.piece_size(h.piece)
+                need += pages(size) if size is not None else 0
+        return need
+
+    def cache_fits(self, size: int, cache: str) -> bool:
+        """Whether a part of `size` bytes of cache `cache` fits: beside every load in flight and what
+        the holds still need, after evicting idle caches' parts (not `cache`'s) if that makes room."""
+        if not self.shm_limit:
+            return True
+        need = self.holds_need()
+        if self.fits(size, self.committed() + need):
+            return True
+        self.evict_idle_caches(size + need, keep=cache)
+        return self.fits(size, self.committed() + need)
+
+    def evict_idle_caches(self, room: int, *, keep: str | None = None, caches: int | None = None) -> None:
+        """Evict idle caches' parts (not `keep`'s) until `room` bytes fit the budget (with `caches`:
+        until at most that many caches are served)."""
+        for seg in self.idle_cache_parts(keep):
+            served = {s.cache.cache for s in self.segments.values() if s.cache is not None}
+            if self.fits(room) and (caches is None or len(served) <= caches):
+                return
+            self._evicted(seg)
+            self.release(seg)
 
     def _readers_only(self, samplers: dict[str, Held]) -> list[Segment]:
         """The resident segments that only readers hold for themselves (no sampler holds them)."""

@@ -6,6 +6,7 @@ import contextlib
 import errno
 import fcntl
 import logging
+import mmap
 import os
 import re
 import secrets
@@ -15,6 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from smstore import _core
 from smstore.daemon.state import read_state, set_aside, state_path
@@ -165,14 +168,53 @@ def daemon_alive(uid: int, pid: int, start_time: int) -> bool:
     return process_alive(pid, start_time) or DaemonLock.held(uid, pid, start_time)
 
 
+# The counters of a decoded cache's meta page (uint64 words, `CachePart.words` of chunk META):
+# the workers add hits, fills, waits and uncached reads; the daemon adds evictions and the claims
+# of dead workers it reset.
+HITS, FILLS, WAITS, UNCACHED, EVICTIONS, RESETS = range(6)
+COUNTER_NAMES = ("hits", "fills", "waits", "uncached", "evictions", "resets")
+META = -1  # the chunk number of a cache's meta page
+META_BYTES = 4096
+
+
+@dataclass
+class CachePart:
+    """A segment of a node cache of decoded samples (smstore/daemon/caches.py): its meta page
+    (`chunk` META: the counters) or chunk `chunk`, a slot of `rows` records' rows whose first
+    ``8 * rows`` bytes are the records' claim words (csrc/claims.hpp). The daemon maps it writable
+    to reset the claims of a connection that closed."""
+
+    cache: str  # the cache's identity (64 hex digits)
+    chunk: int
+    records: int  # records in the whole cache
+    rows: int  # records per chunk
+    slot_bytes: int  # bytes of a chunk
+    mem: mmap.mmap
+    words: np.ndarray[Any, Any]  # int64 claim words (a chunk), uint64 counters (the meta page)
+
+    @property
+    def meta_key(self) -> str:
+        return cache_key(self.cache, META)
+
+    def close(self) -> None:
+        del self.words
+        self.mem.close()
+
+
+def cache_key(cache: str, chunk: int) -> str:
+    """The segment table's key of chunk `chunk` (or META) of cache `cache`."""
+    return f"{cache}:{'meta' if chunk == META else chunk}"
+
+
 @dataclass
 class Segment:
     """One generation of one blob in shared memory, as the daemon holds it."""
 
     name: str  # without the leading "/"
     checksum: str
-    fd: int  # read-only
-    store: _core.Store  # the daemon's own read-only mapping: keeps the pages counted in its PSS
+    fd: int  # read-only (a cache part's: writable, sent to the owner's processes only)
+    # The daemon's own read-only mapping: keeps the pages counted in its PSS (None: a cache part).
+    store: _core.Store | None
     size: int
     records: int
     paths: list[str]
@@ -186,6 +228,7 @@ class Segment:
     # A blob a client shared (a sealed memfd, no name in /dev/shm): found by its content key, and
     # dropped when no client is attached any more.
     key: str | None = None
+    cache: CachePart | None = None  # a part of a node cache of decoded samples
 
     @property
     def shared(self) -> bool:
@@ -207,9 +250,12 @@ class Segment:
 
     def close(self) -> None:
         """Unlink the name and drop the daemon's mapping and fd; clients keep theirs."""
-        if not self.shared:
+        if not self.shared and self.cache is None:
             _core.shm_unlink("/" + self.name)
-        self.store.close()
+        if self.store is not None:
+            self.store.close()
+        if self.cache is not None:
+            self.cache.close()
         os.close(self.fd)
 
 

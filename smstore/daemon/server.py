@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
+from smstore.daemon.caches import cache_request, cache_totals, describe_caches
 from smstore.daemon.connections import Conn, Limits, Server
 from smstore.daemon.loader import ManifestRead
 from smstore.daemon.metrics import Exporter
@@ -43,6 +44,7 @@ from smstore.wire.protocol import (
     Location,
     Piece,
     ProtocolError,
+    cache_arg,
     checksum_arg,
     checksums_arg,
     dataset_arg,
@@ -246,7 +248,7 @@ class Daemon(Server):
         entries = [
             s.state_entry(held=self.serving.planner.is_held(s.checksum))
             for s in self.segments.values()
-            if not s.shared and not any("#records=" in p for p in s.paths)
+            if not s.shared and s.cache is None and not any("#records=" in p for p in s.paths)
         ]
         state = {
             "pid": self.pid,
@@ -314,8 +316,9 @@ class Daemon(Server):
             self.reply(cid, {"ok": True, "stale": stale})
         elif op == "status":
             self.reply(cid, status(self, *page_arg(req)))
-        elif op in ("load", "unload", "stop", "share", "hold") and not conn.owner:
+        elif op in ("load", "unload", "stop", "share", "hold", "cache") and not conn.owner:
             # Loading reads files with the daemon's rights and stopping affects everyone: owner only.
+            # A decoded cache is writable by whoever holds its parts: the owner's processes only.
             raise ProtocolError(PERMISSION_DENIED, f"only uid {self.uid} may {op}")
         elif op == "load":
             named = load_path_arg(req, required=True)
@@ -338,6 +341,8 @@ class Daemon(Server):
                 self.serving.hold(
                     cid, manifest, pieces, reply=req.get("noreply") is not True, reader=reader, holder=holder
                 )
+        elif op == "cache":
+            cache_request(self, self.serving.planner, cid, conn, cache_arg(req))
         elif op == "stop":
             self.reply(cid, {"ok": True, "pid": self.pid})
             self.stopping = True
@@ -527,6 +532,7 @@ def status(daemon: Daemon, offset: int, limit: int) -> dict[str, Any]:
         ],  # released held segments readers still map
         # Held shards whose load failed, not tried again until their file changes.
         "failed": failed[:STATUS_LIST],
+        "decoded_caches": describe_caches(daemon.segments, STATUS_LIST),
         "loads": daemon.serving.loads,
         "connections": len(daemon.conns),
         "metrics": metric_values(daemon, (available, total)),
@@ -540,6 +546,10 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
     planner = daemon.serving.planner
     wanted = planner.wanted(readers=False, whole=True)  # the ranks' shards (a reader's own hold is no window)
     remote = daemon.serving.loader.remote_values()
+    counted = daemon.serving.counters.values()
+    decoded = cache_totals(daemon.segments)  # the caches served now; those evicted are counted
+    for name in ("hits", "fills", "uncached"):
+        counted[f"decoded_{name}"] += decoded[name]
     return {
         "segments": len(daemon.segments),
         "resident_bytes": sum(s.size for s in daemon.segments.values()),
@@ -547,7 +557,8 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
         "shm_used_bytes": planner.used(),
         "shm_available_bytes": available,
         "loading": len(daemon.serving.loading),
-        **daemon.serving.counters.values(),
+        **counted,
+        "decoded_bytes": decoded["bytes"],
         **remote,
         "held_wanted": len(wanted),
         "held_resident": sum(ck in daemon.segments for ck in wanted),

@@ -11,11 +11,12 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
+from smstore.daemon.caches import detached
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader, ManifestRead
 from smstore.daemon.metrics import Counters
 from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
-from smstore.daemon.segments import Segment, SegmentTable, unlink_quietly
+from smstore.daemon.segments import COUNTER_NAMES, EVICTIONS, META, Segment, SegmentTable, unlink_quietly
 from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile
 from smstore.errors import DaemonError, StoreError
@@ -86,6 +87,7 @@ class Serving:
             is_owner=lambda cid: (conn := server.conns.get(cid)) is not None and conn.owner,
             release=self._release,
             fetch_backoff=fetch_backoff,
+            evicted=self._cache_evicted,
         )
         self.loader = Loader(
             segments,
@@ -118,6 +120,21 @@ class Serving:
         self.segments.pop(seg.checksum, None)
         self.planner.dropped(seg.checksum)
         self._held_stale = True
+
+    def _cache_evicted(self, seg: Segment) -> None:
+        """The planner evicts a part of an idle decoded cache: counted, and a meta page's counters kept."""
+        part = seg.cache
+        assert part is not None
+        self.counters.add("decoded_evictions")
+        if part.chunk == META:
+            for name, value in zip(COUNTER_NAMES, part.words, strict=True):
+                if name in ("hits", "fills", "uncached"):
+                    self.counters.add(f"decoded_{name}", int(value))
+            log.info("evicted the idle decoded cache %s", part.cache[:12])
+        else:
+            meta = self.segments.get(part.meta_key)
+            if meta is not None and meta.cache is not None:
+                _core.counter_add(meta.cache.words, EVICTIONS, 1)
 
     def _release(self, seg: Segment) -> None:
         """The planner released a held segment: out of the table, freed by the loader thread, off this loop."""
@@ -544,6 +561,7 @@ class Serving:
         for checksum in conn.attached:
             seg = self.segments.get(checksum)
             if seg is not None:
+                detached(self.segments, seg, cid)  # a decoded cache's claims it left go back to empty
                 seg.clients.pop(cid, None)
                 if seg.shared and not seg.clients:
                     log.info("dropping shared blob %s: no client left", seg.key)
@@ -556,7 +574,7 @@ def describe(seg: Segment) -> dict[str, Any]:
     pids = sorted({p for p in seg.clients.values() if Path(f"/proc/{p}").exists()})
     return {
         "checksum": seg.checksum,
-        "segment": f"memfd:{seg.key}" if seg.shared else "/" + seg.name,
+        "segment": f"memfd:{seg.key}" if seg.shared else f"memfd:{seg.name}" if seg.cache else "/" + seg.name,
         "key": seg.key,
         "paths": seg.paths,
         "size": seg.size,

@@ -23,6 +23,7 @@ from torch.utils.data import Sampler, SequentialSampler
 
 from smstore.errors import CollateError, StoreClosedError, WorkerError
 from smstore.loading.layout import ALIGN, Layout, Spec
+from smstore.loading.node_cache import NodeCache
 from smstore.loading.stats import LoaderStats
 from smstore.sampling.sampler import GlobalShuffleSampler
 
@@ -302,6 +303,17 @@ class _WorkerPool:
 # -- the loader ---------------------------------------------------------------------------------------
 
 
+class _Prepared:
+    """``transform(prepare(record))``: the two parts of a transform, uncached (picklable)."""
+
+    def __init__(self, prepare: Callable[[Any], Any], transform: Callable[[Any], Any] | None) -> None:
+        self.prepare, self.transform = prepare, transform
+
+    def __call__(self, record: Any) -> Any:
+        out = self.prepare(record)
+        return out if self.transform is None else self.transform(out)
+
+
 class TransformLoader:
     """Batches of decoded records, transformed in worker processes, handed over in O(1) per batch.
 
@@ -360,6 +372,15 @@ class TransformLoader:
         timeout: Seconds to wait for one batch before raising (0: no limit; dead workers are
             noticed either way).
         worker_init_fn: Called with the worker id in each worker, before its first record.
+        prepare: The deterministic part of the transform (decode, resize, normalise), run before
+            ``transform`` (the random part: augmentation) on each record.
+        cache: ``"node"``: ``prepare``'s outputs are computed once per node and read from shared
+            memory after, by every epoch, rank, worker and job (:class:`smstore.NodeCache`; needs
+            the daemon, and the process must be its owner). Batches are byte-identical to
+            uncached ones for the same seeds. docs/cache.md.
+        cache_version: Declares a change of ``prepare`` its digest cannot see (a new decoder).
+        socket: The daemon's socket for ``cache="node"`` (default ``$SMSTORE_SOCKET``, then the
+            per-user default).
     """
 
     def __init__(
@@ -377,7 +398,21 @@ class TransformLoader:
         copy: bool = False,
         timeout: float = 0.0,
         worker_init_fn: Callable[[int], None] | None = None,
+        prepare: Callable[[Any], Any] | None = None,
+        cache: str | None = None,
+        cache_version: str = "",
+        socket: str | os.PathLike[str] | None = None,
     ) -> None:
+        if cache not in (None, "node"):
+            msg = f"cache must be None or 'node', not {cache!r}"
+            raise ValueError(msg)
+        if cache == "node":
+            if prepare is None:
+                msg = "cache='node' caches what prepare= computes: pass the transform's deterministic part as prepare="
+                raise ValueError(msg)
+            dataset = NodeCache(dataset, prepare, version=cache_version, socket=socket)
+        elif prepare is not None:
+            transform = _Prepared(prepare, transform)
         if batch_size < 1:
             msg = f"batch_size must be >= 1, not {batch_size}"
             raise ValueError(msg)

@@ -26,6 +26,9 @@ __all__ = [
     "CHECKSUM_WORDING",
     "CODES",
     "LOAD_FAILED",
+    "MAX_CACHE_CHUNK_BYTES",
+    "MAX_CACHE_RECORDS",
+    "MAX_CACHE_ROWS",
     "MAX_HOLD",
     "MAX_MESSAGE",
     "MAX_WAIT",
@@ -36,9 +39,11 @@ __all__ = [
     "REMOTE_WAIT",
     "STATUS_PAGE",
     "TOO_LARGE",
+    "CacheRequest",
     "Location",
     "Piece",
     "ProtocolError",
+    "cache_arg",
     "checksum_arg",
     "checksum_in",
     "checksums_arg",
@@ -424,3 +429,47 @@ def held_arg(req: dict[str, Any]) -> tuple[int | None, float, Location | None]:
     if type(wait) not in (int, float) or not 0 <= wait <= MAX_WAIT:  # NaN fails the range check too
         raise ProtocolError(BAD_REQUEST, f"'wait' must be a number of seconds from 0 to {MAX_WAIT:g}")
     return since, float(wait), None if manifest is None else manifest_value(manifest)
+
+
+# Bounds of a decoded cache's geometry ('cache' requests): records per chunk, bytes of a chunk,
+# records in a cache.
+MAX_CACHE_ROWS = 1 << 20
+MAX_CACHE_CHUNK_BYTES = 1 << 34
+MAX_CACHE_RECORDS = 1 << 40
+
+
+class CacheRequest(NamedTuple):
+    """A 'cache' request: chunk `chunk` (-1: the meta page) of the cache `cache` (64 hex digits) of
+    `records` records, `rows` a chunk, each chunk `slot_bytes` bytes (claim words, then rows)."""
+
+    cache: str
+    records: int
+    rows: int
+    slot_bytes: int
+    chunk: int
+
+
+def cache_arg(req: dict[str, Any]) -> CacheRequest:
+    """A 'cache' request's fields, checked: what a chunk holds must fit its bytes."""
+    cache = req.get("cache")
+    if not isinstance(cache, str) or re.fullmatch(r"[0-9a-f]{64}", cache) is None:
+        raise ProtocolError(BAD_REQUEST, "'cache' must be 64 lowercase hex digits (the cache's identity)")
+    values = []
+    for name, lo, hi in (
+        ("records", 1, MAX_CACHE_RECORDS),
+        ("rows", 1, MAX_CACHE_ROWS),
+        ("slot_bytes", 64, MAX_CACHE_CHUNK_BYTES),
+        ("chunk", -1, MAX_CACHE_RECORDS),
+    ):
+        value = req.get(name)
+        if type(value) is not int or not lo <= value <= hi:
+            raise ProtocolError(BAD_REQUEST, f"'{name}' must be an integer from {lo} to {hi}")
+        values.append(value)
+    records, rows, slot_bytes, chunk = values
+    if slot_bytes % 64 or slot_bytes < 8 * rows:
+        raise ProtocolError(
+            BAD_REQUEST, "'slot_bytes' must be a multiple of 64 holding 8 bytes a row at least"
+        )
+    if chunk >= -(-records // rows):
+        raise ProtocolError(BAD_REQUEST, f"no chunk {chunk}: the cache has {-(-records // rows)}")
+    return CacheRequest(cache, records, rows, slot_bytes, chunk)

@@ -1,0 +1,179 @@
+"""Node caches of decoded samples, as the daemon serves them: parts created, sent, reset and described.
+
+A cache (smstore/loading/node_cache.py) is a meta page of counters and chunks of records' rows,
+each a memfd the daemon creates for the owner's processes: a part is a segment of the one segment
+table, marked CACHED, counted in the one budget by the planner, which alone decides whether a
+chunk fits (beside what the ranks' holds still need) and evicts the parts of caches no process
+uses any more. Nothing here keeps state of its own: what a cache is lives in its parts.
+"""
+
+from __future__ import annotations
+
+import logging
+import mmap
+import os
+import secrets
+import time
+from typing import Any
+
+import numpy as np
+
+from smstore import _core
+from smstore.daemon.connections import Conn, Server
+from smstore.daemon.planner import CACHED, Planner
+from smstore.daemon.segments import (
+    COUNTER_NAMES,
+    META,
+    META_BYTES,
+    RESETS,
+    CachePart,
+    Segment,
+    SegmentTable,
+    cache_key,
+    pages,
+)
+from smstore.wire.protocol import BAD_REQUEST, NO_ROOM, CacheRequest, ProtocolError
+
+__all__ = ["cache_request", "cache_totals", "describe_caches", "detached"]
+
+log = logging.getLogger("smstore.daemon")
+
+# Caches at most (each a meta page and its chunks): past it, a new cache evicts idle ones or is refused.
+MAX_CACHES = 64
+
+
+def token(cid: int) -> int:
+    """The claim token of connection `cid`'s processes (csrc/claims.hpp: positive, never reused)."""
+    return cid + 1
+
+
+def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: CacheRequest) -> None:
+    """Send connection `cid` part `req.chunk` of cache `req.cache` (creating it if it fits), or say no room."""
+    segments = planner.segments
+    meta = segments.get(cache_key(req.cache, META))
+    if meta is not None:
+        assert meta.cache is not None
+        if (meta.cache.records, meta.cache.rows, meta.cache.slot_bytes) != (
+            req.records,
+            req.rows,
+            req.slot_bytes,
+        ):
+            msg = (
+                f"cache {req.cache[:12]} has {meta.cache.records} records, {meta.cache.rows} a chunk of "
+                f"{meta.cache.slot_bytes} bytes, not {req.records}, {req.rows} and {req.slot_bytes}"
+            )
+            raise ProtocolError(BAD_REQUEST, msg)
+    elif req.chunk != META:
+        raise ProtocolError(BAD_REQUEST, f"cache {req.cache[:12]}: ask for its meta page (chunk -1) first")
+    key = cache_key(req.cache, req.chunk)
+    seg = segments.get(key)
+    if seg is None:
+        caches = {s.cache.cache for s in segments.values() if s.cache is not None}
+        size = META_BYTES if req.chunk == META else req.slot_bytes
+        if req.chunk == META and len(caches) >= MAX_CACHES:
+            planner.evict_idle_caches(0, caches=MAX_CACHES - 1)
+        if not planner.cache_fits(size, req.cache):
+            what = (
+                "a cache's meta page" if req.chunk == META else f"chunk {req.chunk} of cache {req.cache[:12]}"
+            )
+            msg = f"{what} ({size} bytes) does not fit the daemon's --shm-limit beside what the ranks hold"
+            server.reply(cid, {"ok": False, "error": NO_ROOM, "message": msg, "token": token(cid)})
+            return
+        seg = _create(segments, req, size)
+    assert seg.cache is not None
+    seg.clients[cid] = conn.pid
+    conn.attached.add(seg.checksum)
+    reply = {"ok": True, "cache": req.cache, "chunk": req.chunk, "size": seg.size, "token": token(cid)}
+    server.reply(cid, reply, fd=seg.fd)
+
+
+def _create(segments: SegmentTable, req: CacheRequest, size: int) -> Segment:
+    part = "meta" if req.chunk == META else str(req.chunk)
+    name = f"smstore-cache-{req.cache[:12]}-{part}-{secrets.token_hex(4)}"
+    fd = _core.memfd_create(name)
+    try:
+        os.ftruncate(fd, size)
+        mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    if req.chunk == META:
+        words = np.frombuffer(mem, np.uint64, len(COUNTER_NAMES))
+    else:
+        words = np.frombuffer(mem, np.int64, req.rows)
+    cache = CachePart(req.cache, req.chunk, req.records, req.rows, req.slot_bytes, mem, words)
+    key = cache_key(req.cache, req.chunk)
+    seg = Segment(name, key, fd, None, size, 0, [], time.time(), 0.0, mark=CACHED, cache=cache)
+    segments[key] = seg
+    if req.chunk == META:
+        log.info(
+            "new decoded cache %s: %d records, %d a chunk of %d bytes",
+            req.cache[:12],
+            req.records,
+            req.rows,
+            req.slot_bytes,
+        )
+    return seg
+
+
+def detached(segments: SegmentTable, seg: Segment, cid: int) -> None:
+    """Connection `cid` closed: claims its processes left on `seg`'s records (a worker killed while
+    writing one) go back to empty, so the record is decoded again, never read half-written."""
+    part = seg.cache
+    if part is None or part.chunk == META:
+        return
+    reset = _core.claims_reset(part.words, token(cid))
+    if reset:
+        log.info(
+            "cache %s chunk %d: %d claim(s) of a closed connection reset", part.cache[:12], part.chunk, reset
+        )
+        meta = segments.get(part.meta_key)
+        if meta is not None and meta.cache is not None:
+            _core.counter_add(meta.cache.words, RESETS, reset)
+
+
+def describe_caches(segments: SegmentTable, limit: int) -> list[dict[str, Any]]:
+    """What `status` says of each cache (the first `limit`): its geometry, parts, counters, clients."""
+    out: dict[str, dict[str, Any]] = {}
+    for seg in segments.values():
+        part = seg.cache
+        if part is None:
+            continue
+        entry = out.get(part.cache)
+        if entry is None:
+            if len(out) >= limit:
+                continue
+            entry = out[part.cache] = {
+                "id": part.cache,
+                "records": part.records,
+                "rows": part.rows,
+                "chunks": -(-part.records // part.rows),
+                "held": 0,
+                "ready": 0,
+                "bytes": 0,
+                **dict.fromkeys(COUNTER_NAMES, 0),
+                "clients": [],
+            }
+        entry["bytes"] += pages(seg.size)
+        if part.chunk == META:
+            entry.update({name: int(v) for name, v in zip(COUNTER_NAMES, part.words, strict=True)})
+            entry["clients"] = sorted(set(seg.clients.values()))
+        else:
+            entry["held"] += 1
+            entry["ready"] += _core.claims_ready(part.words)
+    return list(out.values())
+
+
+def cache_totals(segments: SegmentTable) -> dict[str, int]:
+    """The counters of every cache served now, summed, and the bytes of their parts (for the metrics)."""
+    totals = dict.fromkeys(COUNTER_NAMES, 0)
+    totals["bytes"] = 0
+    for seg in segments.values():
+        part = seg.cache
+        if part is None:
+            continue
+        totals["bytes"] += pages(seg.size)
+        if part.chunk == META:
+            for name, value in zip(COUNTER_NAMES, part.words, strict=True):
+                totals[name] += int(value)
+    return totals

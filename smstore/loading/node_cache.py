@@ -1,0 +1,533 @@
+"""NodeCache: the deterministic part of a transform computed once per node, shared by every rank, worker and job.
+
+``NodeCache(dataset, prepare)`` is a map-style dataset whose record ``i`` is ``prepare(dataset[i])``
+(decode, resize, normalise: what gives the same output every time). The output is written once per
+node into shared memory the daemon owns, and every later read of it, in any epoch, rank, worker or
+job on the node, is a view of those bytes. The random part of a transform (augmentation) runs
+after it, every time, as before (``TransformLoader(..., prepare=, cache="node")``).
+
+**Layout.** A cache holds fixed-shape outputs (an array, or a dict or tuple of them, as
+:class:`smstore.TransformLoader` batches them), in chunks of ``rows`` records: a chunk is one
+:class:`~smstore.loading.layout.Layout` slot of ``rows`` rows, whose int64 index words are the
+records' claims (csrc/claims.hpp).
+
+**Once per node.** The first process to read a record claims it (a compare-and-swap on its word),
+decodes it, writes its row and publishes it; a process that wants it meanwhile waits for it.
+A process killed while writing leaves its claim, which the daemon resets when its connection
+closes: a row is visible only once written in full.
+
+**Identity.** A cache is found by (the data's checksum, a digest of ``prepare``: its code, its
+constants, defaults, closure, attributes and the globals it names, plus the ``version`` the user
+declares, and the layout): another transform is another cache, never a stale hit. ``version``
+declares what the digest cannot see (an upgraded decoding library).
+
+**Budget.** Chunks count against the daemon's ``--shm-limit`` like its shards: a chunk that does
+not fit beside what the ranks hold is not cached, and its records are decoded at each read
+("uncached"). A cache no process uses any more stays while room allows.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import logging
+import mmap
+import os
+import pickle
+import select
+import socket as socket_module
+import time
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from smstore import _core
+from smstore.errors import DaemonError
+from smstore.loading.layout import Layout, Spec
+from smstore.wire.client.session import DaemonSession, session_for
+from smstore.wire.protocol import MAX_CACHE_ROWS, NO_ROOM
+
+__all__ = ["NodeCache", "transform_identity"]
+
+log = logging.getLogger("smstore")
+
+_HITS, _FILLS, _WAITS, _UNCACHED = range(4)  # the meta page's counters (smstore/daemon/segments.py)
+_COUNTS = ("hits", "fills", "waits", "uncached")
+_META = -1
+_RETRY_S = 1.0  # how long a chunk that found no room is read uncached before it is asked for again
+_ALIVE_S = 0.25  # how often a process waiting for another's record looks whether the daemon is still there
+
+
+# -- identity -----------------------------------------------------------------------------------------
+
+
+def transform_identity(fn: Any, version: str = "") -> str:
+    """A digest of what `fn` computes, as far as Python shows it: its code (nested code included),
+    constants, defaults, closure, the globals it names, its attributes (an object's, a partial's
+    arguments), and `version`. 64 hex digits."""
+    h = hashlib.blake2b(digest_size=32)
+    h.update(b"smstore-transform-v1\0" + version.encode() + b"\0")
+    _describe(fn, h, set(), 0)
+    return h.hexdigest()
+
+
+def _describe(obj: Any, h: Any, seen: set[int], depth: int) -> None:
+    def tag(kind: str, text: str | bytes = b"") -> None:
+        data = text.encode("utf-8", "surrogatepass") if isinstance(text, str) else text
+        h.update(f"{kind}:{len(data)}:".encode() + data)
+
+    if obj is None or isinstance(obj, (bool, int, float, complex, str, bytes)):
+        tag(type(obj).__name__, repr(obj))
+        return
+    if depth > 24:
+        tag("deep", type(obj).__qualname__)
+        return
+    if id(obj) in seen:
+        tag("cycle", type(obj).__qualname__)
+        return
+    seen.add(id(obj))
+    try:
+        _describe_object(obj, h, seen, depth + 1, tag)
+    finally:
+        seen.discard(id(obj))
+
+
+def _describe_object(obj: Any, h: Any, seen: set[int], depth: int, tag: Callable[..., None]) -> None:
+    def each(*values: Any) -> None:
+        for value in values:
+            _describe(value, h, seen, depth)
+
+    if isinstance(obj, (tuple, list)):
+        tag(type(obj).__name__, str(len(obj)))
+        each(*obj)
+    elif isinstance(obj, (set, frozenset)):
+        parts = []
+        for value in obj:
+            inner = hashlib.blake2b(digest_size=16)
+            _describe(value, inner, seen, depth)
+            parts.append(inner.digest())
+        tag("set", b"".join(sorted(parts)))
+    elif isinstance(obj, dict):
+        tag("dict", str(len(obj)))
+        for key in sorted(obj, key=repr):
+            each(key, obj[key])
+    elif isinstance(obj, (np.ndarray, np.generic)):
+        arr = np.ascontiguousarray(obj)
+        tag("ndarray", f"{arr.dtype.str}{arr.shape}")
+        tag("data", arr.tobytes() if not arr.dtype.hasobject else pickle.dumps(arr))
+    elif type(obj).__module__ == "torch" and type(obj).__name__ in ("Tensor", "Parameter"):
+        each(obj.detach().cpu().numpy())
+    elif isinstance(obj, types.ModuleType):
+        tag("module", f"{obj.__name__} {getattr(obj, '__version__', '')}")
+    elif isinstance(obj, types.CodeType):
+        tag("code", obj.co_code)
+        tag("names", " ".join(obj.co_names))
+        each(*obj.co_consts)
+    elif isinstance(obj, types.FunctionType):
+        tag("function", f"{obj.__module__}.{obj.__qualname__}")
+        each(obj.__code__, obj.__defaults__, obj.__kwdefaults__)
+        each(*(cell.cell_contents for cell in obj.__closure__ or () if _cell_filled(cell)))
+        for name in sorted(_global_names(obj.__code__)):
+            if name in obj.__globals__:
+                tag("global", name)
+                each(obj.__globals__[name])
+    elif isinstance(obj, types.MethodType):
+        tag("method")
+        each(obj.__func__, obj.__self__)
+    elif isinstance(obj, functools.partial):
+        tag("partial")
+        each(obj.func, obj.args, obj.keywords)
+    elif isinstance(obj, (types.BuiltinFunctionType, types.BuiltinMethodType)):
+        tag("builtin", f"{getattr(obj, '__module__', '')}.{obj.__qualname__}")
+    elif isinstance(obj, type):
+        tag("class", f"{obj.__module__}.{obj.__qualname__}")
+        if obj.__module__ not in ("builtins", "numpy", "torch") and not obj.__module__.startswith(
+            ("numpy.", "torch.", "PIL.")
+        ):
+            each(
+                {
+                    k: v
+                    for k, v in vars(obj).items()
+                    if isinstance(v, (types.FunctionType, staticmethod, classmethod, property))
+                }
+            )
+    elif isinstance(obj, (staticmethod, classmethod)):
+        each(obj.__func__)
+    elif isinstance(obj, property):
+        each(obj.fget, obj.fset)
+    else:
+        each(type(obj))  # an object: its class's methods, then its attributes
+        state = getattr(obj, "__dict__", None)
+        slots = [n for cls in type(obj).__mro__ for n in getattr(cls, "__slots__", ()) if hasattr(obj, n)]
+        if state is not None or slots:
+            each(dict(state or {}), {n: getattr(obj, n) for n in slots})
+        else:
+            try:
+                tag("pickle", pickle.dumps(obj, protocol=4))
+            except Exception:  # noqa: BLE001 - what neither shows nor pickles is known by its type only
+                tag("opaque", type(obj).__qualname__)
+
+
+def _cell_filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018 - an empty cell raises
+    except ValueError:
+        return False
+    return True
+
+
+def _global_names(code: types.CodeType) -> set[str]:
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return names
+
+
+def _data_identity(dataset: Any) -> str:
+    hook = getattr(dataset, "cache_identity", None)
+    if callable(hook):
+        return str(hook())
+    checksum = getattr(dataset, "checksum", None)
+    if not isinstance(checksum, str):
+        msg = (
+            f"a {type(dataset).__name__} has no checksum to know its contents by: pass key= (a string "
+            "that changes whenever the records do) to NodeCache"
+        )
+        raise TypeError(msg)
+    return f"{type(dataset).__qualname__} {checksum} {getattr(dataset, 'decode', '')}"
+
+
+# -- the cache in one process -------------------------------------------------------------------------
+
+
+@dataclass
+class _Chunk:
+    mem: mmap.mmap
+    words: np.ndarray[Any, Any]  # int64 claim words, one a record
+    fields: list[np.ndarray[Any, Any]]  # the rows, writable (the claimant writes its row)
+    read_only: list[np.ndarray[Any, Any]]  # the same rows as handed out: a transform cannot write the cache
+
+
+class NodeCache:
+    """``prepare(dataset[i])``, computed once per node and read from shared memory after (see the module docstring).
+
+    Args:
+        dataset: A map-style dataset with a ``checksum`` (SharedStoreDataset, ShardedDataset), or any
+            map-style dataset with ``key=``.
+        prepare: The deterministic part of the transform: one record in, a fixed-shape output out
+            (a numpy array, CPU tensor or number, or a dict or tuple of them).
+        version: Declares a change of ``prepare`` its digest cannot see (a new library version).
+        socket: The daemon's socket (default ``$SMSTORE_SOCKET``, then the per-user default). The
+            process must run as the daemon's owner: its caches are writable by whoever holds them.
+        spec: The output's layout, as :class:`smstore.TransformLoader` takes it (default: inferred
+            from ``prepare(dataset[0])``, which then becomes record 0's cached row).
+        key: Names the data when the dataset has no checksum (it must change when the records do).
+        chunk_bytes: About how many bytes a chunk holds (the unit the budget admits or evicts).
+
+    Raises:
+        ValueError: An empty dataset.
+        TypeError: A dataset with no checksum, and no ``key``.
+    """
+
+    def __init__(
+        self,
+        dataset: Any,
+        prepare: Callable[[Any], Any],
+        *,
+        version: str = "",
+        socket: str | os.PathLike[str] | None = None,
+        spec: Spec | None = None,
+        key: str | None = None,
+        chunk_bytes: int = 4 << 20,
+    ) -> None:
+        n = len(dataset)
+        if n == 0:
+            msg = "the dataset is empty: there is nothing to cache"
+            raise ValueError(msg)
+        if chunk_bytes < 1:
+            msg = f"chunk_bytes must be >= 1, not {chunk_bytes}"
+            raise ValueError(msg)
+        data = _data_identity(dataset) if key is None else f"key {key}"
+        first = None
+        if spec is None:
+            first = prepare(dataset[0])
+            one = Layout.from_sample(first, 1)
+        else:
+            one = Layout.from_spec(spec, 1)
+        row_bytes = 8 + sum(f.row_bytes for f in one.fields)
+        self.rows = max(1, min(n, chunk_bytes // row_bytes, MAX_CACHE_ROWS))
+        fields = [(f.key, f.shape, f.dtype) for f in one.fields]
+        self.layout = Layout(one.kind, fields, self.rows, one.seq_type)
+        self.dataset = dataset
+        self.prepare = prepare
+        self.version = version
+        self.socket = socket
+        h = hashlib.blake2b(digest_size=32)
+        for part in (
+            data,
+            transform_identity(prepare, version),
+            one.kind,
+            self.layout.describe(),
+            str(self.rows),
+        ):
+            h.update(part.encode("utf-8", "surrogatepass") + b"\0")
+        self.identity = h.hexdigest()
+        self._records = n
+        self._first = first  # record 0's output, cached at this process's first use (not decoded twice)
+        self._counted = [0, 0, 0, 0]  # this process's hits, fills, waits, uncached
+        self._start()
+
+    def _start(self) -> None:
+        """This process's view of the cache: nothing mapped yet (a new process, or a forked child)."""
+        self._pid = os.getpid()
+        self._session: DaemonSession | None = None
+        self._token = 0
+        self._meta: np.ndarray[Any, Any] | None = None
+        self._meta_mem: mmap.mmap | None = None
+        self._chunks: dict[int, _Chunk | float] = {}  # chunk -> its mapping, or when to ask again
+        self._pending = [0, 0, 0, 0]  # counts not yet added to the meta page
+        self._off: str | None = None  # why this process reads uncached (the daemon refused or left)
+        self._claims = True  # False once the daemon is gone: no one would reset a claim of ours
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k in ("_records",)}
+        state["_counted"] = [0, 0, 0, 0]
+        state["_first"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._start()
+
+    def __len__(self) -> int:
+        return self._records
+
+    def __repr__(self) -> str:
+        return (
+            f"NodeCache({self._records} records of [{self.layout.describe()}], {self.rows} a chunk, "
+            f"cache {self.identity[:12]})"
+        )
+
+    def counts(self) -> dict[str, int]:
+        """This process's reads so far: ``hits`` (from the cache), ``fills`` (decoded and written),
+        ``waits`` (another process was writing the record), ``uncached`` (decoded, not cached)."""
+        return dict(zip(_COUNTS, self._counted, strict=True))
+
+    # -- reading -------------------------------------------------------------------------------
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list[Any]:
+        if os.getpid() != self._pid:
+            self._start()  # a forked child: its own connection, token and mappings
+        out: list[Any] = [None] * len(indices)
+        waiting: list[tuple[int, int, _Chunk, int]] = []
+        try:
+            for j, index in enumerate(indices):
+                i = self._index(index)
+                k, r = divmod(i, self.rows)
+                chunk = self._chunk(k)
+                if chunk is None:
+                    out[j] = self._uncached(i)
+                    continue
+                state = (
+                    _core.claim(chunk.words, r, self._token)
+                    if self._claims
+                    else _core.claim_state(chunk.words, r)
+                )
+                if state == _core.CLAIM_READY:
+                    out[j] = self._row(chunk, r)
+                    self._count(_HITS)
+                elif state == _core.CLAIM_EMPTY and self._claims:
+                    out[j] = self._fill(chunk, i, r)
+                elif self._claims:
+                    waiting.append((j, i, chunk, r))  # another process writes it: read the others first
+                else:
+                    out[j] = self._uncached(i)
+            for j, i, chunk, r in waiting:
+                out[j] = self._wait(chunk, i, r)
+        finally:
+            self._flush()
+        return out
+
+    def _index(self, index: Any) -> int:
+        i = int(index)
+        if i < 0:
+            i += self._records
+        if not 0 <= i < self._records:
+            msg = f"record {index} of {self._records}"
+            raise IndexError(msg)
+        return i
+
+    def _row(self, chunk: _Chunk, r: int) -> Any:
+        return self._assemble([f[r, ...] for f in chunk.read_only])
+
+    def _assemble(self, values: list[np.ndarray[Any, Any]]) -> Any:
+        layout = self.layout
+        if layout.kind == "single":
+            return values[0]
+        if layout.kind == "dict":
+            return {f.key: v for f, v in zip(layout.fields, values, strict=True)}
+        return layout.seq_type(*values) if layout.seq_type is not None else tuple(values)
+
+    def _decode(self, i: int) -> Any:
+        if i == 0 and self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return self.prepare(self.dataset[i])
+
+    def _uncached(self, i: int) -> Any:
+        self._count(_UNCACHED)
+        out = self._decode(i)
+        # What the cache would have given: the layout's shapes and dtypes (the same bytes either way).
+        rows = [np.empty((1, *f.shape), f.dtype) for f in self.layout.fields]
+        self.layout.write(rows, 0, out)
+        return self._assemble([row[0, ...] for row in rows])
+
+    def _fill(self, chunk: _Chunk, i: int, r: int) -> Any:
+        """Decode record `i`, claimed by this process, into row `r`, and publish it."""
+        try:
+            self.layout.write(chunk.fields, r, self._decode(i))
+        except BaseException:
+            _core.claim_abandon(chunk.words, r, self._token)  # another process may decode it
+            raise
+        if not _core.claim_publish(chunk.words, r, self._token):
+            # The daemon reset our claim (it took this process for dead): someone else may be writing
+            # the row now, so this process's copy is not published.
+            self._count(_UNCACHED)
+            return (
+                self._row(chunk, r)
+                if _core.claim_state(chunk.words, r) == _core.CLAIM_READY
+                else self._uncached(i)
+            )
+        self._count(_FILLS)
+        return self._row(chunk, r)
+
+    def _wait(self, chunk: _Chunk, i: int, r: int) -> Any:
+        """Record `i` is being written by another process: its row once published (or decoded here,
+        if that process died and the daemon gave the record back)."""
+        self._count(_WAITS)
+        delay, check = 20e-6, time.monotonic() + _ALIVE_S
+        while True:
+            state = (
+                _core.claim(chunk.words, r, self._token)
+                if self._claims
+                else _core.claim_state(chunk.words, r)
+            )
+            if state == _core.CLAIM_READY:
+                self._count(_HITS)
+                return self._row(chunk, r)
+            if state == _core.CLAIM_EMPTY and self._claims:
+                return self._fill(chunk, i, r)  # its claimant died: this process decodes it
+            if time.monotonic() >= check:
+                if self._daemon_gone():
+                    return self._uncached(i)  # no one will reset a dead claimant's claim now
+                check = time.monotonic() + _ALIVE_S
+            time.sleep(delay)
+            delay = min(2 * delay, 2e-3)
+
+    def _count(self, what: int) -> None:
+        self._counted[what] += 1
+        self._pending[what] += 1
+
+    def _flush(self) -> None:
+        if self._meta is None:
+            return
+        for what, n in enumerate(self._pending):
+            if n:
+                _core.counter_add(self._meta, what, n)
+                self._pending[what] = 0
+
+    # -- the daemon ------------------------------------------------------------------------------
+
+    def _chunk(self, k: int) -> _Chunk | None:
+        got = self._chunks.get(k)
+        if isinstance(got, _Chunk):
+            return got
+        if self._off is not None or (got is not None and time.monotonic() < got):
+            return None
+        if self._meta is None:
+            mem = self._map(_META)
+            if mem is None:
+                return None
+            self._meta_mem = mem
+            self._meta = np.frombuffer(mem, np.uint64, len(_COUNTS))
+        mem = self._map(k)
+        if mem is None:
+            self._chunks[k] = time.monotonic() + _RETRY_S
+            return None
+        buffer = np.frombuffer(mem, np.uint8)
+        words, fields = self.layout.numpy_views(buffer, 0)
+        read_only = [f.view() for f in fields]
+        for f in read_only:
+            f.flags.writeable = False
+        chunk = self._chunks[k] = _Chunk(mem, words, fields, read_only)
+        return chunk
+
+    def _map(self, k: int) -> mmap.mmap | None:
+        """Part `k` of the cache (the meta page for -1) mapped writable, or None (no room, or no daemon)."""
+        message = {
+            "op": "cache",
+            "cache": self.identity,
+            "records": self._records,
+            "rows": self.rows,
+            "slot_bytes": self.layout.slot_bytes,
+            "chunk": k,
+        }
+        try:
+            if self._session is None:
+                self._session = session_for(self.socket)
+            reply, fd = self._session.ask(message, 30.0)
+        except DaemonError as e:
+            self._claims = False  # the daemon is gone: no one would reset a claim of this process
+            self._turn_off(f"no daemon serves it ({e})")
+            return None
+        if self._token and fd is not None and int(reply.get("token", 0)) != self._token:
+            # The session reconnected to a new daemon: its cache is a new one, and this process
+            # keeps to the parts it maps (ready rows read, the rest decoded, nothing claimed).
+            os.close(fd)
+            self._claims = False
+            self._turn_off("the daemon restarted")
+            return None
+        if fd is None:
+            if reply.get("error") != NO_ROOM:
+                self._turn_off(f"the daemon refused it: {reply.get('message', reply.get('error'))}")
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            if size != int(reply.get("size", -1)):
+                self._turn_off(f"the daemon sent a part of {size} bytes, not {reply.get('size')}")
+                return None
+            mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        finally:
+            os.close(fd)
+        self._token = int(reply["token"])
+        return mem
+
+    def _turn_off(self, why: str) -> None:
+        if self._off is None:
+            log.warning("NodeCache %s: reading uncached in pid %d: %s", self.identity[:12], os.getpid(), why)
+        self._off = why
+
+    def _daemon_gone(self) -> bool:
+        """Whether the daemon closed this process's connection (it died): then no one resets a dead
+        claimant's claim, and this process stops claiming (it reads what is ready, decodes the rest)."""
+        session = self._session
+        conn = None if session is None else session.conn
+        gone = conn is None
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                ready, _, _ = select.select([conn], [], [], 0)
+                gone = (
+                    bool(ready) and conn.recv(1, socket_module.MSG_PEEK | socket_module.MSG_DONTWAIT) == b""
+                )
+        if gone:
+            self._claims = False
+            self._turn_off("the daemon is gone")
+        return gone
