@@ -1,14 +1,20 @@
-"""Transforms for the node cache tests, importable by name so forkserver and spawn workers unpickle them.
+"""Transforms and jobs for the node cache tests, importable by name so forkserver and spawn workers unpickle them.
 
-The records are ``b"<index>:<payload>"`` (transform_testlib.numbered_record). ``decode`` logs each
-call's record index to the file named by $SMSTORE_TEST_DECODES (one O_APPEND write a call, so the
-lines of every process on the node interleave whole): a test counts the decodes of each record.
+The records are ``b"<index>:<payload>"`` (transform_testlib.numbered_record). A ``Decode`` logs each
+call's record index to its log file (one O_APPEND write a call, so the lines of every process on
+the node interleave whole): a test counts the decodes of each record, across processes.
+
+Run as a script, it is a job of its own: ``read SOCKET DATA LOG [SCALE]`` reads every record
+through a NodeCache and prints its counts as JSON; ``claim SOCKET DATA LOG INDEX`` claims that
+record, scribbles half its row, prints ``claimed TOKEN`` and waits to be killed.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import random
+import sys
 import time
 from typing import Any
 
@@ -16,34 +22,32 @@ import numpy as np
 from transform_testlib import index_of
 
 SIDE = 8
-SCALE = 3  # a constant decode reads: changing it changes the transform's identity
 
 
-def _log(i: int) -> None:
-    path = os.environ.get("SMSTORE_TEST_DECODES")
-    if path:
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
-        try:
-            os.write(fd, b"%d\n" % i)
-        finally:
-            os.close(fd)
+class Decode:
+    """A deterministic 'decode': an image of SIDE x SIDE x 3 bytes and a float label from the record.
 
+    `scale` is part of what it computes (another scale: another transform); `slow` seconds a call
+    make racing workers meet on the same records."""
 
-def decode(record: bytes) -> dict[str, Any]:
-    """A deterministic 'decode': an image of SIDE x SIDE x 3 bytes and a float label from the record."""
-    i = index_of(record)
-    _log(i)
-    data = np.frombuffer(bytes(record), dtype=np.uint8)
-    image = ((np.arange(SIDE * SIDE * 3, dtype=np.int64) * (i + 1) * SCALE + data.sum()) % 251).astype(
-        np.uint8
-    )
-    return {"image": image.reshape(SIDE, SIDE, 3), "label": np.float32(i) / 7}
+    def __init__(self, log: str | os.PathLike[str] | None = None, scale: int = 3, slow: float = 0.0) -> None:
+        self.log = None if log is None else os.fspath(log)
+        self.scale = scale
+        self.slow = slow
 
-
-def slow_decode(record: bytes) -> dict[str, Any]:
-    """decode, a millisecond slower: racing workers meet on the same records."""
-    time.sleep(0.001)
-    return decode(record)
+    def __call__(self, record: bytes) -> dict[str, Any]:
+        i = index_of(record)
+        if self.log is not None:
+            fd = os.open(self.log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, b"%d\n" % i)
+            finally:
+                os.close(fd)
+        if self.slow:
+            time.sleep(self.slow)
+        data = np.frombuffer(bytes(record), dtype=np.uint8)
+        flat = (np.arange(SIDE * SIDE * 3, dtype=np.int64) * (i + 1) * self.scale + int(data.sum())) % 251
+        return {"image": flat.astype(np.uint8).reshape(SIDE, SIDE, 3), "label": np.float32(i) / 7}
 
 
 def augment(sample: dict[str, Any]) -> dict[str, Any]:
@@ -55,7 +59,7 @@ def augment(sample: dict[str, Any]) -> dict[str, Any]:
     return {"image": np.ascontiguousarray(image), "label": sample["label"] + random.random()}
 
 
-def decoded_counts(path: str) -> dict[int, int]:
+def decoded_counts(path: str | os.PathLike[str]) -> dict[int, int]:
     """How many times each record was decoded (the lines of the log)."""
     counts: dict[int, int] = {}
     if os.path.exists(path):
@@ -63,3 +67,38 @@ def decoded_counts(path: str) -> dict[int, int]:
             for line in f:
                 counts[int(line)] = counts.get(int(line), 0) + 1
     return counts
+
+
+def _main(argv: list[str]) -> None:
+    # The module's own classes, not __main__'s: a transform's identity names its module.
+    from cache_testlib import Decode
+
+    import smstore
+    from smstore import _core
+
+    mode, sock, data, log = argv[:4]
+    ds = smstore.SharedStoreDataset(data, decode="bytes", mode="mmap")
+    if mode == "read":
+        scale = int(argv[4]) if len(argv) > 4 else 3
+        cache = smstore.NodeCache(ds, Decode(log, scale), socket=sock, chunk_bytes=4096)
+        for i in range(len(ds)):
+            want = Decode(None, scale)(ds[i])
+            got = cache[i]
+            if not (np.array_equal(got["image"], want["image"]) and got["label"] == want["label"]):
+                raise SystemExit(f"record {i}: wrong bytes")
+        print(json.dumps(cache.counts()), flush=True)
+    elif mode == "claim":
+        index = int(argv[4])
+        cache = smstore.NodeCache(ds, Decode(log), socket=sock, chunk_bytes=4096)
+        k, r = divmod(index, cache.rows)
+        chunk = cache._chunk(k)
+        assert chunk is not None
+        if _core.claim(chunk.words, r, cache._token) != _core.CLAIM_EMPTY:
+            raise SystemExit("the record was not empty")
+        chunk.fields[0][r, : SIDE // 2] = 255  # half a row written, then killed
+        print(f"claimed {cache._token}", flush=True)
+        time.sleep(600)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])

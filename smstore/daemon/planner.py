@@ -231,7 +231,7 @@ class Planner:
         shm_limit_from: Where ``shm_limit`` came from, for the messages that refuse a load.
         is_owner: Whether a connection is one of the owner's (only those pin a released segment).
         release: Takes a released segment out of the table and frees it (off the event loop).
-        evicted: Told of each part of a decoded cache evicted (for the metrics), before its release.
+        evicted: Frees a part of an idle decoded cache now, out of the table (and counts it).
         fetch_backoff: Seconds before a shard in object storage whose fetch failed is fetched
             again for a hold (doubled at each failure in a row, up to ten minutes).
     """
@@ -463,8 +463,11 @@ class Planner:
                     seg = min(spare, key=lambda s: s.loaded_at)
                     self._drop_reader_holds(seg.checksum)
                 elif idle := self.idle_cache_parts():
-                    seg = idle[0]  # then the decoded caches no process uses any more
-                    self._evicted(seg)
+                    # Then the decoded caches no process uses any more: no one maps them, so
+                    # they are freed now (a chunk of a few MiB), and their room is room at once.
+                    plan.released.append(self.evict(idle[0]))
+                    used -= pages(idle[0].size)
+                    continue
                 else:
                     break
                 plan.released.append(self.release(seg))
@@ -499,6 +502,12 @@ class Planner:
         parts.sort(key=lambda ps: (idle[ps[0].cache], ps[0].chunk < 0, ps[1].loaded_at))
         return [seg for _part, seg in parts]
 
+    def evict(self, seg: Segment) -> str:
+        """Free a part of an idle decoded cache now (no process maps it); what the log calls it."""
+        assert seg.cache is not None
+        self._evicted(seg)  # counted, and out of the table
+        return f"decoded cache {seg.cache.cache[:12]} part {seg.cache.chunk}"
+
     def holds_need(self) -> int:
         """Bytes the held pieces not resident nor loading still need (a cache leaves them their room)."""
         need = 0
@@ -528,8 +537,7 @@ class Planner:
             served = {s.cache.cache for s in self.segments.values() if s.cache is not None}
             if self.fits(room) and (caches is None or len(served) <= caches):
                 return
-            self._evicted(seg)
-            self.release(seg)
+            self.evict(seg)
 
     def _readers_only(self, samplers: dict[str, Held]) -> list[Segment]:
         """The resident segments that only readers hold for themselves (no sampler holds them)."""

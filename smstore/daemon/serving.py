@@ -122,7 +122,8 @@ class Serving:
         self._held_stale = True
 
     def _cache_evicted(self, seg: Segment) -> None:
-        """The planner evicts a part of an idle decoded cache: counted, and a meta page's counters kept."""
+        """The planner evicts a part of an idle decoded cache: counted (a meta page's counters kept
+        for the metrics), and freed now: no process maps it."""
         part = seg.cache
         assert part is not None
         self.counters.add("decoded_evictions")
@@ -135,6 +136,7 @@ class Serving:
             meta = self.segments.get(part.meta_key)
             if meta is not None and meta.cache is not None:
                 _core.counter_add(meta.cache.words, EVICTIONS, 1)
+        self.drop(seg)
 
     def _release(self, seg: Segment) -> None:
         """The planner released a held segment: out of the table, freed by the loader thread, off this loop."""
@@ -556,16 +558,19 @@ class Serving:
 
     def closed(self, cid: int, conn: Conn) -> None:
         """Connection `cid` closed: its holds, attachments and waits go."""
-        if self.planner.disconnect(cid):
-            self.reconcile()
+        replan = self.planner.disconnect(cid)
         for checksum in conn.attached:
             seg = self.segments.get(checksum)
             if seg is not None:
                 detached(self.segments, seg, cid)  # a decoded cache's claims it left go back to empty
                 seg.clients.pop(cid, None)
+                # A cache no process uses any more is room for what waits for it.
+                replan = replan or (seg.cache is not None and not seg.clients)
                 if seg.shared and not seg.clients:
                     log.info("dropping shared blob %s: no client left", seg.key)
                     self.drop(seg)
+        if replan:
+            self.reconcile()
         self.held_changed()  # a shared blob dropped may have been a held shard's resident copy
 
 

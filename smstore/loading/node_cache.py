@@ -49,6 +49,7 @@ from smstore import _core
 from smstore.errors import DaemonError
 from smstore.loading.layout import Layout, Spec
 from smstore.wire.client.session import DaemonSession, session_for
+from smstore.wire.ipc import socket_path
 from smstore.wire.protocol import MAX_CACHE_ROWS, NO_ROOM
 
 __all__ = ["NodeCache", "transform_identity"]
@@ -266,7 +267,9 @@ class NodeCache:
         self.dataset = dataset
         self.prepare = prepare
         self.version = version
-        self.socket = socket
+        # Decided here, once: a worker started later (a forkserver's, with the environment of when
+        # its server started) asks the same daemon.
+        self.socket = socket_path(socket)
         h = hashlib.blake2b(digest_size=32)
         for part in (
             data,

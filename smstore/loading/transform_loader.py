@@ -410,7 +410,9 @@ class TransformLoader:
             if prepare is None:
                 msg = "cache='node' caches what prepare= computes: pass the transform's deterministic part as prepare="
                 raise ValueError(msg)
-            dataset = NodeCache(dataset, prepare, version=cache_version, socket=socket)
+            # With no random part the batch's layout is the cache's: `spec` spares learning it from a decode.
+            cache_spec = spec if transform is None else None
+            dataset = NodeCache(dataset, prepare, version=cache_version, socket=socket, spec=cache_spec)
         elif prepare is not None:
             transform = _Prepared(prepare, transform)
         if batch_size < 1:
