@@ -37,8 +37,9 @@ void register_claims(py::module_& m) {
     m.attr("CLAIM_EMPTY") = kClaimEmpty;
     m.attr("CLAIM_READY") = kClaimReady;
     m.def(
-        "claim_state", [](Words words, int64_t i) { return claim_state(word_at(words, i)); }, py::arg("words").noconvert(),
-        py::arg("i"), "Word `i`'s state (acquire): CLAIM_EMPTY, CLAIM_READY or a claimant's token.");
+        "claim_state", [](Words words, int64_t i) { return claim_state(word_at(words, i)); },
+        py::arg("words").noconvert(), py::arg("i"),
+        "Word `i`'s state (acquire): CLAIM_EMPTY, CLAIM_READY or a claimant's token.");
     m.def(
         "claim",
         [](Words words, int64_t i, int64_t token) {
@@ -72,8 +73,7 @@ void register_claims(py::module_& m) {
         },
         py::arg("words").noconvert(), py::arg("token"), "Every word holding `token` back to CLAIM_EMPTY; how many.");
     m.def(
-        "claims_ready",
-        [](const Words& words) { return count_ready(words.data(), flat_size(words, "words")); },
+        "claims_ready", [](const Words& words) { return count_ready(words.data(), flat_size(words, "words")); },
         py::arg("words").noconvert(), "How many words are CLAIM_READY.");
     m.def(
         "counter_add",
