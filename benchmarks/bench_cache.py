@@ -61,7 +61,7 @@ METER_ENV = "SMSTORE_BENCH_DECODE_METER"  # the directory of the processes' deco
 class DecodeMeter:
     """Each process's decode CPU seconds and calls, in a file of its own that the benchmark sums.
 
-    A class, because NodeCache's identity digests ``prepare``'s code and the values of the globals
+    A class, because DecodedCache's identity digests ``prepare``'s code and the values of the globals
     it names: a module-level dict of counters, changing with every decode, would give each process
     that computes the identity (each rank, each job) a cache of its own. Of a class the digest sees
     the methods only.
@@ -550,7 +550,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         (
             "1: one daemon. The uncached loader runs a first pass, then the timed ones (the row is the "
             "median); the cached loader, new workers and an empty cache, runs epoch 1 (each record decoded "
-            "once and written into the cache; record 0 was decoded when the loader was made: NodeCache infers "
+            "once and written into the cache; record 0 was decoded when the loader was made: DecodedCache infers "
             "the layout from it), then epochs 2 and on, which read the decoded records from "
             "the shared memory and run only the random part. Goals (issue 38): epoch 2's decode CPU at most "
             "0.1x epoch 1's, its samples/s at least 5x the uncached loader's. Each loader is made after "

@@ -55,8 +55,8 @@ from smstore.write.packfiles import pack_files
 if TYPE_CHECKING:
     from smstore.daemon.segments import collect_garbage, list_segments
     from smstore.loading.collate import TokenCollator
+    from smstore.loading.decoded_cache import DecodedCache
     from smstore.loading.loader import Loader
-    from smstore.loading.node_cache import NodeCache
     from smstore.loading.stats import LoaderStats
     from smstore.loading.transform_loader import TransformLoader
     from smstore.read.dataset import SharedStoreDataset
@@ -89,6 +89,7 @@ __all__ = [
     "Concat",
     "DaemonError",
     "DaemonStore",
+    "DecodedCache",
     "GlobalShuffleSampler",
     "IndexFileError",
     "IndexStaleError",
@@ -99,7 +100,6 @@ __all__ = [
     "MixtureError",
     "MixtureSampler",
     "MixtureSchedule",
-    "NodeCache",
     "ObjectStore",
     "PackInputError",
     "PackStats",
@@ -188,7 +188,7 @@ _LAZY = {
     "PackedBins": "smstore.read.packing",
     "select": "smstore.read.views",
     "TransformLoader": "smstore.loading.transform_loader",
-    "NodeCache": "smstore.loading.node_cache",
+    "DecodedCache": "smstore.loading.decoded_cache",
 }
 
 

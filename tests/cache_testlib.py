@@ -5,7 +5,7 @@ call's record index to its log file (one O_APPEND write a call, so the lines of 
 the node interleave whole): a test counts the decodes of each record, across processes.
 
 Run as a script, it is a job of its own: ``read SOCKET DATA LOG [SCALE]`` reads every record
-through a NodeCache and prints its counts as JSON; ``claim SOCKET DATA LOG INDEX`` claims that
+through a DecodedCache and prints its counts as JSON; ``claim SOCKET DATA LOG INDEX`` claims that
 record, scribbles half its row, prints ``claimed TOKEN`` and waits to be killed.
 """
 
@@ -80,7 +80,7 @@ def _main(argv: list[str]) -> None:
     ds = smstore.SharedStoreDataset(data, decode="bytes", mode="mmap")
     if mode == "read":
         scale = int(argv[4]) if len(argv) > 4 else 3
-        cache = smstore.NodeCache(ds, Decode(log, scale), socket=sock, chunk_bytes=4096)
+        cache = smstore.DecodedCache(ds, Decode(log, scale), socket=sock, chunk_bytes=4096)
         for i in range(len(ds)):
             want = Decode(None, scale)(ds[i])
             got = cache[i]
@@ -89,7 +89,7 @@ def _main(argv: list[str]) -> None:
         print(json.dumps(cache.counts()), flush=True)
     elif mode == "claim":
         index = int(argv[4])
-        cache = smstore.NodeCache(ds, Decode(log), socket=sock, chunk_bytes=4096)
+        cache = smstore.DecodedCache(ds, Decode(log), socket=sock, chunk_bytes=4096)
         k, r = divmod(index, cache.rows)
         chunk = cache._chunk(k)
         assert chunk is not None

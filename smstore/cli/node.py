@@ -221,7 +221,17 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
     for failed in reply.get("failed", []):
         print(f"{failed['path']}\n  held, not loaded: {failed['message']}")
+    for cache in reply.get("decoded_caches", []):
+        print(
+            f"decoded cache {cache['id'][:12]}: {cache['ready']} of {cache['records']} records ready, "
+            f"{cache['held']} of {cache['chunks']} chunks held ({human(cache['bytes'])})\n"
+            f"  hits {cache['hits']}  fills {cache['fills']}  waits {cache['waits']}  uncached "
+            f"{cache['uncached']}  evicted {cache['evictions']}  reset {cache['resets']}\n"
+            f"  clients {len(cache['clients'])}: {_client_pids(cache['clients'])}"
+        )
     for seg in segments:
+        if seg["segment"].startswith("memfd:smstore-cache-"):
+            continue  # a decoded cache's part: its cache says it above
         loaded = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(seg["loaded_at"]))
         how = "adopted" if seg["adopted"] else f"in {seg['load_seconds']:.2f} s"
         print(f"{', '.join(seg['paths']) or '(unlinked file)'}")

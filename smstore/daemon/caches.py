@@ -32,7 +32,7 @@ from smstore.daemon.segments import (
     cache_key,
     pages,
 )
-from smstore.wire.protocol import BAD_REQUEST, NO_ROOM, CacheRequest, ProtocolError
+from smstore.wire.protocol import BAD_REQUEST, CacheRequest, ProtocolError
 
 __all__ = ["cache_request", "cache_totals", "describe_caches", "detached"]
 
@@ -48,43 +48,66 @@ def token(cid: int) -> int:
 
 
 def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: CacheRequest) -> None:
-    """Send connection `cid` part `req.chunk` of cache `req.cache` (creating it if it fits), or say no room."""
+    """Send connection `cid` part `req.chunk` of cache `req.cache` (creating it if it fits), or say
+    there is no room; a lookup gets an existing cache's meta page and geometry, or "not found"."""
     segments = planner.segments
     meta = segments.get(cache_key(req.cache, META))
     if meta is not None:
         assert meta.cache is not None
-        if (meta.cache.records, meta.cache.rows, meta.cache.slot_bytes) != (
-            req.records,
-            req.rows,
-            req.slot_bytes,
-        ):
+        have = meta.cache.request
+        if req.lookup:
+            req = have._replace(chunk=META)
+        elif have != req._replace(chunk=META):
             msg = (
-                f"cache {req.cache[:12]} has {meta.cache.records} records, {meta.cache.rows} a chunk of "
-                f"{meta.cache.slot_bytes} bytes, not {req.records}, {req.rows} and {req.slot_bytes}"
+                f"cache {req.cache[:12]} has {have.records} records, {have.rows} a chunk of "
+                f"{have.slot_bytes} bytes (the last {have.last_bytes}), not {req.records}, {req.rows}, "
+                f"{req.slot_bytes} and {req.last_bytes}"
             )
             raise ProtocolError(BAD_REQUEST, msg)
+    elif req.lookup:
+        server.reply(cid, {"ok": True, "found": False})
+        return
     elif req.chunk != META:
         raise ProtocolError(BAD_REQUEST, f"cache {req.cache[:12]}: ask for its meta page (chunk -1) first")
     key = cache_key(req.cache, req.chunk)
     seg = segments.get(key)
     if seg is None:
-        caches = {s.cache.cache for s in segments.values() if s.cache is not None}
-        size = META_BYTES if req.chunk == META else req.slot_bytes
-        if req.chunk == META and len(caches) >= MAX_CACHES:
+        size = META_BYTES if req.chunk == META else req.chunk_bytes(req.chunk)
+        why = None
+        if req.chunk == META and len(_caches(segments)) >= MAX_CACHES:
             planner.evict_idle_caches(0, caches=MAX_CACHES - 1)
-        if not planner.cache_fits(size, req.cache):
+            if len(_caches(segments)) >= MAX_CACHES:
+                why = f"the daemon serves {MAX_CACHES} decoded caches in use, its most"
+        if why is None and not planner.cache_fits(size, req.cache):
             what = (
                 "a cache's meta page" if req.chunk == META else f"chunk {req.chunk} of cache {req.cache[:12]}"
             )
-            msg = f"{what} ({size} bytes) does not fit the daemon's --shm-limit beside what the ranks hold"
-            server.reply(cid, {"ok": False, "error": NO_ROOM, "message": msg, "token": token(cid)})
+            why = f"{what} ({size} bytes) does not fit the daemon's budget beside what the ranks hold"
+        if why is not None:
+            # Not a refusal: the process reads those records uncached, and asks again later.
+            server.reply(cid, {"ok": True, "room": False, "message": why, "token": token(cid)})
             return
         seg = _create(segments, req, size)
     assert seg.cache is not None
     seg.clients[cid] = conn.pid
     conn.attached.add(seg.checksum)
-    reply = {"ok": True, "cache": req.cache, "chunk": req.chunk, "size": seg.size, "token": token(cid)}
+    geometry = seg.cache.request
+    reply = {
+        "ok": True,
+        "cache": req.cache,
+        "chunk": req.chunk,
+        "size": seg.size,
+        "token": token(cid),
+        "records": geometry.records,
+        "rows": geometry.rows,
+        "slot_bytes": geometry.slot_bytes,
+        "last_bytes": geometry.last_bytes,
+    }
     server.reply(cid, reply, fd=seg.fd)
+
+
+def _caches(segments: SegmentTable) -> set[str]:
+    return {s.cache.cache for s in segments.values() if s.cache is not None}
 
 
 def _create(segments: SegmentTable, req: CacheRequest, size: int) -> Segment:
@@ -100,8 +123,8 @@ def _create(segments: SegmentTable, req: CacheRequest, size: int) -> Segment:
     if req.chunk == META:
         words = np.frombuffer(mem, np.uint64, len(COUNTER_NAMES))
     else:
-        words = np.frombuffer(mem, np.int64, req.rows)
-    cache = CachePart(req.cache, req.chunk, req.records, req.rows, req.slot_bytes, mem, words)
+        words = np.frombuffer(mem, np.int64, req.chunk_rows(req.chunk))
+    cache = CachePart(req._replace(chunk=META), req.chunk, mem, words)
     key = cache_key(req.cache, req.chunk)
     seg = Segment(name, key, fd, None, size, 0, [], time.time(), 0.0, mark=CACHED, cache=cache)
     segments[key] = seg
@@ -145,9 +168,9 @@ def describe_caches(segments: SegmentTable, limit: int) -> list[dict[str, Any]]:
                 continue
             entry = out[part.cache] = {
                 "id": part.cache,
-                "records": part.records,
-                "rows": part.rows,
-                "chunks": -(-part.records // part.rows),
+                "records": part.request.records,
+                "rows": part.request.rows,
+                "chunks": part.request.chunks,
                 "held": 0,
                 "ready": 0,
                 "bytes": 0,

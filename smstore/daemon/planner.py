@@ -19,7 +19,8 @@ import time
 from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 
-from smstore.daemon.segments import CachePart, Segment, SegmentTable, pages
+from smstore import _core
+from smstore.daemon.segments import SHM_DIR, CachePart, Segment, SegmentTable, pages
 from smstore.daemon.sources import NO_IDENTITY, FileIdentity, Index, Source
 from smstore.errors import StoreError
 from smstore.format.manifest import Manifest, absolute, manifest_file, read_manifest
@@ -523,7 +524,11 @@ class Planner:
         """Whether a part of `size` bytes of cache `cache` fits: beside every load in flight and what
         the holds still need, after evicting idle caches' parts (not `cache`'s) if that makes room."""
         if not self.shm_limit:
-            return True
+            # No budget: /dev/shm's free room bounds the caches instead (a memfd is not in it, so
+            # its pages are counted here, or every chunk would see the same room).
+            available, _total = _core.shm_space(os.fspath(SHM_DIR))
+            cached = sum(pages(s.size) for s in self.segments.values() if s.cache is not None)
+            return cached + pages(size) <= available
         need = self.holds_need()
         if self.fits(size, self.committed() + need):
             return True

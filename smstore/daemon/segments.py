@@ -23,7 +23,7 @@ from smstore import _core
 from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
 from smstore.wire.ipc import process_alive, socket_path
-from smstore.wire.protocol import CHECKSUM
+from smstore.wire.protocol import CHECKSUM, CacheRequest
 
 log = logging.getLogger("smstore.daemon")
 
@@ -180,17 +180,19 @@ META_BYTES = 4096
 @dataclass
 class CachePart:
     """A segment of a node cache of decoded samples (smstore/daemon/caches.py): its meta page
-    (`chunk` META: the counters) or chunk `chunk`, a slot of `rows` records' rows whose first
-    ``8 * rows`` bytes are the records' claim words (csrc/claims.hpp). The daemon maps it writable
+    (`chunk` META: the counters, then the layout the processes learn) or chunk `chunk`, a slot of
+    records' rows whose first 8 bytes a record are its claim word (csrc/claims.hpp). The daemon maps it writable
     to reset the claims of a connection that closed."""
 
-    cache: str  # the cache's identity (64 hex digits)
+    request: CacheRequest  # the cache's identity and geometry, as its meta page was asked for
     chunk: int
-    records: int  # records in the whole cache
-    rows: int  # records per chunk
-    slot_bytes: int  # bytes of a chunk
     mem: mmap.mmap
     words: np.ndarray[Any, Any]  # int64 claim words (a chunk), uint64 counters (the meta page)
+
+    @property
+    def cache(self) -> str:
+        """The cache's identity (64 hex digits)."""
+        return self.request.cache
 
     @property
     def meta_key(self) -> str:

@@ -22,8 +22,8 @@ import torch
 from torch.utils.data import Sampler, SequentialSampler
 
 from smstore.errors import CollateError, StoreClosedError, WorkerError
+from smstore.loading.decoded_cache import DecodedCache
 from smstore.loading.layout import ALIGN, Layout, Spec
-from smstore.loading.node_cache import NodeCache
 from smstore.loading.stats import LoaderStats
 from smstore.sampling.sampler import GlobalShuffleSampler
 
@@ -375,7 +375,7 @@ class TransformLoader:
         prepare: The deterministic part of the transform (decode, resize, normalise), run before
             ``transform`` (the random part: augmentation) on each record.
         cache: ``"node"``: ``prepare``'s outputs are computed once per node and read from shared
-            memory after, by every epoch, rank, worker and job (:class:`smstore.NodeCache`; needs
+            memory after, by every epoch, rank, worker and job (:class:`smstore.DecodedCache`; needs
             the daemon, and the process must be its owner). Batches are byte-identical to
             uncached ones for the same seeds. docs/cache.md.
         cache_version: Declares a change of ``prepare`` its digest cannot see (a new decoder).
@@ -412,7 +412,7 @@ class TransformLoader:
                 raise ValueError(msg)
             # With no random part the batch's layout is the cache's: `spec` spares learning it from a decode.
             cache_spec = spec if transform is None else None
-            dataset = NodeCache(dataset, prepare, version=cache_version, socket=socket, spec=cache_spec)
+            dataset = DecodedCache(dataset, prepare, version=cache_version, socket=socket, spec=cache_spec)
         elif prepare is not None:
             transform = _Prepared(prepare, transform)
         if batch_size < 1:

@@ -440,13 +440,31 @@ MAX_CACHE_RECORDS = 1 << 40
 
 class CacheRequest(NamedTuple):
     """A 'cache' request: chunk `chunk` (-1: the meta page) of the cache `cache` (64 hex digits) of
-    `records` records, `rows` a chunk, each chunk `slot_bytes` bytes (claim words, then rows)."""
+    `records` records, `rows` a chunk, each chunk `slot_bytes` bytes (claim words, then rows) but
+    the last, `last_bytes` (it holds what is left). With `lookup` (``records`` 0, the rest absent):
+    the meta page of a cache only if it exists, with its geometry (a process learning the layout)."""
 
     cache: str
     records: int
     rows: int
     slot_bytes: int
+    last_bytes: int
     chunk: int
+
+    @property
+    def chunks(self) -> int:
+        return -(-self.records // self.rows)
+
+    def chunk_rows(self, chunk: int) -> int:
+        """Records in chunk `chunk` (the last one holds what is left)."""
+        return min(self.rows, self.records - chunk * self.rows)
+
+    def chunk_bytes(self, chunk: int) -> int:
+        return self.last_bytes if chunk == self.chunks - 1 else self.slot_bytes
+
+    @property
+    def lookup(self) -> bool:
+        return self.records == 0
 
 
 def cache_arg(req: dict[str, Any]) -> CacheRequest:
@@ -454,22 +472,33 @@ def cache_arg(req: dict[str, Any]) -> CacheRequest:
     cache = req.get("cache")
     if not isinstance(cache, str) or re.fullmatch(r"[0-9a-f]{64}", cache) is None:
         raise ProtocolError(BAD_REQUEST, "'cache' must be 64 lowercase hex digits (the cache's identity)")
+    if req.get("lookup") is True:
+        if req.get("chunk", -1) != -1:
+            raise ProtocolError(BAD_REQUEST, "a lookup asks for the meta page (chunk -1)")
+        return CacheRequest(cache, 0, 1, 64, 64, -1)
     values = []
     for name, lo, hi in (
         ("records", 1, MAX_CACHE_RECORDS),
         ("rows", 1, MAX_CACHE_ROWS),
         ("slot_bytes", 64, MAX_CACHE_CHUNK_BYTES),
+        ("last_bytes", 64, MAX_CACHE_CHUNK_BYTES),
         ("chunk", -1, MAX_CACHE_RECORDS),
     ):
         value = req.get(name)
         if type(value) is not int or not lo <= value <= hi:
             raise ProtocolError(BAD_REQUEST, f"'{name}' must be an integer from {lo} to {hi}")
         values.append(value)
-    records, rows, slot_bytes, chunk = values
-    if slot_bytes % 64 or slot_bytes < 8 * rows:
+    got = CacheRequest(cache, *values)
+    last = got.chunk_rows(got.chunks - 1)
+    if got.slot_bytes % 64 or got.slot_bytes < 8 * got.rows:
         raise ProtocolError(
             BAD_REQUEST, "'slot_bytes' must be a multiple of 64 holding 8 bytes a row at least"
         )
-    if chunk >= -(-records // rows):
-        raise ProtocolError(BAD_REQUEST, f"no chunk {chunk}: the cache has {-(-records // rows)}")
-    return CacheRequest(cache, records, rows, slot_bytes, chunk)
+    if got.last_bytes % 64 or not 8 * last <= got.last_bytes <= got.slot_bytes:
+        raise ProtocolError(
+            BAD_REQUEST,
+            "'last_bytes' must be a multiple of 64 holding 8 bytes a row of the last chunk, at most 'slot_bytes'",
+        )
+    if got.chunk >= got.chunks:
+        raise ProtocolError(BAD_REQUEST, f"no chunk {got.chunk}: the cache has {got.chunks}")
+    return got

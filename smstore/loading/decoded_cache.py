@@ -1,6 +1,6 @@
-"""NodeCache: the deterministic part of a transform computed once per node, shared by every rank, worker and job.
+"""DecodedCache: the deterministic part of a transform computed once per node, shared by every rank, worker and job.
 
-``NodeCache(dataset, prepare)`` is a map-style dataset whose record ``i`` is ``prepare(dataset[i])``
+``DecodedCache(dataset, prepare)`` is a map-style dataset whose record ``i`` is ``prepare(dataset[i])``
 (decode, resize, normalise: what gives the same output every time). The output is written once per
 node into shared memory the daemon owns, and every later read of it, in any epoch, rank, worker or
 job on the node, is a view of those bytes. The random part of a transform (augmentation) runs
@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import json
 import logging
 import mmap
 import os
@@ -46,20 +47,29 @@ from typing import Any
 import numpy as np
 
 from smstore import _core
-from smstore.errors import DaemonError
+from smstore.errors import CollateError, DaemonError
 from smstore.loading.layout import Layout, Spec
 from smstore.wire.client.session import DaemonSession, session_for
 from smstore.wire.ipc import socket_path
-from smstore.wire.protocol import MAX_CACHE_ROWS, NO_ROOM
+from smstore.wire.protocol import MAX_CACHE_ROWS
 
-__all__ = ["NodeCache", "transform_identity"]
+__all__ = ["DecodedCache", "transform_identity"]
 
 log = logging.getLogger("smstore")
 
 _HITS, _FILLS, _WAITS, _UNCACHED = range(4)  # the meta page's counters (smstore/daemon/segments.py)
 _COUNTS = ("hits", "fills", "waits", "uncached")
 _META = -1
-_RETRY_S = 1.0  # how long a chunk that found no room is read uncached before it is asked for again
+_RETRY_S = 1.0
+MAX_CHUNKS = 16384  # past it a cache's chunks grow instead (each is a mapping in every process)
+# The meta page (smstore/daemon/segments.py: the counters first): the layout a process learns, as
+# JSON, behind a claim word (written once, by whichever process maps the page first).
+_LAYOUT_WORD, _LAYOUT_LENGTH, _LAYOUT_AT, _META_BYTES = (
+    64,
+    72,
+    128,
+    4096,
+)  # how long a chunk that found no room is read uncached before it is asked for again
 _ALIVE_S = 0.25  # how often a process waiting for another's record looks whether the daemon is still there
 
 
@@ -134,8 +144,14 @@ def _describe_object(obj: Any, h: Any, seen: set[int], depth: int, tag: Callable
         each(*(cell.cell_contents for cell in obj.__closure__ or () if _cell_filled(cell)))
         for name in sorted(_global_names(obj.__code__)):
             if name in obj.__globals__:
+                value = obj.__globals__[name]
                 tag("global", name)
-                each(obj.__globals__[name])
+                if isinstance(value, (dict, list, set, bytearray)):
+                    # Mutable state the function may update as it runs (a counter, a memo): what it
+                    # holds now is no part of what the function computes. version= says otherwise.
+                    tag("mutable", type(value).__qualname__)
+                else:
+                    each(value)
     elif isinstance(obj, types.MethodType):
         tag("method")
         each(obj.__func__, obj.__self__)
@@ -197,10 +213,12 @@ def _data_identity(dataset: Any) -> str:
     if not isinstance(checksum, str):
         msg = (
             f"a {type(dataset).__name__} has no checksum to know its contents by: pass key= (a string "
-            "that changes whenever the records do) to NodeCache"
+            "that changes whenever the records do) to DecodedCache"
         )
         raise TypeError(msg)
-    return f"{type(dataset).__qualname__} {checksum} {getattr(dataset, 'decode', '')}"
+    decode = getattr(dataset, "decode", "")
+    how = decode if isinstance(decode, str) else transform_identity(decode)  # a callable: by what it does
+    return f"{type(dataset).__qualname__} {checksum} {how}"
 
 
 # -- the cache in one process -------------------------------------------------------------------------
@@ -214,7 +232,7 @@ class _Chunk:
     read_only: list[np.ndarray[Any, Any]]  # the same rows as handed out: a transform cannot write the cache
 
 
-class NodeCache:
+class DecodedCache:
     """``prepare(dataset[i])``, computed once per node and read from shared memory after (see the module docstring).
 
     Args:
@@ -240,6 +258,7 @@ class NodeCache:
         dataset: Any,
         prepare: Callable[[Any], Any],
         *,
+        transform: Callable[[Any], Any] | None = None,
         version: str = "",
         socket: str | os.PathLike[str] | None = None,
         spec: Spec | None = None,
@@ -253,37 +272,47 @@ class NodeCache:
         if chunk_bytes < 1:
             msg = f"chunk_bytes must be >= 1, not {chunk_bytes}"
             raise ValueError(msg)
-        data = _data_identity(dataset) if key is None else f"key {key}"
-        first = None
-        if spec is None:
-            first = prepare(dataset[0])
-            one = Layout.from_sample(first, 1)
-        else:
-            one = Layout.from_spec(spec, 1)
-        row_bytes = 8 + sum(f.row_bytes for f in one.fields)
-        self.rows = max(1, min(n, chunk_bytes // row_bytes, MAX_CACHE_ROWS))
-        fields = [(f.key, f.shape, f.dtype) for f in one.fields]
-        self.layout = Layout(one.kind, fields, self.rows, one.seq_type)
         self.dataset = dataset
         self.prepare = prepare
+        self.transform = transform
         self.version = version
         # Decided here, once: a worker started later (a forkserver's, with the environment of when
         # its server started) asks the same daemon.
         self.socket = socket_path(socket)
-        h = hashlib.blake2b(digest_size=32)
-        for part in (
-            data,
+        self._records = n
+        self._counted = [0, 0, 0, 0]  # this process's hits, fills, waits, uncached
+        # Without spec the layout is what prepare gives, so (data, prepare) name the cache; a
+        # process that finds it learns the layout from it (its meta page) rather than a decode.
+        named = [
+            _data_identity(dataset) if key is None else f"key {key}",
             transform_identity(prepare, version),
-            one.kind,
-            self.layout.describe(),
-            str(self.rows),
-        ):
+        ]
+        one = None if spec is None else Layout.from_spec(spec, 1)
+        named += ["learned"] if one is None else ["spec", one.kind, one.describe()]
+        h = hashlib.blake2b(digest_size=32)
+        for part in (*named, str(chunk_bytes)):
             h.update(part.encode("utf-8", "surrogatepass") + b"\0")
         self.identity = h.hexdigest()
-        self._records = n
-        self._first = first  # record 0's output, cached at this process's first use (not decoded twice)
-        self._counted = [0, 0, 0, 0]  # this process's hits, fills, waits, uncached
         self._start()
+        self._first = None  # record 0's output when decoded to learn the layout: its first fill
+        if one is None:
+            one = self._learn()
+        if one is None:
+            self._first = prepare(dataset[0])
+            one = Layout.from_sample(self._first, 1)
+        row_bytes = 8 + sum(f.row_bytes for f in one.fields)
+        rows = max(1, min(n, chunk_bytes // row_bytes, MAX_CACHE_ROWS))
+        if -(-n // rows) > MAX_CHUNKS:  # a huge cache: larger chunks, not more of them
+            rows = min(MAX_CACHE_ROWS, -(-n // MAX_CHUNKS))
+        self.rows = rows
+        fields = [(f.key, f.shape, f.dtype) for f in one.fields]
+        self.layout = Layout(one.kind, fields, rows, one.seq_type)
+        self._last = Layout(one.kind, fields, n - (self.chunks - 1) * rows, one.seq_type)
+        self._tell_layout()  # the cache was found before its layout was told (its teller died)
+
+    @property
+    def chunks(self) -> int:
+        return -(-self._records // self.rows)
 
     def _start(self) -> None:
         """This process's view of the cache: nothing mapped yet (a new process, or a forked child)."""
@@ -298,7 +327,8 @@ class NodeCache:
         self._claims = True  # False once the daemon is gone: no one would reset a claim of ours
 
     def __getstate__(self) -> dict[str, Any]:
-        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k in ("_records",)}
+        keep = ("_records", "_last")
+        state = {k: v for k, v in self.__dict__.items() if not k.startswith("_") or k in keep}
         state["_counted"] = [0, 0, 0, 0]
         state["_first"] = None
         return state
@@ -312,13 +342,15 @@ class NodeCache:
 
     def __repr__(self) -> str:
         return (
-            f"NodeCache({self._records} records of [{self.layout.describe()}], {self.rows} a chunk, "
+            f"DecodedCache({self._records} records of [{self.layout.describe()}], {self.rows} a chunk, "
             f"cache {self.identity[:12]})"
         )
 
     def counts(self) -> dict[str, int]:
         """This process's reads so far: ``hits`` (from the cache), ``fills`` (decoded and written),
-        ``waits`` (another process was writing the record), ``uncached`` (decoded, not cached)."""
+        ``waits`` (another process was writing the record), ``uncached`` (decoded, not cached).
+        Record 0, when the constructor decoded it to learn the layout, is filled at the first use,
+        so the read that follows is a hit."""
         return dict(zip(_COUNTS, self._counted, strict=True))
 
     # -- reading -------------------------------------------------------------------------------
@@ -357,6 +389,8 @@ class NodeCache:
                 out[j] = self._wait(chunk, i, r)
         finally:
             self._flush()
+        if self.transform is not None:
+            return [self.transform(sample) for sample in out]
         return out
 
     def _index(self, index: Any) -> int:
@@ -456,33 +490,81 @@ class NodeCache:
         if self._off is not None or (got is not None and time.monotonic() < got):
             return None
         if self._meta is None:
-            mem = self._map(_META)
-            if mem is None:
+            meta = self._ask({"chunk": _META, **self._geometry()})
+            if meta is None:
                 return None
-            self._meta_mem = mem
-            self._meta = np.frombuffer(mem, np.uint64, len(_COUNTS))
-        mem = self._map(k)
+            self._use_meta(meta)
+            if self._first is not None and k != 0:
+                self._chunk(0)  # record 0, decoded to learn the layout, is its first fill
+        mem = self._ask({"chunk": k, **self._geometry()})
         if mem is None:
             self._chunks[k] = time.monotonic() + _RETRY_S
             return None
-        buffer = np.frombuffer(mem, np.uint8)
-        words, fields = self.layout.numpy_views(buffer, 0)
+        layout = self._last if k == self.chunks - 1 else self.layout
+        words, fields = layout.numpy_views(np.frombuffer(mem, np.uint8), 0)
         read_only = [f.view() for f in fields]
         for f in read_only:
             f.flags.writeable = False
         chunk = self._chunks[k] = _Chunk(mem, words, fields, read_only)
+        if k == 0 and self._first is not None:
+            if _core.claim(words, 0, self._token) == _core.CLAIM_EMPTY:
+                self._fill(chunk, 0, 0)
+            self._first = None
         return chunk
 
-    def _map(self, k: int) -> mmap.mmap | None:
-        """Part `k` of the cache (the meta page for -1) mapped writable, or None (no room, or no daemon)."""
-        message = {
-            "op": "cache",
-            "cache": self.identity,
+    def _geometry(self) -> dict[str, int]:
+        return {
             "records": self._records,
             "rows": self.rows,
             "slot_bytes": self.layout.slot_bytes,
-            "chunk": k,
+            "last_bytes": self._last.slot_bytes,
         }
+
+    def _use_meta(self, mem: mmap.mmap) -> None:
+        """This process maps the cache's meta page: its counters, and the layout it tells others."""
+        self._meta_mem = mem
+        self._meta = np.frombuffer(mem, np.uint64, len(_COUNTS))
+        if hasattr(self, "layout"):  # not while the constructor learns it
+            self._tell_layout()
+
+    def _tell_layout(self) -> None:
+        """Write the layout into the meta page once, for the processes that learn it there."""
+        mem = self._meta_mem
+        if mem is None or self.layout.seq_type is not None:
+            return  # a namedtuple's class cannot be told: those processes decode record 0
+        word = np.frombuffer(mem, np.int64, 1, _LAYOUT_WORD)
+        text = _layout_json(self.layout)
+        if len(text) > _META_BYTES - _LAYOUT_AT or _core.claim(word, 0, self._token) != _core.CLAIM_EMPTY:
+            return
+        mem[_LAYOUT_AT : _LAYOUT_AT + len(text)] = text
+        np.frombuffer(mem, np.uint64, 1, _LAYOUT_LENGTH)[0] = len(text)
+        _core.claim_publish(word, 0, self._token)
+
+    def _learn(self) -> Layout | None:
+        """The layout of the cache if it exists already (told by its meta page, mapped here for good),
+        or None: then this process decodes record 0 to learn it."""
+        mem = self._ask({"chunk": _META, "lookup": True})
+        if mem is None:
+            return None
+        self._use_meta(mem)
+        word = np.frombuffer(mem, np.int64, 1, _LAYOUT_WORD)
+        length = int(np.frombuffer(mem, np.uint64, 1, _LAYOUT_LENGTH)[0])
+        if _core.claim_state(word, 0) != _core.CLAIM_READY or not 0 < length <= _META_BYTES - _LAYOUT_AT:
+            return None  # being written this moment, or never told (a namedtuple)
+        try:
+            return _layout_from_json(bytes(mem[_LAYOUT_AT : _LAYOUT_AT + length]))
+        except (ValueError, TypeError, CollateError) as e:
+            log.warning(
+                "DecodedCache %s: its meta page tells no layout (%s): decoding record 0",
+                self.identity[:12],
+                e,
+            )
+            return None
+
+    def _ask(self, fields: dict[str, Any]) -> mmap.mmap | None:
+        """A part of the cache mapped writable (the meta page for chunk -1), or None: no room for it,
+        not found (a lookup), or no daemon serving it (this process then reads uncached)."""
+        message = {"op": "cache", "cache": self.identity, **fields}
         try:
             if self._session is None:
                 self._session = session_for(self.socket)
@@ -491,20 +573,20 @@ class NodeCache:
             self._claims = False  # the daemon is gone: no one would reset a claim of this process
             self._turn_off(f"no daemon serves it ({e})")
             return None
-        if self._token and fd is not None and int(reply.get("token", 0)) != self._token:
+        if fd is None:
+            if not reply.get("ok"):
+                self._turn_off(f"the daemon refused it: {reply.get('message', reply.get('error'))}")
+            return None  # no room for it now, or (a lookup) no such cache yet
+        if self._token and int(reply.get("token", 0)) != self._token:
             # The session reconnected to a new daemon: its cache is a new one, and this process
             # keeps to the parts it maps (ready rows read, the rest decoded, nothing claimed).
             os.close(fd)
             self._claims = False
             self._turn_off("the daemon restarted")
             return None
-        if fd is None:
-            if reply.get("error") != NO_ROOM:
-                self._turn_off(f"the daemon refused it: {reply.get('message', reply.get('error'))}")
-            return None
         try:
             size = os.fstat(fd).st_size
-            if size != int(reply.get("size", -1)):
+            if size != reply.get("size"):
                 self._turn_off(f"the daemon sent a part of {size} bytes, not {reply.get('size')}")
                 return None
             mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
@@ -515,7 +597,9 @@ class NodeCache:
 
     def _turn_off(self, why: str) -> None:
         if self._off is None:
-            log.warning("NodeCache %s: reading uncached in pid %d: %s", self.identity[:12], os.getpid(), why)
+            log.warning(
+                "DecodedCache %s: reading uncached in pid %d: %s", self.identity[:12], os.getpid(), why
+            )
         self._off = why
 
     def _daemon_gone(self) -> bool:
@@ -534,3 +618,39 @@ class NodeCache:
             self._claims = False
             self._turn_off("the daemon is gone")
         return gone
+
+
+# -- the layout a meta page tells ------------------------------------------------------------------------
+
+
+def _layout_json(layout: Layout) -> bytes:
+    fields = [[f.key, list(f.shape), f.dtype.str] for f in layout.fields]
+    return json.dumps({"kind": layout.kind, "fields": fields}, separators=(",", ":")).encode()
+
+
+def _layout_from_json(text: bytes) -> Layout:
+    """A one-row Layout from `_layout_json`'s text, every part checked (another process wrote it).
+
+    Raises:
+        ValueError, TypeError: Anything but a layout `_layout_json` writes.
+    """
+    doc = json.loads(text)
+    if not isinstance(doc, dict):
+        msg = "not a layout"
+        raise TypeError(msg)
+    kind, fields = doc.get("kind"), doc.get("fields")
+    if kind not in ("single", "dict", "seq") or not isinstance(fields, list) or not 0 < len(fields) <= 1024:
+        msg = "not a layout"
+        raise ValueError(msg)
+    out: list[tuple[str | int | None, tuple[int, ...], np.dtype[Any]]] = []
+    for n, field in enumerate(fields):
+        key, shape, dtype = field
+        want = {"single": key is None and len(fields) == 1, "dict": isinstance(key, str), "seq": key == n}
+        if not want[kind] or not isinstance(shape, list) or len(shape) > 32:
+            msg = f"field {n}: not a field of a {kind} layout"
+            raise ValueError(msg)
+        if not all(type(d) is int and 0 <= d < 1 << 31 for d in shape) or not isinstance(dtype, str):
+            msg = f"field {n}: a bad shape or dtype"
+            raise ValueError(msg)
+        out.append((key, tuple(shape), np.dtype(dtype)))
+    return Layout(kind, out, 1)
