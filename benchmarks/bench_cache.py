@@ -550,8 +550,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         (
             "1: one daemon. The uncached loader runs a first pass, then the timed ones (the row is the "
             "median); the cached loader, new workers and an empty cache, runs epoch 1 (each record decoded "
-            "once and written into the cache; record 0 was decoded when the loader was made: DecodedCache infers "
-            "the layout from it), then epochs 2 and on, which read the decoded records from "
+            "once and written into the cache; record 0 was decoded when the loader was made, to learn the "
+            "layout, and is the cache's first fill), then epochs 2 and on, which read the decoded records from "
             "the shared memory and run only the random part. Goals (issue 38): epoch 2's decode CPU at most "
             "0.1x epoch 1's, its samples/s at least 5x the uncached loader's. Each loader is made after "
             "torch.manual_seed(0) and its last pass hashed: the same pass of both gives the same bytes. "
@@ -565,10 +565,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             "while the PSS of the cache's mappings (its memfds, /memfd:smstore-cache-ID-...) in "
             "/proc/PID/smaps is summed over the processes, their workers and the daemon: PSS charges a "
             "shared page 1/m to each of its m mappers, so one copy on the node sums to 1.00x. Goal: at most "
-            "1.05x. The decodes and the daemon's fills show each record decoded once on the node (each "
-            "process that makes a loader decodes record 0 for the layout: one more decode than records). "
-            "The daemon's status bytes count every chunk whole (a chunk of 4 MiB holds 341 rows; the last "
-            "one, partly filled, counts in full), where PSS counts the pages written."
+            "1.05x. The decodes and the daemon's fills show each record decoded once on the node (a "
+            "process that makes a loader while the cache exists learns the layout from it; two that make "
+            "theirs at the same moment may each decode record 0 once for it). The daemon's status bytes "
+            "count whole pages of every chunk (a chunk of 4 MiB holds 341 rows; the last one is made for "
+            "the rows it holds), where PSS counts the pages written."
         ),
         (
             f"3: a daemon with --shm-limit {args.fraction:.0%} of one decoded copy, the blob read from its "

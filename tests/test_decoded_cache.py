@@ -42,8 +42,10 @@ from torch.utils.data import DataLoader
 import smstore
 from smstore import _core
 from smstore.daemon.metrics import render
+from smstore.errors import CollateError
 from smstore.format.manifest import read_manifest
-from smstore.loading.decoded_cache import DecodedCache, transform_identity
+from smstore.loading.decoded_cache import DecodedCache, _layout_from_json, _layout_json, transform_identity
+from smstore.loading.layout import Layout
 from smstore.wire.client.session import session_for
 
 N = 300
@@ -614,3 +616,41 @@ def test_smstore_status_says_what_each_cache_holds(
     assert f"decoded cache {cache.identity[:12]}: 30 of {N} records ready, 2 of 15 chunks held" in out
     assert "fills 30" in out
     assert "smstore-cache-" not in out  # its parts are not listed as segments
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        b"",
+        b"[]",
+        b"{}",
+        b'{"kind": "dict", "fields": []}',
+        b'{"kind": "tree", "fields": [["x", [2], "<u1"]]}',
+        b'{"kind": "dict", "fields": [[0, [2], "<u1"]]}',
+        b'{"kind": "seq", "fields": [[1, [2], "<u1"]]}',
+        b'{"kind": "single", "fields": [[null, [2], "<u1"], [null, [2], "<u1"]]}',
+        b'{"kind": "dict", "fields": [["x", [-1], "<u1"]]}',
+        b'{"kind": "dict", "fields": [["x", [2.5], "<u1"]]}',
+        b'{"kind": "dict", "fields": [["x", [2], "O"]]}',
+        b'{"kind": "dict", "fields": [["x", [2], "no such dtype"]]}',
+        b'{"kind": "dict", "fields": [["x", [2]]]}',
+        b'{"kind": "dict", "fields": [["x", [2], "<u1", 4]]}',
+        b'{"kind": "dict", "fields": [["x", ' + b"[1]" * 1 + b', "<u1"]]' + b"}" * 2,
+        b"\xff\xfe",
+    ],
+)
+def test_a_meta_page_that_tells_no_layout_is_refused(text: bytes) -> None:
+    """What another process wrote is checked: anything but a layout is an error, never a wrong layout."""
+    with pytest.raises((ValueError, TypeError, CollateError)):
+        _layout_from_json(text)
+
+
+def test_a_layout_round_trips_through_its_text() -> None:
+    for spec in (
+        {"image": ((8, 8, 3), "uint8"), "label": ((), "float32")},
+        ((4,), "int16"),
+        [((2,), "f8"), ((), "i4")],
+    ):
+        layout = Layout.from_spec(spec, 1)
+        back = _layout_from_json(_layout_json(layout))
+        assert (back.kind, back.describe()) == (layout.kind, layout.describe())

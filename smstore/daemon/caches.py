@@ -16,8 +16,6 @@ import secrets
 import time
 from typing import Any
 
-import numpy as np
-
 from smstore import _core
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.planner import CACHED, Planner
@@ -38,8 +36,11 @@ __all__ = ["cache_request", "cache_totals", "describe_caches", "detached"]
 
 log = logging.getLogger("smstore.daemon")
 
-# Caches at most (each a meta page and its chunks): past it, a new cache evicts idle ones or is refused.
+# Caches at most (each a meta page and its chunks): past it, a new cache evicts idle ones or gets no room.
 MAX_CACHES = 64
+# Parts of every cache at most: each holds a descriptor of the daemon's (a client asking for tiny
+# chunks must not spend them all). A client makes its chunks larger past 16,384 a cache.
+MAX_CACHE_PARTS = 1 << 17
 
 
 def token(cid: int) -> int:
@@ -78,6 +79,8 @@ def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: C
             planner.evict_idle_caches(0, caches=MAX_CACHES - 1)
             if len(_caches(segments)) >= MAX_CACHES:
                 why = f"the daemon serves {MAX_CACHES} decoded caches in use, its most"
+        if why is None and sum(s.cache is not None for s in segments.values()) >= MAX_CACHE_PARTS:
+            why = f"the daemon serves {MAX_CACHE_PARTS} parts of decoded caches, its most"
         if why is None and not planner.cache_fits(size, req.cache):
             what = (
                 "a cache's meta page" if req.chunk == META else f"chunk {req.chunk} of cache {req.cache[:12]}"
@@ -111,6 +114,8 @@ def _caches(segments: SegmentTable) -> set[str]:
 
 
 def _create(segments: SegmentTable, req: CacheRequest, size: int) -> Segment:
+    import numpy as np  # here, not at import: its thread pool would start before SCHED_BATCH is set
+
     part = "meta" if req.chunk == META else str(req.chunk)
     name = f"smstore-cache-{req.cache[:12]}-{part}-{secrets.token_hex(4)}"
     fd = _core.memfd_create(name)

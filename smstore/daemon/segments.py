@@ -15,15 +15,16 @@ import stat
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import TYPE_CHECKING, Any
 
 from smstore import _core
 from smstore.daemon.state import read_state, set_aside, state_path
 from smstore.errors import DaemonError, StoreError
 from smstore.wire.ipc import process_alive, socket_path
 from smstore.wire.protocol import CHECKSUM, CacheRequest
+
+if TYPE_CHECKING:
+    import numpy as np
 
 log = logging.getLogger("smstore.daemon")
 
