@@ -98,7 +98,35 @@ def _main(argv: list[str]) -> None:
         chunk.fields[0][r, : SIDE // 2] = 255  # half a row written, then killed
         print(f"claimed {cache._token}", flush=True)
         time.sleep(600)
+    elif mode == "scribble":  # write into a record read from the cache, through torch
+        import torch
+
+        cache = smstore.DecodedCache(ds, Decode(log), socket=sock, chunk_bytes=4096)
+        image = cache[int(argv[4])]["image"]
+        print("read", flush=True)
+        torch.from_numpy(image).add_(1)  # the view is of a read-only mapping: this faults
+        print("wrote", flush=True)
 
 
 if __name__ == "__main__":
     _main(sys.argv[1:])
+
+
+class FailingDecode(Decode):
+    """Decode, but record `fail_at` raises."""
+
+    def __init__(self, fail_at: int) -> None:
+        super().__init__()
+        self.fail_at = fail_at
+
+    def __call__(self, record: bytes) -> dict[str, Any]:
+        if index_of(record) == self.fail_at:
+            raise ValueError(f"record {self.fail_at} is bad")
+        return super().__call__(record)
+
+
+SHIFT = [0, 0, 0]  # a global list `shifted` reads: what it holds is part of the transform
+
+
+def shifted(record: bytes) -> np.ndarray[Any, Any]:
+    return np.asarray(SHIFT, dtype=np.int64) + index_of(record)

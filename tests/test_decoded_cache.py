@@ -18,12 +18,14 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
+import cache_testlib
 import numpy as np
 import pytest
 import torch
 import transform_testlib as tt
-from cache_testlib import SIDE, Decode, augment, decoded_counts
+from cache_testlib import SIDE, Decode, FailingDecode, augment, decoded_counts, shifted
 from daemon_testlib import (
     Daemon,
     as_user,
@@ -40,13 +42,14 @@ from daemon_testlib import dataset as sharded_dataset
 from torch.utils.data import DataLoader
 
 import smstore
-from smstore import _core
+from smstore import _core, daemon_request
+from smstore.daemon.caches import DESCRIPTORS_KEPT
 from smstore.daemon.metrics import render
 from smstore.errors import CollateError
 from smstore.format.manifest import read_manifest
 from smstore.loading.decoded_cache import DecodedCache, _layout_from_json, _layout_json, transform_identity
 from smstore.loading.layout import Layout
-from smstore.wire.client.session import session_for
+from smstore.wire.client.session import DaemonSession, session_for
 
 N = 300
 TESTS = Path(__file__).parent
@@ -654,3 +657,215 @@ def test_a_layout_round_trips_through_its_text() -> None:
         layout = Layout.from_spec(spec, 1)
         back = _layout_from_json(_layout_json(layout))
         assert (back.kind, back.describe()) == (layout.kind, layout.describe())
+
+
+# ---- what a review found: stale tokens, stopped claimants, identity, read-only views, room ---------------
+
+
+def test_a_replaced_connection_never_claims_with_its_old_token(
+    numbered: Path, tmp_path: Path, start_daemon: Callable[..., Daemon], claimer: Any
+) -> None:
+    """The session reconnects (a failed exchange): the daemon reset the old connection's claims, so
+    this process starts over on the new one; a record it claims after is reset if it dies too."""
+    d = start_daemon()
+    cache = DecodedCache(dataset(numbered), Decode(), socket=d.sock, chunk_bytes=CHUNK)
+    check(cache[5], 5)
+    old = cache._token
+    session_for(d.sock)._drop_connection()  # as a failed exchange does; the next ask reconnects
+    check(cache[6], 6)
+    assert cache._token not in (old, 0)
+    chunk = cache._chunks[0]
+    assert _core.claim(chunk.words, 9, cache._token) == _core.CLAIM_EMPTY  # claimed with the new token
+    session_for(d.sock).close()  # ... whose connection closes as if the process died
+    st = wait_status(d, lambda st: st["decoded_caches"][0]["resets"] == 1)
+    assert st["decoded_caches"][0]["resets"] == 1
+    assert _core.claim_state(chunk.words, 9) == _core.CLAIM_EMPTY
+
+
+def test_a_stopped_claimant_stalls_a_reader_no_longer_than_its_wait_timeout(
+    numbered: Path, tmp_path: Path, start_daemon: Callable[..., Daemon], claimer: Any
+) -> None:
+    d = start_daemon()
+    log = tmp_path / "decodes"
+    proc, _token = claimer(d, numbered, log, 33)
+    proc.send_signal(signal.SIGSTOP)  # stopped mid-write, alive: its claim stays
+    try:
+        cache = DecodedCache(
+            dataset(numbered), Decode(log), socket=d.sock, chunk_bytes=CHUNK, wait_timeout=0.3
+        )
+        check(cache[33], 33)  # decoded here, not cached
+        assert cache.counts()["waits"] == 1
+        assert cache.counts()["uncached"] == 1
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
+def test_a_record_whose_prepare_raises_is_left_unclaimed(
+    numbered: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    d = start_daemon()
+    cache = DecodedCache(dataset(numbered), FailingDecode(13), socket=d.sock, chunk_bytes=CHUNK)
+    with pytest.raises(ValueError, match="record 13 is bad"):
+        cache.__getitems__([12, 13, 14])
+    words = cache._chunks[0].words
+    assert [_core.claim_state(words, r) for r in (12, 13, 14)] == [_core.CLAIM_READY, 0, 0]
+    check(cache[14], 14)
+
+
+def test_what_the_dataset_does_to_a_record_is_part_of_the_identity(numbered: Path, tmp_path: Path) -> None:
+    none = tmp_path / "none.sock"
+    plain = DecodedCache(dataset(numbered), Decode(), socket=none, key=None)
+    cropped = DecodedCache(
+        smstore.SharedStoreDataset(numbered, decode="bytes", mode="mmap", transform=tt.ragged),
+        Decode(),
+        socket=none,
+    )
+    assert plain.identity != cropped.identity
+
+
+def test_a_global_list_the_transform_reads_is_part_of_its_identity() -> None:
+    before = transform_identity(shifted)
+    cache_testlib.SHIFT[1] = 5
+    try:
+        assert transform_identity(shifted) != before
+    finally:
+        cache_testlib.SHIFT[1] = 0
+    assert transform_identity(shifted) == before
+
+
+def test_writing_into_a_cached_record_through_torch_faults_and_changes_nothing(
+    numbered: Path, tmp_path: Path, start_daemon: Callable[..., Daemon]
+) -> None:
+    """The views are of a read-only mapping: a transform writing through torch.from_numpy kills its
+    process (SIGSEGV) rather than change every job's copy; a numpy write raises."""
+    d = start_daemon()
+    cache = DecodedCache(dataset(numbered), Decode(), socket=d.sock, chunk_bytes=CHUNK)
+    got = cache[4]
+    with pytest.raises(ValueError, match="read-only"):
+        got["image"] += 1
+    args = ["scribble", os.fspath(d.sock), os.fspath(numbered), os.fspath(tmp_path / "log"), "4"]
+    out = subprocess.run(
+        [sys.executable, os.fspath(TESTS / "cache_testlib.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stdout, out.stderr)
+    assert out.stdout.split() == ["read"]
+    check(cache[4], 4)
+    fresh = DecodedCache(dataset(numbered), Decode(), socket=d.sock, chunk_bytes=CHUNK)
+    check(fresh[4], 4)
+    assert fresh.counts()["hits"] == 1
+
+
+def test_a_cache_in_use_leaves_a_window_room_to_move_on(
+    numbered: Path, start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    """A rank holds a shard, a cache in use fills the rest of the budget: the cache keeps the room
+    of the largest held piece free, so the rank's next window (a shard as large) loads."""
+    ds = dataset(numbered)
+    shards = sharded_dataset(tmp_path, shards=4)
+    shard_pages = max(_core.shm_footprint(s.file_size) for s in read_manifest(shards).shards)
+    probe = DecodedCache(ds, Decode(), socket=tmp_path / "none.sock", chunk_bytes=CHUNK)
+    limit = 2 * shard_pages + _limit(10, probe)  # two shards and two thirds of the cache
+    d = start_daemon(args=("--shm-limit", str(limit)))
+    rank, reply = hold(d.sock, shards, [0])
+    try:
+        assert reply["ok"], reply
+        wait_status(d, lambda st: st["counts"]["held"] == 1)
+        cache = DecodedCache(ds, Decode(), socket=d.sock, chunk_bytes=CHUNK)
+        for i in range(N):
+            check(cache[i], i)
+        assert cache.counts()["uncached"] > 0  # the cache took what the holds leave, not more
+        for shard in (1, 2, 3):  # the rank moves on, window by window, beside the cache in use
+            send(rank, {"op": "hold", "manifest": os.fspath(shards), "shards": str(shard)})
+            st = wait_status(d, lambda st, k=shard: shard_resident(st, shards, k))
+            assert shard_resident(st, shards, shard), st
+            assert st["shm"]["used"] <= limit
+    finally:
+        rank.close()
+
+
+def shard_resident(st: dict[str, Any], manifest: Path, k: int) -> bool:
+    checksum = read_manifest(manifest).shards[k].checksum
+    return any(s["checksum"] == checksum for s in st["segments"])
+
+
+def test_an_idle_cache_makes_way_for_an_owners_load(
+    numbered: Path, start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    blob = tmp_path / "blob.smst"
+    smstore.pack([bytes(range(256)) * 40] * 30, blob)  # about 300 KiB
+    probe = DecodedCache(dataset(numbered), Decode(), socket=tmp_path / "none.sock", chunk_bytes=CHUNK)
+    limit = max(_limit(15, probe), _core.shm_footprint(blob.stat().st_size)) + 4096  # the cache, or the blob
+    d = start_daemon(args=("--shm-limit", str(limit)))
+    job = subprocess.run(
+        [
+            sys.executable,
+            TESTS / "cache_testlib.py",
+            "read",
+            os.fspath(d.sock),
+            os.fspath(numbered),
+            "/dev/null",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert job.returncode == 0, job.stderr
+    assert [c["held"] for c in caches(d)] == [15]  # idle
+    reply = daemon_request({"op": "load", "path": os.fspath(blob)}, d.sock, timeout=60)
+    assert reply["ok"], reply
+    st = d.status()
+    assert st["metrics"]["decoded_evictions"] > 0
+    assert st["shm"]["used"] <= limit
+
+
+def test_no_room_is_asked_about_once_a_second_not_once_a_record(
+    numbered: Path, start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    ds = dataset(numbered)
+    probe = DecodedCache(ds, Decode(), socket=tmp_path / "none.sock", chunk_bytes=CHUNK)
+    d = start_daemon(args=("--shm-limit", str(_limit(1, probe))))
+    cache = DecodedCache(ds, Decode(), socket=d.sock, chunk_bytes=CHUNK)
+    asked: list[dict[str, Any]] = []
+    ask_daemon = DaemonSession.ask
+
+    def counting(self: DaemonSession, message: dict[str, Any], timeout: float) -> Any:
+        asked.append(message)
+        return ask_daemon(self, message, timeout)
+
+    start = time.monotonic()
+    with mock.patch.object(DaemonSession, "ask", counting):
+        for _ in range(3):
+            for i in range(N):
+                check(cache[i], i)
+    seconds = time.monotonic() - start
+    assert cache.counts()["uncached"] == 3 * (N - cache.rows)
+    # The meta page and chunk 0 once; then one question about room a second at most.
+    assert len(asked) <= 3 + int(seconds / 1.0), (len(asked), seconds)
+
+
+LOW_NOFILE = """
+import resource, runpy, sys
+resource.setrlimit(resource.RLIMIT_NOFILE, ({few}, {few}))
+sys.argv = ["smstore", *sys.argv[1:]]
+runpy.run_module("smstore", run_name="__main__")
+"""
+
+
+def test_a_daemon_short_of_descriptors_serves_few_cache_parts_and_still_loads(
+    numbered: Path, start_daemon: Callable[..., Daemon], tmp_path: Path
+) -> None:
+    blob = tmp_path / "blob.smst"
+    smstore.pack([b"x" * 100] * 10, blob)
+    few = DESCRIPTORS_KEPT + 2 * 64  # the fewest parts served: 64
+    d = start_daemon(launcher=("-c", LOW_NOFILE.format(few=few)))
+    cache = DecodedCache(dataset(numbered), Decode(), socket=d.sock, chunk_bytes=64)  # a chunk a record
+    for i in range(N):
+        check(cache[i], i)
+    (entry,) = caches(d)
+    assert entry["held"] == 63  # and its meta page: 64 parts
+    assert daemon_request({"op": "load", "path": os.fspath(blob)}, d.sock, timeout=60)["ok"]

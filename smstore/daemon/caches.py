@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import mmap
 import os
+import resource
 import secrets
 import time
 from typing import Any
@@ -21,6 +22,7 @@ from smstore.daemon.connections import Conn, Server
 from smstore.daemon.planner import CACHED, Planner
 from smstore.daemon.segments import (
     COUNTER_NAMES,
+    LAYOUT_WORD,
     META,
     META_BYTES,
     RESETS,
@@ -39,13 +41,24 @@ log = logging.getLogger("smstore.daemon")
 # Caches at most (each a meta page and its chunks): past it, a new cache evicts idle ones or gets no room.
 MAX_CACHES = 64
 # Parts of every cache at most: each holds a descriptor of the daemon's (a client asking for tiny
-# chunks must not spend them all). A client makes its chunks larger past 16,384 a cache.
-MAX_CACHE_PARTS = 1 << 17
+# chunks must not spend them all): half of what the daemon may open, less a reserve for its
+# connections and blobs. A client makes its chunks larger past 4,096 a cache.
+DESCRIPTORS_KEPT = 4096
+# The claim tokens of this daemon: its connections' ids under a number of its own, so that a
+# process that kept a token of a dead predecessor never holds one of ours.
+_GENERATION = secrets.randbits(30) + 1
+
+
+def max_parts() -> int:
+    """The most parts of decoded caches the daemon serves at once (see DESCRIPTORS_KEPT)."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return max(64, (soft - DESCRIPTORS_KEPT) // 2)
 
 
 def token(cid: int) -> int:
-    """The claim token of connection `cid`'s processes (csrc/claims.hpp: positive, never reused)."""
-    return cid + 1
+    """The claim token of connection `cid`'s process (csrc/claims.hpp: positive, never reused, and
+    no other daemon's)."""
+    return (_GENERATION << 32) | (cid & 0xFFFFFFFF)
 
 
 def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: CacheRequest) -> None:
@@ -76,11 +89,11 @@ def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: C
         size = META_BYTES if req.chunk == META else req.chunk_bytes(req.chunk)
         why = None
         if req.chunk == META and len(_caches(segments)) >= MAX_CACHES:
-            planner.evict_idle_caches(0, caches=MAX_CACHES - 1)
+            planner.evict_idle_caches(caches=MAX_CACHES - 1)
             if len(_caches(segments)) >= MAX_CACHES:
                 why = f"the daemon serves {MAX_CACHES} decoded caches in use, its most"
-        if why is None and sum(s.cache is not None for s in segments.values()) >= MAX_CACHE_PARTS:
-            why = f"the daemon serves {MAX_CACHE_PARTS} parts of decoded caches, its most"
+        if why is None and sum(s.cache is not None for s in segments.values()) >= max_parts():
+            why = f"the daemon serves {max_parts()} parts of decoded caches, its most (one descriptor each)"
         if why is None and not planner.cache_fits(size, req.cache):
             what = (
                 "a cache's meta page" if req.chunk == META else f"chunk {req.chunk} of cache {req.cache[:12]}"
@@ -148,7 +161,12 @@ def detached(segments: SegmentTable, seg: Segment, cid: int) -> None:
     """Connection `cid` closed: claims its processes left on `seg`'s records (a worker killed while
     writing one) go back to empty, so the record is decoded again, never read half-written."""
     part = seg.cache
-    if part is None or part.chunk == META:
+    if part is None:
+        return
+    if part.chunk == META:  # the layout's claim word (smstore/loading/decoded_cache.py), if it was writing it
+        import numpy as np  # loaded already: by the cache's first part (see _create)
+
+        _core.claims_reset(np.frombuffer(part.mem, np.int64, 1, LAYOUT_WORD), token(cid))
         return
     reset = _core.claims_reset(part.words, token(cid))
     if reset:

@@ -287,6 +287,9 @@ class Planner:
         # queued files O(N**2).
         self.loading: dict[str, Loading] = {}
         self.loading_total = 0
+        # What the latest plan found the holds to need beside the decoded caches (`holds_reserve`).
+        self.holds_waiting = 0
+        self.held_largest = 0
 
     # ---- the budget -----------------------------------------------------------------------------
 
@@ -436,8 +439,13 @@ class Planner:
         used = self.committed()
         waiting: list[str] = []
         full = False
+        self.holds_waiting, self.held_largest = 0, 0
+        idle: list[Segment] | None = None  # the idle caches' parts, listed once if room is short
         for key, h in wanted.items():
-            if key in self.segments or self.failures.unloaded(h.label) or self.failed(h.source):
+            if key in self.segments:
+                self.held_largest = max(self.held_largest, pages(self.segments[key].size))
+                continue
+            if self.failures.unloaded(h.label) or self.failed(h.source):
                 continue
             if h.label in loading:
                 continue  # on its way, and counted above
@@ -454,6 +462,7 @@ class Planner:
                 why = self._too_large(h.label, size, h.piece)
                 self.failures.hold_failed(h.source.location, h.source.checksum, NO_IDENTITY, why)
                 continue
+            self.held_largest = max(self.held_largest, pages(size))
             coming = 0  # pages released here that are room once the loader thread removes them
             while not full and not self.fits(size, used - coming):
                 # Room for a held piece comes first: the oldest unclaimed adopted segment goes,
@@ -463,11 +472,12 @@ class Planner:
                 elif key in samplers and (spare := self._readers_only(samplers)):
                     seg = min(spare, key=lambda s: s.loaded_at)
                     self._drop_reader_holds(seg.checksum)
-                elif idle := self.idle_cache_parts():
+                elif idle or (idle is None and (idle := self.idle_cache_parts())):
                     # Then the decoded caches no process uses any more: no one maps them, so
                     # they are freed now (a chunk of a few MiB), and their room is room at once.
-                    plan.released.append(self.evict(idle[0]))
-                    used -= pages(idle[0].size)
+                    part = idle.pop(0)
+                    plan.released.append(self.evict(part))
+                    used -= pages(part.size)
                     continue
                 else:
                     break
@@ -481,6 +491,7 @@ class Planner:
                     # A reader asking for it waits for it (a piece's reader reads its file meanwhile:
                     # the room it waits for may be its own mapping of a released piece).
                     waiting.append(h.label)
+                self.holds_waiting += pages(size)  # room no decoded cache may take
                 continue
             used += pages(size)
             plan.loads.append((h, size))
@@ -509,39 +520,46 @@ class Planner:
         self._evicted(seg)  # counted, and out of the table
         return f"decoded cache {seg.cache.cache[:12]} part {seg.cache.chunk}"
 
-    def holds_need(self) -> int:
-        """Bytes the held pieces not resident nor loading still need (a cache leaves them their room)."""
-        need = 0
-        for key, h in self.wanted().items():
-            if key in self.segments or h.label in self.loading or self.failed(h.source):
-                continue
-            with contextlib.suppress(OSError):
-                size = h.source.piece_size(h.piece)
-                need += pages(size) if size is not None else 0
-        return need
+    def holds_reserve(self) -> int:
+        """Bytes a decoded cache leaves free for the holds (as the latest plan found them): what
+        their pieces waiting for room need, and the largest held piece once more, so that a window
+        can move on to one as large while the caches keep their room."""
+        return self.holds_waiting + self.held_largest
 
     def cache_fits(self, size: int, cache: str) -> bool:
-        """Whether a part of `size` bytes of cache `cache` fits: beside every load in flight and what
-        the holds still need, after evicting idle caches' parts (not `cache`'s) if that makes room."""
-        if not self.shm_limit:
-            # No budget: /dev/shm's free room bounds the caches instead (a memfd is not in it, so
-            # its pages are counted here, or every chunk would see the same room).
+        """Whether a part of `size` bytes of cache `cache` fits: beside every load in flight and the
+        room the holds keep (`holds_reserve`), after evicting idle caches' parts (not `cache`'s)
+        if that makes room."""
+        if self.shm_limit:
+            room, used = self.shm_limit - self.holds_reserve(), self.committed()
+        else:
+            # No budget: the caches take at most half of /dev/shm's free room, the rest is the
+            # blobs' (a memfd is not in /dev/shm: its pages are counted here, not in its free room).
             available, _total = _core.shm_space(os.fspath(SHM_DIR))
-            cached = sum(pages(s.size) for s in self.segments.values() if s.cache is not None)
-            return cached + pages(size) <= available
-        need = self.holds_need()
-        if self.fits(size, self.committed() + need):
+            used = sum(pages(s.size) for s in self.segments.values() if s.cache is not None)
+            room = (available + used) // 2
+        if used + pages(size) <= room:
             return True
-        self.evict_idle_caches(size + need, keep=cache)
-        return self.fits(size, self.committed() + need)
+        need = used + pages(size) - room
+        idle = self.idle_cache_parts(cache)
+        if sum(pages(s.size) for s in idle) < need:
+            return False  # evicting every idle cache would not make room: keep them
+        for seg in idle:
+            if need <= 0:
+                break
+            need -= pages(seg.size)
+            self.evict(seg)
+        return True
 
-    def evict_idle_caches(self, room: int, *, keep: str | None = None, caches: int | None = None) -> None:
-        """Evict idle caches' parts (not `keep`'s) until `room` bytes fit the budget (with `caches`:
-        until at most that many caches are served)."""
-        for seg in self.idle_cache_parts(keep):
-            served = {s.cache.cache for s in self.segments.values() if s.cache is not None}
-            if self.fits(room) and (caches is None or len(served) <= caches):
+    def evict_idle_caches(self, room: int = 0, *, caches: int | None = None) -> None:
+        """Evict idle caches' parts until `room` more bytes fit the budget beside what is committed
+        (with `caches`: until at most that many caches are served), whole caches, the oldest first."""
+        served = len({s.cache.cache for s in self.segments.values() if s.cache is not None})
+        for seg in self.idle_cache_parts():
+            if self.fits(room) and (caches is None or served <= caches):
                 return
+            assert seg.cache is not None
+            served -= seg.cache.chunk < 0  # its meta page goes last: the cache is gone
             self.evict(seg)
 
     def _readers_only(self, samplers: dict[str, Held]) -> list[Segment]:

@@ -176,6 +176,7 @@ HITS, FILLS, WAITS, UNCACHED, EVICTIONS, RESETS = range(6)
 COUNTER_NAMES = ("hits", "fills", "waits", "uncached", "evictions", "resets")
 META = -1  # the chunk number of a cache's meta page
 META_BYTES = 4096
+LAYOUT_WORD = 64  # the meta page's claim word of the layout the processes tell each other
 
 
 @dataclass

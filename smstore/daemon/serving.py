@@ -161,6 +161,8 @@ class Serving:
         label = source.label(piece)
         first = label not in self.loading
         entry = self.planner.load_started(label, size, for_hold=for_hold)
+        if first and not for_hold:
+            self.planner.evict_idle_caches()  # an owner's load: idle decoded caches make way (a plan does for holds)
         if cid is not None:
             entry.waiters.append(cid)
             self.server.set_busy(cid, True)
@@ -512,6 +514,8 @@ class Serving:
                 raise ProtocolError(
                     BAD_REQUEST, "'share' takes a sealed memfd (write, grow and shrink seals)"
                 )
+            if not self.planner.fits(st.st_size):
+                self.planner.evict_idle_caches(st.st_size)
             if not self.planner.fits(st.st_size):
                 msg = f"a shared blob of {st.st_size} bytes does not fit the daemon's --shm-limit"
                 raise ProtocolError(NO_ROOM, msg)

@@ -61,7 +61,7 @@ _HITS, _FILLS, _WAITS, _UNCACHED = range(4)  # the meta page's counters (smstore
 _COUNTS = ("hits", "fills", "waits", "uncached")
 _META = -1
 _RETRY_S = 1.0
-MAX_CHUNKS = 16384  # past it a cache's chunks grow instead (each is a mapping in every process)
+MAX_CHUNKS = 4096  # past it a cache's chunks grow instead (each is two mappings in every process)
 # The meta page (smstore/daemon/segments.py: the counters first): the layout a process learns, as
 # JSON, behind a claim word (written once, by whichever process maps the page first).
 _LAYOUT_WORD, _LAYOUT_LENGTH, _LAYOUT_AT, _META_BYTES = (
@@ -144,14 +144,8 @@ def _describe_object(obj: Any, h: Any, seen: set[int], depth: int, tag: Callable
         each(*(cell.cell_contents for cell in obj.__closure__ or () if _cell_filled(cell)))
         for name in sorted(_global_names(obj.__code__)):
             if name in obj.__globals__:
-                value = obj.__globals__[name]
                 tag("global", name)
-                if isinstance(value, (dict, list, set, bytearray)):
-                    # Mutable state the function may update as it runs (a counter, a memo): what it
-                    # holds now is no part of what the function computes. version= says otherwise.
-                    tag("mutable", type(value).__qualname__)
-                else:
-                    each(value)
+                each(obj.__globals__[name])  # a list or dict too, by what it holds now
     elif isinstance(obj, types.MethodType):
         tag("method")
         each(obj.__func__, obj.__self__)
@@ -218,7 +212,8 @@ def _data_identity(dataset: Any) -> str:
         raise TypeError(msg)
     decode = getattr(dataset, "decode", "")
     how = decode if isinstance(decode, str) else transform_identity(decode)  # a callable: by what it does
-    return f"{type(dataset).__qualname__} {checksum} {how}"
+    own = getattr(dataset, "transform", None)  # what the dataset does to a record before prepare sees it
+    return f"{type(dataset).__qualname__} {checksum} {how} {'' if own is None else transform_identity(own)}"
 
 
 # -- the cache in one process -------------------------------------------------------------------------
@@ -247,6 +242,11 @@ class DecodedCache:
             from ``prepare(dataset[0])``, which then becomes record 0's cached row).
         key: Names the data when the dataset has no checksum (it must change when the records do).
         chunk_bytes: About how many bytes a chunk holds (the unit the budget admits or evicts).
+        wait_timeout: Seconds to wait for a record another process is writing before decoding it
+            here (uncached): a process stopped mid-write (SIGSTOP, a debugger) never stalls others
+            for longer. A process that dies mid-write is noticed at once.
+        transform: The random part, applied to each output after the cache (for a DataLoader;
+            TransformLoader takes its own ``transform``).
 
     Raises:
         ValueError: An empty dataset.
@@ -264,6 +264,7 @@ class DecodedCache:
         spec: Spec | None = None,
         key: str | None = None,
         chunk_bytes: int = 4 << 20,
+        wait_timeout: float = 60.0,
     ) -> None:
         n = len(dataset)
         if n == 0:
@@ -276,6 +277,7 @@ class DecodedCache:
         self.prepare = prepare
         self.transform = transform
         self.version = version
+        self.wait_timeout = wait_timeout
         # Decided here, once: a worker started later (a forkserver's, with the environment of when
         # its server started) asks the same daemon.
         self.socket = socket_path(socket)
@@ -321,10 +323,12 @@ class DecodedCache:
         self._token = 0
         self._meta: np.ndarray[Any, Any] | None = None
         self._meta_mem: mmap.mmap | None = None
-        self._chunks: dict[int, _Chunk | float] = {}  # chunk -> its mapping, or when to ask again
+        self._chunks: dict[int, _Chunk] = {}  # the chunks this process maps
         self._pending = [0, 0, 0, 0]  # counts not yet added to the meta page
         self._off: str | None = None  # why this process reads uncached (the daemon refused or left)
         self._claims = True  # False once the daemon is gone: no one would reset a claim of ours
+        self._conn: object | None = None  # the connection its token belongs to
+        self._no_room_until = 0.0  # no part asked for before then: the daemon had no room
 
     def __getstate__(self) -> dict[str, Any]:
         keep = ("_records", "_last")
@@ -361,6 +365,11 @@ class DecodedCache:
     def __getitems__(self, indices: Sequence[int]) -> list[Any]:
         if os.getpid() != self._pid:
             self._start()  # a forked child: its own connection, token and mappings
+            self._counted = [0, 0, 0, 0]
+        elif self._conn is not None and (self._session is None or self._session.conn is not self._conn):
+            # The session's connection was replaced (a failed exchange, or a new daemon): the daemon
+            # reset the old one's claims, so its token must not claim again. Start over on the new one.
+            self._start()
         out: list[Any] = [None] * len(indices)
         waiting: list[tuple[int, int, _Chunk, int]] = []
         try:
@@ -421,28 +430,29 @@ class DecodedCache:
 
     def _uncached(self, i: int) -> Any:
         self._count(_UNCACHED)
-        out = self._decode(i)
-        # What the cache would have given: the layout's shapes and dtypes (the same bytes either way).
+        return self._as_cached(self._decode(i))
+
+    def _as_cached(self, out: Any) -> Any:
+        """What the cache would have given for `out`: the layout's shapes and dtypes, read-only."""
         rows = [np.empty((1, *f.shape), f.dtype) for f in self.layout.fields]
         self.layout.write(rows, 0, out)
+        for row in rows:
+            row.flags.writeable = False  # as a hit's: a transform that writes its input fails alike
         return self._assemble([row[0, ...] for row in rows])
 
     def _fill(self, chunk: _Chunk, i: int, r: int) -> Any:
         """Decode record `i`, claimed by this process, into row `r`, and publish it."""
         try:
-            self.layout.write(chunk.fields, r, self._decode(i))
+            value = self._decode(i)
+            self.layout.write(chunk.fields, r, value)
         except BaseException:
             _core.claim_abandon(chunk.words, r, self._token)  # another process may decode it
             raise
         if not _core.claim_publish(chunk.words, r, self._token):
-            # The daemon reset our claim (it took this process for dead): someone else may be writing
-            # the row now, so this process's copy is not published.
+            # The daemon reset our claim (it took this process's connection for closed): another
+            # process may be writing the row now, so this one's is not published, nor read back.
             self._count(_UNCACHED)
-            return (
-                self._row(chunk, r)
-                if _core.claim_state(chunk.words, r) == _core.CLAIM_READY
-                else self._uncached(i)
-            )
+            return self._as_cached(value)
         self._count(_FILLS)
         return self._row(chunk, r)
 
@@ -450,7 +460,8 @@ class DecodedCache:
         """Record `i` is being written by another process: its row once published (or decoded here,
         if that process died and the daemon gave the record back)."""
         self._count(_WAITS)
-        delay, check = 20e-6, time.monotonic() + _ALIVE_S
+        start = time.monotonic()
+        delay, check = 20e-6, start + _ALIVE_S
         while True:
             state = (
                 _core.claim(chunk.words, r, self._token)
@@ -465,6 +476,16 @@ class DecodedCache:
             if time.monotonic() >= check:
                 if self._daemon_gone():
                     return self._uncached(i)  # no one will reset a dead claimant's claim now
+                if time.monotonic() - start > self.wait_timeout:
+                    log.warning(
+                        "DecodedCache %s: record %d has been written by another process (token %d) for "
+                        "%.0f s: decoded here, not cached (is that process stopped?)",
+                        self.identity[:12],
+                        i,
+                        state,
+                        self.wait_timeout,
+                    )
+                    return self._uncached(i)
                 check = time.monotonic() + _ALIVE_S
             time.sleep(delay)
             delay = min(2 * delay, 2e-3)
@@ -485,26 +506,28 @@ class DecodedCache:
 
     def _chunk(self, k: int) -> _Chunk | None:
         got = self._chunks.get(k)
-        if isinstance(got, _Chunk):
+        if got is not None:
             return got
-        if self._off is not None or (got is not None and time.monotonic() < got):
+        if self._off is not None or time.monotonic() < self._no_room_until:
             return None
         if self._meta is None:
             meta = self._ask({"chunk": _META, **self._geometry()})
             if meta is None:
                 return None
-            self._use_meta(meta)
+            self._use_meta(meta[0])
             if self._first is not None and k != 0:
                 self._chunk(0)  # record 0, decoded to learn the layout, is its first fill
-        mem = self._ask({"chunk": k, **self._geometry()})
-        if mem is None:
-            self._chunks[k] = time.monotonic() + _RETRY_S
+        part = self._ask({"chunk": k, **self._geometry()}, read_only=True)
+        if part is None:
             return None
+        mem, view = part
         layout = self._last if k == self.chunks - 1 else self.layout
         words, fields = layout.numpy_views(np.frombuffer(mem, np.uint8), 0)
-        read_only = [f.view() for f in fields]
-        for f in read_only:
-            f.flags.writeable = False
+        # What readers get views of: a second mapping, read-only, so that a transform that writes
+        # into its input (through torch.from_numpy, say) faults instead of changing the node's copy.
+        _words, read_only = (
+            layout.numpy_views(np.frombuffer(view, np.uint8), 0) if view is not None else (None, [])
+        )
         chunk = self._chunks[k] = _Chunk(mem, words, fields, read_only)
         if k == 0 and self._first is not None:
             if _core.claim(words, 0, self._token) == _core.CLAIM_EMPTY:
@@ -530,8 +553,8 @@ class DecodedCache:
     def _tell_layout(self) -> None:
         """Write the layout into the meta page once, for the processes that learn it there."""
         mem = self._meta_mem
-        if mem is None or self.layout.seq_type is not None:
-            return  # a namedtuple's class cannot be told: those processes decode record 0
+        if mem is None or self.layout.seq_type is not None or any(f.dtype.fields for f in self.layout.fields):
+            return  # a namedtuple's class, a structured dtype's fields are not told: they decode record 0
         word = np.frombuffer(mem, np.int64, 1, _LAYOUT_WORD)
         text = _layout_json(self.layout)
         if len(text) > _META_BYTES - _LAYOUT_AT or _core.claim(word, 0, self._token) != _core.CLAIM_EMPTY:
@@ -543,13 +566,15 @@ class DecodedCache:
     def _learn(self) -> Layout | None:
         """The layout of the cache if it exists already (told by its meta page, mapped here for good),
         or None: then this process decodes record 0 to learn it."""
-        mem = self._ask({"chunk": _META, "lookup": True})
-        if mem is None:
+        got = self._ask({"chunk": _META, "lookup": True})
+        if got is None:
             return None
+        mem = got[0]
         self._use_meta(mem)
         word = np.frombuffer(mem, np.int64, 1, _LAYOUT_WORD)
+        ready = _core.claim_state(word, 0) == _core.CLAIM_READY  # acquire: then the length and text
         length = int(np.frombuffer(mem, np.uint64, 1, _LAYOUT_LENGTH)[0])
-        if _core.claim_state(word, 0) != _core.CLAIM_READY or not 0 < length <= _META_BYTES - _LAYOUT_AT:
+        if not ready or not 0 < length <= _META_BYTES - _LAYOUT_AT:
             return None  # being written this moment, or never told (a namedtuple)
         try:
             return _layout_from_json(bytes(mem[_LAYOUT_AT : _LAYOUT_AT + length]))
@@ -561,41 +586,49 @@ class DecodedCache:
             )
             return None
 
-    def _ask(self, fields: dict[str, Any]) -> mmap.mmap | None:
-        """A part of the cache mapped writable (the meta page for chunk -1), or None: no room for it,
-        not found (a lookup), or no daemon serving it (this process then reads uncached)."""
+    def _ask(
+        self, fields: dict[str, Any], *, read_only: bool = False
+    ) -> tuple[mmap.mmap, mmap.mmap | None] | None:
+        """A part of the cache mapped writable (the meta page for chunk -1), and with `read_only`
+        mapped read-only too; or None: no room for it (asked again a second later), not found (a
+        lookup), or no daemon serving it (this process then reads uncached)."""
         message = {"op": "cache", "cache": self.identity, **fields}
         try:
             if self._session is None:
                 self._session = session_for(self.socket)
             reply, fd = self._session.ask(message, 30.0)
         except DaemonError as e:
-            self._claims = False  # the daemon is gone: no one would reset a claim of this process
             self._turn_off(f"no daemon serves it ({e})")
             return None
+        conn = self._session.conn
         if fd is None:
             if not reply.get("ok"):
                 self._turn_off(f"the daemon refused it: {reply.get('message', reply.get('error'))}")
-            return None  # no room for it now, or (a lookup) no such cache yet
-        if self._token and int(reply.get("token", 0)) != self._token:
-            # The session reconnected to a new daemon: its cache is a new one, and this process
-            # keeps to the parts it maps (ready rows read, the rest decoded, nothing claimed).
-            os.close(fd)
-            self._claims = False
-            self._turn_off("the daemon restarted")
+            elif reply.get("room") is False:
+                self._no_room_until = time.monotonic() + _RETRY_S  # for every part: one question a second
             return None
         try:
+            if self._conn is not None and conn is not self._conn:
+                # The session reconnected meanwhile (a failed exchange, or a new daemon): the old
+                # connection's claims were reset; the next read starts over on this one.
+                self._start()
+                return None
             size = os.fstat(fd).st_size
             if size != reply.get("size"):
                 self._turn_off(f"the daemon sent a part of {size} bytes, not {reply.get('size')}")
                 return None
             mem = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+            view = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ) if read_only else None
+        except OSError as e:  # out of mappings (vm.max_map_count) or memory
+            self._turn_off(f"cannot map a part of it: {e}")
+            return None
         finally:
             os.close(fd)
-        self._token = int(reply["token"])
-        return mem
+        self._token, self._conn = int(reply["token"]), conn
+        return mem, view
 
     def _turn_off(self, why: str) -> None:
+        self._claims = False  # whatever the cause, no one may be there to reset a claim of ours
         if self._off is None:
             log.warning(
                 "DecodedCache %s: reading uncached in pid %d: %s", self.identity[:12], os.getpid(), why

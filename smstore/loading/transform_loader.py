@@ -379,6 +379,7 @@ class TransformLoader:
             the daemon, and the process must be its owner). Batches are byte-identical to
             uncached ones for the same seeds. docs/cache.md.
         cache_version: Declares a change of ``prepare`` its digest cannot see (a new decoder).
+        cache_key: Names the data for ``cache="node"`` when the dataset has no checksum.
         socket: The daemon's socket for ``cache="node"`` (default ``$SMSTORE_SOCKET``, then the
             per-user default).
     """
@@ -401,6 +402,7 @@ class TransformLoader:
         prepare: Callable[[Any], Any] | None = None,
         cache: str | None = None,
         cache_version: str = "",
+        cache_key: str | None = None,
         socket: str | os.PathLike[str] | None = None,
     ) -> None:
         if cache not in (None, "node"):
@@ -412,7 +414,9 @@ class TransformLoader:
                 raise ValueError(msg)
             # With no random part the batch's layout is the cache's: `spec` spares learning it from a decode.
             cache_spec = spec if transform is None else None
-            dataset = DecodedCache(dataset, prepare, version=cache_version, socket=socket, spec=cache_spec)
+            dataset = DecodedCache(
+                dataset, prepare, version=cache_version, key=cache_key, socket=socket, spec=cache_spec
+            )
         elif prepare is not None:
             transform = _Prepared(prepare, transform)
         if batch_size < 1:
