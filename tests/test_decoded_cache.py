@@ -47,6 +47,7 @@ from smstore.daemon.caches import DESCRIPTORS_KEPT
 from smstore.daemon.metrics import render
 from smstore.errors import CollateError
 from smstore.format.manifest import read_manifest
+from smstore.loading import decoded_cache
 from smstore.loading.decoded_cache import DecodedCache, _layout_from_json, _layout_json, transform_identity
 from smstore.loading.layout import Layout
 from smstore.wire.client.session import DaemonSession, session_for
@@ -869,3 +870,20 @@ def test_a_daemon_short_of_descriptors_serves_few_cache_parts_and_still_loads(
     (entry,) = caches(d)
     assert entry["held"] == 63  # and its meta page: 64 parts
     assert daemon_request({"op": "load", "path": os.fspath(blob)}, d.sock, timeout=60)["ok"]
+
+
+def test_a_process_told_no_room_still_reads_the_chunks_others_made(
+    numbered: Path, start_daemon: Callable[..., Daemon], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ds = dataset(numbered)
+    probe = DecodedCache(ds, Decode(), socket=tmp_path / "none.sock", chunk_bytes=CHUNK)
+    d = start_daemon(args=("--shm-limit", str(_limit(3, probe))))
+    monkeypatch.setattr(decoded_cache, "_RETRY_S", 3600.0)  # no new chunk asked for in this test
+    filler = DecodedCache(ds, Decode(), socket=d.sock, chunk_bytes=CHUNK)
+    for i in range(N):
+        check(filler[i], i)  # chunks 0, 1 and 2 are made; no room for the others
+    reader = DecodedCache(ds, Decode(), socket=d.sock, chunk_bytes=CHUNK)
+    check(reader[N - 1], N - 1)  # no room for its chunk: uncached, and no new chunk for an hour
+    for i in range(3 * reader.rows):
+        check(reader[i], i)  # the chunks the daemon serves are still mapped and read
+    assert reader.counts() == {"hits": 3 * reader.rows, "fills": 0, "waits": 0, "uncached": 1}

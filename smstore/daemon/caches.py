@@ -21,11 +21,13 @@ from smstore import _core
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.planner import CACHED, Planner
 from smstore.daemon.segments import (
+    CHUNK_BITS,
     COUNTER_NAMES,
     LAYOUT_WORD,
     META,
     META_BYTES,
     RESETS,
+    TOLD_CHUNKS,
     CachePart,
     Segment,
     SegmentTable,
@@ -122,6 +124,17 @@ def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: C
     server.reply(cid, reply, fd=seg.fd)
 
 
+def tell_chunk(segments: SegmentTable, part: CachePart, *, served: bool) -> None:
+    """Set (or clear) a chunk's bit in its cache's meta page: whether the daemon serves it."""
+    meta = segments.get(part.meta_key)
+    if part.chunk == META or part.chunk >= TOLD_CHUNKS or meta is None or meta.cache is None:
+        return
+    at = CHUNK_BITS + part.chunk // 8
+    bit = 1 << (part.chunk % 8)
+    mem = meta.cache.mem
+    mem[at] = mem[at] | bit if served else mem[at] & ~bit
+
+
 def _caches(segments: SegmentTable) -> set[str]:
     return {s.cache.cache for s in segments.values() if s.cache is not None}
 
@@ -146,6 +159,7 @@ def _create(segments: SegmentTable, req: CacheRequest, size: int) -> Segment:
     key = cache_key(req.cache, req.chunk)
     seg = Segment(name, key, fd, None, size, 0, [], time.time(), 0.0, mark=CACHED, cache=cache)
     segments[key] = seg
+    tell_chunk(segments, cache, served=True)
     if req.chunk == META:
         log.info(
             "new decoded cache %s: %d records, %d a chunk of %d bytes",

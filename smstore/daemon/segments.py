@@ -177,6 +177,10 @@ COUNTER_NAMES = ("hits", "fills", "waits", "uncached", "evictions", "resets")
 META = -1  # the chunk number of a cache's meta page
 META_BYTES = 4096
 LAYOUT_WORD = 64  # the meta page's claim word of the layout the processes tell each other
+# The meta page's last bytes: a bit a chunk (of the first TOLD_CHUNKS), set while the daemon serves
+# it, so that a process the daemon told "no room" still maps the chunks others made.
+CHUNK_BITS = 3584
+TOLD_CHUNKS = 8 * (META_BYTES - CHUNK_BITS)
 
 
 @dataclass

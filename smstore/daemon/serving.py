@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from smstore import _core
-from smstore.daemon.caches import detached
+from smstore.daemon.caches import detached, tell_chunk
 from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader, ManifestRead
 from smstore.daemon.metrics import Counters
@@ -136,6 +136,7 @@ class Serving:
             meta = self.segments.get(part.meta_key)
             if meta is not None and meta.cache is not None:
                 _core.counter_add(meta.cache.words, EVICTIONS, 1)
+            tell_chunk(self.segments, part, served=False)
         self.drop(seg)
 
     def _release(self, seg: Segment) -> None:

@@ -60,16 +60,12 @@ log = logging.getLogger("smstore")
 _HITS, _FILLS, _WAITS, _UNCACHED = range(4)  # the meta page's counters (smstore/daemon/segments.py)
 _COUNTS = ("hits", "fills", "waits", "uncached")
 _META = -1
-_RETRY_S = 1.0
+_RETRY_S = 1.0  # how long after "no room" a process reads uncached before it asks for a new chunk again
 MAX_CHUNKS = 4096  # past it a cache's chunks grow instead (each is two mappings in every process)
 # The meta page (smstore/daemon/segments.py: the counters first): the layout a process learns, as
-# JSON, behind a claim word (written once, by whichever process maps the page first).
-_LAYOUT_WORD, _LAYOUT_LENGTH, _LAYOUT_AT, _META_BYTES = (
-    64,
-    72,
-    128,
-    4096,
-)  # how long a chunk that found no room is read uncached before it is asked for again
+# JSON behind a claim word (written once, by whichever process maps the page first), then from
+# _CHUNK_BITS a bit a chunk, set by the daemon while it serves the chunk.
+_LAYOUT_WORD, _LAYOUT_LENGTH, _LAYOUT_AT, _CHUNK_BITS = 64, 72, 128, 3584
 _ALIVE_S = 0.25  # how often a process waiting for another's record looks whether the daemon is still there
 
 
@@ -508,8 +504,10 @@ class DecodedCache:
         got = self._chunks.get(k)
         if got is not None:
             return got
-        if self._off is not None or time.monotonic() < self._no_room_until:
+        if self._off is not None:
             return None
+        if time.monotonic() < self._no_room_until and not self._served(k):
+            return None  # the daemon had no room a moment ago: only chunks others made are asked for
         if self._meta is None:
             meta = self._ask({"chunk": _META, **self._geometry()})
             if meta is None:
@@ -535,6 +533,12 @@ class DecodedCache:
             self._first = None
         return chunk
 
+    def _served(self, k: int) -> bool:
+        """Whether the daemon serves chunk `k` already (its bit in the meta page)."""
+        mem = self._meta_mem
+        at = _CHUNK_BITS + k // 8
+        return mem is not None and at < len(mem) and bool(mem[at] & (1 << (k % 8)))
+
     def _geometry(self) -> dict[str, int]:
         return {
             "records": self._records,
@@ -557,7 +561,7 @@ class DecodedCache:
             return  # a namedtuple's class, a structured dtype's fields are not told: they decode record 0
         word = np.frombuffer(mem, np.int64, 1, _LAYOUT_WORD)
         text = _layout_json(self.layout)
-        if len(text) > _META_BYTES - _LAYOUT_AT or _core.claim(word, 0, self._token) != _core.CLAIM_EMPTY:
+        if len(text) > _CHUNK_BITS - _LAYOUT_AT or _core.claim(word, 0, self._token) != _core.CLAIM_EMPTY:
             return
         mem[_LAYOUT_AT : _LAYOUT_AT + len(text)] = text
         np.frombuffer(mem, np.uint64, 1, _LAYOUT_LENGTH)[0] = len(text)
@@ -574,7 +578,7 @@ class DecodedCache:
         word = np.frombuffer(mem, np.int64, 1, _LAYOUT_WORD)
         ready = _core.claim_state(word, 0) == _core.CLAIM_READY  # acquire: then the length and text
         length = int(np.frombuffer(mem, np.uint64, 1, _LAYOUT_LENGTH)[0])
-        if not ready or not 0 < length <= _META_BYTES - _LAYOUT_AT:
+        if not ready or not 0 < length <= _CHUNK_BITS - _LAYOUT_AT:
             return None  # being written this moment, or never told (a namedtuple)
         try:
             return _layout_from_json(bytes(mem[_LAYOUT_AT : _LAYOUT_AT + length]))
