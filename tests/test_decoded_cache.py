@@ -10,6 +10,7 @@ import functools
 import gc
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -751,6 +752,8 @@ def test_writing_into_a_cached_record_through_torch_faults_and_changes_nothing(
         text=True,
         timeout=120,
         check=False,
+        cwd=tmp_path,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)),  # no core file
     )
     assert out.returncode == -signal.SIGSEGV, (out.returncode, out.stdout, out.stderr)
     assert out.stdout.split() == ["read"]
