@@ -59,6 +59,19 @@ def augment(sample: dict[str, Any]) -> dict[str, Any]:
     return {"image": np.ascontiguousarray(image), "label": sample["label"] + random.random()}
 
 
+class Uncached:
+    """A map-style dataset of ``augment(Decode()(record))``: what a DecodedCache with that transform gives."""
+
+    def __init__(self, ds: Any) -> None:
+        self.ds = ds
+
+    def __len__(self) -> int:
+        return len(self.ds)
+
+    def __getitem__(self, i: int) -> Any:
+        return augment(Decode()(self.ds[i]))
+
+
 def decoded_counts(path: str | os.PathLike[str]) -> dict[int, int]:
     """How many times each record was decoded (the lines of the log)."""
     counts: dict[int, int] = {}

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 import transform_testlib as tt
-from cache_testlib import SIDE, Decode, FailingDecode, augment, decoded_counts, shifted
+from cache_testlib import SIDE, Decode, FailingDecode, Uncached, augment, decoded_counts, shifted
 from daemon_testlib import (
     Daemon,
     as_user,
@@ -591,17 +591,6 @@ def test_a_dataset_with_a_transform_through_the_dataloader(
         assert all(torch.equal(g[k], w[k]) for k in w)
     (entry,) = caches(d)
     assert (entry["fills"], entry["hits"]) == (N, N)
-
-
-class Uncached(torch.utils.data.Dataset[Any]):
-    def __init__(self, ds: Any) -> None:
-        self.ds = ds
-
-    def __len__(self) -> int:
-        return len(self.ds)
-
-    def __getitem__(self, i: int) -> Any:
-        return augment(Decode()(self.ds[i]))
 
 
 def test_smstore_status_says_what_each_cache_holds(
