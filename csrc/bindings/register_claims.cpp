@@ -31,6 +31,15 @@ void check_token(int64_t token) {
     if (token <= 0) throw py::value_error("a claim token is positive, not " + std::to_string(token));
 }
 
+// A binding of `f`, an operation on record `i`'s word for a claimant's `token`.
+template <typename R>
+auto on_word(R (*f)(int64_t*, int64_t) noexcept) {
+    return [f](Words words, int64_t i, int64_t token) {
+        check_token(token);
+        return f(word_at(words, i), token);
+    };
+}
+
 }  // namespace
 
 void register_claims(py::module_& m) {
@@ -40,30 +49,13 @@ void register_claims(py::module_& m) {
         "claim_state", [](Words words, int64_t i) { return claim_state(word_at(words, i)); },
         py::arg("words").noconvert(), py::arg("i"),
         "Word `i`'s state (acquire): CLAIM_EMPTY, CLAIM_READY or a claimant's token.");
-    m.def(
-        "claim",
-        [](Words words, int64_t i, int64_t token) {
-            check_token(token);
-            return claim(word_at(words, i), token);
-        },
-        py::arg("words").noconvert(), py::arg("i"), py::arg("token"),
-        "Claim record `i` for `token`: CLAIM_READY (its row is ready), CLAIM_EMPTY (the caller holds "
-        "the claim now) or the token of the process that holds it.");
-    m.def(
-        "claim_publish",
-        [](Words words, int64_t i, int64_t token) {
-            check_token(token);
-            return publish(word_at(words, i), token);
-        },
-        py::arg("words").noconvert(), py::arg("i"), py::arg("token"),
-        "Publish record `i`'s written row (release); False if the claim is no longer `token`'s.");
-    m.def(
-        "claim_abandon",
-        [](Words words, int64_t i, int64_t token) {
-            check_token(token);
-            return abandon(word_at(words, i), token);
-        },
-        py::arg("words").noconvert(), py::arg("i"), py::arg("token"), "Give up the claim on record `i` unwritten.");
+    m.def("claim", on_word(&claim), py::arg("words").noconvert(), py::arg("i"), py::arg("token"),
+          "Claim record `i` for `token`: CLAIM_READY (its row is ready), CLAIM_EMPTY (the caller holds "
+          "the claim now) or the token of the process that holds it.");
+    m.def("claim_publish", on_word(&publish), py::arg("words").noconvert(), py::arg("i"), py::arg("token"),
+          "Publish record `i`'s written row (release); False if the claim is no longer `token`'s.");
+    m.def("claim_abandon", on_word(&abandon), py::arg("words").noconvert(), py::arg("i"), py::arg("token"),
+          "Give up the claim on record `i` unwritten.");
     m.def(
         "claims_reset",
         [](Words words, int64_t token) {
