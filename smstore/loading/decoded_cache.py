@@ -376,11 +376,7 @@ class DecodedCache:
                 if chunk is None:
                     out[j] = self._uncached(i)
                     continue
-                state = (
-                    _core.claim(chunk.words, r, self._token)
-                    if self._claims
-                    else _core.claim_state(chunk.words, r)
-                )
+                state = self._look(chunk, r)
                 if state == _core.CLAIM_READY:
                     out[j] = self._row(chunk, r)
                     self._count(_HITS)
@@ -408,15 +404,11 @@ class DecodedCache:
         return i
 
     def _row(self, chunk: _Chunk, r: int) -> Any:
-        return self._assemble([f[r, ...] for f in chunk.read_only])
+        return self.layout.sample([f[r, ...] for f in chunk.read_only])
 
-    def _assemble(self, values: list[np.ndarray[Any, Any]]) -> Any:
-        layout = self.layout
-        if layout.kind == "single":
-            return values[0]
-        if layout.kind == "dict":
-            return {f.key: v for f, v in zip(layout.fields, values, strict=True)}
-        return layout.seq_type(*values) if layout.seq_type is not None else tuple(values)
+    def _look(self, chunk: _Chunk, r: int) -> int:
+        """Record `r`'s word: claimed for this process if it was empty (while this process may claim)."""
+        return _core.claim(chunk.words, r, self._token) if self._claims else _core.claim_state(chunk.words, r)
 
     def _decode(self, i: int) -> Any:
         if i == 0 and self._first is not None:
@@ -434,7 +426,7 @@ class DecodedCache:
         self.layout.write(rows, 0, out)
         for row in rows:
             row.flags.writeable = False  # as a hit's: a transform that writes its input fails alike
-        return self._assemble([row[0, ...] for row in rows])
+        return self.layout.sample([row[0, ...] for row in rows])
 
     def _fill(self, chunk: _Chunk, i: int, r: int) -> Any:
         """Decode record `i`, claimed by this process, into row `r`, and publish it."""
@@ -459,11 +451,7 @@ class DecodedCache:
         start = time.monotonic()
         delay, check = 20e-6, start + _ALIVE_S
         while True:
-            state = (
-                _core.claim(chunk.words, r, self._token)
-                if self._claims
-                else _core.claim_state(chunk.words, r)
-            )
+            state = self._look(chunk, r)
             if state == _core.CLAIM_READY:
                 self._count(_HITS)
                 return self._row(chunk, r)
@@ -519,13 +507,12 @@ class DecodedCache:
         if part is None:
             return None
         mem, view = part
+        assert view is not None
         layout = self._last if k == self.chunks - 1 else self.layout
         words, fields = layout.numpy_views(np.frombuffer(mem, np.uint8), 0)
         # What readers get views of: a second mapping, read-only, so that a transform that writes
         # into its input (through torch.from_numpy, say) faults instead of changing the node's copy.
-        _words, read_only = (
-            layout.numpy_views(np.frombuffer(view, np.uint8), 0) if view is not None else (None, [])
-        )
+        _words, read_only = layout.numpy_views(np.frombuffer(view, np.uint8), 0)
         chunk = self._chunks[k] = _Chunk(mem, words, fields, read_only)
         if k == 0 and self._first is not None:
             if _core.claim(words, 0, self._token) == _core.CLAIM_EMPTY:

@@ -204,6 +204,15 @@ class Layout:
         base = slot * self.slot_bytes
         return [_typed_view(buffer, base + f.offset, f, self.batch_size) for f in self.fields]
 
+    def sample(self, values: list[Any]) -> Any:
+        """One record's output from its field values, in the structure it came in: an array, a dict,
+        a tuple (or namedtuple)."""
+        if self.kind == "single":
+            return values[0]
+        if self.kind == "dict":
+            return {f.key: v for f, v in zip(self.fields, values, strict=True)}
+        return self.seq_type(*values) if self.seq_type is not None else tuple(values)
+
     def assemble(self, tensors: list[torch.Tensor]) -> Any:
         """The batch as default_collate builds it: a tensor, a dict of them, or a list (or namedtuple)."""
         if self.kind == "single":
