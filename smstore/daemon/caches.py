@@ -26,6 +26,7 @@ from smstore.daemon.segments import (
     LAYOUT_WORD,
     META,
     META_BYTES,
+    METRIC_COUNTERS,
     RESETS,
     TOLD_CHUNKS,
     CachePart,
@@ -91,10 +92,10 @@ def cache_request(server: Server, planner: Planner, cid: int, conn: Conn, req: C
         size = META_BYTES if req.chunk == META else req.chunk_bytes(req.chunk)
         why = None
         if req.chunk == META and len(_caches(segments)) >= MAX_CACHES:
-            planner.evict_idle_caches(caches=MAX_CACHES - 1)
+            planner.evict_oldest_idle_cache()
             if len(_caches(segments)) >= MAX_CACHES:
                 why = f"the daemon serves {MAX_CACHES} decoded caches in use, its most"
-        if why is None and sum(s.cache is not None for s in segments.values()) >= max_parts():
+        if why is None and segments.cache_parts >= max_parts():
             why = f"the daemon serves {max_parts()} parts of decoded caches, its most (one descriptor each)"
         if why is None and not planner.cache_fits(size, req.cache):
             what = (
@@ -152,10 +153,13 @@ def _create(segments: SegmentTable, req: CacheRequest, size: int) -> Segment:
         os.close(fd)
         raise
     if req.chunk == META:
-        words = np.frombuffer(mem, np.uint64, len(COUNTER_NAMES))
+        claims = np.frombuffer(mem, np.int64, 1, LAYOUT_WORD)
+        counters = np.frombuffer(mem, np.uint64, len(COUNTER_NAMES))
+        cache = CachePart(req._replace(chunk=META), req.chunk, mem, claims, counters)
     else:
-        words = np.frombuffer(mem, np.int64, req.chunk_rows(req.chunk))
-    cache = CachePart(req._replace(chunk=META), req.chunk, mem, words)
+        cache = CachePart(
+            req._replace(chunk=META), req.chunk, mem, np.frombuffer(mem, np.int64, req.chunk_rows(req.chunk))
+        )
     key = cache_key(req.cache, req.chunk)
     seg = Segment(name, key, fd, None, size, 0, [], time.time(), 0.0, mark=CACHED, cache=cache)
     segments[key] = seg
@@ -177,19 +181,14 @@ def detached(segments: SegmentTable, seg: Segment, cid: int) -> None:
     part = seg.cache
     if part is None:
         return
-    if part.chunk == META:  # the layout's claim word (smstore/loading/decoded_cache.py), if it was writing it
-        import numpy as np  # loaded already: by the cache's first part (see _create)
-
-        _core.claims_reset(np.frombuffer(part.mem, np.int64, 1, LAYOUT_WORD), token(cid))
-        return
-    reset = _core.claims_reset(part.words, token(cid))
-    if reset:
+    reset = _core.claims_reset(part.claims, token(cid))  # a meta page's: the layout it was telling
+    if reset and part.chunk != META:
         log.info(
             "cache %s chunk %d: %d claim(s) of a closed connection reset", part.cache[:12], part.chunk, reset
         )
         meta = segments.get(part.meta_key)
-        if meta is not None and meta.cache is not None:
-            _core.counter_add(meta.cache.words, RESETS, reset)
+        if meta is not None and meta.cache is not None and meta.cache.counters is not None:
+            _core.counter_add(meta.cache.counters, RESETS, reset)
 
 
 def describe_caches(segments: SegmentTable, limit: int) -> list[dict[str, Any]]:
@@ -216,24 +215,22 @@ def describe_caches(segments: SegmentTable, limit: int) -> list[dict[str, Any]]:
             }
         entry["bytes"] += pages(seg.size)
         if part.chunk == META:
-            entry.update({name: int(v) for name, v in zip(COUNTER_NAMES, part.words, strict=True)})
+            entry.update(part.counts())
             entry["clients"] = sorted(set(seg.clients.values()))
         else:
             entry["held"] += 1
-            entry["ready"] += _core.claims_ready(part.words)
+            entry["ready"] += _core.claims_ready(part.claims)
     return list(out.values())
 
 
 def cache_totals(segments: SegmentTable) -> dict[str, int]:
-    """The counters of every cache served now, summed, and the bytes of their parts (for the metrics)."""
-    totals = dict.fromkeys(COUNTER_NAMES, 0)
-    totals["bytes"] = 0
+    """The metrics' counters (METRIC_COUNTERS) summed over the caches served now, and the bytes of
+    their parts."""
+    totals = dict.fromkeys(METRIC_COUNTERS, 0)
     for seg in segments.values():
-        part = seg.cache
-        if part is None:
-            continue
-        totals["bytes"] += pages(seg.size)
-        if part.chunk == META:
-            for name, value in zip(COUNTER_NAMES, part.words, strict=True):
-                totals[name] += int(value)
+        if seg.cache is not None:
+            for name, value in seg.cache.counts().items():
+                if name in totals:
+                    totals[name] += value
+    totals["bytes"] = segments.cache_pages
     return totals

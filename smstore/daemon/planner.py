@@ -536,14 +536,24 @@ class Planner:
             # No budget: the caches take at most half of /dev/shm's free room, the rest is the
             # blobs' (a memfd is not in /dev/shm: its pages are counted here, not in its free room).
             available, _total = _core.shm_space(os.fspath(SHM_DIR))
-            used = sum(pages(s.size) for s in self.segments.values() if s.cache is not None)
+            used = self.segments.cache_pages
             room = (available + used) // 2
-        if used + pages(size) <= room:
+        return self.evict_idle(used + pages(size) - room, keep=cache)
+
+    def make_room(self, size: int) -> None:
+        """Evict idle caches if `size` more bytes fit the budget only without them (an owner's load
+        or share: a plan makes room for the holds itself)."""
+        if self.shm_limit:
+            self.evict_idle(self.committed() + pages(size) - self.shm_limit)
+
+    def evict_idle(self, need: int, *, keep: str | None = None) -> bool:
+        """Free `need` bytes by evicting idle caches' parts (not `keep`'s), the oldest cache first;
+        none if evicting them all would not free that much. Whether `need` bytes are free now."""
+        if need <= 0:
             return True
-        need = used + pages(size) - room
-        idle = self.idle_cache_parts(cache)
+        idle = self.idle_cache_parts(keep)
         if sum(pages(s.size) for s in idle) < need:
-            return False  # evicting every idle cache would not make room: keep them
+            return False  # keep them: evicting them would not make the room
         for seg in idle:
             if need <= 0:
                 break
@@ -551,16 +561,13 @@ class Planner:
             self.evict(seg)
         return True
 
-    def evict_idle_caches(self, room: int = 0, *, caches: int | None = None) -> None:
-        """Evict idle caches' parts until `room` more bytes fit the budget beside what is committed
-        (with `caches`: until at most that many caches are served), whole caches, the oldest first."""
-        served = len({s.cache.cache for s in self.segments.values() if s.cache is not None})
-        for seg in self.idle_cache_parts():
-            if self.fits(room) and (caches is None or served <= caches):
-                return
-            assert seg.cache is not None
-            served -= seg.cache.chunk < 0  # its meta page goes last: the cache is gone
-            self.evict(seg)
+    def evict_oldest_idle_cache(self) -> None:
+        """Evict the oldest idle cache whole (the daemon serves as many caches as it may)."""
+        parts = self.idle_cache_parts()  # the oldest cache's first
+        oldest = {seg.cache.cache for seg in parts[:1] if seg.cache is not None}
+        for seg in parts:
+            if seg.cache is not None and seg.cache.cache in oldest:
+                self.evict(seg)
 
     def _readers_only(self, samplers: dict[str, Held]) -> list[Segment]:
         """The resident segments that only readers hold for themselves (no sampler holds them)."""

@@ -169,11 +169,12 @@ def daemon_alive(uid: int, pid: int, start_time: int) -> bool:
     return process_alive(pid, start_time) or DaemonLock.held(uid, pid, start_time)
 
 
-# The counters of a decoded cache's meta page (uint64 words, `CachePart.words` of chunk META):
-# the workers add hits, fills, waits and uncached reads; the daemon adds evictions and the claims
-# of dead workers it reset.
+# The counters of a decoded cache's meta page (uint64 words, `CachePart.counters`): the workers
+# add hits, fills, waits and uncached reads; the daemon adds evictions and the claims of dead
+# workers it reset. The metrics count the first three over the caches, evicted ones included.
 HITS, FILLS, WAITS, UNCACHED, EVICTIONS, RESETS = range(6)
 COUNTER_NAMES = ("hits", "fills", "waits", "uncached", "evictions", "resets")
+METRIC_COUNTERS = ("hits", "fills", "uncached")
 META = -1  # the chunk number of a cache's meta page
 META_BYTES = 4096
 LAYOUT_WORD = 64  # the meta page's claim word of the layout the processes tell each other
@@ -193,7 +194,9 @@ class CachePart:
     request: CacheRequest  # the cache's identity and geometry, as its meta page was asked for
     chunk: int
     mem: mmap.mmap
-    words: np.ndarray[Any, Any]  # int64 claim words (a chunk), uint64 counters (the meta page)
+    # Its int64 claim words: a chunk's records', or the meta page's one of the layout.
+    claims: np.ndarray[Any, Any]
+    counters: np.ndarray[Any, Any] | None = None  # the meta page's (uint64, COUNTER_NAMES)
 
     @property
     def cache(self) -> str:
@@ -204,8 +207,14 @@ class CachePart:
     def meta_key(self) -> str:
         return cache_key(self.cache, META)
 
+    def counts(self) -> dict[str, int]:
+        """A meta page's counters by name (a chunk has none)."""
+        if self.counters is None:
+            return {}
+        return {name: int(value) for name, value in zip(COUNTER_NAMES, self.counters, strict=True)}
+
     def close(self) -> None:
-        del self.words
+        del self.claims, self.counters
         self.mem.close()
 
 
@@ -285,6 +294,8 @@ class SegmentTable(dict[str, Segment]):
         super().__init__()
         self.size = 0  # bytes of the segments
         self.pages = 0  # ... in whole pages, as /dev/shm counts them
+        self.cache_parts = 0  # of them, parts of decoded caches
+        self.cache_pages = 0  # ... and their pages
         self._by_path: dict[str, str] = {}
 
     def __setitem__(self, checksum: str, seg: Segment) -> None:
@@ -292,6 +303,9 @@ class SegmentTable(dict[str, Segment]):
         super().__setitem__(checksum, seg)
         self.size += seg.size
         self.pages += pages(seg.size)
+        if seg.cache is not None:
+            self.cache_parts += 1
+            self.cache_pages += pages(seg.size)
         for path in seg.paths:
             self._by_path[path] = checksum
 
@@ -301,6 +315,9 @@ class SegmentTable(dict[str, Segment]):
             return default
         self.size -= seg.size
         self.pages -= pages(seg.size)
+        if seg.cache is not None:
+            self.cache_parts -= 1
+            self.cache_pages -= pages(seg.size)
         for path in seg.paths:
             if self._by_path.get(path) == checksum:
                 del self._by_path[path]

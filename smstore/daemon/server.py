@@ -23,6 +23,7 @@ from smstore.daemon.loader import ManifestRead
 from smstore.daemon.metrics import Exporter
 from smstore.daemon.planner import FETCH_BACKOFF, MANAGED, UNCLAIMED, check_url
 from smstore.daemon.segments import (
+    METRIC_COUNTERS,
     SHM_DIR,
     DaemonLock,
     SegmentTable,
@@ -548,7 +549,7 @@ def metric_values(daemon: Daemon, shm: tuple[int, int] | None = None) -> dict[st
     remote = daemon.serving.loader.remote_values()
     counted = daemon.serving.counters.values()
     decoded = cache_totals(daemon.segments)  # the caches served now; those evicted are counted
-    for name in ("hits", "fills", "uncached"):
+    for name in METRIC_COUNTERS:
         counted[f"decoded_{name}"] += decoded[name]
     return {
         "segments": len(daemon.segments),

@@ -16,7 +16,7 @@ from smstore.daemon.connections import Conn, Server
 from smstore.daemon.loader import AlreadyLoaded, Failed, Indexed, Loaded, Loader, ManifestRead
 from smstore.daemon.metrics import Counters
 from smstore.daemon.planner import FETCH_BACKOFF, MAX_MANIFESTS, Loading, ManifestPending, Planner
-from smstore.daemon.segments import COUNTER_NAMES, EVICTIONS, META, Segment, SegmentTable, unlink_quietly
+from smstore.daemon.segments import EVICTIONS, META, METRIC_COUNTERS, Segment, SegmentTable, unlink_quietly
 from smstore.daemon.sources import Source
 from smstore.daemon.state import StateFile
 from smstore.errors import DaemonError, StoreError
@@ -128,14 +128,14 @@ class Serving:
         assert part is not None
         self.counters.add("decoded_evictions")
         if part.chunk == META:
-            for name, value in zip(COUNTER_NAMES, part.words, strict=True):
-                if name in ("hits", "fills", "uncached"):
-                    self.counters.add(f"decoded_{name}", int(value))
+            for name, value in part.counts().items():
+                if name in METRIC_COUNTERS:
+                    self.counters.add(f"decoded_{name}", value)
             log.info("evicted the idle decoded cache %s", part.cache[:12])
         else:
             meta = self.segments.get(part.meta_key)
-            if meta is not None and meta.cache is not None:
-                _core.counter_add(meta.cache.words, EVICTIONS, 1)
+            if meta is not None and meta.cache is not None and meta.cache.counters is not None:
+                _core.counter_add(meta.cache.counters, EVICTIONS, 1)
             tell_chunk(self.segments, part, served=False)
         self.drop(seg)
 
@@ -163,7 +163,7 @@ class Serving:
         first = label not in self.loading
         entry = self.planner.load_started(label, size, for_hold=for_hold)
         if first and not for_hold:
-            self.planner.evict_idle_caches()  # an owner's load: idle decoded caches make way (a plan does for holds)
+            self.planner.make_room(0)  # its pages are committed now: idle decoded caches make way
         if cid is not None:
             entry.waiters.append(cid)
             self.server.set_busy(cid, True)
@@ -515,8 +515,7 @@ class Serving:
                 raise ProtocolError(
                     BAD_REQUEST, "'share' takes a sealed memfd (write, grow and shrink seals)"
                 )
-            if not self.planner.fits(st.st_size):
-                self.planner.evict_idle_caches(st.st_size)
+            self.planner.make_room(st.st_size)
             if not self.planner.fits(st.st_size):
                 msg = f"a shared blob of {st.st_size} bytes does not fit the daemon's --shm-limit"
                 raise ProtocolError(NO_ROOM, msg)
