@@ -81,6 +81,23 @@ def caches(d: Daemon) -> list[dict[str, Any]]:
     return list(d.status()["decoded_caches"])
 
 
+def read_job(d: Daemon, numbered: Path, log: Path | str, scale: int = 3) -> subprocess.Popen[str]:
+    """A job of its own (cache_testlib's `read`): every record through a DecodedCache, checked; its
+    counts come on its stdout as JSON."""
+    args = ["read", os.fspath(d.sock), os.fspath(numbered), os.fspath(log), str(scale)]
+    return subprocess.Popen(
+        [sys.executable, TESTS / "cache_testlib.py", *args], stdout=subprocess.PIPE, text=True
+    )
+
+
+def finished(job: subprocess.Popen[str]) -> dict[str, int]:
+    """A read job's counts, once it ended well."""
+    out, _err = job.communicate(timeout=120)
+    assert job.returncode == 0
+    counts: dict[str, int] = json.loads(out)
+    return counts
+
+
 def batches(loader: smstore.TransformLoader) -> list[dict[str, torch.Tensor]]:
     return [{k: v.clone() for k, v in b.items()} for b in loader]
 
@@ -166,15 +183,8 @@ def test_two_jobs_share_one_cache_and_another_transform_is_another_cache(
     d = start_daemon()
     log = tmp_path / "decodes"
 
-    def job(scale: int) -> subprocess.Popen[str]:
-        args = ["read", os.fspath(d.sock), os.fspath(numbered), os.fspath(log), str(scale)]
-        return subprocess.Popen(
-            [sys.executable, TESTS / "cache_testlib.py", *args], stdout=subprocess.PIPE, text=True
-        )
-
-    jobs = [job(3), job(3)]
-    counts = [json.loads(p.communicate(timeout=120)[0]) for p in jobs]
-    assert [p.returncode for p in jobs] == [0, 0]
+    jobs = [read_job(d, numbered, log), read_job(d, numbered, log)]
+    counts = [finished(job) for job in jobs]
     assert sum(c["fills"] for c in counts) == N
     assert sum(c["hits"] for c in counts) >= N
     decoded = decoded_counts(log)
@@ -183,9 +193,7 @@ def test_two_jobs_share_one_cache_and_another_transform_is_another_cache(
     assert decoded == dict.fromkeys(range(1, N), 1)
     assert caches(d)[0]["fills"] == N
 
-    other = job(5)
-    assert json.loads(other.communicate(timeout=120)[0])["fills"] == N  # a miss for every record
-    assert other.returncode == 0
+    assert finished(read_job(d, numbered, log, scale=5))["fills"] == N  # a miss for every record
     assert sorted(c["fills"] for c in caches(d)) == [N, N]
 
 
@@ -346,21 +354,7 @@ def test_an_idle_cache_is_evicted_for_another_cache_and_for_a_hold(
     limit = _limit(15, probe) + shard_pages // 2  # one whole cache, or half of one and a shard
     d = start_daemon(args=("--shm-limit", str(limit)))
     log = tmp_path / "decodes"
-    first = subprocess.run(
-        [
-            sys.executable,
-            TESTS / "cache_testlib.py",
-            "read",
-            os.fspath(d.sock),
-            os.fspath(numbered),
-            os.fspath(log),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert first.returncode == 0, first.stderr
+    finished(read_job(d, numbered, log))
     assert [c["held"] for c in caches(d)] == [15]  # the whole cache, idle now (its job ended)
     other = DecodedCache(ds, Decode(None, 5), socket=d.sock, chunk_bytes=CHUNK)
     for i in range(N):
@@ -793,21 +787,7 @@ def test_an_idle_cache_makes_way_for_an_owners_load(
     probe = DecodedCache(dataset(numbered), Decode(), socket=tmp_path / "none.sock", chunk_bytes=CHUNK)
     limit = max(_limit(15, probe), _core.shm_footprint(blob.stat().st_size)) + 4096  # the cache, or the blob
     d = start_daemon(args=("--shm-limit", str(limit)))
-    job = subprocess.run(
-        [
-            sys.executable,
-            TESTS / "cache_testlib.py",
-            "read",
-            os.fspath(d.sock),
-            os.fspath(numbered),
-            "/dev/null",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    assert job.returncode == 0, job.stderr
+    finished(read_job(d, numbered, "/dev/null"))
     assert [c["held"] for c in caches(d)] == [15]  # idle
     reply = daemon_request({"op": "load", "path": os.fspath(blob)}, d.sock, timeout=60)
     assert reply["ok"], reply
